@@ -1,0 +1,121 @@
+"""equiv.bench_report: a small --benchmark-json fixture renders a deterministic report."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from equiv.bench_report import load_benchmarks, main, render_report
+
+MIB, KIB = 2**20, 2**10
+BATCH = 32
+STATIC, PER_SAMPLE, STEP_PEAK = 1 * MIB, 64 * KIB, int(1.5 * MIB)
+T_FIXED, T_SAMPLE = 0.001, 0.00001
+
+
+def _bench(n: int, implementation: str, *, seconds: float, fwd_bwd: int) -> dict[str, Any]:
+    sizes = [len(chunk) for chunk in _chunks(BATCH, n)]
+    return {
+        "name": f"test_step[toy-N{n}-{implementation}]",
+        "extra_info": {
+            "workload": "toy",
+            "implementation": implementation,
+            "n_micro_batches": n,
+            "micro_batch_size": max(sizes),
+            "micro_batch_sizes": sizes,
+            "global_batch_size": BATCH,
+            "device": "cpu",
+            "dtype": "float32",
+            "threads": 2,
+            "quick": True,
+            "torch_version": "2.13.0",
+            "parameters": 1234,
+            "description": "a toy",
+            "memory_method": "storage-counter",
+            "baseline_bytes": STATIC // 2,
+            "forward_backward_peak_bytes": fwd_bwd,
+            "optimizer_step_peak_bytes": STEP_PEAK,
+            "peak_bytes": max(fwd_bwd, STEP_PEAK),
+        },
+        "stats": {"median": seconds, "q1": seconds * 0.9, "q3": seconds * 1.1, "rounds": 3},
+    }
+
+
+def _chunks(total: int, n: int) -> list[range]:
+    base, extra = divmod(total, n)
+    return [range(base + (i < extra)) for i in range(n)]
+
+
+def _fixture() -> dict[str, Any]:
+    benchmarks = []
+    for n in (1, 2, 3, 4, 8):
+        m = -(-BATCH // n)
+        fwd_bwd = STATIC + PER_SAMPLE * m - (KIB if n == 1 else 0)  # N=1: no gradient temporary
+        seconds = n * T_FIXED + BATCH * T_SAMPLE
+        benchmarks.append(_bench(n, "native", seconds=seconds, fwd_bwd=fwd_bwd))
+        benchmarks.append(_bench(n, "accumulator", seconds=seconds * 1.02, fwd_bwd=fwd_bwd))
+    benchmarks.append(_bench(1, "checkpoint", seconds=0.002, fwd_bwd=STATIC + PER_SAMPLE * 8))
+    benchmarks.append(
+        {
+            "name": "test_accumulator_overhead[toy]",
+            "extra_info": {
+                "workload": "toy",
+                "implementation": "paired",
+                "n_micro_batches": 8,
+                "overhead_ratio": 1.0125,
+                "overhead_ratio_q1": 1.0,
+                "overhead_ratio_q3": 1.03,
+                "pairs": 8,
+            },
+            "stats": {"median": 0.01, "q1": 0.01, "q3": 0.01, "rounds": 8},
+        }
+    )
+    benchmarks.append({"name": "test_unrelated", "extra_info": {}, "stats": {"median": 1.0}})
+    return {
+        "datetime": "2026-01-01T00:00:00.000000",
+        "machine_info": {"cpu": {"brand_raw": "Test CPU", "count": 2}},
+        "benchmarks": benchmarks,
+    }
+
+
+def test_rows_are_sorted_whatever_the_json_order() -> None:
+    raw = _fixture()
+    shuffled = {**raw, "benchmarks": random.Random(0).sample(raw["benchmarks"], len(raw["benchmarks"]))}
+    assert render_report(shuffled) == render_report(raw)
+    steps, paired = load_benchmarks(raw)
+    assert list(steps["implementation"][:3]) == ["native", "accumulator", "checkpoint"]
+    assert len(steps) == 11 and len(paired) == 1  # the unrelated benchmark is left out
+
+
+def test_report_has_table_fit_and_chart() -> None:
+    report = render_report(_fixture())
+    # Table rows: uneven split spelled out, memory in MiB at fixed precision, ratio to native.
+    assert "| 3   | 11+11+10      | accumulator      | 1.688" in report
+    assert "1.020" in report  # accumulator / native time ratio
+    # The fit recovers the synthetic terms (memory on N >= 2, time on every N).
+    assert "**1.000 MiB + 64.00 KiB x micro-batch**" in report
+    assert "optimizer-step peak **1.500 MiB**" in report
+    assert "**N x 1.02 ms + B x 10.2 us**" in report
+    # Leave-one-out on exact lines: no error, except N=1, predicted without its missing temporary.
+    assert "| 4            | 1.500                  | 1.500       | +0.0%" in report
+    assert "| 1            | 2.999" in report
+    assert "**1.012x** the native loop's step time" in report
+    assert "```mermaid\nxychart-beta" in report
+    assert 'x-axis ["N=1", "N=2", "N=3", "N=4", "N=8"]' in report
+
+
+def test_main_writes_the_markdown(tmp_path: Path) -> None:
+    source = tmp_path / "benchmarks.json"
+    source.write_text(json.dumps(_fixture()))
+    out = tmp_path / "reports" / "benchmarks.md"
+    assert main(["--json", str(source), "--out", str(out)]) == 0
+    assert out.read_text() == render_report(_fixture())
+
+
+def test_json_without_equiv_benchmarks_is_refused() -> None:
+    with pytest.raises(ValueError, match="holds no equiv step benchmarks"):
+        render_report({"benchmarks": []})

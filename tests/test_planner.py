@@ -1,0 +1,163 @@
+"""equiv.planner: the three step implementations agree; plan() recommends an N that fits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from equiv.planner import (
+    WORKLOADS,
+    BlockNet,
+    build_workload_model,
+    make_train_step,
+    parse_bytes,
+    plan,
+    register_cli,
+    split_batch,
+)
+
+MIB = 2**20
+
+
+def _tiny_model() -> BlockNet:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 64), nn.Tanh()), nn.Sequential(nn.Linear(64, 64), nn.Tanh())]
+    return BlockNet(nn.Identity(), blocks, nn.Linear(64, 5))
+
+
+def _tiny_batch(size: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(size, 32, generator=generator), torch.randint(0, 5, (size,), generator=generator)
+
+
+def _ce_sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, target, reduction="sum")
+
+
+def test_split_batch_is_as_even_as_possible() -> None:
+    pieces = split_batch(_tiny_batch(64), 3)
+    assert [len(x) for x, _ in pieces] == [22, 21, 21]
+    assert torch.equal(torch.cat([y for _, y in pieces]), _tiny_batch(64)[1])
+
+
+@pytest.mark.parametrize("n", [0, 25], ids=["zero", "more-than-samples"])
+def test_split_batch_refuses_impossible_n(n: int) -> None:
+    with pytest.raises(ValueError, match=rf"n_micro_batches must be in 1..24 \(the batch size\), got {n}"):
+        split_batch(_tiny_batch(), n)
+
+
+def test_benchmarked_implementations_take_the_same_step() -> None:
+    """The benchmark compares like with like: all three do the full-batch update."""
+    batch = _tiny_batch()
+    updated = {}
+    for implementation, n in [("native", 1), ("native", 5), ("accumulator", 5), ("checkpoint", 1)]:
+        model = _tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        make_train_step(implementation, model, optimizer, split_batch(batch, n), _ce_sum, lambda t: t.shape[0])()
+        updated[(implementation, n)] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        assert all(p.grad is None for p in model.parameters()), "a step must leave no gradient behind"
+    reference = updated[("native", 1)]
+    for key, params in updated.items():
+        torch.testing.assert_close(params, reference, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_checkpoint_needs_a_block_net() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs a BlockNet to checkpoint, got Linear"):
+        make_train_step("checkpoint", model, torch.optim.SGD(model.parameters(), lr=0.1), [], _ce_sum, len)
+
+
+def test_workloads_build_and_run_forward() -> None:
+    for name, workload in WORKLOADS.items():
+        model = build_workload_model(workload)
+        inputs, targets = workload.make_batch(2, torch.Generator().manual_seed(0))
+        loss = workload.loss_sum(model(inputs), targets)
+        assert loss.dim() == 0 and torch.isfinite(loss), name
+
+
+def test_plan_recommends_a_measured_n_within_budget() -> None:
+    budget = 3 * MIB
+    result = plan(_tiny_model(), _tiny_batch(), global_batch_size=48, memory_budget_bytes=budget, repeats=1)
+    row = result.recommended
+    assert row is not None and result.recommended_n in result.measured_n
+    assert row.measured_peak_bytes is not None and row.measured_peak_bytes <= budget
+    # The smallest micro-batches are probed first: nothing larger ran before them.
+    assert result.measured_n[:3] == [48, 32, 16]
+    # Every N with a larger micro-batch than the recommended one is predicted (or measured) not to fit,
+    # or is slower by the plan's own figures: the recommendation is the fastest that fits.
+    rates = {r.n_micro_batches: r.measured_samples_per_s or r.predicted_samples_per_s for r in result.rows}
+    assert all(not r.fits or rates[r.n_micro_batches] <= rates[row.n_micro_batches] for r in result.rows)
+
+
+def test_plan_says_when_nothing_fits() -> None:
+    with pytest.raises(ValueError, match=r"no N fits: even N=48 \(micro-batch 1\) peaks at \d+ bytes > budget 1000"):
+        plan(_tiny_model(), _tiny_batch(), global_batch_size=48, memory_budget_bytes=1000, repeats=0)
+
+
+def test_plan_leaves_the_callers_weights_alone() -> None:
+    model = _tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    plan(model, _tiny_batch(), global_batch_size=24, memory_budget_bytes=64 * MIB, repeats=1)
+    for old, new in zip(before, model.parameters(), strict=True):
+        assert torch.equal(old, new)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1000", 1000), ("2KiB", 2048), ("1.5 MiB", 3 * 2**19), ("2GB", 2 * 10**9), ("8gib", 8 * 2**30)],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12 parsecs", "-1MiB"])
+def test_parse_bytes_refuses_nonsense(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=f"got {text!r}"):
+        parse_bytes(text)
+
+
+def _cli(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="equiv")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_cli_plans_a_user_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "user_model.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            def build():
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+                return model, (torch.randn(16, 8), torch.randint(0, 3, (16,)))
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = _cli(["plan", "user_model:build", "--budget", "8MiB", "--repeats", "1", "--candidates", "1,2,4,8,16"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "<- recommended" in out and "memory model: peak = max(" in out
+    sys.modules.pop("user_model", None)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [("nosuchworkload", "target must be one of"), ("math:nope", "'nope' in module 'math' is not a function")],
+    ids=["unknown-name", "missing-function"],
+)
+def test_cli_names_a_bad_target(target: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = _cli(["plan", target, "--budget", "1MiB"])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err
