@@ -1,0 +1,41 @@
+"""equiv: is your gradient accumulation equivalent to full-batch training?
+
+The public API; the code lives in one module per idea (see each module).
+"""
+
+from equiv.accumulator import Accumulator, WindowResult
+from equiv.candidates import accumulator_step, loss_sum_and_count
+from equiv.cases import Case, InvalidCase
+from equiv.check import check
+from equiv.inherent import inherent_non_equivalences
+from equiv.losses import MSE, CrossEntropy, Loss, TokenCrossEntropy
+from equiv.models import ModelBundle, register_model
+from equiv.trajectory import Candidate, CandidateError, NonFiniteLossError, full_batch_step
+from equiv.verdict import EquivalenceError, TensorDiff, Verdict
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MSE",
+    "Accumulator",
+    "Candidate",
+    "CandidateError",
+    "Case",
+    "CrossEntropy",
+    "EquivalenceError",
+    "InvalidCase",
+    "Loss",
+    "ModelBundle",
+    "NonFiniteLossError",
+    "TensorDiff",
+    "TokenCrossEntropy",
+    "Verdict",
+    "WindowResult",
+    "__version__",
+    "accumulator_step",
+    "check",
+    "full_batch_step",
+    "inherent_non_equivalences",
+    "loss_sum_and_count",
+    "register_model",
+]

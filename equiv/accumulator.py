@@ -1,0 +1,249 @@
+"""The reference accumulator: gradient accumulation that equals the full-batch step.
+
+Invariant kept across a window of micro-batches::
+
+    accumulated gradient == d/dθ  Σ_over_window  loss_sum(micro_batch)
+
+and at ``step()`` it is divided ONCE by the window's total item count, so the
+update equals the one computed from ``Σ loss / Σ items`` over the concatenated
+batch, whatever the micro-batch sizes and whatever an "item" is (a sample, a
+non-padding token).  Dividing each micro-batch by a count known up front (the
+textbook ``loss / N``) is exact only for equal splits of a sample mean; this
+class never needs the total before the window closes.
+
+Everything stays on the parameters' device.  Item counts given as tensors are
+summed on the device, so no micro-step reads a value back to the host; the
+only host reads are once per window (GradScaler's skip decision, and the
+zero-count check for tensor counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Accumulator", "WindowResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowResult:
+    """What one ``Accumulator.step()`` did for the window it closed."""
+
+    micro_batches: int
+    #: Total items the window was normalised by (int, or a 0-d tensor on the device).
+    items: int | Tensor
+    #: Gradient norm before clipping (0-d tensor), when clipping was asked for.
+    grad_norm: Tensor | None
+    #: False when dynamic loss scaling found inf/nan and skipped the whole window.
+    stepped: bool
+
+
+class Accumulator:
+    """Accumulate gradients over uneven micro-batches and step once per window.
+
+    Usage, one window (= one optimizer step)::
+
+        acc = Accumulator(model, optimizer, max_grad_norm=1.0)
+        for inputs, targets in micro_batches:
+            loss_sum = loss_fn_sum(model(inputs), targets)   # SUM, not mean
+            acc.backward(loss_sum, items=len(targets))
+        acc.step()            # normalise once, clip once, step, clear
+
+    Args:
+        params: a module or an iterable of parameters (all on one device).
+        optimizer: stepped once per window.
+        scheduler: an LR scheduler stepped once per window that updated
+            (not on windows skipped for overflow).
+        max_grad_norm: clip the accumulated, normalised gradient to this norm
+            once per window (``None``: no clipping).
+        norm_type: the norm used for clipping.
+        grad_scaler: a ``torch.amp.GradScaler``; the loss is scaled per
+            micro-batch, and if any micro-batch produced inf/nan the whole
+            window is skipped and the scale updated once.
+        accumulate_dtype: accumulate in this dtype (e.g. ``torch.float32`` for
+            bfloat16 parameters).  ``None`` or the parameters' own dtype
+            accumulates in ``.grad`` with no second copy.
+    """
+
+    def __init__(
+        self,
+        params: nn.Module | Iterable[nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any | None = None,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        accumulate_dtype: torch.dtype | None = None,
+    ) -> None:
+        params_list = list(params.parameters() if isinstance(params, nn.Module) else params)
+        self.params: list[nn.Parameter] = [p for p in params_list if p.requires_grad]
+        if not self.params:
+            raise ValueError("Accumulator needs at least one parameter with requires_grad=True, got none")
+        devices = sorted({str(p.device) for p in self.params})
+        if len(devices) > 1:
+            raise ValueError(
+                f"parameters must all be on one device so the window's state can live there, "
+                f"got parameters on {devices}"
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        if accumulate_dtype is not None and not accumulate_dtype.is_floating_point:
+            raise ValueError(f"accumulate_dtype must be a floating dtype, got {accumulate_dtype}")
+        widening = accumulate_dtype is not None and any(
+            torch.finfo(accumulate_dtype).bits > torch.finfo(p.dtype).bits for p in self.params
+        )
+        if grad_scaler is not None and widening:
+            # PyTorch forbids a .grad of another dtype, so GradScaler could not
+            # see wide buffers.  The AMP recipe keeps float32 parameters
+            # (autocast lowers only the activations), which needs no buffer.
+            raise ValueError(
+                f"grad_scaler with accumulate_dtype={accumulate_dtype} wider than the parameters is not supported; "
+                "keep float32 parameters under torch.autocast (no wider buffer needed)"
+            )
+        self.device = self.params[0].device
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.norm_type = norm_type
+        self.grad_scaler = grad_scaler
+        # A wider buffer only where a parameter is narrower than accumulate_dtype:
+        # otherwise .grad itself is the accumulator (no second copy).
+        self._buffered: list[nn.Parameter] = [
+            p
+            for p in self.params
+            if accumulate_dtype is not None
+            and torch.finfo(accumulate_dtype).bits > torch.finfo(p.dtype).bits
+        ]
+        self._buffers: list[Tensor] = [
+            torch.zeros_like(p, dtype=accumulate_dtype, memory_format=torch.preserve_format)
+            for p in self._buffered
+        ]
+        self._micro_batches = 0
+        self._items: int | Tensor = 0
+
+    # ------------------------------------------------------------------ window
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the wide accumulation buffers (0 when ``.grad`` is the accumulator)."""
+        return sum(buf.numel() * buf.element_size() for buf in self._buffers)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches accumulated in the open window."""
+        return self._micro_batches
+
+    def backward(self, loss_sum: Tensor, *, items: int | Tensor) -> None:
+        """Add one micro-batch: back-propagate its SUMMED loss, count its items.
+
+        ``items`` is how many items ``loss_sum`` sums over (samples, or tokens
+        that are not padding).  A tensor count stays on the device.
+        """
+        if loss_sum.dim() != 0:
+            raise ValueError(
+                f"loss_sum must be a scalar (0-d) tensor, got shape {tuple(loss_sum.shape)}; "
+                "reduce it with .sum() over the micro-batch"
+            )
+        if isinstance(items, Tensor):
+            # Integer counts only: a float32 running count is inexact past 2**24.
+            if items.dim() != 0 or items.is_floating_point() or items.dtype == torch.bool:
+                raise ValueError(
+                    f"items must be a 0-d integer tensor, got dtype {items.dtype} shape {tuple(items.shape)}"
+                )
+            items = items.to(self.device, non_blocking=True)
+        elif isinstance(items, bool) or not isinstance(items, int):
+            raise TypeError(f"items must be an int or a 0-d integer tensor, got {items!r}")
+        elif items < 0:
+            raise ValueError(f"items must be >= 0, got {items}")
+
+        if self._micro_batches == 0:
+            stale = [i for i, p in enumerate(self.params) if p.grad is not None]
+            if stale:
+                # Gradients from before the window would be summed into it.
+                raise RuntimeError(
+                    f"{len(stale)} parameter(s) (first: index {stale[0]}) already hold gradients at the start of "
+                    "a window; clear them with optimizer.zero_grad(set_to_none=True) before the first backward()"
+                )
+        scaled = self.grad_scaler.scale(loss_sum) if self.grad_scaler is not None else loss_sum
+        scaled.backward()
+        if self._buffers:
+            self._drain_grads_into_buffers()
+        self._items = self._items + items
+        self._micro_batches += 1
+
+    def step(self) -> WindowResult:
+        """Close the window: normalise by its total items, clip, step, clear."""
+        if self._micro_batches == 0:
+            raise RuntimeError("step() called with no micro-batch since the last step; call backward() first")
+        micro_batches, items = self._micro_batches, self._items
+        # For a tensor count this is the window's one host read (never per micro-step).
+        if int(items) == 0:
+            raise ValueError(
+                f"the window's {micro_batches} micro-batches hold 0 items in total; nothing to normalise by"
+            )
+
+        accumulated = self._accumulated()
+        if accumulated:
+            # Divide by the count itself rather than multiply by a rounded
+            # reciprocal: the same operation a mean reduction performs.
+            divisor = items.to(accumulated[0].dtype) if isinstance(items, Tensor) else float(items)
+            torch._foreach_div_(accumulated, divisor)
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
+
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            # Once per window, on the accumulated gradient, in the accumulation dtype.
+            grad_norm = torch.nn.utils.get_total_norm(accumulated, self.norm_type, foreach=True)
+            # torch.nn.utils.clip_grad_norm_'s formula, applied to the accumulated
+            # tensors (it only reaches p.grad, not wide buffers); the clamp keeps
+            # it free of a host sync.
+            clip_coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
+            torch._foreach_mul_(accumulated, clip_coef)
+
+        for p, buf in zip(self._buffered, self._buffers, strict=True):
+            p.grad = buf.to(p.dtype)
+
+        stepped = True
+        if self.grad_scaler is not None:
+            scale_before = self.grad_scaler.get_scale()
+            self.grad_scaler.step(self.optimizer)  # skips the step if any micro-batch overflowed
+            self.grad_scaler.update()
+            # GradScaler lowers the scale exactly when it found inf/nan and skipped.
+            stepped = self.grad_scaler.get_scale() >= scale_before
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None and stepped:
+            self.scheduler.step()
+
+        self._clear()
+        return WindowResult(micro_batches=micro_batches, items=items, grad_norm=grad_norm, stepped=stepped)
+
+    # ----------------------------------------------------------------- helpers
+    def _accumulated(self) -> list[Tensor]:
+        """The tensors holding the window's gradient sums (buffers, then plain .grad)."""
+        buffered = {id(p) for p in self._buffered}
+        plain = [p.grad for p in self.params if id(p) not in buffered and p.grad is not None]
+        return self._buffers + plain
+
+    def _drain_grads_into_buffers(self) -> None:
+        grads, bufs = [], []
+        for p, buf in zip(self._buffered, self._buffers, strict=True):
+            if p.grad is not None:
+                grads.append(p.grad)
+                bufs.append(buf)
+                p.grad = None
+        if grads:
+            torch._foreach_add_(bufs, grads)
+
+    def _clear(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self._buffers:
+            torch._foreach_zero_(self._buffers)
+        self._micro_batches = 0
+        self._items = 0

@@ -1,0 +1,48 @@
+"""Candidates (steps following the public contract) that equiv ships as references.
+
+``accumulator_step`` is the correct one, built on :class:`equiv.Accumulator`;
+the known bugs live in :mod:`equiv.zoo`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from equiv.accumulator import Accumulator
+
+__all__ = ["accumulator_step", "loss_sum_and_count"]
+
+
+def loss_sum_and_count(loss_fn: Callable[..., Tensor], output: Tensor, target: Tensor) -> tuple[Tensor, int | Tensor]:
+    """The micro-batch's SUMMED loss and how many items it sums over.
+
+    Uses ``loss_fn.sum`` / ``loss_fn.count`` when the loss offers them (every
+    :mod:`equiv.losses` loss does); a plain mean loss is taken as a mean over
+    samples: ``mean * samples``.
+    """
+    if hasattr(loss_fn, "sum") and hasattr(loss_fn, "count"):
+        return loss_fn.sum(output, target), loss_fn.count(target)
+    samples = int(target.shape[0])
+    return loss_fn(output, target) * samples, samples
+
+
+def accumulator_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[tuple[Tensor, Tensor]],
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
+    """The reference candidate: sum each micro-batch's loss, normalise once by
+    the window's item count, clip once, step once."""
+    accumulator = Accumulator(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler)
+    for inputs, targets in micro_batches:
+        loss_sum, items = loss_sum_and_count(loss_fn, model(inputs), targets)
+        accumulator.backward(loss_sum, items=items)
+    accumulator.step()

@@ -1,0 +1,109 @@
+"""Loss functions in the form the candidate contract hands them to a step.
+
+A candidate's ``loss_fn(output, target)`` returns the MEAN loss over the
+micro-batch's items.  Every loss here also offers what a correct accumulation
+needs: ``loss_fn.sum(output, target)`` (the SUM over items) and
+``loss_fn.count(target)`` (how many items that sum is over).  For sample losses
+an item is a sample; for :class:`TokenCrossEntropy` it is a token that is not
+padding, so the correct window loss is ``Σ sums / Σ counts`` and a step that
+weights micro-batches by samples (or averages their means) is found out.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["LOSSES", "CrossEntropy", "Loss", "MSE", "TokenCrossEntropy", "build_loss"]
+
+
+class Loss:
+    """Base: a mean-reducing loss that also exposes its sum and its item count."""
+
+    name: ClassVar[str]
+    #: True when items are not samples (the count depends on the targets' content).
+    item_weighted: ClassVar[bool] = False
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        return self.sum(output, target) / self.count(target)
+
+    def sum(self, output: Tensor, target: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def count(self, target: Tensor) -> int | Tensor:
+        """Items in ``target``: an int for sample losses, a 0-d tensor (on the
+        targets' device, no host read) for item-weighted ones."""
+        return int(target.shape[0])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class MSE(Loss):
+    """Mean squared error exactly as ``nn.MSELoss()`` computes it: the mean over
+    every element.  An item is an element; every sample has the same number of
+    elements, so this is still a sample mean."""
+
+    name = "mse"
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.mse_loss(output, target)
+
+    def sum(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.mse_loss(output, target, reduction="sum")
+
+    def count(self, target: Tensor) -> int:
+        return target.numel()
+
+
+class CrossEntropy(Loss):
+    """Cross-entropy over classes, one target class per sample."""
+
+    name = "cross_entropy"
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output, target, reduction="mean")
+
+    def sum(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output, target, reduction="sum")
+
+
+class TokenCrossEntropy(Loss):
+    """Token-level cross-entropy with padding: the mean is over the tokens whose
+    target is not ``ignore_index``.  ``output`` is (batch, seq, vocab),
+    ``target`` (batch, seq)."""
+
+    name = "token_cross_entropy"
+    item_weighted = True
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        # Mean over this micro-batch's real tokens (what HF models return).
+        return F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=self.ignore_index)
+
+    def sum(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(
+            output.flatten(0, 1), target.flatten(), ignore_index=self.ignore_index, reduction="sum"
+        )
+
+    def count(self, target: Tensor) -> Tensor:
+        return (target != self.ignore_index).sum()
+
+    def __repr__(self) -> str:
+        return f"TokenCrossEntropy(ignore_index={self.ignore_index})"
+
+
+LOSSES: dict[str, type[Loss]] = {cls.name: cls for cls in (MSE, CrossEntropy, TokenCrossEntropy)}
+
+
+def build_loss(name: str) -> Loss:
+    """The loss registered under ``name`` (one of :data:`LOSSES`)."""
+    try:
+        return LOSSES[name]()
+    except KeyError:
+        raise ValueError(f"unknown loss {name!r}; expected one of {sorted(LOSSES)}") from None

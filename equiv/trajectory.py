@@ -1,0 +1,215 @@
+"""Run a case's steps with one step function and record what changed.
+
+A trajectory is the parameters, buffers and optimizer state after every
+optimizer step, copied to float64 on the CPU.  The reference step (one step on
+the concatenated batch, mean loss over all items) and the user's candidate are
+run by the same loop on identical copies; the candidate is called once per
+optimizer step on the same model and optimizer, with no clean-up in between,
+so gradients it leaks into the next step change the next update.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from equiv.cases import Case
+from equiv.losses import Loss
+
+__all__ = [
+    "Candidate",
+    "CandidateError",
+    "NonFiniteLossError",
+    "Snapshot",
+    "full_batch_step",
+    "run_candidate",
+    "run_reference",
+]
+
+MicroBatches = list[tuple[Tensor, Tensor]]
+
+
+class Candidate(Protocol):
+    """The public candidate contract (see DESIGN.md): one optimizer update that
+    uses every micro-batch.  A candidate that clips accepts ``max_grad_norm``;
+    one that steps an LR scheduler accepts ``scheduler``; the checker passes
+    those keywords only when the candidate's signature names them."""
+
+    def __call__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Loss, /
+    ) -> None: ...
+
+
+class CandidateError(RuntimeError):
+    """The candidate raised; the message names the case that triggered it."""
+
+    def __init__(self, message: str, *, case: Case, step: int, dtype: str) -> None:
+        super().__init__(message)
+        self.case, self.step, self.dtype = case, step, dtype
+
+
+class NonFiniteLossError(ValueError):
+    """The full-batch reference produced a non-finite loss: the case itself is bad."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Named float64 CPU copies of one moment of a run."""
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    #: "<param name>:<state key>" -> tensor (scalars as 0-d tensors)
+    optimizer_state: dict[str, Tensor]
+
+
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
+    def copy(tensor: Tensor) -> Tensor:
+        return tensor.detach().to("cpu", torch.float64, copy=True)
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    state: dict[str, Tensor] = {}
+    for param, param_state in optimizer.state.items():
+        for key, value in param_state.items():
+            label = f"{names.get(id(param), '?')}:{key}"
+            state[label] = copy(value) if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64)
+    return Snapshot(
+        params={name: copy(p) for name, p in model.named_parameters()},
+        buffers={name: copy(b) for name, b in model.named_buffers() if b.is_floating_point()},
+        optimizer_state=state,
+    )
+
+
+def full_batch_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[Tensor, Tensor],
+    loss_fn: Loss,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> Tensor:
+    """The reference: one step on the whole batch with the mean loss over all
+    of its items, clipped once if asked.  Returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    inputs, targets = batch
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return loss.detach()
+
+
+StepRunner = Callable[[nn.Module, torch.optim.Optimizer, tuple[Tensor, Tensor], Any, int], None]
+
+
+def _run(case: Case, dtype: torch.dtype, run_step: StepRunner, permutation_seed: int | None = None) -> list[Snapshot]:
+    """Snapshots before the first step and after each step, computing in ``dtype``."""
+    device = torch.device(case.device)
+    bundle = case.build_model()
+    model = bundle.module.to(device=device, dtype=dtype)
+    batches = case.batches(bundle)
+    optimizer = case.build_optimizer(model)
+    scheduler = case.build_scheduler(optimizer)
+    snapshots = [_snapshot(model, optimizer)]
+    # Dropout draws from the global RNG: seed it so every run of a case is repeatable.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(case.seed)
+        for step, (inputs, targets) in enumerate(batches):
+            if permutation_seed is not None:
+                order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(permutation_seed + step))
+                inputs, targets = inputs[order], targets[order]
+            batch = (_to(inputs, device, dtype), _to(targets, device, dtype))
+            run_step(model, optimizer, batch, scheduler, step)
+            snapshots.append(_snapshot(model, optimizer))
+    return snapshots
+
+
+def _to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+
+
+def run_reference(case: Case, dtype: torch.dtype, *, permutation_seed: int | None = None) -> list[Snapshot]:
+    """The full-batch trajectory.  With ``permutation_seed`` each batch is
+    shuffled first: the same mathematics rounded in another order, which
+    measures the dtype's own noise floor for this case."""
+    loss_fn = case.build_loss()
+
+    def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, scheduler: Any, step: int) -> None:
+        loss = full_batch_step(
+            model, optimizer, batch, loss_fn, max_grad_norm=case.max_grad_norm, scheduler=scheduler
+        )
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"the full-batch reference loss is {loss.item()} at step {step} in {dtype}; "
+                f"the case cannot be checked: {case!r}"
+            )
+
+    return _run(case, dtype, run_step, permutation_seed)
+
+
+def candidate_name(candidate: Callable[..., Any]) -> str:
+    return getattr(candidate, "__qualname__", None) or getattr(candidate, "__name__", None) or repr(candidate)
+
+
+def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[Any], dict[str, Any]]:
+    """Which of the optional keywords (max_grad_norm, scheduler) to pass."""
+    try:
+        parameters = inspect.signature(candidate).parameters
+    except (TypeError, ValueError):
+        parameters = {}  # a builtin or C callable: pass nothing extra
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    takes_clip = takes_any or "max_grad_norm" in parameters
+    takes_scheduler = takes_any or "scheduler" in parameters
+    if case.scheduler is not None and not takes_scheduler:
+        raise TypeError(
+            f"case has scheduler {case.scheduler!r} but candidate {candidate_name(candidate)} takes no "
+            "'scheduler' keyword, so it could not step it once per window"
+        )
+
+    def keywords(scheduler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if takes_clip and case.max_grad_norm is not None:
+            out["max_grad_norm"] = case.max_grad_norm
+        if takes_scheduler and scheduler is not None:
+            out["scheduler"] = scheduler
+        return out
+
+    return keywords
+
+
+def split_batch(batch: tuple[Tensor, Tensor], sizes: Sequence[int]) -> MicroBatches:
+    """Consecutive micro-batches of the given sizes (copies: a candidate that
+    writes into its inputs cannot corrupt the next run)."""
+    inputs, targets = batch
+    return [(x.clone(), y.clone()) for x, y in zip(inputs.split(list(sizes)), targets.split(list(sizes)), strict=True)]
+
+
+def run_candidate(case: Case, candidate: Callable[..., Any], dtype: torch.dtype) -> list[Snapshot]:
+    """The candidate's trajectory: called once per step on the same model and
+    optimizer, with the step's batch cut into ``case.micro_batch_sizes``."""
+    loss_fn = case.build_loss()
+    keywords = _keywords_for(candidate, case)
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, scheduler: Any, step: int) -> None:
+        micro_batches = split_batch(batch, case.micro_batch_sizes)
+        try:
+            candidate(model, optimizer, micro_batches, loss_fn, **keywords(scheduler))
+        except Exception as exc:
+            raise CandidateError(
+                f"candidate {candidate_name(candidate)} raised {type(exc).__name__}: {exc} "
+                f"at step {step} in {dtype_name}; reproduce with {case!r}",
+                case=case,
+                step=step,
+                dtype=dtype_name,
+            ) from exc
+
+    return _run(case, dtype, run_step)
