@@ -3,10 +3,12 @@
 Runs, all from the same initial weights and batches:
 
     truth      full-batch reference in float64
-    exact tier candidate in float64, against the truth; floor: the float64
-               reference on shuffled batches (same maths, other rounding order)
+    floors     full-batch references in float32 (and the working dtype): batch
+               in order and shuffled twice; float64 on a shuffled batch
+    exact tier candidate in float64, against the truth; floor: the float32
+               floors scaled by u64/u32, and the shuffled float64 run
     noise tier candidate in the working dtype, against the truth; floor: the
-               full-batch reference in the working dtype
+               working dtype's floors
 
 The noise-floor tier is skipped when the working dtype is float64 (it would
 repeat the exact tier).
@@ -23,14 +25,14 @@ from equiv.cases import Case
 from equiv.compare import compare_trajectories
 from equiv.inherent import inherent_non_equivalences
 from equiv.tolerances import unit_roundoff
-from equiv.trajectory import candidate_name, run_candidate, run_reference
+from equiv.trajectory import Snapshot, candidate_name, run_candidate, run_reference
 from equiv.verdict import Tier, TensorDiff, Verdict
 
 __all__ = ["check"]
 
 TIERS: tuple[Tier, ...] = ("exact", "noise")
-#: Offset of the shuffling seed from the case seed (any fixed value; fixed so reruns agree).
-_PERMUTATION_SEED_OFFSET = 7919
+#: Offsets of the shuffling seeds from the case seed (any fixed values; fixed so reruns agree).
+_SHUFFLE_SEED_OFFSETS = (7919, 104729)
 
 
 def check(candidate: Callable[..., Any], case: Case, *, tiers: Sequence[Tier] = TIERS) -> Verdict:
@@ -54,32 +56,32 @@ def check(candidate: Callable[..., Any], case: Case, *, tiers: Sequence[Tier] = 
     exact = torch.float64
     working = case.working_dtype
     truth = run_reference(case, exact)
-    # Rounding error grows linearly with the unit roundoff, so the float32
-    # full-batch run's distance from the truth, scaled by u(float64)/u(float32),
-    # estimates the float64 floor.  (Shuffling the float64 batch instead gives
-    # no floor at all for one- or two-sample batches.)
-    float32_reference = run_reference(case, torch.float32)
-    shuffle_seed = case.seed + _PERMUTATION_SEED_OFFSET
+    # Floor samples: the full-batch run in order and on shuffled batches (the
+    # same mathematics rounded in other orders).  Three samples, because the
+    # ratio of two roundoff errors is heavy-tailed (see equiv.tolerances).
+    shuffles = [case.seed + offset for offset in _SHUFFLE_SEED_OFFSETS]
+
+    def floor_samples(dtype: torch.dtype) -> list[list[Snapshot]]:
+        return [run_reference(case, dtype)] + [run_reference(case, dtype, permutation_seed=s) for s in shuffles]
+
+    float32_floors = floor_samples(torch.float32)
     diffs: list[TensorDiff] = []
     if "exact" in tiers:
-        # Larger of two floor estimates: the scaled float32 run, and the float64
-        # run on a shuffled batch (same maths, the candidate's kind of error:
-        # another order of the same sums).
+        # Rounding error grows linearly with the unit roundoff, so float32 runs'
+        # errors scaled by u(float64)/u(float32) estimate the float64 floor; the
+        # float64 run on a shuffled batch is a direct sample (none for batches
+        # of one sample, whose shuffle is the identity).
+        float32_to_64 = unit_roundoff(exact) / unit_roundoff(torch.float32)
         diffs += compare_trajectories(
             tier="exact", dtype=exact, truth=truth,
-            floor_runs=[float32_reference, run_reference(case, exact, permutation_seed=shuffle_seed)],
-            floor_scales=[unit_roundoff(exact) / unit_roundoff(torch.float32), 1.0],
+            floor_runs=[*float32_floors, run_reference(case, exact, permutation_seed=shuffles[0])],
+            floor_scales=[float32_to_64] * len(float32_floors) + [1.0],
             candidate=run_candidate(case, candidate, exact),
         )
     if "noise" in tiers and working != exact:
-        # Two samples of the working dtype's own error (batch in order, and
-        # shuffled): one sample alone is sometimes luckily small.
-        floor_runs = [
-            float32_reference if working == torch.float32 else run_reference(case, working),
-            run_reference(case, working, permutation_seed=shuffle_seed),
-        ]
+        floors = float32_floors if working == torch.float32 else floor_samples(working)
         diffs += compare_trajectories(
-            tier="noise", dtype=working, truth=truth, floor_runs=floor_runs, floor_scales=[1.0, 1.0],
+            tier="noise", dtype=working, truth=truth, floor_runs=floors, floor_scales=[1.0] * len(floors),
             candidate=run_candidate(case, candidate, working),
         )
 

@@ -6,18 +6,19 @@ full-batch run::
     allowed = FLOOR_FACTOR * floor  +  ROUNDOFF_UNITS_PER_STEP * k * u(dtype) * scale
 
 - ``floor``: how far the full-batch reference itself lands from the truth when
-  computed in the tier's dtype, the larger of two samples (noise-floor tier:
-  the full-batch run in the working dtype, batch in order and shuffled; exact
-  tier: the float32 run's error scaled by u(float64)/u(float32), and the
-  float64 run on a shuffled batch).  A correct accumulation is another
+  computed in the tier's dtype, the largest of three samples or more
+  (noise-floor tier: the full-batch run in the working dtype, batch in order
+  and shuffled twice; exact tier: those float32 runs' errors scaled by
+  u(float64)/u(float32), and the float64 run on a shuffled batch).  A correct accumulation is another
   rounding order of the same sums, so it lands at a comparable distance.
 - ``FLOOR_FACTOR``: at one element, the candidate's error and a floor sample
   are two independent roundoff errors, and the ratio of two such errors is
-  heavy-tailed (Cauchy-like): with two floor samples, P(|X| > F max(|Y1|, |Y2|))
-  is about (2/pi)/F**2 for normal errors.  Adaptive optimizers (Adam, RMSprop)
-  expose this tail: they divide by |g|, so an element whose gradient is a small
-  sum of large terms carries an amplified roundoff error.  F = 32 leaves about
-  6e-4 per such tensor; first-order bugs sit 1e3-1e7 above the floor in
+  heavy-tailed (Cauchy-like): with k floor samples, P(|X| > F max|Y_i|) falls
+  only like F**-k (for normal errors about (2/pi)/F**2 at k=2, 0.8/F**3 at
+  k=3).  Adaptive optimizers expose this tail: Adam and RMSprop divide by |g|,
+  centered RMSprop by sqrt(v - m**2), which cancels when consecutive gradients
+  agree, so one element can carry a hugely amplified roundoff error in every
+  run.  With k=3 and F = 32 about 2e-5 per such tensor remains; first-order bugs sit 1e3-1e7 above the floor in
   float32 and 1e5 and more in float64 (../shared/FACTS.md, reports/equivalence.md).
 - ``u(dtype)``: the unit roundoff (half the machine epsilon).  ``scale`` is the
   tensor's own magnitude (the parameter, or the optimizer state value) and, for
