@@ -28,9 +28,11 @@ __all__ = [
     "HeldOut",
     "MemoryModel",
     "MemoryPoint",
+    "MicroStepPoint",
     "TimeModel",
     "TimePoint",
     "fit_memory",
+    "fit_micro_steps",
     "fit_time",
     "leave_one_out",
 ]
@@ -59,6 +61,16 @@ class TimePoint:
     n_micro_batches: int
     global_batch_size: int
     step_seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicroStepPoint:
+    """A probe: one micro-step's median seconds at a micro-batch size, and the
+    optimizer update's median seconds, timed apart."""
+
+    micro_batch_size: int
+    micro_step_seconds: float
+    update_seconds: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,13 +105,23 @@ class MemoryModel:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TimeModel:
-    """seconds(N, B) = N * seconds_per_micro_step + B * seconds_per_sample."""
+    """seconds(N, B) = N * seconds_per_micro_step + B * seconds_per_sample + seconds_per_update.
+
+    Fitted on whole steps at one B (:func:`fit_time`) the update term cannot
+    be told apart from B * t_sample and is 0 (folded into t_sample); fitted on
+    micro-steps and updates timed apart (:func:`fit_micro_steps`) it is the
+    optimizer step's own time."""
 
     seconds_per_micro_step: float
     seconds_per_sample: float
+    seconds_per_update: float = 0.0
 
     def step_seconds(self, n_micro_batches: int, global_batch_size: int) -> float:
-        return n_micro_batches * self.seconds_per_micro_step + global_batch_size * self.seconds_per_sample
+        return (
+            n_micro_batches * self.seconds_per_micro_step
+            + global_batch_size * self.seconds_per_sample
+            + self.seconds_per_update
+        )
 
     def samples_per_s(self, n_micro_batches: int, global_batch_size: int) -> float:
         return global_batch_size / self.step_seconds(n_micro_batches, global_batch_size)
@@ -170,6 +192,31 @@ def fit_time(points: Sequence[TimePoint]) -> TimeModel:
         [p.step_seconds for p in points],
     )
     return TimeModel(seconds_per_micro_step=per_micro_step, seconds_per_sample=per_sample)
+
+
+def fit_micro_steps(points: Sequence[MicroStepPoint]) -> TimeModel:
+    """Fit one micro-step's seconds to t_fixed + m * t_sample, and take the
+    update's seconds as the median over the points; a step of N micro-batches
+    over B samples then takes about N * t_fixed + B * t_sample + t_update."""
+    if len({p.micro_batch_size for p in points}) < 2:
+        raise ValueError(
+            f"fit_micro_steps needs points at >= 2 different micro-batch sizes, got sizes "
+            f"{sorted({p.micro_batch_size for p in points})}"
+        )
+    sizes = [float(p.micro_batch_size) for p in points]
+    seconds = [p.micro_step_seconds for p in points]
+    per_micro_step, per_sample = _lstsq([[1.0] * len(points), sizes], seconds)
+    # Neither term can be negative; a noisy timing can make least squares say
+    # so (and predict negative throughput).  Then fit the other term alone.
+    if per_sample < 0:
+        per_micro_step, per_sample = sum(seconds) / len(seconds), 0.0
+    elif per_micro_step < 0:
+        per_micro_step = 0.0
+        per_sample = sum(x * y for x, y in zip(sizes, seconds, strict=True)) / sum(x * x for x in sizes)
+    updates = sorted(p.update_seconds for p in points)
+    middle = len(updates) // 2
+    update = updates[middle] if len(updates) % 2 else (updates[middle - 1] + updates[middle]) / 2
+    return TimeModel(seconds_per_micro_step=per_micro_step, seconds_per_sample=per_sample, seconds_per_update=update)
 
 
 def leave_one_out(

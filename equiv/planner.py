@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
+import math
 import re
 import statistics
 import sys
@@ -37,13 +37,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from equiv.accumulator import Accumulator
-from equiv.costmodel import MemoryModel, MemoryPoint, TimeModel, TimePoint, fit_memory, fit_time
+from equiv.costmodel import MemoryModel, MemoryPoint, MicroStepPoint, TimeModel, fit_memory, fit_micro_steps
 from equiv.losses import CrossEntropy, TokenCrossEntropy
 from equiv.memory import StepMemory, measure_step_memory, training_state_tensors
 
 __all__ = [
     "IMPLEMENTATIONS",
     "WORKLOADS",
+    "NothingFitsError",
     "Plan",
     "PlanRow",
     "PreparedStep",
@@ -313,13 +314,20 @@ class PreparedStep:
 
     def time_steps(self, repeats: int) -> list[float]:
         """Seconds of each of ``repeats`` steps, synchronised on CUDA."""
-        seconds: list[float] = []
+        return [sum(phases) for phases in self.time_phases(repeats)]
+
+    def time_phases(self, repeats: int) -> list[tuple[float, float]]:
+        """(accumulate, update) seconds of each of ``repeats`` steps, synchronised on CUDA."""
+        seconds: list[tuple[float, float]] = []
         for _ in range(repeats):
             synchronize(self.device)
             start = time.perf_counter()
-            self.step()
+            self.step.accumulate()
             synchronize(self.device)
-            seconds.append(time.perf_counter() - start)
+            middle = time.perf_counter()
+            self.step.update()
+            synchronize(self.device)
+            seconds.append((middle - start, time.perf_counter() - middle))
         return seconds
 
 
@@ -402,7 +410,11 @@ class PlanRow:
     micro_batch_size: int
     predicted_peak_bytes: float
     predicted_samples_per_s: float
+    #: Measured peak within the budget where measured (probe or full step), else predicted within it less the margin.
     fits: bool
+    #: Peak of a probe at this micro-batch size (two micro-batches: the same peak as any N >= 2 window).
+    probed_peak_bytes: int | None = None
+    #: Figures of the whole step at this N, measured to confirm the recommendation.
     measured_peak_bytes: int | None = None
     measured_forward_backward_peak_bytes: int | None = None
     measured_optimizer_step_peak_bytes: int | None = None
@@ -416,13 +428,13 @@ class Plan:
     global_batch_size: int
     memory_budget_bytes: int
     device: str
-    #: None when not even the smallest micro-batch fits the budget.
+    #: None when no N whose micro-batch was tried fits (see rows).
     recommended_n: int | None
     rows: list[PlanRow]
     memory_model: MemoryModel
     time_model: TimeModel
-    #: Candidates measured, in the order they ran (smallest micro-batches first).
-    measured_n: list[int] = field(default_factory=list)
+    #: Micro-batch sizes probed, in the order they ran (smallest first).
+    probed_micro_batch_sizes: list[int] = field(default_factory=list)
 
     @property
     def recommended(self) -> PlanRow | None:
@@ -434,11 +446,15 @@ class Plan:
             "memory_budget_bytes": self.memory_budget_bytes,
             "device": self.device,
             "recommended_n": self.recommended_n,
-            "measured_n": self.measured_n,
+            "probed_micro_batch_sizes": self.probed_micro_batch_sizes,
             "memory_model": self.memory_model.to_dict(),
             "time_model": self.time_model.to_dict(),
             "rows": [asdict(r) for r in self.rows],
         }
+
+
+class NothingFitsError(ValueError):
+    """Not even the smallest micro-batch's step fits the memory budget."""
 
 
 def default_candidates(global_batch_size: int) -> list[int]:
@@ -459,6 +475,14 @@ def resize_batch(batch: Batch, size: int) -> Batch:
     return inputs[index], targets[index]
 
 
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    memory: StepMemory
+    point: MicroStepPoint
+    #: Micro-batches in the probe's window: 2, or 1 when the micro-batch is the whole batch (N=1).
+    window: int
+
+
 def plan(
     model: nn.Module,
     batch: Batch,
@@ -470,7 +494,7 @@ def plan(
     optimizer_factory: Callable[[Any], torch.optim.Optimizer] = default_optimizer,
     device: torch.device | str = "cpu",
     candidates: Sequence[int] | None = None,
-    probes: int = 3,
+    probes: int = 4,
     repeats: int = 3,
     safety_margin: float = 0.05,
 ) -> Plan:
@@ -478,11 +502,19 @@ def plan(
 
     ``batch`` is an example (inputs, targets); its rows are repeated to
     ``global_batch_size``.  ``loss_sum`` defaults to summed cross-entropy for
-    integer targets and summed squared error for float targets.  The
-    ``probes`` largest candidate N are measured first (least memory); a
-    candidate is then taken only if its predicted peak is at least
-    ``safety_margin`` below the budget, and it is measured before it is
-    recommended.  A measured peak over budget rules that N out and refits.
+    integer targets and summed squared error for float targets.
+
+    How, without a trial beyond the budget's reach:
+
+    1. *Probe* micro-batch sizes, smallest first, each as a window of two
+       micro-batches (the forward/backward peak of any N >= 2 window depends
+       only on the micro-batch, and two micro-steps are cheap), timing the
+       micro-steps and the optimizer update apart.  The two smallest come
+       first; then the largest size the memory line predicts to fit (at least
+       ``safety_margin`` below the budget) and one between, up to ``probes``.
+       A probe over budget rules its size out and the line is refitted.
+    2. Predict every candidate N from the fitted lines and take the fastest
+       that fits; run its whole step to confirm (measured peak and samples/s).
     """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
@@ -492,93 +524,107 @@ def plan(
         raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin}")
     if probes < 2:
         raise ValueError(f"probes must be >= 2 (a line needs two points), got {probes}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1 (the time line needs a timing), got {repeats}")
     candidates = sorted(set(candidates if candidates is not None else default_candidates(global_batch_size)))
     bad = [n for n in candidates if not 1 <= n <= global_batch_size]
     if bad:
         raise ValueError(f"candidates must be in 1..{global_batch_size} (the global batch size), got {bad}")
+    size_of = {n: _micro_batch_size(global_batch_size, n) for n in candidates}
+    sizes = sorted(set(size_of.values()))
+    if len(sizes) < 2:
+        raise ValueError(f"candidates {candidates} give fewer than 2 micro-batch sizes; nothing to fit")
     loss_sum = loss_sum or _default_loss_sum(batch[1])
     count_items = count_items or (lambda targets: int(targets.shape[0]))
     full_batch = resize_batch(batch, global_batch_size)
     device = torch.device(device)
+    allowed_bytes = memory_budget_bytes * (1 - safety_margin)
+    options: dict[str, Any] = {
+        "loss_sum": loss_sum,
+        "count_items": count_items,
+        "optimizer_factory": optimizer_factory,
+        "device": device,
+    }
 
-    measured: dict[int, StepMeasurement] = {}
+    probed: dict[int, _Probe] = {}
 
-    def measure(n: int) -> StepMeasurement:
-        measured[n] = measure_step(
-            model,
-            full_batch,
-            n,
-            loss_sum=loss_sum,
-            count_items=count_items,
-            optimizer_factory=optimizer_factory,
-            device=device,
-            repeats=repeats,
+    def probe(m: int) -> _Probe:
+        # Two micro-batches of m (one when m is the whole batch: that is N=1 exactly).
+        k = 2 if 2 * m <= global_batch_size else 1
+        window = (full_batch[0][: k * m], full_batch[1][: k * m])
+        prepared = prepare_step(copy.deepcopy(model), window, k, **options)
+        memory = prepared.measure_memory()
+        phases = prepared.time_phases(repeats)
+        probed[m] = _Probe(
+            memory,
+            window=k,
+            point=MicroStepPoint(
+                micro_batch_size=m,
+                # The fastest repeat: load from other processes only ever adds
+                # time, and one slow probe would tilt the whole line.
+                micro_step_seconds=min(a for a, _ in phases) / k,
+                update_seconds=min(u for _, u in phases),
+            ),
         )
-        return measured[n]
+        return probed[m]
 
-    # Probe the smallest micro-batches first: if they do not fit, nothing does,
-    # and no probe can need more memory than the budget-checked one before it.
-    probe_ns: list[int] = []
-    probe_sizes: set[int] = set()
-    for n in sorted(candidates, key=lambda n: (_micro_batch_size(global_batch_size, n), n)):
-        if _micro_batch_size(global_batch_size, n) not in probe_sizes:
-            probe_sizes.add(_micro_batch_size(global_batch_size, n))
-            probe_ns.append(n)
-        if len(probe_ns) == probes:
-            break
-    if len(probe_ns) < 2:
-        raise ValueError(f"candidates {candidates} give fewer than 2 micro-batch sizes; nothing to fit")
-    smallest = measure(probe_ns[0])
+    smallest = probe(sizes[0])
     if smallest.memory.peak_bytes > memory_budget_bytes:
-        raise ValueError(
-            f"no N fits: even N={probe_ns[0]} (micro-batch {smallest.micro_batch_size}) peaks at "
+        raise NothingFitsError(
+            f"no N fits: even micro-batch {sizes[0]} (N={max(candidates)}) peaks at "
             f"{smallest.memory.peak_bytes} bytes > budget {memory_budget_bytes} bytes "
             f"(optimizer step alone: {smallest.memory.optimizer_step_peak_bytes} bytes)"
         )
-    for n in probe_ns[1:]:
-        if measure(n).memory.peak_bytes > memory_budget_bytes:
-            break  # larger micro-batches need even more
+    probe(sizes[1])
+    while len(probed) < probes:
+        memory_model = _fit_memory(probed)
+        fitting = [m for m in sizes if _fits_or_predicted(m, probed, memory_model, memory_budget_bytes, allowed_bytes)]
+        unprobed = [m for m in fitting if m not in probed]
+        if not unprobed:
+            break
+        if unprobed[-1] > max(probed):
+            probe(unprobed[-1])  # the largest size predicted to fit: the likely pick
+        else:
+            # One between the small probes and the largest that fits, so the time line spans the range.
+            middle = math.sqrt(sizes[1] * max(m for m in probed if m in fitting))
+            probe(min(unprobed, key=lambda m: abs(math.log(m / middle))))
 
-    over_budget: set[int] = {n for n, m in measured.items() if m.memory.peak_bytes > memory_budget_bytes}
     recommended: int | None = None
+    confirmed: dict[int, StepMeasurement] = {}
     while True:
-        memory_model, time_model = _fit(measured.values(), global_batch_size)
-        allowed = memory_budget_bytes * (1 - safety_margin)
+        memory_model = _fit_memory(probed)
+        time_model = fit_micro_steps([p.point for p in probed.values()])
         feasible = [
             n
             for n in candidates
-            if n not in over_budget and memory_model.peak_bytes(_micro_batch_size(global_batch_size, n)) <= allowed
+            if n not in confirmed
+            and _fits_or_predicted(size_of[n], probed, memory_model, memory_budget_bytes, allowed_bytes)
         ]
         if not feasible:
             break
-        best = max(feasible, key=lambda n: (_predicted_rate(n, global_batch_size, time_model, measured), -n))
-        if best not in measured:
-            measure(best)
-        if measured[best].memory.peak_bytes <= memory_budget_bytes:
+        best = max(feasible, key=lambda n: (time_model.samples_per_s(n, global_batch_size), -n))
+        confirmed[best] = measure_step(model, full_batch, best, repeats=repeats, **options)
+        if confirmed[best].memory.peak_bytes <= memory_budget_bytes:
             recommended = best
             break
-        over_budget.add(best)  # the line under-predicted: rule it out, refit with it
 
-    memory_model, time_model = _fit(measured.values(), global_batch_size)
     rows = []
     for n in candidates:
-        m = _micro_batch_size(global_batch_size, n)
-        got = measured.get(n)
+        m = size_of[n]
+        full = confirmed.get(n)
+        fit_ok = _fits_or_predicted(m, probed, memory_model, memory_budget_bytes, allowed_bytes)
         rows.append(
             PlanRow(
                 n_micro_batches=n,
                 micro_batch_size=m,
                 predicted_peak_bytes=memory_model.peak_bytes(m),
                 predicted_samples_per_s=time_model.samples_per_s(n, global_batch_size),
-                fits=(got.memory.peak_bytes <= memory_budget_bytes)
-                if got
-                else memory_model.peak_bytes(m) <= memory_budget_bytes * (1 - safety_margin),
-                measured_peak_bytes=got.memory.peak_bytes if got else None,
-                measured_forward_backward_peak_bytes=got.memory.forward_backward_peak_bytes if got else None,
-                measured_optimizer_step_peak_bytes=got.memory.optimizer_step_peak_bytes if got else None,
-                measured_samples_per_s=global_batch_size / got.median_step_seconds
-                if got and got.step_seconds
-                else None,
+                fits=full.memory.peak_bytes <= memory_budget_bytes if full else fit_ok,
+                probed_peak_bytes=probed[m].memory.peak_bytes if m in probed else None,
+                measured_peak_bytes=full.memory.peak_bytes if full else None,
+                measured_forward_backward_peak_bytes=full.memory.forward_backward_peak_bytes if full else None,
+                measured_optimizer_step_peak_bytes=full.memory.optimizer_step_peak_bytes if full else None,
+                measured_samples_per_s=global_batch_size / full.median_step_seconds if full else None,
             )
         )
     return Plan(
@@ -589,7 +635,7 @@ def plan(
         rows=rows,
         memory_model=memory_model,
         time_model=time_model,
-        measured_n=list(measured),
+        probed_micro_batch_sizes=list(probed),
     )
 
 
@@ -597,38 +643,31 @@ def _micro_batch_size(global_batch_size: int, n: int) -> int:
     return -(-global_batch_size // n)  # ceil: the largest piece sets the peak
 
 
-def _predicted_rate(
-    n: int, global_batch_size: int, time_model: TimeModel, measured: dict[int, StepMeasurement]
-) -> float:
-    """Samples/s for N: measured where it was, predicted elsewhere."""
-    if n in measured and measured[n].step_seconds:
-        return global_batch_size / measured[n].median_step_seconds
-    return time_model.samples_per_s(n, global_batch_size)
+def _fits_or_predicted(
+    m: int, probed: dict[int, _Probe], memory_model: MemoryModel, budget_bytes: int, allowed_bytes: float
+) -> bool:
+    """Measured where probed (exact), predicted with the margin elsewhere."""
+    if m in probed:
+        return probed[m].memory.peak_bytes <= budget_bytes
+    return memory_model.peak_bytes(m) <= allowed_bytes
 
 
-def _fit(measurements: Any, global_batch_size: int) -> tuple[MemoryModel, TimeModel]:
-    measurements = list(measurements)
-    memory_model = fit_memory(
+def _fit_memory(probed: dict[int, _Probe]) -> MemoryModel:
+    """The memory line through the two-micro-batch probes.  An N=1 probe has no
+    gradient temporary (backward's gradients become ``.grad`` directly), so it
+    would bend the line: it is left out while two others exist."""
+    windows = {m: p for m, p in probed.items() if p.window == 2}
+    chosen = windows if len(windows) >= 2 else probed
+    return fit_memory(
         [
             MemoryPoint(
-                micro_batch_size=m.micro_batch_size,
-                forward_backward_peak_bytes=m.memory.forward_backward_peak_bytes,
-                optimizer_step_peak_bytes=m.memory.optimizer_step_peak_bytes,
+                micro_batch_size=m,
+                forward_backward_peak_bytes=p.memory.forward_backward_peak_bytes,
+                optimizer_step_peak_bytes=p.memory.optimizer_step_peak_bytes,
             )
-            for m in measurements
+            for m, p in sorted(chosen.items())
         ]
     )
-    time_model = fit_time(
-        [
-            TimePoint(
-                n_micro_batches=m.n_micro_batches,
-                global_batch_size=global_batch_size,
-                step_seconds=m.median_step_seconds,
-            )
-            for m in measurements
-        ]
-    )
-    return memory_model, time_model
 
 
 def _default_loss_sum(targets: Tensor) -> LossSum:
@@ -656,9 +695,13 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def load_target(spec: str) -> tuple[nn.Module, Batch, LossSum | None, CountItems | None, int | None]:
-    """A built-in workload name, or ``MODULE:FUNC`` where ``FUNC()`` returns
-    ``(model, (inputs, targets))`` or ``(model, (inputs, targets), loss_sum)``."""
+def load_plan_target(spec: str) -> tuple[nn.Module, Batch, LossSum | None, CountItems | None, int | None]:
+    """A built-in workload name, or ``MODULE:FUNC`` / ``path/to/file.py:FUNC``
+    where ``FUNC()`` returns ``(model, (inputs, targets))`` or
+    ``(model, (inputs, targets), loss_sum)``.  Returns the model, the example
+    batch, the loss and item count (None: defaults) and a default global batch."""
+    from equiv.cli import UsageError, load_target  # the CLI's loader: same spec rules everywhere
+
     if spec in WORKLOADS:
         workload = WORKLOADS[spec]
         generator = torch.Generator().manual_seed(0)
@@ -669,21 +712,26 @@ def load_target(spec: str) -> tuple[nn.Module, Batch, LossSum | None, CountItems
             workload.count_items,
             workload.global_batch_size,
         )
-    module_name, sep, func_name = spec.partition(":")
-    if not sep or not module_name or not func_name:
-        raise ValueError(f"target must be one of {sorted(WORKLOADS)} or MODULE:FUNC, got {spec!r}")
-    func = getattr(importlib.import_module(module_name), func_name, None)
-    if not callable(func):
-        raise ValueError(f"{func_name!r} in module {module_name!r} is not a function")
-    result = func()
-    if not isinstance(result, tuple) or len(result) not in (2, 3):
-        raise TypeError(f"{spec}() must return (model, (inputs, targets)[, loss_sum]), got {type(result).__name__}")
+    if ":" not in spec:
+        raise UsageError(f"target must be a built-in workload {sorted(WORKLOADS)} or MODULE:FUNC, got {spec!r}")
+    func = load_target(spec)
+    try:
+        result = func()
+    except Exception as exc:  # the user's code: say which call failed, keep the cause
+        raise UsageError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
+        raise UsageError(
+            f"{spec}() must return (model, (inputs, targets)[, loss_sum]) with an nn.Module first, "
+            f"got {type(result).__name__}"
+        )
     model, batch = result[0], result[1]
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
+        raise UsageError(f"{spec}(): the batch must be (inputs, targets) tensors, got {type(batch).__name__}")
     return model, (batch[0], batch[1]), (result[2] if len(result) == 3 else None), None, None
 
 
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``plan`` to an argparse subparsers object; the handler is ``func(args) -> int``."""
+    """Add ``plan`` to an argparse subparsers object; its ``handler(args) -> int`` runs it."""
     parser = subparsers.add_parser(
         "plan",
         help="recommend the number of micro-batches N for a memory budget",
@@ -712,18 +760,18 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per measured N (default: 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the measurement")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.set_defaults(func=run_plan_command)
+    parser.set_defaults(handler=run_plan_command)
     return parser
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
+    """Exit 0 with a recommendation, 1 when no N fits the budget; bad input
+    raises ``equiv.cli.UsageError`` (exit 2)."""
+    from equiv.cli import UsageError
+
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    try:
-        model, batch, loss_sum, count_items, default_batch = load_target(args.target)
-    except (ValueError, TypeError, ImportError) as exc:
-        print(f"equiv plan: {exc}", file=sys.stderr)
-        return 2
+    model, batch, loss_sum, count_items, default_batch = load_plan_target(args.target)
     global_batch_size = args.global_batch_size or default_batch or int(batch[0].shape[0])
     try:
         result = plan(
@@ -737,9 +785,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
             candidates=args.candidates,
             repeats=args.repeats,
         )
-    except ValueError as exc:
+    except NothingFitsError as exc:
         print(f"equiv plan: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -748,28 +798,33 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
 
 def format_plan(result: Plan) -> str:
+    """The plan as a table a person reads: predicted and measured, per N."""
     mib = 2**20
     memory, timing = result.memory_model, result.time_model
+
+    def mib_or_dash(value: float | None) -> str:
+        return f"{value / mib:.2f}" if value is not None else "-"
+
     lines = [
         f"global batch {result.global_batch_size}, budget {result.memory_budget_bytes / mib:.1f} MiB, "
-        + f"device {result.device}",
+        + f"device {result.device}; probed micro-batches {result.probed_micro_batch_sizes}",
         f"memory model: peak = max({memory.static_bytes / mib:.2f} MiB + "
-        + f"{memory.activation_bytes_per_sample / mib:.4f} MiB x micro-batch, "
+        + f"{memory.activation_bytes_per_sample / mib * 1024:.1f} KiB x micro-batch, "
         + f"optimizer step {memory.optimizer_step_peak_bytes / mib:.2f} MiB)",
         f"time model: step = N x {timing.seconds_per_micro_step * 1e3:.2f} ms + "
-        + f"B x {timing.seconds_per_sample * 1e6:.1f} us",
+        + f"B x {timing.seconds_per_sample * 1e6:.1f} us + update {timing.seconds_per_update * 1e3:.2f} ms",
         "",
-        f"{'N':>5} {'micro':>6} {'pred MiB':>9} {'meas MiB':>9} {'pred samples/s':>15} {'meas samples/s':>15}  fits",
+        f"{'N':>5} {'micro':>6} {'pred MiB':>9} {'probe MiB':>9} {'step MiB':>9} "
+        + f"{'pred samples/s':>15} {'meas samples/s':>15}  fits",
     ]
     for row in result.rows:
-        measured_mib = f"{row.measured_peak_bytes / mib:.2f}" if row.measured_peak_bytes is not None else "-"
         measured_rate = f"{row.measured_samples_per_s:.0f}" if row.measured_samples_per_s is not None else "-"
         marker = "  <- recommended" if row.n_micro_batches == result.recommended_n else ""
         lines.append(
             f"{row.n_micro_batches:>5} {row.micro_batch_size:>6} {row.predicted_peak_bytes / mib:>9.2f} "
-            f"{measured_mib:>9} {row.predicted_samples_per_s:>15.0f} {measured_rate:>15}  "
-            f"{'yes' if row.fits else 'no'}{marker}"
+            f"{mib_or_dash(row.probed_peak_bytes):>9} {mib_or_dash(row.measured_peak_bytes):>9} "
+            f"{row.predicted_samples_per_s:>15.0f} {measured_rate:>15}  {'yes' if row.fits else 'no'}{marker}"
         )
     if result.recommended_n is None:
-        lines.append("no N fits the budget: measured candidates exceeded it and the rest are predicted to")
+        lines.append("no N fits the budget: every candidate was measured or predicted over it")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from equiv.costmodel import MemoryPoint, TimePoint, fit_memory, fit_time, leave_one_out
+from equiv.costmodel import MemoryPoint, MicroStepPoint, TimePoint, fit_memory, fit_micro_steps, fit_time, leave_one_out
 
 STATIC, PER_SAMPLE, STEP_PEAK = 5_000_000.0, 30_000.0, 9_000_000.0
 T_FIXED, T_SAMPLE = 0.002, 0.00005
@@ -48,6 +48,36 @@ def test_fit_time_recovers_fixed_and_per_sample_terms(batch_sizes: list[int]) ->
     assert model.seconds_per_micro_step == pytest.approx(T_FIXED, rel=1e-9)
     assert model.seconds_per_sample == pytest.approx(T_SAMPLE, rel=1e-9)
     assert model.samples_per_s(4, 256) == pytest.approx(256 / (4 * T_FIXED + 256 * T_SAMPLE))
+
+
+def test_fit_micro_steps_recovers_the_terms_and_predicts_whole_steps() -> None:
+    update = 0.004
+    points = [
+        MicroStepPoint(micro_batch_size=m, micro_step_seconds=T_FIXED + m * T_SAMPLE, update_seconds=u)
+        for m, u in [(1, update), (8, update * 2), (64, update)]
+    ]
+    model = fit_micro_steps(points)
+    assert model.seconds_per_micro_step == pytest.approx(T_FIXED, rel=1e-9)
+    assert model.seconds_per_sample == pytest.approx(T_SAMPLE, rel=1e-9)
+    assert model.seconds_per_update == update  # the median: one slow update does not move it
+    assert model.step_seconds(4, 256) == pytest.approx(4 * T_FIXED + 256 * T_SAMPLE + update)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        ([0.010, 0.009, 0.008], (0.009, 0.0)),  # least squares: slope < 0; the mean instead
+        ([0.0006, 0.0022, 0.0118], (0.0, 0.7952 / 4416)),  # intercept < 0; a line through 0 instead
+    ],
+    ids=["slope-would-be-negative", "intercept-would-be-negative"],
+)
+def test_fit_micro_steps_never_fits_a_negative_term(seconds: list[float], expected: tuple[float, float]) -> None:
+    points = [
+        MicroStepPoint(micro_batch_size=m, micro_step_seconds=t, update_seconds=0.0)
+        for m, t in zip([8, 16, 64], seconds, strict=True)
+    ]
+    model = fit_micro_steps(points)
+    assert (model.seconds_per_micro_step, model.seconds_per_sample) == pytest.approx(expected, rel=1e-9, abs=1e-15)
 
 
 def test_leave_one_out_is_exact_on_a_line_and_finds_the_outlier() -> None:
