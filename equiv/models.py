@@ -148,3 +148,176 @@ def token_mlp(*, vocab_size: int = 11, width: int = 8, seq_len: int = 6) -> Mode
         return torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
 
     return ModelBundle(_TokenMLP(vocab_size, width), make, (seq_len, vocab_size))
+
+
+# ---------------------------------------------------------------------------
+# Families the strategies draw from (equiv.strategies.models).  All tiny: a
+# check runs six short trainings, so each forward pass must cost microseconds.
+
+_CONV_NORMS = ("none", "group", "batch")
+
+
+def _conv_norm(norm: str, channels: int, groups: int, batch_norm: Callable[[int], nn.Module]) -> nn.Module:
+    if norm == "none":
+        return nn.Identity()
+    if norm == "group":
+        if channels % groups:
+            raise ValueError(f"GroupNorm needs channels ({channels}) divisible by groups ({groups})")
+        return nn.GroupNorm(groups, channels)
+    if norm == "batch":
+        return batch_norm(channels)
+    raise ValueError(f"unknown norm {norm!r}; expected one of {list(_CONV_NORMS)}")
+
+
+def _conv_stack(
+    conv: Callable[..., nn.Module],
+    batch_norm: Callable[[int], nn.Module],
+    dropout_layer: Callable[[float], nn.Module],
+    *,
+    in_channels: int,
+    channels: tuple[int, ...],
+    kernel_size: int,
+    activation: str,
+    norm: str,
+    groups: int,
+    dropout: float,
+    spatial_numel: int,
+    out_features: int,
+) -> nn.Module:
+    layers: list[nn.Module] = []
+    width = in_channels
+    for out_channels in channels:
+        # padding keeps the spatial size, so the head's input size is known.
+        layers += [
+            conv(width, out_channels, kernel_size, padding=kernel_size // 2),
+            _conv_norm(norm, out_channels, groups, batch_norm),
+            _activation(activation),
+        ]
+        if dropout > 0:
+            layers.append(dropout_layer(dropout))
+        width = out_channels
+    layers += [nn.Flatten(), nn.Linear(width * spatial_numel, out_features)]
+    return nn.Sequential(*[layer for layer in layers if not isinstance(layer, nn.Identity)])
+
+
+@register_model("conv1d")
+def conv1d(
+    *,
+    in_channels: int = 2,
+    length: int = 5,
+    channels: tuple[int, ...] = (4,),
+    kernel_size: int = 3,
+    out_features: int = 3,
+    activation: str = "tanh",
+    norm: str = "none",
+    groups: int = 2,
+    dropout: float = 0.0,
+) -> ModelBundle:
+    """Conv1d layers (odd ``kernel_size``, same padding) then a linear head on
+    the flattened features; ``norm`` is "none", "group" (GroupNorm with
+    ``groups``) or "batch" (BatchNorm1d, inherently non-equivalent)."""
+    module = _conv_stack(
+        nn.Conv1d, nn.BatchNorm1d, nn.Dropout1d, in_channels=in_channels, channels=tuple(channels),
+        kernel_size=kernel_size, activation=activation, norm=norm, groups=groups, dropout=dropout,
+        spatial_numel=length, out_features=out_features,
+    )
+    return ModelBundle(module, _normal_inputs(in_channels, length), (out_features,))
+
+
+@register_model("conv2d")
+def conv2d(
+    *,
+    in_channels: int = 1,
+    size: int = 4,
+    channels: tuple[int, ...] = (4,),
+    kernel_size: int = 3,
+    out_features: int = 3,
+    activation: str = "tanh",
+    norm: str = "none",
+    groups: int = 2,
+    dropout: float = 0.0,
+) -> ModelBundle:
+    """Conv2d layers on ``size`` x ``size`` images (same padding) then a
+    linear head; ``norm`` as for ``conv1d`` (BatchNorm2d for "batch")."""
+    module = _conv_stack(
+        nn.Conv2d, nn.BatchNorm2d, nn.Dropout2d, in_channels=in_channels, channels=tuple(channels),
+        kernel_size=kernel_size, activation=activation, norm=norm, groups=groups, dropout=dropout,
+        spatial_numel=size * size, out_features=out_features,
+    )
+    return ModelBundle(module, _normal_inputs(in_channels, size, size), (out_features,))
+
+
+class _Recurrent(nn.Module):
+    """A GRU or LSTM over the sequence; the last step's hidden state feeds a linear head."""
+
+    def __init__(self, cell: type[nn.Module], in_features: int, hidden: int, layers: int,
+                 out_features: int, dropout: float) -> None:
+        super().__init__()
+        self.rnn = cell(in_features, hidden, num_layers=layers, batch_first=True)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.head = nn.Linear(hidden, out_features)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        output, _ = self.rnn(inputs)
+        return self.head(self.dropout(output[:, -1]))
+
+
+def _recurrent(cell: type[nn.Module], in_features: int, seq_len: int, hidden: int, layers: int,
+               out_features: int, dropout: float) -> ModelBundle:
+    module = _Recurrent(cell, in_features, hidden, layers, out_features, dropout)
+    return ModelBundle(module, _normal_inputs(seq_len, in_features), (out_features,))
+
+
+@register_model("gru")
+def gru(*, in_features: int = 3, seq_len: int = 4, hidden: int = 6, layers: int = 1,
+        out_features: int = 3, dropout: float = 0.0) -> ModelBundle:
+    """A GRU over ``seq_len`` steps of ``in_features``; a linear head on the last hidden state."""
+    return _recurrent(nn.GRU, in_features, seq_len, hidden, layers, out_features, dropout)
+
+
+@register_model("lstm")
+def lstm(*, in_features: int = 3, seq_len: int = 4, hidden: int = 6, layers: int = 1,
+         out_features: int = 3, dropout: float = 0.0) -> ModelBundle:
+    """An LSTM over ``seq_len`` steps of ``in_features``; a linear head on the last hidden state."""
+    return _recurrent(nn.LSTM, in_features, seq_len, hidden, layers, out_features, dropout)
+
+
+class _Attention(nn.Module):
+    """Embedding + one pre-norm self-attention block (LayerNorm, MultiheadAttention,
+    residual); "tokens" head: logits per position, "pooled" head: mean over
+    positions -> ``out_features``."""
+
+    def __init__(self, vocab_size: int, width: int, heads: int, head: str, out_features: int,
+                 dropout: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.norm = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
+        self.pooled = head == "pooled"
+        self.head = nn.Linear(width, out_features if self.pooled else vocab_size)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.embed(tokens)
+        normed = self.norm(hidden)
+        attended, _ = self.attention(normed, normed, normed, need_weights=False)
+        hidden = hidden + attended
+        return self.head(hidden.mean(dim=1) if self.pooled else hidden)
+
+
+@register_model("attention")
+def attention(*, vocab_size: int = 7, seq_len: int = 4, width: int = 8, heads: int = 2,
+              head: str = "pooled", out_features: int = 3, dropout: float = 0.0) -> ModelBundle:
+    """Token embedding then one self-attention block (LayerNorm +
+    ``nn.MultiheadAttention``).  ``head`` "pooled": a (``out_features``,)
+    output per sample (for MSE / cross-entropy); "tokens": (seq_len,
+    vocab_size) logits (for the token-level loss).  ``dropout`` drops
+    attention weights (inherently non-equivalent when > 0)."""
+    if head not in ("pooled", "tokens"):
+        raise ValueError(f"unknown head {head!r}; expected 'pooled' or 'tokens'")
+
+    def make(batch_size: int, generator: torch.Generator) -> Tensor:
+        return torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+
+    module = _Attention(vocab_size, width, heads, head, out_features, dropout)
+    output_shape = (out_features,) if head == "pooled" else (seq_len, vocab_size)
+    return ModelBundle(module, make, output_shape)

@@ -1,0 +1,124 @@
+"""Unit tests of equiv.strategies: bad arguments fail up front, draws are valid cases."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+import equiv
+from equiv import strategies as eqst
+from equiv.inherent import inherent_non_equivalences
+
+INVALID = [
+    pytest.param(eqst.micro_batch_splits, (0,), {}, "batch_size must be at least 1 but was 0", id="splits-batch-0"),
+    pytest.param(eqst.micro_batch_splits, (4,), {"min_pieces": 0}, "min_pieces must be at least 1 but was 0",
+                 id="splits-min-pieces-0"),
+    pytest.param(eqst.micro_batch_splits, (4,), {"max_pieces": 5}, "max_pieces=5 is more than batch_size=4",
+                 id="splits-max-pieces-over-batch"),
+    pytest.param(eqst.micro_batch_splits, (4,), {"min_pieces": 3, "max_pieces": 2},
+                 "min_pieces=3 must be at most max_pieces=2", id="splits-min-over-max"),
+    pytest.param(eqst.micro_batch_splits, (2.5,), {}, "batch_size must be an int", id="splits-float-batch"),
+    pytest.param(eqst.models, (), {"families": ["resnet"]}, "families has unknown ['resnet']", id="models-unknown"),
+    pytest.param(eqst.models, (), {"families": []}, "families must name at least one", id="models-empty"),
+    pytest.param(eqst.models, (), {"families": "mlp"}, "families must be a sequence of names", id="models-str"),
+    pytest.param(eqst.models, (), {"families": ["gru"], "allow_batchnorm": True}, "none of families",
+                 id="models-batchnorm-without-norm-family"),
+    pytest.param(eqst.models, (), {"allow_dropout": 1}, "allow_dropout must be a bool", id="models-dropout-int"),
+    pytest.param(eqst.optimizers, (), {"names": ["LBFGS"]}, "names has unknown ['LBFGS']", id="optimizers-lbfgs"),
+    pytest.param(eqst.losses, (), {"item_weighted": "yes"}, "item_weighted must be a bool", id="losses-flag"),
+    pytest.param(eqst.cases, (), {"min_steps": 0}, "min_steps must be at least 1 but was 0", id="cases-steps-0"),
+    pytest.param(eqst.cases, (), {"min_steps": 3, "max_steps": 2}, "min_steps=3 must be at most max_steps=2",
+                 id="cases-steps-order"),
+    pytest.param(eqst.cases, (), {"min_batch_size": 5, "max_batch_size": 4},
+                 "min_batch_size=5 must be at most max_batch_size=4", id="cases-batch-order"),
+    pytest.param(eqst.cases, (), {"min_micro_batches": 5, "max_batch_size": 4},
+                 "min_micro_batches=5 is more than max_batch_size=4", id="cases-pieces-over-batch"),
+    pytest.param(eqst.cases, (), {"min_micro_batches": 3, "max_micro_batches": 2},
+                 "min_micro_batches=3 must be at most max_micro_batches=2", id="cases-pieces-order"),
+    pytest.param(eqst.cases, (), {"dtypes": ["float8"]}, "dtypes has unknown ['float8']", id="cases-dtype"),
+    pytest.param(eqst.cases, (), {"clipping": ["sometimes"]}, "clipping has unknown", id="cases-clipping"),
+    pytest.param(eqst.cases, (), {"schedulers": ["CosineWarmRestartsX"]}, "schedulers has unknown",
+                 id="cases-scheduler"),
+    pytest.param(eqst.cases, (), {"loss_names": ["token_cross_entropy"], "families": ["mlp"]},
+                 "needs a model family among", id="cases-token-loss-without-token-model"),
+    pytest.param(eqst.cases, (), {"optimizer_names": []}, "optimizer_names must name at least one",
+                 id="cases-no-optimizer"),
+]
+
+
+@pytest.mark.parametrize(("strategy", "args", "kwargs", "message"), INVALID)
+def test_invalid_arguments_are_rejected_when_the_strategy_is_built(strategy, args, kwargs, message) -> None:
+    with pytest.raises(InvalidArgument, match=message.replace("[", r"\[").replace("]", r"\]")):
+        strategy(*args, **kwargs)
+
+
+@given(st.data())
+def test_micro_batch_splits_are_ordered_compositions_within_the_bounds(data: st.DataObject) -> None:
+    batch_size = data.draw(st.integers(1, 20))
+    low = data.draw(st.integers(1, batch_size))
+    high = data.draw(st.integers(low, batch_size))
+    sizes = data.draw(eqst.micro_batch_splits(batch_size, min_pieces=low, max_pieces=high))
+    assert sum(sizes) == batch_size
+    assert all(size >= 1 for size in sizes)
+    assert low <= len(sizes) <= high
+
+
+def test_micro_batch_splits_shrink_to_few_small_pieces() -> None:
+    from hypothesis import find
+
+    uneven = find(eqst.micro_batch_splits(12, min_pieces=2), lambda s: len(set(s)) > 1)
+    assert uneven == (1, 11)
+    three = find(eqst.micro_batch_splits(12), lambda s: len(s) >= 3)
+    assert three == (1, 1, 10)
+
+
+@given(eqst.cases(item_weighted=True))
+@settings(max_examples=50)
+def test_drawn_cases_build_and_have_no_inherent_layers(case: equiv.Case) -> None:
+    assert case.steps >= 2
+    bundle = case.build_model()
+    assert inherent_non_equivalences(bundle.module) == []
+    optimizer = case.build_optimizer(bundle.module)
+    assert optimizer.__class__.__name__ == case.optimizer
+    batches = case.batches(bundle)
+    assert len(batches) == case.steps
+    assert equiv.Case.from_dict(case.to_dict()) == case
+
+
+@given(eqst.cases())
+@settings(max_examples=30)
+def test_default_cases_use_sample_mean_losses(case: equiv.Case) -> None:
+    assert case.loss in eqst.SAMPLE_LOSSES
+
+
+@given(eqst.models(allow_batchnorm=True, allow_dropout=True))
+@settings(max_examples=30)
+def test_models_with_inherent_layers_build(spec: tuple[str, dict]) -> None:
+    name, kwargs = spec
+    case = equiv.Case(batch_size=2, micro_batch_sizes=(1, 1), model=name, model_kwargs=kwargs)
+    case.build_model()
+
+
+@given(eqst.optimizers())
+@settings(max_examples=50)
+def test_every_drawn_optimizer_is_accepted_by_torch(spec: tuple[str, dict]) -> None:
+    name, kwargs = spec
+    case = equiv.Case(batch_size=2, micro_batch_sizes=(1, 1), optimizer=name, optimizer_kwargs=kwargs)
+    case.build_optimizer(case.build_model().module)
+
+
+def test_every_optimizer_and_family_can_be_drawn() -> None:
+    from hypothesis import find
+
+    for name in eqst.OPTIMIZERS:
+        assert find(eqst.optimizers(), lambda spec, name=name: spec[0] == name)[0] == name
+    for family in eqst.MODEL_FAMILIES:
+        assert find(eqst.models(), lambda spec, family=family: spec[0] == family)[0] == family
+
+
+def test_clipping_regimes_map_to_norms() -> None:
+    from hypothesis import find
+
+    assert find(eqst.cases(clipping=["none"]), lambda c: True).max_grad_norm is None
+    assert find(eqst.cases(clipping=["inactive"]), lambda c: True).max_grad_norm == 1e6
+    assert find(eqst.cases(clipping=["active"]), lambda c: True).max_grad_norm <= 1e-2
