@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from equiv.losses import LOSSES, Loss, build_loss
 from equiv.models import MODELS, ModelBundle, build_model
 
-__all__ = ["DTYPES", "DATA", "Case", "InvalidCase"]
+__all__ = ["DATA", "DTYPES", "Case", "InvalidCase"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,

@@ -26,7 +26,7 @@ from equiv.compare import compare_trajectories
 from equiv.inherent import inherent_non_equivalences
 from equiv.tolerances import unit_roundoff
 from equiv.trajectory import Snapshot, candidate_name, run_candidate, run_reference
-from equiv.verdict import Tier, TensorDiff, Verdict
+from equiv.verdict import TensorDiff, Tier, Verdict
 
 __all__ = ["check"]
 

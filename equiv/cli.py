@@ -57,7 +57,7 @@ def load_target(spec: str) -> Callable[..., Any]:
         raise UsageError(f"module {module_part!r} has no attribute {attr!r}")
     if not callable(target):
         raise UsageError(f"{spec!r} is a {type(target).__name__}, not a callable step")
-    return target  # type: ignore[no-any-return]
+    return target
 
 
 def _parse_case(text: str) -> Case:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from equiv.tolerances import allowance
 from equiv.trajectory import Snapshot
-from equiv.verdict import Tier, TensorDiff
+from equiv.verdict import TensorDiff, Tier
 
 __all__ = ["compare_trajectories"]
 

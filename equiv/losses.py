@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSSES", "CrossEntropy", "Loss", "MSE", "TokenCrossEntropy", "build_loss"]
+__all__ = ["LOSSES", "MSE", "CrossEntropy", "Loss", "TokenCrossEntropy", "build_loss"]
 
 
 class Loss:

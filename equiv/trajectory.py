@@ -11,7 +11,7 @@ so gradients it leaks into the next step change the next update.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -162,7 +162,7 @@ def candidate_name(candidate: Callable[..., Any]) -> str:
 def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[Any], dict[str, Any]]:
     """Which of the optional keywords (max_grad_norm, scheduler) to pass."""
     try:
-        parameters = inspect.signature(candidate).parameters
+        parameters: Mapping[str, inspect.Parameter] = inspect.signature(candidate).parameters
     except (TypeError, ValueError):
         parameters = {}  # a builtin or C callable: pass nothing extra
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

@@ -210,6 +210,6 @@ def test_non_scalar_loss_is_refused() -> None:
 
 def test_grad_scaler_with_a_widening_buffer_is_refused() -> None:
     model = tiny(dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="grad_scaler with accumulate_dtype=torch.float32"):
+    with pytest.raises(ValueError, match=r"grad_scaler with accumulate_dtype=torch\.float32"):
         equiv.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
                           grad_scaler=torch.amp.GradScaler("cpu"), accumulate_dtype=torch.float32)

@@ -69,7 +69,7 @@ def test_case_with_scheduler_needs_a_candidate_that_takes_one() -> None:
 
 
 def test_check_rejects_non_case_and_bad_tiers() -> None:
-    with pytest.raises(TypeError, match="case must be an equiv.Case, got dict"):
+    with pytest.raises(TypeError, match=r"case must be an equiv\.Case, got dict"):
         equiv.check(equiv.accumulator_step, {"batch_size": 2})  # type: ignore[arg-type]
     case = equiv.Case(batch_size=2, micro_batch_sizes=(2,))
     with pytest.raises(ValueError, match=r"tiers must be a non-empty subset of \('exact', 'noise'\), got \('fast',\)"):
