@@ -1,0 +1,72 @@
+"""`equiv check`: exit codes 0 (equivalent), 1 (mismatch), 2 (usage or import error)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from equiv.cli import main
+
+STEPS = '''
+import equiv
+
+def reference(model, optimizer, micro_batches, loss_fn, max_grad_norm=None, scheduler=None):
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn, max_grad_norm=max_grad_norm)
+
+def textbook(model, optimizer, micro_batches, loss_fn):
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) / len(micro_batches)).backward()
+    optimizer.step()
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def steps_file(tmp_path: Path) -> Path:
+    path = tmp_path / "my_steps.py"
+    path.write_text(STEPS)
+    return path
+
+
+def test_reference_passes_all_standard_cases(steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", f"{steps_file}:reference"]) == 0
+    assert "9 equivalent, 0 not, of 9 case(s)" in capsys.readouterr().out
+
+
+def test_textbook_loop_fails_uneven_cases_and_writes_json(
+    steps_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "verdicts.json"
+    assert main(["check", f"{steps_file}:textbook", "--json", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL  toy 2.04, uneven 1+3+4" in text and "ok    toy 2.04, 4 x 2" in text
+    verdicts = {row["case_name"]: row["status"] for row in json.loads(out.read_text())}
+    assert verdicts["SGD momentum, even 4 x 4"] == "equivalent"
+    assert verdicts["SGD momentum, uneven 1+5+10"] == "not_equivalent"
+
+
+def test_one_case_as_json(steps_file: Path) -> None:
+    case = '{"batch_size": 4, "micro_batch_sizes": [2, 2]}'
+    assert main(["check", f"{steps_file}:textbook", "--case", case]) == 0
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "message"),
+    [
+        ("no_such_module_xyz:step", [], "could not import 'no_such_module_xyz'"),
+        ("{file}:missing", [], "has no attribute 'missing'"),
+        ("{file}:NOT_CALLABLE", [], "is a int, not a callable step"),
+        ("{file}", [], "expected MODULE:FUNC or path/to/file.py:FUNC"),
+        ("nowhere/steps.py:step", [], "no such file 'nowhere/steps.py'"),
+        ("{file}:textbook", ["--case", "{not json"], "--case is not valid JSON"),
+        ("{file}:textbook", ["--case", '{"batch_size": 3, "micro_batch_sizes": [1]}'], "add up to 1, but batch_size is 3"),
+    ],
+    ids=["bad_module", "missing_attr", "not_callable", "no_colon", "no_file", "bad_json", "bad_case"],
+)
+def test_usage_errors_exit_2_with_a_message(
+    steps_file: Path, target: str, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", target.format(file=steps_file), *extra]) == 2
+    assert message in capsys.readouterr().err
