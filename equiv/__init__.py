@@ -6,7 +6,8 @@ The public API; the code lives in one module per idea (see each module).
 from equiv.accumulator import Accumulator, WindowResult
 from equiv.candidates import accumulator_step, loss_sum_and_count
 from equiv.cases import Case, InvalidCase
-from equiv.check import check
+from equiv.check import ReferenceRuns, check
+from equiv.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
 from equiv.inherent import inherent_non_equivalences
 from equiv.losses import MSE, CrossEntropy, Loss, TokenCrossEntropy
 from equiv.models import ModelBundle, register_model
@@ -22,11 +23,15 @@ __all__ = [
     "CandidateError",
     "Case",
     "CrossEntropy",
+    "DistributedCase",
+    "DistributedCheckError",
+    "DistributedVerdict",
     "EquivalenceError",
     "InvalidCase",
     "Loss",
     "ModelBundle",
     "NonFiniteLossError",
+    "ReferenceRuns",
     "TensorDiff",
     "TokenCrossEntropy",
     "Verdict",
@@ -34,6 +39,7 @@ __all__ = [
     "__version__",
     "accumulator_step",
     "check",
+    "check_distributed",
     "full_batch_step",
     "inherent_non_equivalences",
     "loss_sum_and_count",

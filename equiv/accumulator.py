@@ -19,12 +19,15 @@ zero-count check for tensor counts).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["Accumulator", "WindowResult"]
 
@@ -53,8 +56,16 @@ class Accumulator:
             acc.backward(loss_sum, items=len(targets))
         acc.step()            # normalise once, clip once, step, clear
 
+    Under ``DistributedDataParallel`` pass the DDP module and wrap each
+    micro-batch's forward and backward in ``with acc.micro_batch(last=...)``:
+    all but the last run under ``no_sync``, so gradients are all-reduced once
+    per window, and ``step()`` all-reduces the item count once, so ranks
+    holding different numbers of samples or items still normalise by the
+    global total.
+
     Args:
-        params: a module or an iterable of parameters (all on one device).
+        params: a module (a ``DistributedDataParallel`` one too) or an
+            iterable of parameters (all on one device).
         optimizer: stepped once per window.
         scheduler: an LR scheduler stepped once per window that updated
             (not on windows skipped for overflow).
@@ -80,6 +91,7 @@ class Accumulator:
         grad_scaler: torch.amp.GradScaler | None = None,
         accumulate_dtype: torch.dtype | None = None,
     ) -> None:
+        self.ddp = params if isinstance(params, DistributedDataParallel) else None
         params_list = list(params.parameters() if isinstance(params, nn.Module) else params)
         self.params: list[nn.Parameter] = [p for p in params_list if p.requires_grad]
         if not self.params:
@@ -104,6 +116,13 @@ class Accumulator:
             raise ValueError(
                 f"grad_scaler with accumulate_dtype={accumulate_dtype} wider than the parameters is not supported; "
                 "keep float32 parameters under torch.autocast (no wider buffer needed)"
+            )
+        if self.ddp is not None and widening:
+            # DDP all-reduces .grad; a wide buffer drained after each micro-batch
+            # would keep the earlier micro-batches' sums out of that all-reduce.
+            raise ValueError(
+                f"accumulate_dtype={accumulate_dtype} wider than the parameters is not supported under "
+                "DistributedDataParallel; accumulate in the parameters' dtype"
             )
         self.device = self.params[0].device
         self.optimizer = optimizer
@@ -136,6 +155,20 @@ class Accumulator:
     def micro_batches(self) -> int:
         """Micro-batches accumulated in the open window."""
         return self._micro_batches
+
+    @contextlib.contextmanager
+    def micro_batch(self, *, last: bool) -> Iterator[None]:
+        """Wrap one micro-batch's forward AND backward.
+
+        Under DDP every micro-batch but the last runs in ``no_sync()``: DDP
+        decides at forward time whether the backward all-reduces, so the
+        forward must be inside (accelerate #1726).  Without DDP it does nothing.
+        """
+        if self.ddp is not None and not last:
+            with self.ddp.no_sync():
+                yield
+        else:
+            yield
 
     def backward(self, loss_sum: Tensor, *, items: int | Tensor) -> None:
         """Add one micro-batch: back-propagate its SUMMED loss, count its items.
@@ -180,13 +213,15 @@ class Accumulator:
         if self._micro_batches == 0:
             raise RuntimeError("step() called with no micro-batch since the last step; call backward() first")
         micro_batches, items = self._micro_batches, self._items
+        accumulated = self._accumulated()
+        if self.ddp is not None:
+            items, accumulated = self._synchronise_count(items, accumulated)
         # For a tensor count this is the window's one host read (never per micro-step).
         if int(items) == 0:
             raise ValueError(
                 f"the window's {micro_batches} micro-batches hold 0 items in total; nothing to normalise by"
             )
 
-        accumulated = self._accumulated()
         if accumulated:
             # Divide by the count itself rather than multiply by a rounded
             # reciprocal: the same operation a mean reduction performs.
@@ -224,6 +259,21 @@ class Accumulator:
         return WindowResult(micro_batches=micro_batches, items=items, grad_norm=grad_norm, stepped=stepped)
 
     # ----------------------------------------------------------------- helpers
+    def _synchronise_count(self, items: int | Tensor, accumulated: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """The global item count (one all-reduce per window), and the gradient
+        sums with DDP's averaging over ranks undone."""
+        assert self.ddp is not None
+        group = self.ddp.process_group
+        total = torch.as_tensor(items, device=self.device, dtype=torch.int64).clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        # DDP divided each rank's sum by the world size before summing; multiply
+        # back (exact for a power-of-two world size) so the division by the
+        # global count below is the only normalisation.
+        if accumulated:
+            torch._foreach_mul_(accumulated, float(dist.get_world_size(group)))
+        return total, accumulated
+
+
     def _accumulated(self) -> list[Tensor]:
         """The tensors holding the window's gradient sums (buffers, then plain .grad)."""
         buffered = {id(p) for p in self._buffered}

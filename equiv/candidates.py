@@ -38,11 +38,18 @@ def accumulator_step(
     *,
     max_grad_norm: float | None = None,
     scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """The reference candidate: sum each micro-batch's loss, normalise once by
-    the window's item count, clip once, step once."""
-    accumulator = Accumulator(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler)
-    for inputs, targets in micro_batches:
-        loss_sum, items = loss_sum_and_count(loss_fn, model(inputs), targets)
-        accumulator.backward(loss_sum, items=items)
+    the window's item count, clip once, step once (skipped for the whole
+    window if dynamic loss scaling finds an overflow).  Works unchanged on
+    one process and, given a ``DistributedDataParallel`` model, on many."""
+    accumulator = Accumulator(
+        model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler
+    )
+    for index, (inputs, targets) in enumerate(micro_batches):
+        # Under DDP: no_sync for all but the last micro-batch (forward included).
+        with accumulator.micro_batch(last=index == len(micro_batches) - 1):
+            loss_sum, items = loss_sum_and_count(loss_fn, model(inputs), targets)
+            accumulator.backward(loss_sum, items=items)
     accumulator.step()

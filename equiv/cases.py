@@ -59,6 +59,11 @@ class Case:
     #: A ``torch.optim.lr_scheduler`` class name, stepped once per optimizer step.
     scheduler: str | None = None
     scheduler_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Dynamic loss scaling (torch.amp.GradScaler) starting at this scale; None: off.
+    loss_scale: float | None = None
+    #: (step, sample): that sample's inputs are +inf at that step, so the window
+    #: overflows and its update must be skipped (needs ``loss_scale``).
+    overflow_at: tuple[int, int] | None = None
     #: The working dtype of the noise-floor tier ("float64" runs the exact tier only).
     dtype: str = "float32"
     device: str = "cpu"
@@ -68,6 +73,8 @@ class Case:
     def __post_init__(self) -> None:
         # Normalise containers so equal cases compare equal and repr round-trips.
         object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
+        if self.overflow_at is not None:
+            object.__setattr__(self, "overflow_at", tuple(self.overflow_at))
         for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
             object.__setattr__(self, name, dict(getattr(self, name)))
         self._validate()
@@ -92,6 +99,16 @@ class Case:
             raise InvalidCase(f"steps must be a positive int, got {self.steps!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise InvalidCase(f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise InvalidCase(f"loss_scale must be positive or None, got {self.loss_scale!r}")
+        if self.overflow_at is not None:
+            if self.loss_scale is None:
+                raise InvalidCase(f"overflow_at={self.overflow_at} needs loss_scale: without loss scaling an "
+                                  "overflow is a non-finite loss, not a window to skip")
+            step, sample = self.overflow_at
+            if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
+                raise InvalidCase(f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
+                                  f"x samples 0..{self.batch_size - 1}")
         if self.dtype not in DTYPES:
             raise InvalidCase(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
         if self.loss not in LOSSES:
@@ -170,6 +187,10 @@ class Case:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + step)
             inputs = bundle.make_inputs(self.batch_size, generator)
             targets = self._targets(bundle.output_shape, generator)
+            if self.overflow_at is not None and self.overflow_at[0] == step:
+                if not inputs.is_floating_point():
+                    raise InvalidCase(f"overflow_at needs float inputs; model {self.model!r} takes {inputs.dtype}")
+                inputs[self.overflow_at[1]] = float("inf")
             out.append((self._round(inputs), self._round(targets)))
         return out
 
@@ -201,6 +222,11 @@ class Case:
         except (TypeError, ValueError) as exc:
             raise InvalidCase(f"optimizer {self.optimizer}(**{dict(self.optimizer_kwargs)!r}) rejected: {exc}") from None
         return optimizer
+
+    def build_grad_scaler(self) -> torch.amp.GradScaler | None:
+        if self.loss_scale is None:
+            return None
+        return torch.amp.GradScaler(torch.device(self.device).type, init_scale=self.loss_scale)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any | None:
         if self.scheduler is None:

@@ -16,7 +16,8 @@ repeat the exact tier).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from equiv.tolerances import unit_roundoff
 from equiv.trajectory import Snapshot, candidate_name, run_candidate, run_reference
 from equiv.verdict import TensorDiff, Tier, Verdict
 
-__all__ = ["check"]
+__all__ = ["ReferenceRuns", "check"]
 
 TIERS: tuple[Tier, ...] = ("exact", "noise")
 #: Offsets of the shuffling seeds from the case seed (any fixed values; fixed so reruns agree).
@@ -53,46 +54,79 @@ def check(candidate: Callable[..., Any], case: Case, *, tiers: Sequence[Tier] = 
     if not callable(candidate):
         raise TypeError(f"candidate must be callable as step(model, optimizer, micro_batches, loss_fn), got {candidate!r}")
 
-    exact = torch.float64
-    working = case.working_dtype
-    truth = run_reference(case, exact)
-    # Floor samples: the full-batch run in order and on shuffled batches (the
-    # same mathematics rounded in other orders).  Three samples, because the
-    # ratio of two roundoff errors is heavy-tailed (see equiv.tolerances).
-    shuffles = [case.seed + offset for offset in _SHUFFLE_SEED_OFFSETS]
+    references = ReferenceRuns.of(case, tiers)
+    candidate_runs = {tier: run_candidate(case, candidate, references.dtype(tier)) for tier in references.tiers}
+    return references.verdict(candidate_name(candidate), candidate_runs)
 
-    def floor_samples(dtype: torch.dtype) -> list[list[Snapshot]]:
-        return [run_reference(case, dtype)] + [run_reference(case, dtype, permutation_seed=s) for s in shuffles]
 
-    float32_floors = floor_samples(torch.float32)
-    diffs: list[TensorDiff] = []
-    if "exact" in tiers:
-        # Rounding error grows linearly with the unit roundoff, so float32 runs'
-        # errors scaled by u(float64)/u(float32) estimate the float64 floor; the
-        # float64 run on a shuffled batch is a direct sample (none for batches
-        # of one sample, whose shuffle is the identity).
-        float32_to_64 = unit_roundoff(exact) / unit_roundoff(torch.float32)
-        diffs += compare_trajectories(
-            tier="exact", dtype=exact, truth=truth,
-            floor_runs=[*float32_floors, run_reference(case, exact, permutation_seed=shuffles[0])],
-            floor_scales=[float32_to_64] * len(float32_floors) + [1.0],
-            candidate=run_candidate(case, candidate, exact),
+@dataclass(frozen=True)
+class ReferenceRuns:
+    """The float64 truth and the floor samples of each tier, for one case.
+
+    Computed once; any candidate trajectory run elsewhere (e.g. one per rank
+    of a distributed run) is then judged by :meth:`compare` / :meth:`verdict`.
+    """
+
+    case: Case
+    truth: list[Snapshot]
+    #: tier -> (floor runs, the factor each floor run's error is scaled by)
+    floors: dict[str, tuple[list[list[Snapshot]], list[float]]]
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self.floors)  # type: ignore[arg-type]
+
+    def dtype(self, tier: str) -> torch.dtype:
+        return torch.float64 if tier == "exact" else self.case.working_dtype
+
+    @classmethod
+    def of(cls, case: Case, tiers: Sequence[Tier] = TIERS) -> ReferenceRuns:
+        exact = torch.float64
+        working = case.working_dtype
+        truth = run_reference(case, exact)
+        # Floor samples: the full-batch run in order and on shuffled batches (the
+        # same mathematics rounded in other orders).  Three samples, because the
+        # ratio of two roundoff errors is heavy-tailed (see equiv.tolerances).
+        shuffles = [case.seed + offset for offset in _SHUFFLE_SEED_OFFSETS]
+
+        def floor_samples(dtype: torch.dtype) -> list[list[Snapshot]]:
+            return [run_reference(case, dtype)] + [run_reference(case, dtype, permutation_seed=s) for s in shuffles]
+
+        float32_floors = floor_samples(torch.float32)
+        floors: dict[str, tuple[list[list[Snapshot]], list[float]]] = {}
+        if "exact" in tiers:
+            # Rounding error grows linearly with the unit roundoff, so float32 runs'
+            # errors scaled by u(float64)/u(float32) estimate the float64 floor; the
+            # float64 run on a shuffled batch is a direct sample (none for batches
+            # of one sample, whose shuffle is the identity).
+            float32_to_64 = unit_roundoff(exact) / unit_roundoff(torch.float32)
+            floors["exact"] = (
+                [*float32_floors, run_reference(case, exact, permutation_seed=shuffles[0])],
+                [float32_to_64] * len(float32_floors) + [1.0],
+            )
+        if "noise" in tiers and working != exact:
+            noise_floors = float32_floors if working == torch.float32 else floor_samples(working)
+            floors["noise"] = (noise_floors, [1.0] * len(noise_floors))
+        return cls(case=case, truth=truth, floors=floors)
+
+    def compare(self, tier: Tier, candidate: list[Snapshot]) -> list[TensorDiff]:
+        floor_runs, floor_scales = self.floors[tier]
+        return compare_trajectories(
+            tier=tier, dtype=self.dtype(tier), truth=self.truth,
+            floor_runs=floor_runs, floor_scales=floor_scales, candidate=candidate,
         )
-    if "noise" in tiers and working != exact:
-        floors = float32_floors if working == torch.float32 else floor_samples(working)
-        diffs += compare_trajectories(
-            tier="noise", dtype=working, truth=truth, floor_runs=floors, floor_scales=[1.0] * len(floors),
-            candidate=run_candidate(case, candidate, working),
-        )
 
-    worst: dict[str, TensorDiff] = {}
-    for diff in diffs:
-        if diff.tier not in worst or diff.ratio > worst[diff.tier].ratio:
-            worst[diff.tier] = diff
-    return Verdict(
-        case=case,
-        candidate=candidate_name(candidate),
-        mismatches=tuple(d for d in diffs if not d.ok),
-        worst=worst,
-        inherent=tuple(inherent_non_equivalences(case.build_model().module)),
-    )
+    def verdict(self, candidate: str, runs: Mapping[Tier, list[Snapshot]]) -> Verdict:
+        """The verdict for one candidate trajectory per tier."""
+        diffs = [diff for tier, run in runs.items() for diff in self.compare(tier, run)]
+        worst: dict[str, TensorDiff] = {}
+        for diff in diffs:
+            if diff.tier not in worst or diff.ratio > worst[diff.tier].ratio:
+                worst[diff.tier] = diff
+        return Verdict(
+            case=self.case,
+            candidate=candidate,
+            mismatches=tuple(d for d in diffs if not d.ok),
+            worst=worst,
+            inherent=tuple(inherent_non_equivalences(self.case.build_model().module)),
+        )

@@ -49,9 +49,9 @@ def _diff(
         return TensorDiff(step, name, kind, tier, dtype_name, math.inf, (), math.inf, (),  # type: ignore[arg-type]
                           budget.allowed, budget.explain(), max(truth.numel(), 1), max(truth.numel(), 1))
     # NaN anywhere is as far from the truth as it gets.
-    abs_diff = torch.nan_to_num((candidate - truth).abs(), nan=math.inf)
+    abs_diff = torch.nan_to_num((candidate - truth).abs(), nan=math.inf, posinf=math.inf)
     rel_diff = abs_diff / truth.abs()
-    rel_diff = torch.where(abs_diff == 0, torch.zeros_like(rel_diff), torch.nan_to_num(rel_diff, nan=math.inf))
+    rel_diff = torch.where(abs_diff == 0, torch.zeros_like(rel_diff), torch.nan_to_num(rel_diff, nan=math.inf, posinf=math.inf))
     flat_abs = int(abs_diff.argmax()) if abs_diff.numel() else 0
     flat_rel = int(rel_diff.argmax()) if rel_diff.numel() else 0
     return TensorDiff(

@@ -37,8 +37,9 @@ MicroBatches = list[tuple[Tensor, Tensor]]
 class Candidate(Protocol):
     """The public candidate contract (see DESIGN.md): one optimizer update that
     uses every micro-batch.  A candidate that clips accepts ``max_grad_norm``;
-    one that steps an LR scheduler accepts ``scheduler``; the checker passes
-    those keywords only when the candidate's signature names them."""
+    one that steps an LR scheduler accepts ``scheduler``; one that scales its
+    losses accepts ``grad_scaler``; the checker passes those keywords only when
+    the candidate's signature names them."""
 
     def __call__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Loss, /
@@ -67,7 +68,9 @@ class Snapshot:
     optimizer_state: dict[str, Tensor]
 
 
-def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
+def _snapshot(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None = None
+) -> Snapshot:
     def copy(tensor: Tensor) -> Tensor:
         return tensor.detach().to("cpu", torch.float64, copy=True)
 
@@ -77,6 +80,10 @@ def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
         for key, value in param_state.items():
             label = f"{names.get(id(param), '?')}:{key}"
             state[label] = copy(value) if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64)
+    if grad_scaler is not None:
+        # The scale must move exactly as the full-batch step's: backed off once
+        # per overflowing window, never per micro-batch.
+        state["grad_scaler:scale"] = torch.tensor(grad_scaler.get_scale(), dtype=torch.float64)
     return Snapshot(
         params={name: copy(p) for name, p in model.named_parameters()},
         buffers={name: copy(b) for name, b in model.named_buffers() if b.is_floating_point()},
@@ -92,33 +99,72 @@ def full_batch_step(
     *,
     max_grad_norm: float | None = None,
     scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """The reference: one step on the whole batch with the mean loss over all
-    of its items, clipped once if asked.  Returns the loss."""
+    of its items, clipped once if asked.  With a ``grad_scaler`` the step is
+    skipped when the gradient overflows (and the scheduler with it, as
+    :class:`equiv.Accumulator` and Accelerate do).  Returns the loss."""
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = batch
     loss = loss_fn(model(inputs), targets)
-    loss.backward()
-    if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
-    optimizer.step()
-    if scheduler is not None:
+    if grad_scaler is None:
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+        optimizer.step()
+        stepped = True
+    else:
+        grad_scaler.scale(loss).backward()
+        grad_scaler.unscale_(optimizer)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+        scale_before = grad_scaler.get_scale()
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+        stepped = grad_scaler.get_scale() >= scale_before
+    if scheduler is not None and stepped:
         scheduler.step()
     return loss.detach()
 
 
-StepRunner = Callable[[nn.Module, torch.optim.Optimizer, tuple[Tensor, Tensor], Any, int], None]
+StepRunner = Callable[[nn.Module, torch.optim.Optimizer, tuple[Tensor, Tensor], "RunExtras", int], None]
 
 
-def _run(case: Case, dtype: torch.dtype, run_step: StepRunner, permutation_seed: int | None = None) -> list[Snapshot]:
-    """Snapshots before the first step and after each step, computing in ``dtype``."""
+@dataclass(frozen=True, slots=True)
+class RunExtras:
+    """Objects a step needs besides model and optimizer, fresh for each run."""
+
+    scheduler: Any | None
+    grad_scaler: torch.amp.GradScaler | None
+
+
+def _run(
+    case: Case,
+    dtype: torch.dtype,
+    run_step: StepRunner,
+    permutation_seed: int | None = None,
+    *,
+    wrap_model: Callable[[nn.Module], nn.Module] | None = None,
+    batch_slice: slice | None = None,
+) -> list[Snapshot]:
+    """Snapshots before the first step and after each step, computing in ``dtype``.
+
+    ``wrap_model`` (e.g. DistributedDataParallel) wraps the model the step
+    sees; snapshots read the unwrapped one.  ``batch_slice`` keeps one part of
+    every batch (one rank's shard).
+    """
     device = torch.device(case.device)
     bundle = case.build_model()
     model = bundle.module.to(device=device, dtype=dtype)
     batches = case.batches(bundle)
-    optimizer = case.build_optimizer(model)
-    scheduler = case.build_scheduler(optimizer)
-    snapshots = [_snapshot(model, optimizer)]
+    stepped_model = wrap_model(model) if wrap_model is not None else model
+    optimizer = case.build_optimizer(stepped_model)
+    extras = RunExtras(
+        scheduler=case.build_scheduler(optimizer),
+        grad_scaler=case.build_grad_scaler(),
+    )
+    snapshots = [_snapshot(model, optimizer, extras.grad_scaler)]
     # Dropout draws from the global RNG: seed it so every run of a case is repeatable.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(case.seed)
@@ -126,9 +172,11 @@ def _run(case: Case, dtype: torch.dtype, run_step: StepRunner, permutation_seed:
             if permutation_seed is not None:
                 order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(permutation_seed + step))
                 inputs, targets = inputs[order], targets[order]
+            if batch_slice is not None:
+                inputs, targets = inputs[batch_slice], targets[batch_slice]
             batch = (_to(inputs, device, dtype), _to(targets, device, dtype))
-            run_step(model, optimizer, batch, scheduler, step)
-            snapshots.append(_snapshot(model, optimizer))
+            run_step(stepped_model, optimizer, batch, extras, step)
+            snapshots.append(_snapshot(model, optimizer, extras.grad_scaler))
     return snapshots
 
 
@@ -142,11 +190,13 @@ def run_reference(case: Case, dtype: torch.dtype, *, permutation_seed: int | Non
     measures the dtype's own noise floor for this case."""
     loss_fn = case.build_loss()
 
-    def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, scheduler: Any, step: int) -> None:
+    def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, extras: RunExtras, step: int) -> None:
         loss = full_batch_step(
-            model, optimizer, batch, loss_fn, max_grad_norm=case.max_grad_norm, scheduler=scheduler
+            model, optimizer, batch, loss_fn, max_grad_norm=case.max_grad_norm,
+            scheduler=extras.scheduler, grad_scaler=extras.grad_scaler,
         )
-        if not torch.isfinite(loss):
+        # Under dynamic loss scaling a non-finite loss is an overflow to skip, not an error.
+        if extras.grad_scaler is None and not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"the full-batch reference loss is {loss.item()} at step {step} in {dtype}; "
                 f"the case cannot be checked: {case!r}"
@@ -160,7 +210,7 @@ def candidate_name(candidate: Callable[..., Any]) -> str:
 
 
 def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[Any], dict[str, Any]]:
-    """Which of the optional keywords (max_grad_norm, scheduler) to pass."""
+    """Which of the optional keywords (max_grad_norm, scheduler, grad_scaler) to pass."""
     try:
         parameters: Mapping[str, inspect.Parameter] = inspect.signature(candidate).parameters
     except (TypeError, ValueError):
@@ -168,18 +218,26 @@ def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[Any], 
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     takes_clip = takes_any or "max_grad_norm" in parameters
     takes_scheduler = takes_any or "scheduler" in parameters
+    takes_scaler = takes_any or "grad_scaler" in parameters
     if case.scheduler is not None and not takes_scheduler:
         raise TypeError(
             f"case has scheduler {case.scheduler!r} but candidate {candidate_name(candidate)} takes no "
             "'scheduler' keyword, so it could not step it once per window"
         )
+    if case.loss_scale is not None and not takes_scaler:
+        raise TypeError(
+            f"case has loss_scale {case.loss_scale!r} but candidate {candidate_name(candidate)} takes no "
+            "'grad_scaler' keyword, so it could not scale its losses"
+        )
 
-    def keywords(scheduler: Any) -> dict[str, Any]:
+    def keywords(extras: RunExtras) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if takes_clip and case.max_grad_norm is not None:
             out["max_grad_norm"] = case.max_grad_norm
-        if takes_scheduler and scheduler is not None:
-            out["scheduler"] = scheduler
+        if takes_scheduler and extras.scheduler is not None:
+            out["scheduler"] = extras.scheduler
+        if takes_scaler and extras.grad_scaler is not None:
+            out["grad_scaler"] = extras.grad_scaler
         return out
 
     return keywords
@@ -192,17 +250,34 @@ def split_batch(batch: tuple[Tensor, Tensor], sizes: Sequence[int]) -> MicroBatc
     return [(x.clone(), y.clone()) for x, y in zip(inputs.split(list(sizes)), targets.split(list(sizes)), strict=True)]
 
 
-def run_candidate(case: Case, candidate: Callable[..., Any], dtype: torch.dtype) -> list[Snapshot]:
+def run_candidate(
+    case: Case,
+    candidate: Callable[..., Any],
+    dtype: torch.dtype,
+    *,
+    wrap_model: Callable[[nn.Module], nn.Module] | None = None,
+    batch_slice: slice | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
-    optimizer, with the step's batch cut into ``case.micro_batch_sizes``."""
+    optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
+
+    For one rank of a distributed run: ``wrap_model`` wraps the model in DDP,
+    ``batch_slice`` selects the rank's shard, ``micro_batch_sizes`` cuts it,
+    and ``on_step`` hears each step start (progress for fault reports).
+    """
     loss_fn = case.build_loss()
     keywords = _keywords_for(candidate, case)
     dtype_name = str(dtype).removeprefix("torch.")
+    sizes = case.micro_batch_sizes if micro_batch_sizes is None else tuple(micro_batch_sizes)
 
-    def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, scheduler: Any, step: int) -> None:
-        micro_batches = split_batch(batch, case.micro_batch_sizes)
+    def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, extras: RunExtras, step: int) -> None:
+        if on_step is not None:
+            on_step(step)
+        micro_batches = split_batch(batch, sizes)
         try:
-            candidate(model, optimizer, micro_batches, loss_fn, **keywords(scheduler))
+            candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
         except Exception as exc:
             raise CandidateError(
                 f"candidate {candidate_name(candidate)} raised {type(exc).__name__}: {exc} "
@@ -212,4 +287,4 @@ def run_candidate(case: Case, candidate: Callable[..., Any], dtype: torch.dtype)
                 dtype=dtype_name,
             ) from exc
 
-    return _run(case, dtype, run_step)
+    return _run(case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice)

@@ -1,0 +1,135 @@
+"""equiv under DistributedDataParallel: W=2 gloo ranks on the CPU.
+
+Each check spawns two processes, so this file holds few, meaningful cases.
+The fault candidates live at module level: spawned ranks import them.
+"""
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import equiv
+from equiv.distributed import DistributedCase, DistributedCheckError, check_distributed
+from equiv.trajectory import run_reference
+from equiv.zoo_distributed import forward_outside_no_sync, local_mean_per_rank, no_sync_missing
+
+MLP = {"hidden": (8,), "activation": "tanh"}
+BASE = equiv.Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs=MLP, optimizer="Adam",
+                  optimizer_kwargs={"lr": 1e-2}, steps=2)
+
+
+def no_stray_processes() -> bool:
+    return not multiprocessing.active_children()
+
+
+def test_accumulator_matches_full_batch_with_uneven_ranks_and_one_allreduce_per_window() -> None:
+    # Rank 0 holds 4 samples in 2 micro-batches, rank 1 holds 2 in 1; clipping is active.
+    dcase = DistributedCase.of(BASE.replace(max_grad_norm=0.05, steps=3), [[1, 3], [2]])
+    verdict = check_distributed(equiv.accumulator_step, dcase)
+    verdict.assert_ok()
+    assert len(verdict.ranks) == 2 and all(verdict.ranks)
+    assert verdict.allreduces_per_step("exact") == {1}
+    assert verdict.allreduces_per_step("noise") == {1}
+    parameter_bytes = sum(p.numel() for p in dcase.case.build_model().module.parameters()) * 8
+    assert verdict.bytes_per_step("exact") == parameter_bytes  # float64 gradients, once
+    assert no_stray_processes()
+
+
+def test_accumulator_normalises_by_the_global_token_count() -> None:
+    # Ranks hold different numbers of real (non-padding) tokens.
+    token_case = BASE.replace(model="token_mlp", model_kwargs={}, loss="token_cross_entropy")
+    verdict = check_distributed(equiv.accumulator_step, DistributedCase.of(token_case, [[1, 2], [3, 1, 1]]))
+    verdict.assert_ok()
+    assert verdict.allreduces_per_step() == {1}
+
+
+def test_local_mean_per_rank_is_caught_when_ranks_hold_different_counts() -> None:
+    verdict = check_distributed(local_mean_per_rank, DistributedCase.of(BASE, [[1], [3]]))
+    assert not verdict and verdict.status == "not_equivalent"
+    first = verdict.ranks[0].first_mismatch
+    assert first is not None and first.step == 1 and first.kind == "update"
+    assert "rank 0 of 2: Not equivalent to full-batch training" in verdict.message()
+
+
+@pytest.mark.parametrize("candidate", [no_sync_missing, forward_outside_no_sync], ids=lambda c: c.__name__)
+def test_missing_or_misplaced_no_sync_costs_one_allreduce_per_micro_batch(candidate: object) -> None:
+    verdict = check_distributed(candidate, DistributedCase.of(BASE, [[1, 1, 2], [2, 1, 1]]))  # type: ignore[arg-type]
+    verdict.assert_ok()  # numerically right...
+    assert verdict.allreduces_per_step() == {3}  # ...at three times the communication
+
+
+def test_overflow_on_one_rank_skips_the_window_on_every_rank() -> None:
+    # Sample 5 of step 1 is in rank 1's shard (rank 0 holds samples 0-3).
+    scaled = BASE.replace(batch_size=6, micro_batch_sizes=[6], optimizer="SGD",
+                          optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, steps=3,
+                          loss_scale=2.0**10, overflow_at=[1, 5])
+    dcase = DistributedCase.of(scaled, [[2, 2], [1, 1]])
+    truth = run_reference(dcase.case, torch.float64)
+    # The full-batch reference skips step 1 and backs its scale off once...
+    assert all(torch.equal(truth[2].params[n], truth[1].params[n]) for n in truth[1].params)
+    assert [float(s.optimizer_state["grad_scaler:scale"]) for s in truth] == [1024.0, 1024.0, 512.0, 512.0]
+    # ...and so must every rank (updates, optimizer state and the scale are compared).
+    verdict = check_distributed(equiv.accumulator_step, dcase)
+    verdict.assert_ok()
+    assert verdict.allreduces_per_step() == {1}
+
+
+# ------------------------------------------------------------------ faults
+def raises_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object) -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 cannot go on")
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)  # type: ignore[arg-type]
+
+
+def hangs_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object) -> None:
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)  # type: ignore[arg-type]
+
+
+def dies_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object) -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)  # type: ignore[arg-type]
+
+
+FAULT_CASE = DistributedCase.of(BASE, [[1, 1], [2]])
+
+
+def test_a_rank_that_raises_is_named_with_the_case() -> None:
+    with pytest.raises(DistributedCheckError) as info:
+        check_distributed(raises_on_rank_1, FAULT_CASE, timeout_s=60)
+    text = str(info.value)
+    assert "rank 1 raised (exact tier, step 0: in the candidate)" in text
+    assert "rank 1 cannot go on" in text
+    assert "DistributedCase.of(Case(batch_size=4" in text
+    assert no_stray_processes()
+
+
+def test_a_rank_that_hangs_ends_the_check_within_the_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(DistributedCheckError, match=r"did not finish within 8 s: .*rank 1 hung \(exact tier, step 0"):
+        check_distributed(hangs_on_rank_1, FAULT_CASE, timeout_s=8)
+    # The deadline bounds the wait (the slack is process start-up and clean-up).
+    assert time.monotonic() - started < 60
+    assert no_stray_processes()
+
+
+def test_a_rank_that_dies_is_named_with_its_exit_code() -> None:
+    with pytest.raises(DistributedCheckError, match=r"rank 1 died with exit code 3 \(exact tier, step 0"):
+        check_distributed(dies_on_rank_1, FAULT_CASE, timeout_s=60)
+    assert no_stray_processes()
+
+
+def test_bad_distributed_input_is_refused() -> None:
+    with pytest.raises(equiv.InvalidCase, match=r"rank 1 has micro-batch sizes \(\)"):
+        DistributedCase.of(BASE, [[1], []])
+    with pytest.raises(TypeError, match="cannot be sent to spawned ranks"):
+        check_distributed(lambda *args: None, FAULT_CASE)
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, got 0"):
+        check_distributed(equiv.accumulator_step, FAULT_CASE, timeout_s=0)

@@ -1,0 +1,53 @@
+"""Dynamic loss scaling across a window: one overflow skips the whole window."""
+
+import re
+
+import pytest
+
+import equiv
+from equiv import zoo
+from equiv.zoo_distributed import overflow_checked_on_last_micro_batch
+
+SCALED = equiv.Case(batch_size=6, micro_batch_sizes=(1, 2, 3), model_kwargs={"hidden": (8,)}, optimizer="Adam",
+                    optimizer_kwargs={"lr": 1e-2}, steps=3, loss_scale=2.0**8, overflow_at=(1, 0))
+
+
+@pytest.mark.parametrize("sample", range(6))
+def test_reference_skips_the_window_whichever_micro_batch_overflows(sample: int) -> None:
+    equiv.check(equiv.accumulator_step, SCALED.replace(overflow_at=[1, sample])).assert_ok()
+
+
+def test_overflow_flag_assigned_instead_of_ored_is_caught() -> None:
+    verdict = equiv.check(overflow_checked_on_last_micro_batch, SCALED)
+    assert verdict.status == "not_equivalent"
+    first = verdict.first_mismatch
+    # Step 1 (the overflowing window) is stepped instead of skipped.
+    assert first is not None and first.step == 2 and first.kind == "update"
+    # An overflow in the last micro-batch is the one case the bug still handles.
+    assert equiv.check(overflow_checked_on_last_micro_batch, SCALED.replace(overflow_at=[1, 5]))
+
+
+def test_scaled_case_needs_a_candidate_that_takes_the_scaler() -> None:
+    with pytest.raises(TypeError, match="takes no 'grad_scaler' keyword"):
+        equiv.check(zoo.unscaled_sum, SCALED)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"loss_scale": None}, "overflow_at=(1, 0) needs loss_scale"),
+        ({"overflow_at": [3, 0]}, "overflow_at=(3, 0) is outside steps 0..2 x samples 0..5"),
+        ({"overflow_at": [0, 6]}, "overflow_at=(0, 6) is outside steps 0..2 x samples 0..5"),
+        ({"loss_scale": -1.0, "overflow_at": None}, "loss_scale must be positive or None, got -1.0"),
+    ],
+    ids=["no_scaler", "step_out_of_range", "sample_out_of_range", "negative_scale"],
+)
+def test_bad_loss_scale_fields_name_the_value(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(equiv.InvalidCase, match=re.escape(message)):
+        SCALED.replace(**changes)
+
+
+def test_overflow_needs_float_inputs() -> None:
+    case = SCALED.replace(model="token_mlp", model_kwargs={}, loss="token_cross_entropy")
+    with pytest.raises(equiv.InvalidCase, match="overflow_at needs float inputs"):
+        equiv.check(equiv.accumulator_step, case)
