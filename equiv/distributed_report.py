@@ -68,12 +68,12 @@ def distributed_section(progress: Callable[[str], None] | None = None) -> str:
     loss_rows = []
     for sample, where in ((0, "first micro-batch"), (2, "second micro-batch"), (5, "last micro-batch")):
         for name, candidate in (("accumulator_step", accumulator_step), *LOSS_SCALE_BUGS.items()):
-            verdict = check(candidate, scaled.replace(overflow_at=[1, sample]))
+            single = check(candidate, scaled.replace(overflow_at=[1, sample]))
             loss_rows.append({
                 "overflow in": f"{where} (sample {sample}) of step 1",
                 "candidate": name,
-                "verdict": verdict.status.replace("_", " "),
-                "worst exact / allowed": _ratio(verdict.worst["exact"].ratio),
+                "verdict": single.status.replace("_", " "),
+                "worst exact / allowed": _ratio(single.worst["exact"].ratio),
             })
     loss_scale = pd.DataFrame(loss_rows)
 
