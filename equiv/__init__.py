@@ -4,6 +4,7 @@ The public API; the code lives in one module per idea (see each module).
 """
 
 from equiv.accumulator import Accumulator, WindowResult
+import equiv.causal_lm  # registers the "causal_lm" model family
 from equiv.candidates import accumulator_step, loss_sum_and_count
 from equiv.cases import Case, InvalidCase
 from equiv.check import ReferenceRuns, check

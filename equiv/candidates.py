@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from equiv.accumulator import Accumulator
 
-__all__ = ["accumulator_step", "loss_sum_and_count"]
+__all__ = ["accumulator_step", "item_count", "loss_sum_and_count"]
 
 
 def loss_sum_and_count(loss_fn: Callable[..., Tensor], output: Tensor, target: Tensor) -> tuple[Tensor, int | Tensor]:
@@ -28,6 +28,11 @@ def loss_sum_and_count(loss_fn: Callable[..., Tensor], output: Tensor, target: T
         return loss_fn.sum(output, target), loss_fn.count(target)
     samples = int(target.shape[0])
     return loss_fn(output, target) * samples, samples
+
+
+def item_count(loss_fn: Callable[..., Tensor], target: Tensor) -> int | Tensor:
+    """How many items ``loss_fn`` averages over in ``target`` (samples for a plain mean loss)."""
+    return loss_fn.count(target) if hasattr(loss_fn, "count") else int(target.shape[0])
 
 
 def accumulator_step(
