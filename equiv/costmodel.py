@@ -18,6 +18,7 @@ honest measure of whether the line can be used to predict an N not measured.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -156,6 +157,26 @@ def _lstsq(columns: Sequence[Sequence[float]], y: Sequence[float]) -> list[float
     return [float(c) for c in coefficients]
 
 
+def _nonnegative_lstsq(columns: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Least squares with every coefficient >= 0 (for times: a term cannot
+    cost negative seconds, but noisy timings can make plain least squares say
+    so, and then predict negative throughput).  Exact for two columns: if the
+    free fit has a negative coefficient, the best fit with that term at 0."""
+    free = _lstsq(columns, y)
+    if all(c >= 0 for c in free):
+        return free
+    target = np.asarray(y, dtype=np.float64)
+    best: tuple[float, list[float]] | None = None
+    for keep, column in enumerate(columns):
+        x = np.asarray(column, dtype=np.float64)
+        coefficient = max(0.0, float(x @ target / (x @ x)))
+        residual = float(np.sum((target - coefficient * x) ** 2))
+        if best is None or residual < best[0]:
+            best = (residual, [coefficient if i == keep else 0.0 for i in range(len(columns))])
+    assert best is not None
+    return best[1]
+
+
 def fit_memory(points: Sequence[MemoryPoint]) -> MemoryModel:
     """Fit the forward/backward peak to a line in the micro-batch size; the
     optimizer-step peak is taken as the largest measured (it should not vary,
@@ -177,9 +198,9 @@ def fit_memory(points: Sequence[MemoryPoint]) -> MemoryModel:
 
 
 def fit_time(points: Sequence[TimePoint]) -> TimeModel:
-    """Fit step seconds to N * t_fixed + B * t_sample.  With one global batch
-    size B the second column is constant, i.e. an intercept: still two
-    different N are needed."""
+    """Fit step seconds to N * t_fixed + B * t_sample, both >= 0.  With one
+    global batch size B the second column is constant, i.e. an intercept:
+    still two different N are needed."""
     bad = [p.step_seconds for p in points if not (p.step_seconds > 0 and math.isfinite(p.step_seconds))]
     if bad:
         raise ValueError(f"step_seconds must be positive and finite, got {bad}")
@@ -187,7 +208,7 @@ def fit_time(points: Sequence[TimePoint]) -> TimeModel:
         raise ValueError(
             f"fit_time needs points at >= 2 different N, got N = {sorted({p.n_micro_batches for p in points})}"
         )
-    per_micro_step, per_sample = _lstsq(
+    per_micro_step, per_sample = _nonnegative_lstsq(
         [[p.n_micro_batches for p in points], [p.global_batch_size for p in points]],
         [p.step_seconds for p in points],
     )
@@ -203,19 +224,10 @@ def fit_micro_steps(points: Sequence[MicroStepPoint]) -> TimeModel:
             f"fit_micro_steps needs points at >= 2 different micro-batch sizes, got sizes "
             f"{sorted({p.micro_batch_size for p in points})}"
         )
-    sizes = [float(p.micro_batch_size) for p in points]
-    seconds = [p.micro_step_seconds for p in points]
-    per_micro_step, per_sample = _lstsq([[1.0] * len(points), sizes], seconds)
-    # Neither term can be negative; a noisy timing can make least squares say
-    # so (and predict negative throughput).  Then fit the other term alone.
-    if per_sample < 0:
-        per_micro_step, per_sample = sum(seconds) / len(seconds), 0.0
-    elif per_micro_step < 0:
-        per_micro_step = 0.0
-        per_sample = sum(x * y for x, y in zip(sizes, seconds, strict=True)) / sum(x * x for x in sizes)
-    updates = sorted(p.update_seconds for p in points)
-    middle = len(updates) // 2
-    update = updates[middle] if len(updates) % 2 else (updates[middle - 1] + updates[middle]) / 2
+    per_micro_step, per_sample = _nonnegative_lstsq(
+        [[1.0] * len(points), [p.micro_batch_size for p in points]], [p.micro_step_seconds for p in points]
+    )
+    update = statistics.median(p.update_seconds for p in points)
     return TimeModel(seconds_per_micro_step=per_micro_step, seconds_per_sample=per_sample, seconds_per_update=update)
 
 

@@ -104,6 +104,9 @@ def test_report_has_table_fit_and_chart() -> None:
     assert "| 4            | 1.500                  | 1.500       | +0.0%" in report
     assert "| 1            | 2.999" in report
     assert "**1.012x** the native loop's step time" in report
+    # The paired figure sits on the Accumulator row of its N only.
+    assert "| 8   | 4             | accumulator      | 1.250" in report
+    assert report.count("| 1.012  ") == 2  # the N=8 Accumulator row and the summary
     assert "```mermaid\nxychart-beta" in report
     assert 'x-axis ["N=1", "N=2", "N=3", "N=4", "N=8"]' in report
 
