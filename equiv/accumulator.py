@@ -74,7 +74,13 @@ class Accumulator:
         norm_type: the norm used for clipping.
         grad_scaler: a ``torch.amp.GradScaler``; the loss is scaled per
             micro-batch, and if any micro-batch produced inf/nan the whole
-            window is skipped and the scale updated once.
+            window is skipped and the scale updated once.  Because the
+            micro-batch losses are SUMS, scaled gradients inside the backward
+            are larger than under the full batch's mean (by up to the window's
+            item count), so a naturally overflowing float16 scale is reached
+            that much sooner and the scaler settles lower; the skip decision
+            then differs from the full-batch run's while it calibrates.
+            Overflows that come from the data (inf/nan) skip identically.
         accumulate_dtype: accumulate in this dtype (e.g. ``torch.float32`` for
             bfloat16 parameters).  ``None`` or the parameters' own dtype
             accumulates in ``.grad`` with no second copy.

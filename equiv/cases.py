@@ -64,6 +64,10 @@ class Case:
     #: (step, sample): that sample's inputs are +inf at that step, so the window
     #: overflows and its update must be skipped (needs ``loss_scale``).
     overflow_at: tuple[int, int] | None = None
+    #: Mixed precision as in PyTorch's AMP recipe: parameters stay in ``dtype``
+    #: and the forward runs under ``torch.autocast`` to this dtype ("float16" or
+    #: "bfloat16").  float64 runs are never lowered, so the truth stays exact.
+    autocast: str | None = None
     #: The working dtype of the noise-floor tier ("float64" runs the exact tier only).
     dtype: str = "float32"
     device: str = "cpu"
@@ -109,6 +113,8 @@ class Case:
             if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
                 raise InvalidCase(f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
                                   f"x samples 0..{self.batch_size - 1}")
+        if self.autocast is not None and self.autocast not in ("float16", "bfloat16"):
+            raise InvalidCase(f"autocast must be 'float16', 'bfloat16' or None, got {self.autocast!r}")
         if self.dtype not in DTYPES:
             raise InvalidCase(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
         if self.loss not in LOSSES:

@@ -128,5 +128,25 @@ class ReferenceRuns:
             candidate=candidate,
             mismatches=tuple(d for d in diffs if not d.ok),
             worst=worst,
-            inherent=tuple(inherent_non_equivalences(self.case.build_model().module)),
+            inherent=tuple(inherent_non_equivalences(self.case.build_model().module)) + self._scale_departures(runs),
         )
+
+    def _scale_departures(self, runs: Mapping[Tier, list[Snapshot]]) -> tuple[str, ...]:
+        """A full-batch run that overflows where the float64 truth does not
+        (a natural float16 overflow: float64 is never autocast) has no truth to
+        be compared with for its skip decisions."""
+        key = "grad_scaler:scale"
+        if key not in self.truth[0].optimizer_state:
+            return ()
+        truth_scales = [float(s.optimizer_state[key]) for s in self.truth]
+        # Every floor run is a full-batch run in a lower precision than the truth.
+        for run in (run for tier in runs for run in self.floors[tier][0]):
+            scales = [float(s.optimizer_state[key]) for s in run]
+            if scales != truth_scales:
+                precision = self.case.dtype + (f" with {self.case.autocast} autocast" if self.case.autocast else "")
+                return (
+                    f"the full-batch step itself overflows in {precision} at loss scale {self.case.loss_scale:g} "
+                    f"where the float64 truth does not (scales {scales} vs {truth_scales}): skip decisions "
+                    "under a natural overflow have no exact reference",
+                )
+        return ()

@@ -58,6 +58,8 @@ __all__ = [
 
 #: Seconds a rank that already failed gives the others to report before all are stopped.
 _GRACE_S = 3.0
+#: Seconds the ranks may take to start (spawn, import torch, join the group) before timeout_s applies.
+_STARTUP_S = 120.0
 
 
 class DistributedCheckError(RuntimeError):
@@ -214,6 +216,7 @@ def _worker(
             backend, init_method=f"file://{out / 'store'}", rank=rank, world_size=dcase.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        progress.write_text("ready")
         results: dict[str, Any] = {}
         for tier, dtype_name in tiers:
             counter = _AllReduceCounter()
@@ -264,9 +267,15 @@ def _launch(
         try:
             for process in processes:
                 process.start()
-            deadline = time.monotonic() + timeout_s
+            # Start-up (spawning, importing torch, joining the group) has its own
+            # bound; the check's timeout runs from when every rank is ready.
+            deadline = time.monotonic() + _STARTUP_S + timeout_s
+            started = False
             first_failure: float | None = None
             while True:
+                if not started and all((out / f"rank{r}.progress").exists() for r in range(len(processes))):
+                    started = True
+                    deadline = min(deadline, time.monotonic() + timeout_s)
                 codes = [p.exitcode for p in processes]
                 if all(code == 0 for code in codes):
                     break
@@ -278,7 +287,8 @@ def _launch(
                     raise DistributedCheckError(_failure_report(out, processes, dcase, candidate))
                 if time.monotonic() > deadline:
                     raise DistributedCheckError(
-                        f"the distributed check did not finish within {timeout_s:g} s: "
+                        f"the distributed check did not finish within {timeout_s:g} s"
+                        f"{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: "
                         + _failure_report(out, processes, dcase, candidate, hung=True)
                     )
                 time.sleep(0.05)
@@ -331,7 +341,8 @@ def check_distributed(
     ``candidate`` must be importable by name (a module-level function): the
     ranks are spawned processes that import it.  Raises
     :class:`DistributedCheckError` if a rank raises, hangs past ``timeout_s``
-    or dies; never leaves a process behind.
+    (counted once every rank has started; starting has 120 s of its own) or
+    dies; never leaves a process behind.
     """
     __tracebackhide__ = True
     if not isinstance(dcase, DistributedCase):

@@ -158,7 +158,9 @@ def _run(
     bundle = case.build_model()
     model = bundle.module.to(device=device, dtype=dtype)
     batches = case.batches(bundle)
-    stepped_model = wrap_model(model) if wrap_model is not None else model
+    stepped_model = _Autocast(model, case.autocast) if case.autocast is not None else model
+    if wrap_model is not None:
+        stepped_model = wrap_model(stepped_model)
     optimizer = case.build_optimizer(stepped_model)
     extras = RunExtras(
         scheduler=case.build_scheduler(optimizer),
@@ -178,6 +180,25 @@ def _run(
             run_step(stepped_model, optimizer, batch, extras, step)
             snapshots.append(_snapshot(model, optimizer, extras.grad_scaler))
     return snapshots
+
+
+class _Autocast(nn.Module):
+    """Runs the wrapped model's forward under ``torch.autocast`` (AMP).
+
+    Its parameters are the wrapped model's own, so optimizers and snapshots
+    see the same tensors.  Autocast never lowers float64, so float64 runs of an
+    autocast case stay exact.
+    """
+
+    def __init__(self, model: nn.Module, dtype_name: str) -> None:
+        super().__init__()
+        self.model = model
+        self.dtype = getattr(torch, dtype_name)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        with torch.autocast(device_type=inputs.device.type, dtype=self.dtype):
+            output: Tensor = self.model(inputs)
+        return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
 
 
 def _to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -27,6 +27,38 @@ def test_overflow_flag_assigned_instead_of_ored_is_caught() -> None:
     assert equiv.check(overflow_checked_on_last_micro_batch, SCALED.replace(overflow_at=[1, 5]))
 
 
+@pytest.mark.parametrize("autocast", ["float16", "bfloat16"])
+def test_mixed_precision_window_with_an_overflow_is_skipped_like_the_full_batch(autocast: str) -> None:
+    # AMP: float32 parameters, forward under autocast; float64 truth stays exact.
+    case = SCALED.replace(autocast=autocast)
+    verdict = equiv.check(equiv.accumulator_step, case)
+    verdict.assert_ok()
+    assert verdict.worst["noise"].dtype == "float32"
+    assert not equiv.check(overflow_checked_on_last_micro_batch, case)
+
+
+def test_summed_losses_reach_a_natural_float16_overflow_sooner_than_the_full_batch() -> None:
+    # A documented limitation, pinned (found by properties/test_loss_scale_window.py):
+    # the accumulator back-propagates micro-batch SUMS, 5x the full batch's MEAN
+    # here, so at scale 2**14 its float16 gradients overflow at step 1 where the
+    # full-batch step's do not.  The exact tier (float64, never autocast) agrees.
+    case = equiv.Case(batch_size=5, micro_batch_sizes=(5,), model_kwargs={"hidden": (8,)},
+                      optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, loss_scale=2.0**14, overflow_at=(0, 0),
+                      autocast="float16")
+    verdict = equiv.check(equiv.accumulator_step, case)
+    assert verdict.status == "not_equivalent"
+    assert verdict.diverged_tiers() == ["noise"]
+    assert any(d.name == "grad_scaler:scale" and d.step == 2 for d in verdict.mismatches)
+
+
+def test_a_full_batch_step_that_overflows_naturally_has_no_exact_reference() -> None:
+    # At 2**40 even the full batch overflows in float16, which float64 never does.
+    case = SCALED.replace(overflow_at=None, loss_scale=2.0**40, autocast="float16", steps=2)
+    verdict = equiv.check(equiv.accumulator_step, case)
+    assert verdict.status == "inherently_non_equivalent"
+    assert any("overflows in float32 with float16 autocast at loss scale 1.09951e+12" in reason for reason in verdict.inherent)
+
+
 def test_scaled_case_needs_a_candidate_that_takes_the_scaler() -> None:
     with pytest.raises(TypeError, match="takes no 'grad_scaler' keyword"):
         equiv.check(zoo.unscaled_sum, SCALED)
@@ -39,8 +71,9 @@ def test_scaled_case_needs_a_candidate_that_takes_the_scaler() -> None:
         ({"overflow_at": [3, 0]}, "overflow_at=(3, 0) is outside steps 0..2 x samples 0..5"),
         ({"overflow_at": [0, 6]}, "overflow_at=(0, 6) is outside steps 0..2 x samples 0..5"),
         ({"loss_scale": -1.0, "overflow_at": None}, "loss_scale must be positive or None, got -1.0"),
+        ({"autocast": "float8"}, "autocast must be 'float16', 'bfloat16' or None, got 'float8'"),
     ],
-    ids=["no_scaler", "step_out_of_range", "sample_out_of_range", "negative_scale"],
+    ids=["no_scaler", "step_out_of_range", "sample_out_of_range", "negative_scale", "bad_autocast"],
 )
 def test_bad_loss_scale_fields_name_the_value(changes: dict[str, object], message: str) -> None:
     with pytest.raises(equiv.InvalidCase, match=re.escape(message)):
