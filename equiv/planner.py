@@ -538,6 +538,10 @@ def plan(
     count_items = count_items or (lambda targets: int(targets.shape[0]))
     full_batch = resize_batch(batch, global_batch_size)
     device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but torch.cuda.is_available() is False")
     allowed_bytes = memory_budget_bytes * (1 - safety_margin)
     options: dict[str, Any] = {
         "loss_sum": loss_sum,

@@ -105,6 +105,28 @@ def test_plan_says_when_nothing_fits() -> None:
         plan(_tiny_model(), _tiny_batch(), global_batch_size=48, memory_budget_bytes=1000, repeats=1)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"global_batch_size": 0}, "global_batch_size must be >= 1, got 0"),
+        ({"memory_budget_bytes": -5}, "memory_budget_bytes must be > 0, got -5"),
+        ({"candidates": [1, 99]}, r"candidates must be in 1..48 \(the global batch size\), got \[99\]"),
+        ({"candidates": [48]}, "give fewer than 2 micro-batch sizes"),
+        ({"device": "meta"}, "device must be 'cpu' or 'cuda"),
+        pytest.param(
+            {"device": "cuda"},
+            "torch.cuda.is_available\\(\\) is False",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present"),
+        ),
+    ],
+    ids=["zero-batch", "negative-budget", "n-beyond-batch", "one-size", "meta-device", "cuda-missing"],
+)
+def test_plan_refuses_bad_input_naming_the_value(overrides: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"global_batch_size": 48, "memory_budget_bytes": 8 * MIB, **overrides}
+    with pytest.raises(ValueError, match=message):
+        plan(_tiny_model(), _tiny_batch(), **arguments)  # type: ignore[arg-type]
+
+
 def test_plan_leaves_the_callers_weights_alone() -> None:
     model = _tiny_model()
     before = [p.detach().clone() for p in model.parameters()]
