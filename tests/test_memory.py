@@ -113,3 +113,37 @@ def test_cuda_allocator_peak_sees_a_temporary() -> None:
     memory = measure_step_memory(accumulate, lambda: None, roots=[], device="cuda")
     assert memory.method == "cuda-allocator"
     assert memory.forward_backward_peak_bytes - memory.baseline_bytes >= 2**20 * FLOAT32_BYTES
+
+
+def test_whole_step_peak_agrees_with_torch_mem_tracker() -> None:
+    """An independent counter in torch itself gives the same peak, to the byte.
+    (MemTracker refuses a module called twice per step, so: one micro-batch.)"""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor], object, object]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 4))
+        optimizer = torch.optim.AdamW(model.parameters())
+        x, y = torch.randn(32, 64), torch.randn(32, 4)
+
+        def accumulate() -> None:
+            (nn.functional.mse_loss(model(x), y, reduction="sum") / 32).backward()
+
+        def update() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        accumulate()
+        update()
+        return model, optimizer, [x, y], accumulate, update
+
+    model, optimizer, batch, accumulate, update = build()
+    ours = measure_step_memory(accumulate, update, roots=[*training_state_tensors(model, optimizer), *batch])  # type: ignore[arg-type]
+
+    model, optimizer, batch, accumulate, update = build()
+    tracker = mem_tracker.MemTracker()
+    tracker.track_external(model, optimizer, *batch)
+    with tracker:
+        accumulate()  # type: ignore[operator]
+        update()  # type: ignore[operator]
+    assert tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] == ours.peak_bytes
