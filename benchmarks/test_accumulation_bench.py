@@ -23,8 +23,9 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
-from equiv.planner import WORKLOADS, build_workload_model, prepare_step, synchronize
+from equiv.planner import WORKLOADS, PreparedStep, build_workload_model, prepare_step, synchronize
 
 SPLITS = (1, 2, 3, 4, 8, 16, 32)
 SEED = 0
@@ -39,9 +40,8 @@ def _cases() -> list[Any]:
     return cases
 
 
-def _prepare(workload_name: str, n: int, implementation: str, device: Any) -> Any:
-    import torch
-
+def _prepare(workload_name: str, n: int, implementation: str, device: torch.device) -> PreparedStep:
+    """Fresh weights from SEED, the fixed global batch cut into n, one warm-up step."""
     workload = WORKLOADS[workload_name]
     batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(SEED))
     model = build_workload_model(workload, seed=SEED)
@@ -69,7 +69,7 @@ def test_step(
         fresh = _prepare(workload_name, n_micro_batches, implementation, device)
         return (fresh,), {}
 
-    def one_step(fresh: Any) -> None:
+    def one_step(fresh: PreparedStep) -> None:
         fresh.step()
         synchronize(device)  # CUDA: the timer must include the queued kernels
 
@@ -113,7 +113,7 @@ def test_accumulator_overhead(benchmark: Any, bench_settings: Any, workload_name
     seconds: dict[str, list[float]] = {"native": [], "accumulator": []}
     rounds = [0]
 
-    def timed(name: str, prepared: Any) -> None:
+    def timed(name: str, prepared: PreparedStep) -> None:
         synchronize(device)
         start = time.perf_counter()
         prepared.step()
