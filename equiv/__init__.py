@@ -4,14 +4,16 @@ The public API; the code lives in one module per idea (see each module).
 """
 
 from equiv.accumulator import Accumulator, WindowResult
-import equiv.causal_lm  # registers the "causal_lm" model family
 from equiv.candidates import accumulator_step, loss_sum_and_count
 from equiv.cases import Case, InvalidCase
+from equiv.causal_lm import CausalLM  # importing it registers the "causal_lm" model family
 from equiv.check import ReferenceRuns, check
 from equiv.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
 from equiv.inherent import inherent_non_equivalences
 from equiv.losses import MSE, CrossEntropy, Loss, TokenCrossEntropy
+from equiv.memory import StepMemory, StorageCounter, measure_step_memory
 from equiv.models import ModelBundle, register_model
+from equiv.planner import NothingFitsError, Plan, PlanRow, plan
 from equiv.trajectory import Candidate, CandidateError, NonFiniteLossError, full_batch_step
 from equiv.verdict import EquivalenceError, TensorDiff, Verdict
 
@@ -23,6 +25,7 @@ __all__ = [
     "Candidate",
     "CandidateError",
     "Case",
+    "CausalLM",
     "CrossEntropy",
     "DistributedCase",
     "DistributedCheckError",
@@ -32,7 +35,12 @@ __all__ = [
     "Loss",
     "ModelBundle",
     "NonFiniteLossError",
+    "NothingFitsError",
+    "Plan",
+    "PlanRow",
     "ReferenceRuns",
+    "StepMemory",
+    "StorageCounter",
     "TensorDiff",
     "TokenCrossEntropy",
     "Verdict",
@@ -44,5 +52,7 @@ __all__ = [
     "full_batch_step",
     "inherent_non_equivalences",
     "loss_sum_and_count",
+    "measure_step_memory",
+    "plan",
     "register_model",
 ]
