@@ -65,11 +65,12 @@ def peers() -> list[Peer]:
     out = [
         Peer("equiv.Accumulator", lambda n: accumulator_step, "equiv (this repository)", has_configured_n=False),
         Peer("textbook loss / N (nanoGPT)", lambda n: textbook_step, "nanoGPT train.py's loop",
-             has_configured_n=False, documented="nanoGPT #168"),
+             has_configured_n=False, documented="exact only for equal micro-batches of a sample mean (STYLE.md)"),
         Peer("torchtitan-style item-normalised", lambda n: torchtitan_step, "torchtitan's loss / global_valid_tokens",
              has_configured_n=False),
         Peer("MindSpore r1.3 GradientAccumulation (port)", lambda n: MindSporeGradientAccumulation(n),
-             "seeds 000/001: grad_sum, TrainOptim, TrainClear, mini_steps", documented="the tutorial sums"),
+             "seeds 000/001: grad_sum, TrainOptim, TrainClear, mini_steps",
+             documented="the tutorial adds gradients of mean losses, no division by mini_steps (seed 001)"),
         Peer("MindSpore 2.0 Accumulator (port)", lambda n: MindSporeAccumulator(n),
              "seed 003: inner_grads, counter, loss / accumulate_step"),
     ]
@@ -80,7 +81,7 @@ def peers() -> list[Peer]:
         out += [
             Peer(f"Accelerate {version}", lambda n: AccelerateStep(n),
                  "Accelerator(gradient_accumulation_steps=N), accumulate(), backward()",
-                 documented="divides by a fixed N (FACTS.md; accelerate #3533)"),
+                 documented="backward() divides by the fixed N, also for a short tail window (FACTS.md)"),
             Peer(f"Accelerate {version}, sync_with_dataloader=False",
                  lambda n: AccelerateStep(n, sync_with_dataloader=False),
                  "GradientAccumulationPlugin(num_steps=N, sync_with_dataloader=False)"),
