@@ -56,7 +56,10 @@ def build_model(name: str, seed: int, **kwargs: Any) -> ModelBundle:
     except KeyError:
         raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}") from None
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # The CPU generator only (what initialisation draws from):
+        # torch.manual_seed also queues lazy CUDA/XPU/MTIA seeding, which
+        # formats the whole Python stack each call (slow under Hypothesis).
+        torch.default_generator.manual_seed(seed)
         try:
             return builder(**kwargs)
         except TypeError as exc:
@@ -188,8 +191,10 @@ def _conv_stack(
     width = in_channels
     for out_channels in channels:
         # padding keeps the spatial size, so the head's input size is known.
+        # A bias right before a norm is removed by it (its gradient is zero in
+        # exact arithmetic, rounding noise in practice): no bias then.
         layers += [
-            conv(width, out_channels, kernel_size, padding=kernel_size // 2),
+            conv(width, out_channels, kernel_size, padding=kernel_size // 2, bias=norm == "none"),
             _conv_norm(norm, out_channels, groups, batch_norm),
             _activation(activation),
         ]
@@ -292,7 +297,11 @@ class _Attention(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, width)
         self.norm = nn.LayerNorm(width)
-        self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
+        # No in-projection bias: the key bias shifts every score of a query by
+        # the same amount, so softmax makes its gradient exactly zero in exact
+        # arithmetic, and rounding noise there is all an adaptive optimizer
+        # sees (it would amplify it into a spurious float64 mismatch).
+        self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, bias=False, batch_first=True)
         self.pooled = head == "pooled"
         self.head = nn.Linear(width, out_features if self.pooled else vocab_size)
 

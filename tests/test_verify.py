@@ -1,0 +1,99 @@
+"""equiv verify: the command line and the Python API, on tiny searches."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import equiv
+from equiv.cli import main
+from equiv.verify import verify
+from equiv.zoo import mean_of_means
+
+STEPS = '''
+from equiv import accumulator_step as good
+from equiv.zoo import mean_of_means as bad
+
+def crashes(model, optimizer, micro_batches, loss_fn):
+    raise RuntimeError("boom")
+'''
+
+#: Few examples, one small family: these test the plumbing, not the search.
+FAST = ["--max-examples", "15", "--seed", "1", "--families", "mlp", "--optimizers", "SGD,Adam"]
+
+
+@pytest.fixture
+def steps_file(tmp_path: Path) -> Path:
+    path = tmp_path / "my_steps.py"
+    path.write_text(STEPS)
+    return path
+
+
+def test_verify_exits_0_and_says_no_counterexample_for_the_reference(steps_file, capsys) -> None:
+    assert main(["verify", f"{steps_file}:good", *FAST]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("no counterexample in 15 cases")
+    assert "cases checked" in err  # progress on stderr
+
+
+def test_verify_exits_1_with_the_shrunk_counterexample_and_how_to_replay(steps_file, tmp_path, capsys) -> None:
+    report = tmp_path / "result.json"
+    assert main(["verify", f"{steps_file}:bad", *FAST, "--json", str(report)]) == 1
+    out = capsys.readouterr().out
+    assert "counterexample after" in out
+    assert "micro_batch_sizes=(1, 2)" in out  # mean of means needs two uneven pieces
+    assert "Diverged at step 1 of 2" in out
+    assert "allowed" in out
+    assert f"equiv verify {steps_file}:bad --seed 1 --max-examples 15" in out
+    assert "--reproduce " in out
+    data = json.loads(report.read_text())
+    assert data["found"] is True
+    assert data["counterexample"]["micro_batch_sizes"] == [1, 2]
+    assert data["verdict"]["status"] == "not_equivalent"
+    # The printed case replays through `equiv check --case`.
+    case_json = json.dumps(data["counterexample"])
+    assert main(["check", f"{steps_file}:bad", "--case", case_json]) == 1
+
+
+def test_the_printed_blob_replays_the_shrunk_case(steps_file, capsys) -> None:
+    result = verify(mean_of_means, max_examples=15, seed=1, families=["mlp"], optimizers=["SGD", "Adam"])
+    assert result.blob is not None
+    replayed = verify(mean_of_means, reproduce=result.blob, families=["mlp"], optimizers=["SGD", "Adam"])
+    assert replayed.counterexample == result.counterexample
+
+
+def test_verify_reports_a_candidate_that_raises_as_a_counterexample(steps_file, capsys) -> None:
+    assert main(["verify", f"{steps_file}:crashes", *FAST]) == 1
+    out = capsys.readouterr().out
+    assert "The candidate raised: candidate crashes raised RuntimeError: boom" in out
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "message"),
+    [
+        pytest.param("no_such_module_xyz:step", [], "could not import 'no_such_module_xyz'", id="bad-import"),
+        pytest.param("{file}:missing", [], "has no attribute 'missing'", id="missing-function"),
+        pytest.param("{file}:good", ["--families", "resnet"], "families has unknown ['resnet']", id="bad-family"),
+        pytest.param("{file}:good", ["--profile", "nightly"], "unknown Hypothesis profile 'nightly'",
+                     id="bad-profile"),
+    ],
+)
+def test_verify_exits_2_on_usage_errors(steps_file, capsys, target, extra, message) -> None:
+    assert main(["verify", target.format(file=steps_file), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_verify_api_is_deterministic_for_a_seed() -> None:
+    one = verify(equiv.accumulator_step, max_examples=5, seed=3, families=["mlp"])
+    two = verify(equiv.accumulator_step, max_examples=5, seed=3, families=["mlp"])
+    assert one and two
+    assert one.examples == two.examples == 5
+    assert one.worst_ratio == two.worst_ratio
+    assert all(0 <= ratio < 1 for ratio in one.worst_ratio.values())
+
+
+def test_verify_counts_inherent_cases_instead_of_failing_them() -> None:
+    result = verify(equiv.accumulator_step, max_examples=20, seed=0, families=["mlp"], allow_inherent=True)
+    assert result
+    assert result.inherent_cases > 0
+    assert any("BatchNorm" in reason or "Dropout" in reason for reason in result.inherent_reasons)
