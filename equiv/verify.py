@@ -305,10 +305,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             settings.get_profile(args.profile)
         except hypothesis.errors.InvalidArgument:
             raise UsageError(f"unknown Hypothesis profile {args.profile!r} (try dev, ci or thorough)") from None
-    last = [0.0]
+    last = [-math.inf]
 
     def show(examples: int, elapsed: float) -> None:
-        if elapsed - last[0] >= args.progress_every:
+        if elapsed - last[0] >= args.progress_every:  # the first check, then every few seconds
             last[0] = elapsed
             print(f"[equiv verify] {examples} cases checked ({elapsed:.0f} s)", file=sys.stderr)
 
