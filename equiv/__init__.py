@@ -3,6 +3,7 @@
 The public API; the code lives in one module per idea (see each module).
 """
 
+from equiv import strategies  # the public Hypothesis strategies: equiv.strategies
 from equiv.accumulator import Accumulator, WindowResult
 from equiv.candidates import accumulator_step, loss_sum_and_count
 from equiv.cases import Case, InvalidCase
@@ -16,6 +17,7 @@ from equiv.models import ModelBundle, register_model
 from equiv.planner import NothingFitsError, Plan, PlanRow, plan
 from equiv.trajectory import Candidate, CandidateError, NonFiniteLossError, full_batch_step
 from equiv.verdict import EquivalenceError, TensorDiff, Verdict
+from equiv.verify import VerifyResult, verify
 
 __version__ = "0.1.0"
 
@@ -44,6 +46,7 @@ __all__ = [
     "TensorDiff",
     "TokenCrossEntropy",
     "Verdict",
+    "VerifyResult",
     "WindowResult",
     "__version__",
     "accumulator_step",
@@ -55,4 +58,6 @@ __all__ = [
     "measure_step_memory",
     "plan",
     "register_model",
+    "strategies",
+    "verify",
 ]

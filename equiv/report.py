@@ -7,6 +7,7 @@ diffs of ``reports/*.md`` between runs stay readable.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,10 +21,31 @@ from equiv.cases import Case
 from equiv.check import check
 from equiv.standard_cases import STANDARD_CASES
 from equiv.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
+from equiv.strategies import ITEM_WEIGHTED_LOSSES
 from equiv.verdict import Verdict
-from equiv.zoo import BUGS
+from equiv.verify import VerifyResult, verify
+from equiv.zoo import BUGS, ITEM_WEIGHTED_BUGS
 
-__all__ = ["equivalence_table", "format_ratio", "main", "run_standard_cases", "to_markdown"]
+__all__ = [
+    "SEARCH_SEED",
+    "bug_zoo_table",
+    "equivalence_table",
+    "format_ratio",
+    "inherent_table",
+    "main",
+    "run_standard_cases",
+    "search_sections",
+    "to_markdown",
+    "worst_ratio_table",
+]
+
+#: The report's own searches use this seed, so the report is the same every run.
+SEARCH_SEED = 0
+#: Cases the report's search of the reference draws (its per family x optimizer table).
+REFERENCE_SEARCH_EXAMPLES = 300
+#: Cases each bug search may draw before giving up.
+BUG_SEARCH_EXAMPLES = 100
+PROPERTIES_RECORD = Path("reports/properties.json")
 
 
 def format_ratio(ratio: float) -> str:
@@ -85,8 +107,130 @@ def _fixed_cases_section(results: list[tuple[str, str, Verdict]]) -> str:
     ])
 
 
-def write_equivalence_report(out: Path, *, sections: Sequence[str] = (), progress: bool = True) -> str:
-    """Check the standard cases and write the report; returns the markdown."""
+def bug_zoo_table(results: Mapping[str, VerifyResult]) -> pd.DataFrame:
+    """One row per bug: found?, the shrunk case, how many cases it took."""
+    rows = []
+    for name, result in sorted(results.items()):
+        first = result.verdict.first_mismatch if result.verdict is not None else None
+        rows.append({
+            "bug": f"`{name}`",
+            "found": "yes" if result.found else "NO",
+            "cases to find": "-" if result.first_failure_at is None else str(result.first_failure_at),
+            "checks incl. shrinking": str(result.examples),
+            "first divergence": "-" if first is None else f"step {first.step}, {first.tier}, {first.label}, "
+                                                          f"{format_ratio(first.ratio)} x allowed",
+            "shrunk case": "-" if result.counterexample is None else f"`{result.counterexample!r}`",
+        })
+    return pd.DataFrame(rows)
+
+
+def worst_ratio_table(worst_ratio: Mapping[str, float]) -> pd.DataFrame:
+    """Model family x optimizer: the largest difference over allowance seen ("-": not drawn)."""
+    pairs = [key.split(" / ") for key in worst_ratio]
+    families = sorted({family for family, _ in pairs})
+    optimizers = sorted({optimizer for _, optimizer in pairs})
+    rows = []
+    for family in families:
+        row = {"model family": family}
+        for optimizer in optimizers:
+            ratio = worst_ratio.get(f"{family} / {optimizer}")
+            row[optimizer] = "-" if ratio is None else format_ratio(ratio)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["model family", *optimizers])
+
+
+#: Models with layers no accumulation can reproduce, and what the checker says about each.
+INHERENT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "MLP + BatchNorm1d": ("mlp", {"norm": "batch"}),
+    "Conv2d + BatchNorm2d": ("conv2d", {"norm": "batch"}),
+    "MLP + Dropout(0.25)": ("mlp", {"dropout": 0.25}),
+    "GRU + Dropout(0.25)": ("gru", {"dropout": 0.25}),
+    "attention with dropout 0.25": ("attention", {"dropout": 0.25}),
+}
+
+
+def inherent_table() -> pd.DataFrame:
+    rows = []
+    for label, (model, kwargs) in INHERENT_MODELS.items():
+        case = Case(batch_size=6, micro_batch_sizes=(2, 4), model=model, model_kwargs=kwargs, steps=2)
+        verdict = check(accumulator_step, case)
+        rows.append({"model": label, "verdict": verdict.status.replace("_", " "),
+                     "reason": " / ".join(verdict.inherent) or "-"})
+    return pd.DataFrame(rows)
+
+
+def _properties_section(record_path: Path) -> str:
+    if not record_path.is_file():
+        return "## Property suites\n\nNo record of a property run (`pytest properties` writes reports/properties.json)."
+    record = json.loads(record_path.read_text())
+    frame = pd.DataFrame([
+        {"property": nodeid.split("::", 1)[-1], "suite": nodeid.split("::", 1)[0].removeprefix("properties/"),
+         "outcome": result["outcome"]}
+        for nodeid, result in record["tests"].items()
+    ]).sort_values(["suite", "property"], kind="stable")
+    mode = "derandomized" if record.get("derandomize") else "random"
+    return "\n\n".join([
+        "## Property suites",
+        f"Hypothesis profile `{record['profile']}` ({mode}): up to {record['max_examples']} cases per property "
+        "(a bug search stops at its first counterexample, then shrinks it).",
+        to_markdown(frame),
+    ])
+
+
+def search_sections(*, progress: Callable[[str], None] | None = None,
+                    properties_record: Path = PROPERTIES_RECORD) -> list[str]:
+    """The sections that come from searches: property suites, bug zoo,
+    per family x optimizer error of the reference, inherent non-equivalences.
+
+    The searches here are the report's own, with fixed seeds, so the same code
+    gives the same report; timings are left out for the same reason.
+    """
+    say = progress or (lambda message: None)
+    reference = verify(accumulator_step, max_examples=REFERENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED, item_weighted=True)
+    say(f"searched the reference: {reference.examples} cases")
+    bugs = {}
+    for name, bug in BUGS.items():
+        item_weighted = name in ITEM_WEIGHTED_BUGS
+        bugs[name] = verify(bug, max_examples=BUG_SEARCH_EXAMPLES, seed=SEARCH_SEED, item_weighted=item_weighted,
+                            losses=list(ITEM_WEIGHTED_LOSSES) if item_weighted else None)
+        say(f"searched {name}: {'found' if bugs[name].found else 'NOT found'}")
+    found = sum(result.found for result in bugs.values())
+    verdict_of_search = (
+        f"no counterexample in {reference.examples} cases" if not reference.found
+        else f"COUNTEREXAMPLE: `{reference.counterexample!r}`"
+    )
+    return [
+        _properties_section(properties_record),
+        "\n\n".join([
+            "## Bug zoo",
+            f"`equiv.verify` on each bug of `equiv.zoo` (seed {SEARCH_SEED}, at most {BUG_SEARCH_EXAMPLES} cases; "
+            "token-loss bugs searched with the token-level loss): "
+            f"{found} of {len(bugs)} found. 'cases to find' counts drawn cases up to the first counterexample; "
+            "the shrunk case is the smallest Hypothesis reached.",
+            to_markdown(bug_zoo_table(bugs)),
+        ]),
+        "\n\n".join([
+            "## Reference accumulator: largest error over allowance, by model family and optimizer",
+            f"`equiv.verify(accumulator_step)` over {reference.examples} drawn cases (seed {SEARCH_SEED}, "
+            f"sample and token losses): {verdict_of_search}. Each cell is the worst difference / allowed over "
+            "both tiers and every tensor and step of the cases drawn for that pair (below 1 passes).",
+            to_markdown(worst_ratio_table(reference.worst_ratio)),
+        ]),
+        "\n\n".join([
+            "## Inherent non-equivalences",
+            "Layers whose train-mode behaviour depends on the batch a forward pass sees: reported with the "
+            "reason, never as a pass or as a bug of the accumulator (split 2 + 4 of a batch of 6).",
+            to_markdown(inherent_table()),
+        ]),
+    ]
+
+
+def write_equivalence_report(out: Path, *, sections: Sequence[str] = (), progress: bool = True,
+                             searches: bool = True) -> str:
+    """Check the standard cases and write the report; returns the markdown.
+
+    With ``searches`` (default) the report also runs its own seeded searches
+    (:func:`search_sections`) and appends them before ``sections``."""
     started = time.perf_counter()
 
     def say(message: str) -> None:
@@ -103,6 +247,7 @@ def write_equivalence_report(out: Path, *, sections: Sequence[str] = (), progres
         "Exact tier: float64 (floor: the float32 full-batch error scaled by u64/u32, or the float64 run on a "
         "shuffled batch, whichever is larger). Noise-floor tier: the working dtype.",
         _fixed_cases_section(results),
+        *(search_sections(progress=say) if searches else []),
         *sections,
     ]) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,8 +259,9 @@ def write_equivalence_report(out: Path, *, sections: Sequence[str] = (), progres
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m equiv.report", description="Write reports/equivalence.md.")
     parser.add_argument("--out", type=Path, default=Path("reports/equivalence.md"))
+    parser.add_argument("--no-search", action="store_true", help="only the fixed cases (skip the seeded searches)")
     args = parser.parse_args(argv)
-    write_equivalence_report(args.out)
+    write_equivalence_report(args.out, searches=not args.no_search)
     return 0
 
 
