@@ -20,8 +20,8 @@ from equiv.candidates import accumulator_step
 from equiv.cases import Case
 from equiv.check import check
 from equiv.standard_cases import STANDARD_CASES
-from equiv.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
 from equiv.strategies import ITEM_WEIGHTED_LOSSES
+from equiv.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
 from equiv.verdict import Verdict
 from equiv.verify import VerifyResult, verify
 from equiv.zoo import BUGS, ITEM_WEIGHTED_BUGS

@@ -66,6 +66,9 @@ class VerifyResult:
     #: Hypothesis's reproduction blob for ``--reproduce`` (when it gave one).
     blob: str | None
     elapsed_s: float
+    #: Of elapsed_s, the seconds spent inside equiv.check (the training runs and
+    #: their comparison); the rest is drawing and shrinking cases.
+    checking_s: float = 0.0
     #: Cases skipped as inherently non-equivalent (only with allow_inherent), and their reasons.
     inherent_cases: int = 0
     inherent_reasons: tuple[str, ...] = ()
@@ -94,8 +97,14 @@ class VerifyResult:
                          + "".join(f" {flag}" for flag in _search_flags(self.search)))
         return "\n".join(lines)
 
+    @property
+    def seconds_per_case(self) -> float:
+        return self.elapsed_s / max(self.examples, 1)
+
     def message(self, target: str = "MODULE:FUNC") -> str:
-        timing = f"{self.examples} checks in {self.elapsed_s:.1f} s"
+        outside = 1 - self.checking_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        timing = (f"{self.examples} checks in {self.elapsed_s:.1f} s, {1000 * self.seconds_per_case:.0f} ms per case, "
+                  f"{100 * outside:.0f}% outside the checks")
         if not self.found:
             text = f"no counterexample in {self.examples} cases ({timing}; candidate {self.candidate})"
             if self.inherent_cases:
@@ -125,6 +134,7 @@ class VerifyResult:
             "max_examples": self.max_examples,
             "blob": self.blob,
             "elapsed_s": self.elapsed_s,
+            "checking_s": self.checking_s,
             "inherent_cases": self.inherent_cases,
             "inherent_reasons": list(self.inherent_reasons),
             "worst_ratio": dict(sorted(self.worst_ratio.items())),
@@ -187,7 +197,7 @@ def verify(
     replays a blob printed by an earlier search.  ``progress`` is called
     after every check with (checks so far, seconds elapsed).
     """
-    base = settings.get_profile(profile) if profile is not None else settings.default
+    base = settings.get_profile(profile) if profile is not None else settings()  # settings(): the loaded profile
     profile_name = profile or getattr(settings, "_current_profile", None) or "default"
     if seed is None and not base.derandomize and reproduce is None:
         seed = random.SystemRandom().randrange(2**32)
@@ -225,6 +235,7 @@ def verify(
     )
     started = time.perf_counter()
     counts = {"examples": 0, "inherent": 0}
+    checking = [0.0]
     first_failure_at: list[int] = []
     inherent_reasons: dict[str, None] = {}
     worst_ratio: dict[str, float] = {}
@@ -232,6 +243,7 @@ def verify(
     def search_once(case: Case) -> None:
         counts["examples"] += 1
         try:
+            check_started = time.perf_counter()
             try:
                 verdict = check(candidate, case)
             except NonFiniteLossError:
@@ -239,6 +251,8 @@ def verify(
             except CandidateError as exc:
                 first_failure_at.append(counts["examples"])
                 raise _Found(case, None, str(exc)) from None
+            finally:
+                checking[0] += time.perf_counter() - check_started
             if verdict.status == "inherently_non_equivalent":
                 counts["inherent"] += 1
                 inherent_reasons.update(dict.fromkeys(verdict.inherent))
@@ -284,6 +298,7 @@ def verify(
         max_examples=chosen_max,
         blob=blob,
         elapsed_s=time.perf_counter() - started,
+        checking_s=checking[0],
         inherent_cases=counts["inherent"],
         inherent_reasons=tuple(inherent_reasons),
         worst_ratio=worst_ratio,
