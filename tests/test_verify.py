@@ -97,3 +97,18 @@ def test_verify_counts_inherent_cases_instead_of_failing_them() -> None:
     assert result
     assert result.inherent_cases > 0
     assert any("BatchNorm" in reason or "Dropout" in reason for reason in result.inherent_reasons)
+
+
+def test_report_tables_of_a_search_are_sorted_and_formatted() -> None:
+    from equiv.report import bug_zoo_table, to_markdown, worst_ratio_table
+
+    found = verify(mean_of_means, max_examples=15, seed=1, families=["mlp"], optimizers=["SGD"])
+    table = to_markdown(bug_zoo_table({"mean_of_means": found, "a_bug": found}))
+    assert table.index("`a_bug`") < table.index("`mean_of_means`")
+    assert "| yes " in table and "micro_batch_sizes=(1, 2)" in table
+    ratios = worst_ratio_table({"mlp / SGD": 0.01234, "gru / Adam": 0.5})
+    assert list(ratios.columns) == ["model family", "Adam", "SGD"]
+    assert ratios.to_dict("records") == [
+        {"model family": "gru", "Adam": "0.5", "SGD": "-"},
+        {"model family": "mlp", "Adam": "-", "SGD": "0.012"},
+    ]
