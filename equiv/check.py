@@ -4,9 +4,10 @@ Runs, all from the same initial weights and batches:
 
     truth      full-batch reference in float64
     floors     full-batch references in float32 (and the working dtype): batch
-               in order and shuffled twice; float64 on a shuffled batch
+               in order, shuffled twice, and normalised after backward; float64
+               on a shuffled batch and normalised after backward
     exact tier candidate in float64, against the truth; floor: the float32
-               floors scaled by u64/u32, and the shuffled float64 run
+               floors scaled by u64/u32, and the float64 floors
     noise tier candidate in the working dtype, against the truth; floor: the
                working dtype's floors
 
@@ -84,13 +85,18 @@ class ReferenceRuns:
         exact = torch.float64
         working = case.working_dtype
         truth = run_reference(case, exact)
-        # Floor samples: the full-batch run in order and on shuffled batches (the
-        # same mathematics rounded in other orders).  Three samples, because the
-        # ratio of two roundoff errors is heavy-tailed (see equiv.tolerances).
+        # Floor samples: the full-batch run in order, on shuffled batches, and
+        # normalised after backward (the same mathematics rounded other ways).
+        # Several samples, because the ratio of two roundoff errors is
+        # heavy-tailed (see equiv.tolerances).
         shuffles = [case.seed + offset for offset in _SHUFFLE_SEED_OFFSETS]
 
         def floor_samples(dtype: torch.dtype) -> list[list[Snapshot]]:
-            return [run_reference(case, dtype)] + [run_reference(case, dtype, permutation_seed=s) for s in shuffles]
+            return [
+                run_reference(case, dtype),
+                *(run_reference(case, dtype, permutation_seed=s) for s in shuffles),
+                run_reference(case, dtype, normalise_after_backward=True),
+            ]
 
         float32_floors = floor_samples(torch.float32)
         floors: dict[str, tuple[list[list[Snapshot]], list[float]]] = {}
@@ -100,9 +106,15 @@ class ReferenceRuns:
             # float64 run on a shuffled batch is a direct sample (none for batches
             # of one sample, whose shuffle is the identity).
             float32_to_64 = unit_roundoff(exact) / unit_roundoff(torch.float32)
+            float64_floors = [
+                run_reference(case, exact, permutation_seed=shuffles[0]),
+                # Normalising after backward is the accumulator's own rounding
+                # pattern: a direct float64 sample of the error it may show.
+                run_reference(case, exact, normalise_after_backward=True),
+            ]
             floors["exact"] = (
-                [*float32_floors, run_reference(case, exact, permutation_seed=shuffles[0])],
-                [float32_to_64] * len(float32_floors) + [1.0],
+                [*float32_floors, *float64_floors],
+                [float32_to_64] * len(float32_floors) + [1.0] * len(float64_floors),
             )
         if "noise" in tiers and working != exact:
             noise_floors = float32_floors if working == torch.float32 else floor_samples(working)

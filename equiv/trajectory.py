@@ -100,6 +100,7 @@ def full_batch_step(
     max_grad_norm: float | None = None,
     scheduler: Any | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    normalise_after_backward: bool = False,
 ) -> Tensor:
     """The reference: one step on the whole batch with the mean loss over all
     of its items, clipped once if asked.  With a ``grad_scaler`` the step is
@@ -107,15 +108,26 @@ def full_batch_step(
     :class:`equiv.Accumulator` and Accelerate do).  Returns the loss."""
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = batch
-    loss = loss_fn(model(inputs), targets)
+    if normalise_after_backward:
+        # The same mathematics rounded the other legitimate way: back-propagate
+        # the SUM over items and divide the gradient by the count afterwards
+        # (the rounding pattern an accumulator has); a floor sample, not a bug.
+        output = model(inputs)
+        loss = loss_fn.sum(output, targets)
+        count = loss_fn.count(targets)
+        (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_div_(grads, count.to(grads[0].dtype) if isinstance(count, Tensor) else float(count))
+        loss = loss / count
+    else:
+        loss = loss_fn(model(inputs), targets)
+        (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
     if grad_scaler is None:
-        loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
         optimizer.step()
         stepped = True
     else:
-        grad_scaler.scale(loss).backward()
         grad_scaler.unscale_(optimizer)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
@@ -205,16 +217,21 @@ def _to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
 
 
-def run_reference(case: Case, dtype: torch.dtype, *, permutation_seed: int | None = None) -> list[Snapshot]:
+def run_reference(
+    case: Case, dtype: torch.dtype, *, permutation_seed: int | None = None, normalise_after_backward: bool = False
+) -> list[Snapshot]:
     """The full-batch trajectory.  With ``permutation_seed`` each batch is
-    shuffled first: the same mathematics rounded in another order, which
-    measures the dtype's own noise floor for this case."""
+    shuffled first, and with ``normalise_after_backward`` the gradient of the
+    summed loss is divided by the item count after backward: the same
+    mathematics rounded another way, which measures the dtype's own noise
+    floor for this case."""
     loss_fn = case.build_loss()
 
     def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, extras: RunExtras, step: int) -> None:
         loss = full_batch_step(
             model, optimizer, batch, loss_fn, max_grad_norm=case.max_grad_norm,
             scheduler=extras.scheduler, grad_scaler=extras.grad_scaler,
+            normalise_after_backward=normalise_after_backward,
         )
         # Under dynamic loss scaling a non-finite loss is an overflow to skip, not an error.
         if extras.grad_scaler is None and not torch.isfinite(loss):
