@@ -150,12 +150,13 @@ class _Found(Exception):
         self.case, self.verdict, self.error = case, verdict, error
 
 
-def _takes_scheduler(candidate: Callable[..., Any]) -> bool:
+def _takes(candidate: Callable[..., Any], keyword: str) -> bool:
+    """Whether the candidate accepts ``keyword`` (the checker passes it only then)."""
     try:
         parameters = inspect.signature(candidate).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "scheduler" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _search_flags(search: dict[str, Any]) -> list[str]:
@@ -166,6 +167,8 @@ def _search_flags(search: dict[str, Any]) -> list[str]:
     for key in ("item_weighted", "allow_inherent"):
         if search.get(key):
             flags.append(f"--{key.replace('_', '-')}")
+    if search.get("device", "cpu") != "cpu":
+        flags.append(f"--device {search['device']}")
     return flags
 
 
@@ -181,6 +184,7 @@ def verify(
     item_weighted: bool = False,
     allow_inherent: bool = False,
     max_batch_size: int = 12,
+    device: str = "cpu",
     reproduce: str | None = None,
     progress: Progress | None = None,
 ) -> VerifyResult:
@@ -193,7 +197,10 @@ def verify(
     replayed).  ``families``, ``optimizers`` and ``losses`` restrict the
     strategies (:func:`equiv.strategies.cases`); ``item_weighted=True`` adds
     the token-level loss; ``allow_inherent=True`` adds BatchNorm and dropout
-    models, whose cases are counted and skipped, not failed.  ``reproduce``
+    models, whose cases are counted and skipped, not failed.  Cases clip
+    (none / inactive / active) only if the candidate takes ``max_grad_norm``
+    and step an LR scheduler only if it takes ``scheduler``.  ``device``
+    (default "cpu") is where the runs happen.  ``reproduce``
     replays a blob printed by an earlier search.  ``progress`` is called
     after every check with (checks so far, seconds elapsed).
     """
@@ -207,6 +214,7 @@ def verify(
         "losses": list(losses or []),
         "item_weighted": item_weighted,
         "allow_inherent": allow_inherent,
+        "device": device,
     }
     strategy = eqst.cases(
         families=families,
@@ -216,7 +224,11 @@ def verify(
         allow_batchnorm=allow_inherent,
         allow_dropout=allow_inherent,
         max_batch_size=max_batch_size,
-        schedulers=tuple(eqst.SCHEDULERS) if _takes_scheduler(candidate) else (None,),
+        # A step can only clip or schedule if it is told to: cases with a clip
+        # norm or a scheduler only for candidates that take those keywords.
+        clipping=eqst.CLIPPING if _takes(candidate, "max_grad_norm") else ("none",),
+        schedulers=tuple(eqst.SCHEDULERS) if _takes(candidate, "scheduler") else (None,),
+        devices=(device,),
     )
     chosen_max = base.max_examples if max_examples is None else max_examples
     run_settings = settings(
@@ -338,6 +350,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             losses=_names(args.losses) if args.losses else None,
             item_weighted=args.item_weighted,
             allow_inherent=args.allow_inherent,
+            device=args.device,
             reproduce=args.reproduce,
             progress=show,
         )
@@ -365,6 +378,7 @@ def register_cli(subparsers: Any) -> None:
     parser.add_argument("--losses", help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
     parser.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
     parser.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
+    parser.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
     parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
     parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
     parser.set_defaults(handler=_cmd_verify)

@@ -112,3 +112,11 @@ def test_report_tables_of_a_search_are_sorted_and_formatted() -> None:
         {"model family": "gru", "Adam": "0.5", "SGD": "-"},
         {"model family": "mlp", "Adam": "-", "SGD": "0.012"},
     ]
+
+
+def test_a_step_without_a_clip_keyword_is_not_searched_with_clipping() -> None:
+    def no_clip(model, optimizer, micro_batches, loss_fn):
+        equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
+
+    result = verify(no_clip, max_examples=20, seed=2, families=["mlp"])
+    assert result, result.message()
