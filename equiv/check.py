@@ -158,7 +158,8 @@ class ReferenceRuns:
                 precision = self.case.dtype + (f" with {self.case.autocast} autocast" if self.case.autocast else "")
                 return (
                     f"the full-batch step itself overflows in {precision} at loss scale {self.case.loss_scale:g} "
-                    f"where the float64 truth does not (scales {scales} vs {truth_scales}): skip decisions "
+                    f"where the float64 truth does not (scales {scales} vs {truth_scales}; a mean loss and a "
+                    "summed loss normalised after backward overflow at different scales): skip decisions "
                     "under a natural overflow have no exact reference",
                 )
         return ()

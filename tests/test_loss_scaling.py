@@ -37,18 +37,18 @@ def test_mixed_precision_window_with_an_overflow_is_skipped_like_the_full_batch(
     assert not equiv.check(overflow_checked_on_last_micro_batch, case)
 
 
-def test_summed_losses_reach_a_natural_float16_overflow_sooner_than_the_full_batch() -> None:
-    # A documented limitation, pinned (found by properties/test_loss_scale_window.py):
-    # the accumulator back-propagates micro-batch SUMS, 5x the full batch's MEAN
-    # here, so at scale 2**14 its float16 gradients overflow at step 1 where the
-    # full-batch step's do not.  The exact tier (float64, never autocast) agrees.
+def test_summed_losses_reach_a_natural_float16_overflow_sooner_than_a_mean() -> None:
+    # Pinned (found by properties/test_loss_scale_window.py): back-propagating
+    # the SUM (5x the mean here) overflows float16 at scale 2**14 where the
+    # mean does not.  Both are the full batch's mathematics, so the verdict is
+    # "no exact reference for this skip decision", not a bug of the accumulator.
     case = equiv.Case(batch_size=5, micro_batch_sizes=(5,), model_kwargs={"hidden": (8,)},
                       optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, loss_scale=2.0**14, overflow_at=(0, 0),
                       autocast="float16")
     verdict = equiv.check(equiv.accumulator_step, case)
-    assert verdict.status == "not_equivalent"
-    assert verdict.diverged_tiers() == ["noise"]
-    assert any(d.name == "grad_scaler:scale" and d.step == 2 for d in verdict.mismatches)
+    assert verdict.status == "inherently_non_equivalent"
+    assert any("summed loss normalised after backward overflow at different scales" in r for r in verdict.inherent)
+    assert verdict.mismatches and verdict.diverged_tiers() == ["noise"]  # float64 is never autocast
 
 
 def test_a_full_batch_step_that_overflows_naturally_has_no_exact_reference() -> None:
