@@ -95,20 +95,27 @@ def _check_flag(name: str, value: Any) -> None:
 
 # -------------------------------------------------------- micro-batch splits
 @st.composite
+def _cut(draw: st.DrawFn, required: bool, largest: int) -> int | None:
+    """One more micro-batch of 1..``largest`` samples, or None to stop (unless
+    ``required``).  One span of choices per piece, so the shrinker can delete
+    a whole piece at once, as it does for list elements."""
+    if not required and draw(st.integers(0, 2)) == 0:  # continue 2 times in 3
+        return None
+    return draw(st.integers(1, largest))
+
+
+@st.composite
 def _splits(draw: st.DrawFn, batch_size: int, min_pieces: int, max_pieces: int) -> tuple[int, ...]:
-    # Like st.lists: a "one more cut?" choice before each piece but the
-    # last, so the shrinker deletes whole pieces, and each size shrinks
-    # toward 1 with the rest in the last piece (no rejection, and a
-    # smaller batch reuses the same draws).
+    # Each size shrinks toward 1 with the rest in the last piece (no
+    # rejection, and a smaller batch reuses the same draws).
     sizes: list[int] = []
     left = batch_size
     while len(sizes) + 1 < max_pieces and left > 1:
-        required = len(sizes) + 1 < min_pieces
-        if not required and draw(st.integers(0, 2)) == 0:  # continue 2 times in 3
-            break
         # Leave a sample for the last piece and for every piece min_pieces still needs.
         still_needed = max(min_pieces - len(sizes) - 2, 0)
-        size = draw(st.integers(1, left - 1 - still_needed))
+        size = draw(_cut(len(sizes) + 1 < min_pieces, left - 1 - still_needed))
+        if size is None:
+            break
         sizes.append(size)
         left -= size
     return (*sizes, left)
@@ -337,7 +344,7 @@ def cases(
     max_steps: int = 3,
     clipping: Sequence[str] = CLIPPING,
     schedulers: Sequence[str | None] = (None,),
-    dtypes: Sequence[str] = ("float32", "float64"),
+    dtypes: Sequence[str] = ("float32", "float64", "bfloat16"),
     devices: Sequence[str] = ("cpu",),
     max_seed: int = 2**16,
 ) -> st.SearchStrategy[Case]:
@@ -353,8 +360,8 @@ def cases(
     exactly); no BatchNorm, no dropout; 2..3 steps (at least 2, so leaks
     across steps show); ``clipping`` among "none", "inactive" (a norm of 1e6)
     and "active" (a norm far below the gradient's); no LR scheduler
-    (``schedulers`` lists names of :data:`SCHEDULERS`, None for none); dtypes
-    float32 and float64; device "cpu"; seeds 0..``max_seed``.  Shrinks toward
+    (``schedulers`` lists names of :data:`SCHEDULERS`, None for none); working
+    dtypes float32, float64 and bfloat16 (the float64 tier runs for every case); device "cpu"; seeds 0..``max_seed``.  Shrinks toward
     a batch of 1 or 2 in few pieces, an MLP, SGD, MSE, two steps, seed 0.
     """
     _check_int("min_batch_size", min_batch_size, at_least=1)
