@@ -380,8 +380,9 @@ def cases(
             f"min_micro_batches={min_micro_batches} is more than max_batch_size={max_batch_size}: "
             "every micro-batch needs a sample"
         )
-    _check_int("min_steps", min_steps, at_least=1)
-    _check_int("max_steps", max_steps, at_least=1)
+    # At least 2 steps: gradients or state a step leaks only show in the next one.
+    _check_int("min_steps", min_steps, at_least=2)
+    _check_int("max_steps", max_steps, at_least=2)
     if min_steps > max_steps:
         raise InvalidArgument(f"min_steps={min_steps} must be at most max_steps={max_steps}")
     _check_int("max_seed", max_seed, at_least=0)
