@@ -10,13 +10,19 @@ from equiv import strategies as eqst
 
 
 def without_group_norm(case: equiv.Case) -> bool:
-    """GroupNorm is left out of these claims: the float64 tier's allowance is
-    occasionally exceeded by pure rounding there (worst 1.14 and 1.26 x
-    allowed, about 1 case in 1500; reported to the owner of the tolerances,
-    e.g. Case(batch_size=9, micro_batch_sizes=(9,), model='conv1d',
-    model_kwargs={'channels': (2, 4), 'kernel_size': 1, 'activation': 'silu',
-    'norm': 'group', 'dropout': 0.0}, optimizer='Adam', optimizer_kwargs={'lr':
-    0.0001, 'eps': 0.001, ...}, seed=3)).  Remove once the floor covers it."""
+    """GroupNorm is left out of these claims: a targeted search finds cases
+    where pure rounding exceeds the allowance (a GroupNorm bias whose gradient
+    nearly cancels, amplified by an adaptive optimizer; about 1 case in 1000),
+    reported to the owner of the tolerances.  Still failing after the
+    "normalises after backward" floor sample (fef57b4), 4.8 x allowed in
+    float64 and 1.8 x in float32:
+    Case(batch_size=4, micro_batch_sizes=(1, 3), model='conv2d',
+    model_kwargs={'channels': (4, 2), 'kernel_size': 1, 'activation':
+    'sigmoid', 'norm': 'group', 'dropout': 0.0}, optimizer='Adamax',
+    optimizer_kwargs={'lr': 0.0001, 'betas': (0.9, 0.999), 'eps': 1e-08,
+    'weight_decay': 0.0}, loss='cross_entropy', scheduler='LinearLR',
+    scheduler_kwargs={'start_factor': 0.25, 'total_iters': 3}).
+    Remove this filter once the allowance covers it."""
     return case.model_kwargs.get("norm") != "group"
 
 
