@@ -30,7 +30,7 @@ from typing import Any
 
 import hypothesis
 from hypothesis import HealthCheck, Phase, given, reject, settings, target
-from hypothesis.errors import Unsatisfiable
+from hypothesis.errors import Flaky, Unsatisfiable
 
 from equiv import strategies as eqst
 from equiv.cases import Case
@@ -69,6 +69,8 @@ class VerifyResult:
     #: Of elapsed_s, the seconds spent inside equiv.check (the training runs and
     #: their comparison); the rest is drawing and shrinking cases.
     checking_s: float = 0.0
+    #: The counterexample failed once but not when replayed: the candidate is not deterministic.
+    flaky: bool = False
     #: Cases skipped as inherently non-equivalent (only with allow_inherent), and their reasons.
     inherent_cases: int = 0
     inherent_reasons: tuple[str, ...] = ()
@@ -113,6 +115,9 @@ class VerifyResult:
             return text
         assert self.counterexample is not None
         head = (f"counterexample after {self.first_failure_at} case(s), shrunk to:\n  {self.counterexample!r}")
+        if self.flaky:
+            head += ("\n(flaky: the same case passed when replayed, so the candidate is not deterministic; "
+                     "it may use unseeded randomness or state kept across calls)")
         if self.error is not None:
             body = f"The candidate raised: {self.error}"
         else:
@@ -133,6 +138,7 @@ class VerifyResult:
             "profile": self.profile,
             "max_examples": self.max_examples,
             "blob": self.blob,
+            "flaky": self.flaky,
             "elapsed_s": self.elapsed_s,
             "checking_s": self.checking_s,
             "inherent_cases": self.inherent_cases,
@@ -288,6 +294,7 @@ def verify(
     if seed is not None:
         test = hypothesis.seed(seed)(test)
     found: _Found | None = None
+    flaky = False
     blob = None
     try:
         test()
@@ -296,6 +303,13 @@ def verify(
         notes = "\n".join(getattr(exc, "__notes__", []))
         match = _BLOB.search(notes)
         blob = match.group(2) if match else None
+    except Flaky as exc:
+        # The candidate failed once and passed on replay of the same case: it
+        # is not deterministic.  Still a finding; the case is the one that failed.
+        inner = [e for e in getattr(exc, "exceptions", ()) if isinstance(e, _Found)]
+        if not inner:
+            raise
+        found, flaky = inner[0], True
     except Unsatisfiable:
         pass  # every drawn case diverged on its own: nothing was checked, nothing found
     return VerifyResult(
@@ -311,6 +325,7 @@ def verify(
         blob=blob,
         elapsed_s=time.perf_counter() - started,
         checking_s=checking[0],
+        flaky=flaky,
         inherent_cases=counts["inherent"],
         inherent_reasons=tuple(inherent_reasons),
         worst_ratio=worst_ratio,

@@ -120,3 +120,18 @@ def test_a_step_without_a_clip_keyword_is_not_searched_with_clipping() -> None:
 
     result = verify(no_clip, max_examples=20, seed=2, families=["mlp"])
     assert result, result.message()
+
+
+def test_a_step_that_fails_only_once_is_reported_as_flaky() -> None:
+    calls = []
+
+    def fails_on_its_first_step(model, optimizer, micro_batches, loss_fn):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("first call")
+        equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
+
+    result = verify(fails_on_its_first_step, max_examples=10, seed=0, families=["mlp"])
+    assert result.found and result.flaky
+    assert "fails_on_its_first_step raised RuntimeError: first call" in result.error
+    assert "not deterministic" in result.message()
