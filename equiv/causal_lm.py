@@ -25,7 +25,9 @@ class CausalLM(nn.Module):
         self.position = nn.Parameter(torch.randn(seq_len, width) * 0.02)
         self.norm1 = nn.LayerNorm(width)
         # dropout=0: dropout would make any accumulation inherently non-equivalent.
-        self.attention = nn.MultiheadAttention(width, heads, dropout=0.0, batch_first=True)
+        # bias=False: the key bias gets an exactly-zero gradient, whose rounding noise
+        # Adam would turn into real updates (a false mismatch, not a bug).
+        self.attention = nn.MultiheadAttention(width, heads, dropout=0.0, bias=False, batch_first=True)
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
         self.head = nn.Linear(width, vocab_size)

@@ -261,7 +261,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("reports/equivalence.md"))
     parser.add_argument("--no-search", action="store_true", help="only the fixed cases (skip the seeded searches)")
     args = parser.parse_args(argv)
-    write_equivalence_report(args.out, searches=not args.no_search)
+    # The distributed and loss-scale sections spawn ranks: part of the full
+    # report, left out with --no-search like the other long sections.
+    extra: list[str] = []
+    if not args.no_search:
+        from equiv.distributed_report import distributed_section
+
+        extra.append(distributed_section(lambda m: print(f"[equiv report] {m}", file=sys.stderr)))
+    write_equivalence_report(args.out, sections=extra, searches=not args.no_search)
     return 0
 
 
