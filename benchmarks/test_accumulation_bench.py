@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from equiv.planner import WORKLOADS, PreparedStep, build_workload_model, prepare_step, synchronize
+from equiv.cost.steps import PreparedStep, StepOptions, prepare_step, synchronize
+from equiv.cost.workloads import WORKLOADS, build_workload_model
 
 SPLITS = (1, 2, 3, 4, 8, 16, 32)
 SEED = 0
@@ -45,15 +46,10 @@ def _prepare(workload_name: str, n: int, implementation: str, device: torch.devi
     workload = WORKLOADS[workload_name]
     batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(SEED))
     model = build_workload_model(workload, seed=SEED)
-    return prepare_step(
-        model,
-        batch,
-        n,
-        loss_sum=workload.loss_sum,
-        count_items=workload.count_items,
-        implementation=implementation,
-        device=device,
+    options = StepOptions(
+        loss_sum=workload.loss_sum, count_items=workload.count_items, implementation=implementation, device=device
     )
+    return prepare_step(model, batch, n, options)
 
 
 @pytest.mark.parametrize(("workload_name", "n_micro_batches", "implementation"), _cases())

@@ -1,24 +1,33 @@
 """equiv: is your gradient accumulation equivalent to full-batch training?
 
-The public API; the code lives in one module per idea (see each module).
+The public API.  The code is grouped by layer, and imports flow one way::
+
+    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches
+
+- ``accumulator``, ``losses``, ``batches``: the reference accumulator and the loss protocol;
+- ``cases``: what to run (:class:`Case`, models, standard cases, strategies);
+- ``zoo``: known bugs and adapters to other libraries' accumulation;
+- ``checking``: truth, floors and candidate runs, comparison, verdicts, search, distributed;
+- ``cost``: memory, workloads, train steps, the cost model and the planner;
+- ``reporting``: the markdown reports; ``cli``: the ``equiv`` command.
 """
 
 from equiv import strategies  # the public Hypothesis strategies: equiv.strategies
-from equiv.accumulator import Accumulator, WindowResult
-from equiv.candidates import accumulator_step, loss_sum_and_count
-from equiv.cases import Case, InvalidCase
-from equiv.causal_lm import CausalLM  # importing it registers the "causal_lm" model family
-from equiv.check import ReferenceRuns, check
-from equiv.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
-from equiv.inherent import inherent_non_equivalences
-from equiv.losses import MSE, CrossEntropy, Loss, TokenCrossEntropy
-from equiv.memory import StepMemory, StorageCounter, measure_step_memory
-from equiv.models import ModelBundle, register_model
-from equiv.planner import NothingFitsError, Plan, PlanRow, plan
-from equiv.trajectory import Candidate, CandidateError, NonFiniteLossError, full_batch_step
-from equiv.verdict import EquivalenceError, TensorDiff, Verdict
-from equiv.verify import VerifyResult, verify
+from equiv.accumulator import Accumulator, WindowResult, accumulator_step
+from equiv.cases.case import Case, InvalidCase
+from equiv.cases.models import CausalLM, ModelBundle, register_model
+from equiv.checking.check import ReferenceRuns, check
+from equiv.checking.contract import Candidate, CandidateError
+from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
+from equiv.checking.inherent import inherent_non_equivalences
+from equiv.checking.trajectory import NonFiniteLossError, full_batch_step
+from equiv.checking.verdict import EquivalenceError, TensorDiff, Verdict
+from equiv.checking.verify import VerifyResult, verify
+from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
+from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
+from equiv.losses import MSE, CrossEntropy, Loss, TokenCrossEntropy, loss_sum_and_count
 
+#: The one place the version is written (pyproject.toml reads it from here).
 __version__ = "0.1.0"
 
 __all__ = [

@@ -20,7 +20,7 @@ zero-count check for tensor counts).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["Accumulator", "WindowResult"]
+from equiv.batches import MicroBatches
+from equiv.losses import loss_sum_and_count
+
+__all__ = ["Accumulator", "WindowResult", "accumulator_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,3 +306,28 @@ class Accumulator:
             torch._foreach_zero_(self._buffers)
         self._micro_batches = 0
         self._items = 0
+
+
+def accumulator_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> None:
+    """The reference candidate: sum each micro-batch's loss, normalise once by
+    the window's item count, clip once, step once (skipped for the whole
+    window if dynamic loss scaling finds an overflow).  Works unchanged on
+    one process and, given a ``DistributedDataParallel`` model, on many."""
+    accumulator = Accumulator(
+        model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler
+    )
+    for index, (inputs, targets) in enumerate(micro_batches):
+        # Under DDP: no_sync for all but the last micro-batch (forward included).
+        with accumulator.micro_batch(last=index == len(micro_batches) - 1):
+            loss_sum, items = loss_sum_and_count(loss_fn, model(inputs), targets)
+            accumulator.backward(loss_sum, items=items)
+    accumulator.step()

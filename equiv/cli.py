@@ -1,37 +1,75 @@
-"""The ``equiv`` command line.
+"""The ``equiv`` command line: every subcommand, and the only place that
+knows about argparse, stdout/stderr and exit codes.
 
-    equiv check MODULE:FUNC [--case JSON]   check a step on the standard cases (or one case)
-    equiv report [--out PATH]               write reports/equivalence.md
+    equiv check MODULE:FUNC [--case JSON]        check a step on the standard cases (or one case)
+    equiv verify MODULE:FUNC [--seed S] ...      search drawn cases for a counterexample (shrunk)
+    equiv plan WORKLOAD|MODULE:FUNC --budget B   recommend N for a memory budget
+    equiv report equivalence|peers|benchmarks    write a markdown report
 
-Exit codes: 0 equivalent, 1 a mismatch was found, 2 usage or import error.
+Exit codes: 0 equivalent (or no counterexample, or a plan that fits), 1 a
+mismatch was found (or nothing fits), 2 usage or import error.  Library code
+raises ``ValueError`` and typed errors; this module turns them into codes.
+Progress goes to stderr through the ``equiv`` logger.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
+import logging
+import math
+import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from equiv.cases import Case, InvalidCase
-from equiv.check import check
-from equiv.standard_cases import STANDARD_CASES
-from equiv.trajectory import CandidateError
+import hypothesis
+import torch
+from hypothesis.errors import InvalidArgument
+from torch import Tensor, nn
 
-__all__ = ["UsageError", "load_target", "main"]
+from equiv.batches import Batch
+from equiv.cases import strategies as eqst
+from equiv.cases.case import Case, InvalidCase
+from equiv.cases.standard import STANDARD_CASES
+from equiv.checking.check import check
+from equiv.checking.contract import CandidateError
+from equiv.checking.verify import verify
+from equiv.cost.planner import NothingFitsError, format_plan, plan
+from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
+
+__all__ = ["UsageError", "build_parser", "load_target", "main", "parse_bytes"]
+
+log = logging.getLogger("equiv")
 
 
 class UsageError(Exception):
     """Bad command-line input: exit code 2 with this message."""
 
 
+# ------------------------------------------------------------------ targets
+@contextlib.contextmanager
+def _on_sys_path(directory: str) -> Iterator[None]:
+    """``directory`` first on ``sys.path`` while a target is imported, removed after."""
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(directory)
+
+
 def load_target(spec: str) -> Callable[..., Any]:
-    """``package.module:func`` or ``path/to/file.py:func`` -> the callable."""
+    """``package.module:func`` or ``path/to/file.py:func`` -> the callable.
+
+    The file's folder (or the working directory, for a module name) is on
+    ``sys.path`` only while the module is imported, so its own imports
+    resolve; nothing is left there afterwards."""
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
         raise UsageError(f"expected MODULE:FUNC or path/to/file.py:FUNC, got {spec!r}")
@@ -43,11 +81,11 @@ def load_target(spec: str) -> Callable[..., Any]:
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)
-            sys.path.insert(0, str(path.resolve().parent))
-            module_spec.loader.exec_module(module)
+            with _on_sys_path(str(path.resolve().parent)):
+                module_spec.loader.exec_module(module)
         else:
-            sys.path.insert(0, str(Path.cwd()))
-            module = importlib.import_module(module_part)
+            with _on_sys_path(str(Path.cwd())):
+                module = importlib.import_module(module_part)
     except UsageError:
         raise
     except Exception as exc:
@@ -71,13 +109,17 @@ def _parse_case(text: str) -> Case:
         raise UsageError(f"--case does not describe a case: {exc}") from None
 
 
+def _names(text: str | None) -> list[str] | None:
+    return [name.strip() for name in text.split(",") if name.strip()] if text else None
+
+
+# -------------------------------------------------------------------- check
 def _cmd_check(args: argparse.Namespace) -> int:
     candidate = load_target(args.target)
     cases = {"--case": _parse_case(args.case)} if args.case else STANDARD_CASES
-    started = time.perf_counter()
     results, failed = [], 0
     for index, (name, case) in enumerate(cases.items(), 1):
-        print(f"[{index}/{len(cases)}] {name} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+        log.info("[%d/%d] %s", index, len(cases), name)
         try:
             verdict = check(candidate, case)
         except CandidateError as exc:
@@ -97,48 +139,260 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _cmd_report(args: argparse.Namespace) -> int:
-    from equiv.report import write_equivalence_report
+# ------------------------------------------------------------------- verify
+def _cmd_verify(args: argparse.Namespace) -> int:
+    candidate = load_target(args.target)
+    if args.profile is not None:
+        try:
+            hypothesis.settings.get_profile(args.profile)
+        except InvalidArgument:
+            raise UsageError(f"unknown Hypothesis profile {args.profile!r} (try dev, ci or thorough)") from None
+    last_shown = [-math.inf]
 
-    write_equivalence_report(args.out)
+    def show(examples: int, elapsed: float) -> None:
+        if elapsed - last_shown[0] >= args.progress_every:  # the first check, then every few seconds
+            last_shown[0] = elapsed
+            log.info("%d cases checked", examples)
+
+    try:
+        result = verify(
+            candidate,
+            max_examples=args.max_examples,
+            seed=args.seed,
+            profile=args.profile,
+            families=_names(args.families),
+            optimizers=_names(args.optimizers),
+            losses=_names(args.losses),
+            item_weighted=args.item_weighted,
+            allow_inherent=args.allow_inherent,
+            device=args.device,
+            reproduce=args.reproduce,
+            progress=show,
+        )
+    except InvalidArgument as exc:
+        raise UsageError(str(exc)) from None
+    print(result.message(args.target))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+    return 1 if result.found else 0
+
+
+# --------------------------------------------------------------------- plan
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '1.5GB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"memory budget must be a number with an optional unit among B, KB, MB, GB, KiB, MiB, GiB; got {text!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _load_plan_target(spec: str) -> tuple[nn.Module, Batch, LossSum | None, CountItems | None, int | None]:
+    """A built-in workload name, or ``MODULE:FUNC`` / ``path/to/file.py:FUNC``
+    where ``FUNC()`` returns ``(model, (inputs, targets))`` or
+    ``(model, (inputs, targets), loss_sum)``.  Returns the model, the example
+    batch, the loss and item count (None: defaults) and a default global batch."""
+    if spec in WORKLOADS:
+        workload = WORKLOADS[spec]
+        generator = torch.Generator().manual_seed(0)
+        return (
+            build_workload_model(workload),
+            workload.make_batch(workload.global_batch_size, generator),
+            workload.loss_sum,
+            workload.count_items,
+            workload.global_batch_size,
+        )
+    if ":" not in spec:
+        raise UsageError(f"target must be a built-in workload {sorted(WORKLOADS)} or MODULE:FUNC, got {spec!r}")
+    func = load_target(spec)
+    try:
+        result = func()
+    except Exception as exc:  # the user's code: say which call failed, keep the cause
+        raise UsageError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
+        raise UsageError(
+            f"{spec}() must return (model, (inputs, targets)[, loss_sum]) with an nn.Module first, "
+            f"got {type(result).__name__}"
+        )
+    model, batch = result[0], result[1]
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
+        raise UsageError(f"{spec}(): the batch must be (inputs, targets) tensors, got {type(batch).__name__}")
+    return model, (batch[0], batch[1]), (result[2] if len(result) == 3 else None), None, None
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, batch, loss_sum, count_items, default_batch = _load_plan_target(args.target)
+    global_batch_size = args.global_batch_size or default_batch or int(batch[0].shape[0])
+    try:
+        result = plan(
+            model,
+            batch,
+            global_batch_size=global_batch_size,
+            memory_budget_bytes=args.budget,
+            loss_sum=loss_sum,
+            count_items=count_items,
+            device=args.device,
+            candidates=args.candidates,
+            repeats=args.repeats,
+        )
+    except NothingFitsError as exc:
+        print(f"equiv plan: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    return 0 if result.recommended_n is not None else 1
+
+
+# ------------------------------------------------------------------- report
+def _write(out: Path, text: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    log.info("wrote %s", out)
+
+
+# The reporting modules import pandas: loaded only when a report is asked for.
+def _cmd_report_equivalence(args: argparse.Namespace) -> int:
+    from equiv.reporting.equivalence import equivalence_report
+
+    _write(args.out, equivalence_report(searches=not args.no_search))
     return 0
 
 
+def _cmd_report_peers(args: argparse.Namespace) -> int:
+    from equiv.reporting.peers import peers_report
+
+    _write(args.out, peers_report())
+    return 0
+
+
+def _cmd_report_benchmarks(args: argparse.Namespace) -> int:
+    from equiv.reporting.benchmarks import render_report
+
+    try:
+        raw = json.loads(args.json.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read benchmark JSON {str(args.json)!r}: {exc}") from None
+    try:
+        text = render_report(raw, source=str(args.json))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    _write(args.out, text)
+    return 0
+
+
+# ------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="equiv", description="Is your gradient accumulation full-batch training?")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    contract = "MODULE:FUNC or path/to/file.py:FUNC following the candidate contract"
 
     check_parser = commands.add_parser("check", help="check a step on the standard cases (or one --case)")
-    check_parser.add_argument("target", help="MODULE:FUNC or path/to/file.py:FUNC following the candidate contract")
+    check_parser.add_argument("target", help=contract)
     check_parser.add_argument("--case", help="one case as JSON (Case.to_dict()), or @file.json")
     check_parser.add_argument("--json", help="also write the verdicts as JSON to this path")
     check_parser.set_defaults(handler=_cmd_check)
 
-    report_parser = commands.add_parser("report", help="write the equivalence report")
-    report_parser.add_argument("--out", type=Path, default=Path("reports/equivalence.md"))
-    report_parser.set_defaults(handler=_cmd_report)
+    verify_parser = commands.add_parser(
+        "verify",
+        help="search drawn cases for a counterexample to a step (Hypothesis, shrunk)",
+        description="Hypothesis draws cases (models x splits x optimizers), checks the step on each and shrinks "
+        "the first mismatch to the smallest case that still shows it.",
+    )
+    verify_parser.add_argument("target", help=contract)
+    verify_parser.add_argument("--max-examples", type=int, default=None, help="cases to draw (default: the profile's)")
+    verify_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
+    verify_parser.add_argument("--profile", default=None, help="Hypothesis profile: dev, ci or thorough")
+    verify_parser.add_argument("--json", help="also write the result as JSON to this path")
+    verify_parser.add_argument("--families", help=f"comma-separated model families ({','.join(eqst.MODEL_FAMILIES)})")
+    verify_parser.add_argument("--optimizers", help=f"comma-separated optimizers ({','.join(eqst.OPTIMIZERS)})")
+    verify_parser.add_argument("--losses", help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
+    verify_parser.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
+    verify_parser.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
+    verify_parser.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
+    verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
+    verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
+    verify_parser.set_defaults(handler=_cmd_verify)
 
-    # Subcommands of optional modules register themselves (e.g. `equiv plan`).
-    for module_name in ("equiv.planner", "equiv.verify"):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        module.register_cli(commands)
+    plan_parser = commands.add_parser(
+        "plan",
+        help="recommend the number of micro-batches N for a memory budget",
+        description="Measure a few micro-batch sizes, fit memory and time, and recommend the "
+        "fastest N whose step fits the budget (no trial beyond the budget's reach).",
+    )
+    plan_parser.add_argument(
+        "target",
+        help=f"a built-in workload ({', '.join(sorted(WORKLOADS))}) or MODULE:FUNC "
+        "returning (model, (inputs, targets)[, loss_sum])",
+    )
+    plan_parser.add_argument("--budget", type=parse_bytes, required=True, help="memory budget, e.g. 256MiB or 8GB")
+    plan_parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per optimizer step (default: the workload's, or the example batch's size)",
+    )
+    plan_parser.add_argument("--device", default="cpu", help="cpu or cuda[:index] (default: cpu)")
+    plan_parser.add_argument(
+        "--candidates",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="comma-separated N to consider (default: powers of two up to the batch)",
+    )
+    plan_parser.add_argument("--repeats", type=int, default=3, help="timed steps per measured N (default: 3)")
+    plan_parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the measurement")
+    plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan_parser.set_defaults(handler=_cmd_plan)
+
+    report_parser = commands.add_parser("report", help="write a markdown report (equivalence, peers, benchmarks)")
+    reports = report_parser.add_subparsers(dest="report", required=True, metavar="REPORT")
+    equivalence = reports.add_parser(
+        "equivalence", help="standard cases, searches, distributed and loss-scale sections (tox -e equivalence)"
+    )
+    equivalence.add_argument("--out", type=Path, default=Path("reports/equivalence.md"))
+    equivalence.add_argument(
+        "--no-search", action="store_true", help="only the fixed cases (skip the seeded searches and spawned ranks)"
+    )
+    equivalence.set_defaults(handler=_cmd_report_equivalence)
+    peers = reports.add_parser("peers", help="Accelerate, Lightning and hand-written loops under equiv (tox -e peers)")
+    peers.add_argument("--out", type=Path, default=Path("reports/peers.md"))
+    peers.set_defaults(handler=_cmd_report_peers)
+    benchmarks = reports.add_parser("benchmarks", help="pytest --benchmark-json output as markdown (tox -e bench)")
+    benchmarks.add_argument("--json", type=Path, required=True, help="pytest --benchmark-json output")
+    benchmarks.add_argument("--out", type=Path, default=Path("reports/benchmarks.md"), help="markdown file to write")
+    benchmarks.set_defaults(handler=_cmd_report_benchmarks)
     return parser
 
 
+class _ElapsedFormatter(logging.Formatter):
+    """``[equiv] message (12 s)``: seconds since the command started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = time.perf_counter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"[equiv] {record.getMessage()} ({time.perf_counter() - self.started:.0f} s)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_ElapsedFormatter())
+    previous_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
         return int(args.handler(args))
     except UsageError as exc:
         print(f"equiv: error: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(previous_level)

@@ -11,12 +11,22 @@ weights micro-batches by samples (or averages their means) is found out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSSES", "MSE", "CrossEntropy", "Loss", "TokenCrossEntropy", "build_loss"]
+__all__ = [
+    "LOSSES",
+    "MSE",
+    "CrossEntropy",
+    "Loss",
+    "TokenCrossEntropy",
+    "build_loss",
+    "item_count",
+    "loss_sum_and_count",
+]
 
 
 class Loss:
@@ -106,3 +116,21 @@ def build_loss(name: str) -> Loss:
         return LOSSES[name]()
     except KeyError:
         raise ValueError(f"unknown loss {name!r}; expected one of {sorted(LOSSES)}") from None
+
+
+def loss_sum_and_count(loss_fn: Callable[..., Tensor], output: Tensor, target: Tensor) -> tuple[Tensor, int | Tensor]:
+    """The micro-batch's SUMMED loss and how many items it sums over.
+
+    Uses ``loss_fn.sum`` / ``loss_fn.count`` when the loss offers them (every
+    :mod:`equiv.losses` loss does); a plain mean loss is taken as a mean over
+    samples: ``mean * samples``.
+    """
+    if hasattr(loss_fn, "sum") and hasattr(loss_fn, "count"):
+        return loss_fn.sum(output, target), loss_fn.count(target)
+    samples = int(target.shape[0])
+    return loss_fn(output, target) * samples, samples
+
+
+def item_count(loss_fn: Callable[..., Tensor], target: Tensor) -> int | Tensor:
+    """How many items ``loss_fn`` averages over in ``target`` (samples for a plain mean loss)."""
+    return loss_fn.count(target) if hasattr(loss_fn, "count") else int(target.shape[0])

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import equiv
-from equiv.zoo_distributed import overflow_checked_on_last_micro_batch
+from equiv.zoo.distributed_bugs import overflow_checked_on_last_micro_batch
 
 
 @st.composite

@@ -13,8 +13,8 @@ from hypothesis import given, note, settings
 
 import equiv
 from equiv import strategies as eqst
-from equiv.verify import VerifyResult, verify
-from equiv.zoo import BUGS, ITEM_WEIGHTED_BUGS
+from equiv.checking.verify import VerifyResult, verify
+from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
 
 
 def two_pieces(case: equiv.Case) -> bool:

@@ -8,8 +8,8 @@ extras (`pip install equiv[peers]`) and skip with a reason without them.
 import pytest
 
 import equiv
-from equiv.adapters import MindSporeAccumulator, MindSporeGradientAccumulation, textbook_step, torchtitan_step
-from equiv.peers import CONFIGURATIONS, smallest_counterexample
+from equiv.reporting.peers import CONFIGURATIONS, smallest_counterexample
+from equiv.zoo.adapters import MindSporeAccumulator, MindSporeGradientAccumulation, textbook_step, torchtitan_step
 
 EVEN = CONFIGURATIONS["equal splits, SGD"]
 ADAM = CONFIGURATIONS["equal splits, Adam"]
@@ -62,7 +62,7 @@ def test_mindspore_2_port_never_applies_its_clip_norm_and_misses_short_tails() -
 
 
 def test_accelerate_divides_a_short_tail_window_by_the_full_n() -> None:
-    accelerate = pytest.importorskip("equiv.adapters.accelerate", reason="needs the accelerate extra")
+    accelerate = pytest.importorskip("equiv.zoo.adapters.accelerate", reason="needs the accelerate extra")
     assert equiv.check(accelerate.AccelerateStep(), EVEN)
     assert equiv.check(accelerate.AccelerateStep(), CLIPPED)
     assert first_update_mismatch(accelerate.AccelerateStep(), UNEVEN).step == 1
@@ -73,7 +73,7 @@ def test_accelerate_divides_a_short_tail_window_by_the_full_n() -> None:
 
 
 def test_lightning_divides_a_short_tail_window_by_the_full_n() -> None:
-    lightning = pytest.importorskip("equiv.adapters.lightning", reason="needs the lightning extra")
+    lightning = pytest.importorskip("equiv.zoo.adapters.lightning", reason="needs the lightning extra")
     assert equiv.check(lightning.LightningStep(), EVEN)
     assert equiv.check(lightning.LightningStep(), CLIPPED)  # clips once, after accumulation
     assert first_update_mismatch(lightning.LightningStep(), UNEVEN).step == 1

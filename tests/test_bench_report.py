@@ -1,4 +1,4 @@
-"""equiv.bench_report: a small --benchmark-json fixture renders a deterministic report."""
+"""equiv.reporting.benchmarks: a small --benchmark-json fixture renders a deterministic report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from equiv.bench_report import load_benchmarks, main, render_report
+from equiv.cli import main
+from equiv.reporting.benchmarks import load_benchmarks, render_report
+from equiv.reporting.markdown import read_markdown_table
 
 MIB, KIB = 2**20, 2**10
 BATCH = 32
@@ -91,22 +93,33 @@ def test_rows_are_sorted_whatever_the_json_order() -> None:
     assert len(steps) == 11 and len(paired) == 1  # the unrelated benchmark is left out
 
 
+def _table_after(report: str, marker: str) -> list[dict[str, str]]:
+    """The first table after ``marker``, parsed: cells compared, not tabulate's padding."""
+    return read_markdown_table(report[report.index(marker) :])
+
+
 def test_report_has_table_fit_and_chart() -> None:
     report = render_report(_fixture())
+    rows = {(row["N"], row["implementation"]): row for row in _table_after(report, "## toy")}
     # Table rows: uneven split spelled out, memory in MiB at fixed precision, ratio to native.
-    assert "| 3   | 11+11+10      | accumulator      | 1.688" in report
-    assert "1.020" in report  # accumulator / native time ratio
+    assert rows["3", "accumulator"]["micro-batch"] == "11+11+10"
+    assert rows["3", "accumulator"]["fwd/bwd peak MiB"] == "1.688"
+    assert rows["3", "accumulator"]["time / native"] == "1.020"
     # The fit recovers the synthetic terms (memory on N >= 2, time on every N).
     assert "**1.000 MiB + 64.00 KiB x micro-batch**" in report
     assert "optimizer-step peak **1.500 MiB**" in report
     assert "**N x 1.02 ms + B x 10.2 us**" in report
     # Leave-one-out on exact lines: no error, except N=1, predicted without its missing temporary.
-    assert "| 4            | 1.500                  | 1.500       | +0.0%" in report
-    assert "| 1            | 2.999" in report
+    held_out = {row["N left out"]: row for row in _table_after(report, "Prediction error on each N left out")}
+    assert (held_out["4"]["fwd/bwd MiB measured"], held_out["4"]["fwd/bwd MiB predicted"]) == ("1.500", "1.500")
+    assert held_out["4"]["fwd/bwd error"] == "+0.0%"
+    assert held_out["1"]["fwd/bwd MiB measured"] == "2.999"
     assert "**1.012x** the native loop's step time" in report
-    # The paired figure sits on the Accumulator row of its N only.
-    assert "| 8   | 4             | accumulator      | 1.250" in report
-    assert report.count("| 1.012  ") == 2  # the N=8 Accumulator row and the summary
+    # The paired figure sits on the Accumulator row of its N only, and in the summary.
+    assert [key for key, row in rows.items() if row["overhead, paired"] != "-"] == [("8", "accumulator")]
+    assert rows["8", "accumulator"]["overhead, paired"] == "1.012"
+    assert rows["8", "accumulator"]["micro-batch"] == "4"
+    assert _table_after(report, "## Summary")[0]["Accumulator overhead N=8 (paired)"] == "1.012"
     assert "```mermaid\nxychart-beta" in report
     assert 'x-axis ["N=1", "N=2", "N=3", "N=4", "N=8"]' in report
 
@@ -115,7 +128,7 @@ def test_main_writes_the_markdown(tmp_path: Path) -> None:
     source = tmp_path / "benchmarks.json"
     source.write_text(json.dumps(_fixture()))
     out = tmp_path / "reports" / "benchmarks.md"
-    assert main(["--json", str(source), "--out", str(out)]) == 0
+    assert main(["report", "benchmarks", "--json", str(source), "--out", str(out)]) == 0
     assert out.read_text() == render_report(_fixture())
 
 

@@ -1,9 +1,9 @@
-"""The reference accumulator passes check() on the cases the issue names."""
+"""The reference accumulator passes check() on uneven splits, token losses, clipping, schedulers and adaptive optimizers."""
 
 import pytest
 
 import equiv
-from equiv.standard_cases import STANDARD_CASES
+from equiv.cases.standard import STANDARD_CASES
 
 MLP = {"hidden": (8, 8), "activation": "tanh"}
 OPTIMIZERS = {

@@ -1,7 +1,7 @@
-"""check() rejects the accumulation bugs the issue names, for the right reason."""
+"""check() rejects known accumulation bugs (mean of means, unscaled sums, per-micro-batch clipping, ...), for the right reason."""
 
 import equiv
-from equiv import zoo
+from equiv.zoo import bugs as zoo
 
 MLP = {"hidden": (8, 8), "activation": "tanh"}
 

@@ -70,3 +70,19 @@ def test_usage_errors_exit_2_with_a_message(
 ) -> None:
     assert main(["check", target.format(file=steps_file), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_loading_a_target_leaves_sys_path_as_it_was(steps_file: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    import sys
+
+    from equiv.cli import load_target
+
+    before = list(sys.path)
+    load_target(f"{steps_file}:textbook")
+    assert sys.path == before
+    (tmp_path / "module_target_xyz.py").write_text(STEPS)
+    monkeypatch.chdir(tmp_path)
+    load_target("module_target_xyz:textbook")
+    assert sys.path == before
+    sys.modules.pop("module_target_xyz", None)

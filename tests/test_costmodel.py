@@ -1,10 +1,18 @@
-"""equiv.costmodel: the fits recover known coefficients; leave-one-out is honest."""
+"""equiv.cost.costmodel: the fits recover known coefficients; leave-one-out is honest."""
 
 from __future__ import annotations
 
 import pytest
 
-from equiv.costmodel import MemoryPoint, MicroStepPoint, TimePoint, fit_memory, fit_micro_steps, fit_time, leave_one_out
+from equiv.cost.costmodel import (
+    MemoryPoint,
+    MicroStepPoint,
+    TimePoint,
+    fit_memory,
+    fit_micro_steps,
+    fit_time,
+    leave_one_out,
+)
 
 STATIC, PER_SAMPLE, STEP_PEAK = 5_000_000.0, 30_000.0, 9_000_000.0
 T_FIXED, T_SAMPLE = 0.002, 0.00005

@@ -14,9 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 import equiv
-from equiv.distributed import DistributedCase, DistributedCheckError, check_distributed
-from equiv.trajectory import run_reference
-from equiv.zoo_distributed import forward_outside_no_sync, local_mean_per_rank, no_sync_missing
+from equiv.checking.distributed import DistributedCase, DistributedCheckError, check_distributed
+from equiv.checking.trajectory import run_reference
+from equiv.zoo.distributed_bugs import forward_outside_no_sync, local_mean_per_rank, no_sync_missing
+
+# Spawned process groups are slow to start: `pytest -m "not distributed"` is the fast loop.
+pytestmark = pytest.mark.distributed
 
 MLP = {"hidden": (8,), "activation": "tanh"}
 BASE = equiv.Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs=MLP, optimizer="Adam",

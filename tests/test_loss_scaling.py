@@ -5,8 +5,8 @@ import re
 import pytest
 
 import equiv
-from equiv import zoo
-from equiv.zoo_distributed import overflow_checked_on_last_micro_batch
+from equiv.zoo import bugs as zoo
+from equiv.zoo.distributed_bugs import overflow_checked_on_last_micro_batch
 
 SCALED = equiv.Case(batch_size=6, micro_batch_sizes=(1, 2, 3), model_kwargs={"hidden": (8,)}, optimizer="Adam",
                     optimizer_kwargs={"lr": 1e-2}, steps=3, loss_scale=2.0**8, overflow_at=(1, 0))

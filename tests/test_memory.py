@@ -1,4 +1,4 @@
-"""equiv.memory: the CPU storage counter is exact and byte-identical on repeat."""
+"""equiv.cost.memory: the CPU storage counter is exact and byte-identical on repeat."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from equiv.memory import StepMemory, StorageCounter, measure_step_memory, training_state_tensors
+from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory, training_state_tensors
 
 FLOAT32_BYTES = 4
 

@@ -1,4 +1,6 @@
-"""equiv.planner: the three step implementations agree; plan() recommends an N that fits."""
+"""equiv.cost: the three step implementations agree; plan() recommends an N that fits on a real model.
+
+The planning algorithm on synthetic memory and time curves: tests/test_plan_search.py."""
 
 from __future__ import annotations
 
@@ -11,17 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from equiv.planner import (
-    WORKLOADS,
-    BlockNet,
-    NothingFitsError,
-    build_workload_model,
-    make_train_step,
-    parse_bytes,
-    plan,
-    register_cli,
-    split_batch,
-)
+from equiv.batches import even_sizes, split_batch
+from equiv.cli import UsageError, build_parser, main, parse_bytes
+from equiv.cost.planner import NothingFitsError, plan
+from equiv.cost.steps import make_train_step
+from equiv.cost.workloads import WORKLOADS, BlockNet, build_workload_model
 
 MIB = 2**20
 
@@ -42,15 +38,27 @@ def _ce_sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def test_split_batch_is_as_even_as_possible() -> None:
-    pieces = split_batch(_tiny_batch(64), 3)
+    pieces = split_batch(_tiny_batch(64), even_sizes(64, 3))
     assert [len(x) for x, _ in pieces] == [22, 21, 21]
     assert torch.equal(torch.cat([y for _, y in pieces]), _tiny_batch(64)[1])
 
 
 @pytest.mark.parametrize("n", [0, 25], ids=["zero", "more-than-samples"])
-def test_split_batch_refuses_impossible_n(n: int) -> None:
+def test_even_sizes_refuses_impossible_n(n: int) -> None:
     with pytest.raises(ValueError, match=rf"n_micro_batches must be in 1..24 \(the batch size\), got {n}"):
-        split_batch(_tiny_batch(), n)
+        even_sizes(24, n)
+
+
+def test_split_batch_refuses_sizes_that_do_not_add_up() -> None:
+    with pytest.raises(ValueError, match=r"micro-batch sizes \[5, 5\] must be positive and add up to the batch's 24"):
+        split_batch(_tiny_batch(), [5, 5])
+
+
+def test_split_batch_copies_only_when_asked() -> None:
+    batch = _tiny_batch()
+    views, copies = split_batch(batch, [4, 20]), split_batch(batch, [4, 20], copy=True)
+    assert views[0][0].untyped_storage().data_ptr() == batch[0].untyped_storage().data_ptr()
+    assert copies[0][0].untyped_storage().data_ptr() != batch[0].untyped_storage().data_ptr()
 
 
 def test_benchmarked_implementations_take_the_same_step() -> None:
@@ -60,7 +68,7 @@ def test_benchmarked_implementations_take_the_same_step() -> None:
     for implementation, n in [("native", 1), ("native", 5), ("accumulator", 5), ("checkpoint", 1)]:
         model = _tiny_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        make_train_step(implementation, model, optimizer, split_batch(batch, n), _ce_sum, lambda t: t.shape[0])()
+        make_train_step(implementation, model, optimizer, split_batch(batch, even_sizes(len(batch[0]), n)), _ce_sum, lambda t: t.shape[0])()
         updated[(implementation, n)] = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert all(p.grad is None for p in model.parameters()), "a step must leave no gradient behind"
     reference = updated[("native", 1)]
@@ -150,9 +158,7 @@ def test_parse_bytes_refuses_nonsense(text: str) -> None:
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="equiv")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def test_cli_plans_a_user_model(
@@ -190,15 +196,11 @@ def test_cli_plans_a_user_model(
     ids=["unknown-name", "missing-function", "not-callable", "bad-call"],
 )
 def test_cli_names_a_bad_target(target: str, message: str) -> None:
-    from equiv.cli import UsageError
-
     args = _cli(["plan", target, "--budget", "1MiB"])
     with pytest.raises(UsageError, match=message):
         args.handler(args)
 
 
 def test_cli_exit_code_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
-    from equiv.cli import main
-
     assert main(["plan", "mlp", "--budget", "1MiB", "--repeats", "1"]) == 1
     assert "no N fits: even micro-batch 1 (N=256)" in capsys.readouterr().err

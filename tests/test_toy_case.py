@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import equiv
-from equiv.standard_cases import TOY_CASE
+from equiv.cases.standard import TOY_CASE
 
 X = torch.arange(1.0, 9.0).view(-1, 1)
 Y = 2 * X

@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 
 import equiv
+from equiv.checking.verify import verify
 from equiv.cli import main
-from equiv.verify import verify
-from equiv.zoo import mean_of_means
+from equiv.zoo.bugs import mean_of_means
 
 STEPS = '''
 from equiv import accumulator_step as good
-from equiv.zoo import mean_of_means as bad
+from equiv.zoo.bugs import mean_of_means as bad
 
 def crashes(model, optimizer, micro_batches, loss_fn):
     raise RuntimeError("boom")
@@ -100,12 +100,13 @@ def test_verify_counts_inherent_cases_instead_of_failing_them() -> None:
 
 
 def test_report_tables_of_a_search_are_sorted_and_formatted() -> None:
-    from equiv.report import bug_zoo_table, to_markdown, worst_ratio_table
+    from equiv.reporting.equivalence import bug_zoo_table, worst_ratio_table
+    from equiv.reporting.markdown import markdown_table, read_markdown_table
 
     found = verify(mean_of_means, max_examples=15, seed=1, families=["mlp"], optimizers=["SGD"])
-    table = to_markdown(bug_zoo_table({"mean_of_means": found, "a_bug": found}))
-    assert table.index("`a_bug`") < table.index("`mean_of_means`")
-    assert "| yes " in table and "micro_batch_sizes=(1, 2)" in table
+    rows = read_markdown_table(markdown_table(bug_zoo_table({"mean_of_means": found, "a_bug": found})))
+    assert [row["bug"] for row in rows] == ["`a_bug`", "`mean_of_means`"]
+    assert all(row["found"] == "yes" and "micro_batch_sizes=(1, 2)" in row["shrunk case"] for row in rows)
     ratios = worst_ratio_table({"mlp / SGD": 0.01234, "gru / Adam": 0.5})
     assert list(ratios.columns) == ["model family", "Adam", "SGD"]
     assert ratios.to_dict("records") == [

@@ -1,0 +1,5 @@
+"""``python -m equiv``: the same as the ``equiv`` command."""
+
+from equiv.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""A :class:`Case`: everything needed to reproduce one check deterministically.
+
+One case, one report row: ``Case.to_dict()`` holds only plain values, and
+``Case.from_dict`` rebuilds it.  Building the pieces a run needs (model,
+batches, optimizer) lives here too, so every run of a case starts from the
+same bits whatever dtype it computes in.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from equiv.cases.models import MODELS, ModelBundle, build_model
+from equiv.losses import LOSSES, Loss, build_loss
+
+__all__ = ["DATA", "DTYPES", "Case", "InvalidCase"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+#: How a case's batches are drawn: "random" from the seed, or "toy_2x"
+#: (x = 1..B, y = 2x, the same every step; for ``scalar_linear``).
+DATA = ("random", "toy_2x")
+
+
+class InvalidCase(ValueError):
+    """A case whose fields cannot describe a run."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One reproducible accumulation check.
+
+    ``micro_batch_sizes`` cuts each step's batch of ``batch_size`` samples into
+    consecutive micro-batches, in order; uneven sizes are the point.
+    """
+
+    batch_size: int
+    micro_batch_sizes: tuple[int, ...]
+    model: str = "mlp"
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    optimizer: str = "SGD"
+    optimizer_kwargs: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    loss: str = "mse"
+    #: Optimizer steps; >= 2 so that state and gradients leaking across steps show.
+    steps: int = 2
+    #: Clip the window's gradient to this norm once per step (None: no clipping).
+    max_grad_norm: float | None = None
+    #: A ``torch.optim.lr_scheduler`` class name, stepped once per optimizer step.
+    scheduler: str | None = None
+    scheduler_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Dynamic loss scaling (torch.amp.GradScaler) starting at this scale; None: off.
+    loss_scale: float | None = None
+    #: (step, sample): that sample's inputs are +inf at that step, so the window
+    #: overflows and its update must be skipped (needs ``loss_scale``).
+    overflow_at: tuple[int, int] | None = None
+    #: Mixed precision as in PyTorch's AMP recipe: parameters stay in ``dtype``
+    #: and the forward runs under ``torch.autocast`` to this dtype ("float16" or
+    #: "bfloat16").  float64 runs are never lowered, so the truth stays exact.
+    autocast: str | None = None
+    #: The working dtype of the noise-floor tier ("float64" runs the exact tier only).
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    data: str = "random"
+
+    def __post_init__(self) -> None:
+        # Normalise containers so equal cases compare equal and repr round-trips.
+        object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
+        if self.overflow_at is not None:
+            object.__setattr__(self, "overflow_at", tuple(self.overflow_at))
+        for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
+            object.__setattr__(self, name, dict(getattr(self, name)))
+        self._validate()
+
+    def _validate(self) -> None:
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise InvalidCase(f"batch_size must be a positive int, got {self.batch_size!r}")
+        sizes = self.micro_batch_sizes
+        if not sizes:
+            raise InvalidCase("micro_batch_sizes must hold at least one micro-batch, got ()")
+        for index, size in enumerate(sizes):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise InvalidCase(
+                    f"micro-batch {index} has size {size!r}; every micro-batch needs at least one sample "
+                    f"(micro_batch_sizes={sizes})"
+                )
+        if sum(sizes) != self.batch_size:
+            raise InvalidCase(
+                f"micro_batch_sizes {sizes} add up to {sum(sizes)}, but batch_size is {self.batch_size}"
+            )
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise InvalidCase(f"steps must be a positive int, got {self.steps!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise InvalidCase(f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise InvalidCase(f"loss_scale must be positive or None, got {self.loss_scale!r}")
+        if self.overflow_at is not None:
+            if self.loss_scale is None:
+                raise InvalidCase(f"overflow_at={self.overflow_at} needs loss_scale: without loss scaling an "
+                                  "overflow is a non-finite loss, not a window to skip")
+            step, sample = self.overflow_at
+            if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
+                raise InvalidCase(f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
+                                  f"x samples 0..{self.batch_size - 1}")
+        if self.autocast is not None and self.autocast not in ("float16", "bfloat16"):
+            raise InvalidCase(f"autocast must be 'float16', 'bfloat16' or None, got {self.autocast!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidCase(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
+        if self.loss not in LOSSES:
+            raise InvalidCase(f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)}")
+        if self.model not in MODELS:
+            raise InvalidCase(f"unknown model {self.model!r}; expected one of {sorted(MODELS)}")
+        if self.data not in DATA:
+            raise InvalidCase(f"unknown data {self.data!r}; expected one of {list(DATA)}")
+        if self.data == "toy_2x" and self.model != "scalar_linear":
+            raise InvalidCase(f"data 'toy_2x' needs model 'scalar_linear', got {self.model!r}")
+        optimizer_class = getattr(torch.optim, self.optimizer, None)
+        if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise InvalidCase(f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim")
+        if self.scheduler is not None and not inspect.isclass(getattr(torch.optim.lr_scheduler, self.scheduler, None)):
+            raise InvalidCase(f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler")
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise InvalidCase(f"unknown device {self.device!r}; expected e.g. 'cpu' or 'cuda:0'") from None
+
+    # ----------------------------------------------------------- serialising
+    def __repr__(self) -> str:
+        """Only the fields that differ from the defaults: short, and still
+        exactly the case (paste it to reproduce)."""
+        defaults = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
+                    for f in fields(Case)}
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.name in ("batch_size", "micro_batch_sizes") or getattr(self, f.name) != defaults[f.name]
+        ]
+        return f"Case({', '.join(shown)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (lists, not tuples), ready for JSON or a report row."""
+        out = asdict(self)
+        out["micro_batch_sizes"] = list(self.micro_batch_sizes)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Case:
+        values = dict(data)
+        values["micro_batch_sizes"] = tuple(values["micro_batch_sizes"])
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Case:
+        """A copy with some fields changed (validated again)."""
+        return Case.from_dict({**self.to_dict(), **changes})
+
+    # -------------------------------------------------------------- building
+    @property
+    def working_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def build_loss(self) -> Loss:
+        return build_loss(self.loss)
+
+    def build_model(self) -> ModelBundle:
+        """The model with its initial weights already rounded to the working
+        dtype (still stored in float32), so runs in any dtype start equal."""
+        bundle = build_model(self.model, self.seed, **self.model_kwargs)
+        with torch.no_grad():
+            for tensor in [*bundle.module.parameters(), *bundle.module.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.copy_(tensor.to(self.working_dtype))
+        return bundle
+
+    def batches(self, bundle: ModelBundle) -> list[tuple[Tensor, Tensor]]:
+        """One full batch per step, float inputs and targets already rounded to
+        the working dtype (stored in float32 or as integers), on the CPU."""
+        if self.data == "toy_2x":
+            x = torch.arange(1, self.batch_size + 1, dtype=torch.float32).view(-1, 1)
+            return [(x, 2 * x) for _ in range(self.steps)]
+        out = []
+        for step in range(self.steps):
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + step)
+            inputs = bundle.make_inputs(self.batch_size, generator)
+            targets = self._targets(bundle.output_shape, generator)
+            if self.overflow_at is not None and self.overflow_at[0] == step:
+                if not inputs.is_floating_point():
+                    raise InvalidCase(f"overflow_at needs float inputs; model {self.model!r} takes {inputs.dtype}")
+                inputs[self.overflow_at[1]] = float("inf")
+            out.append((self._round(inputs), self._round(targets)))
+        return out
+
+    def _targets(self, output_shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+        batch = self.batch_size
+        if self.loss == "mse":
+            return torch.randn(batch, *output_shape, generator=generator)
+        if self.loss == "cross_entropy":
+            if len(output_shape) != 1:
+                raise InvalidCase(f"loss 'cross_entropy' needs a (classes,) output, model gives {output_shape}")
+            return torch.randint(0, output_shape[0], (batch,), generator=generator)
+        # token_cross_entropy: variable-length sequences padded with ignore_index.
+        if len(output_shape) != 2:
+            raise InvalidCase(f"loss 'token_cross_entropy' needs a (seq, vocab) output, model gives {output_shape}")
+        seq_len, vocab = output_shape
+        tokens = torch.randint(0, vocab, (batch, seq_len), generator=generator)
+        lengths = torch.randint(1, seq_len + 1, (batch, 1), generator=generator)
+        padding = torch.arange(seq_len).expand(batch, seq_len) >= lengths
+        ignore_index: int = build_loss(self.loss).ignore_index  # type: ignore[attr-defined]
+        return tokens.masked_fill(padding, ignore_index)
+
+    def _round(self, tensor: Tensor) -> Tensor:
+        return tensor.to(self.working_dtype).float() if tensor.is_floating_point() else tensor
+
+    def build_optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
+        optimizer_class = getattr(torch.optim, self.optimizer)
+        try:
+            optimizer: torch.optim.Optimizer = optimizer_class(module.parameters(), **self.optimizer_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise InvalidCase(f"optimizer {self.optimizer}(**{dict(self.optimizer_kwargs)!r}) rejected: {exc}") from None
+        return optimizer
+
+    def build_grad_scaler(self) -> torch.amp.GradScaler | None:
+        if self.loss_scale is None:
+            return None
+        return torch.amp.GradScaler(torch.device(self.device).type, init_scale=self.loss_scale)
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any | None:
+        if self.scheduler is None:
+            return None
+        scheduler_class = getattr(torch.optim.lr_scheduler, self.scheduler)
+        try:
+            return scheduler_class(optimizer, **self.scheduler_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise InvalidCase(
+                f"scheduler {self.scheduler}(**{dict(self.scheduler_kwargs)!r}) rejected: {exc}"
+            ) from None

@@ -1,0 +1,59 @@
+"""A fixed set of named cases: the quick, deterministic check before a search.
+
+Each one targets a way accumulation goes wrong (uneven splits, item-weighted
+losses, clipping, adaptive optimizers, leaks across steps); ``equiv check``
+runs them and the equivalence report tabulates them.
+"""
+
+from __future__ import annotations
+
+from equiv.cases.case import Case
+
+__all__ = ["STANDARD_CASES", "TOY_CASE"]
+
+#: The Accelerate guide's toy case: x = 1..8, y = 2x, w = 0, MSE, SGD lr 0.02,
+#: 4 micro-batches of 2.  Full batch and accumulation both end at w = 2.04.
+TOY_CASE = Case(
+    batch_size=8,
+    micro_batch_sizes=(2, 2, 2, 2),
+    model="scalar_linear",
+    data="toy_2x",
+    optimizer="SGD",
+    optimizer_kwargs={"lr": 0.02},
+    steps=1,
+)
+
+_MLP = {"hidden": (8, 8), "activation": "tanh"}
+
+STANDARD_CASES: dict[str, Case] = {
+    "toy 2.04, 4 x 2": TOY_CASE,
+    "toy 2.04, uneven 1+3+4": TOY_CASE.replace(micro_batch_sizes=[1, 3, 4]),
+    "SGD momentum, even 4 x 4": Case(
+        batch_size=16, micro_batch_sizes=(4, 4, 4, 4), model_kwargs=_MLP,
+        optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, steps=3,
+    ),
+    "SGD momentum, uneven 1+5+10": Case(
+        batch_size=16, micro_batch_sizes=(1, 5, 10), model_kwargs=_MLP,
+        optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, steps=3,
+    ),
+    "Adam, uneven 1+2": Case(
+        batch_size=3, micro_batch_sizes=(1, 2), model_kwargs=_MLP,
+        optimizer="Adam", optimizer_kwargs={"lr": 1e-2}, steps=3,
+    ),
+    "AdamW, short tail 7+7+2": Case(
+        batch_size=16, micro_batch_sizes=(7, 7, 2), model_kwargs=_MLP, loss="cross_entropy",
+        optimizer="AdamW", optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1}, steps=3,
+    ),
+    "SGD, active clipping 3+5": Case(
+        batch_size=8, micro_batch_sizes=(3, 5), model_kwargs=_MLP,
+        optimizer="SGD", optimizer_kwargs={"lr": 0.1}, max_grad_norm=0.05, steps=3,
+    ),
+    "SGD, 16 micro-batches of 1": Case(
+        batch_size=16, micro_batch_sizes=(1,) * 16, model_kwargs=_MLP,
+        optimizer="SGD", optimizer_kwargs={"lr": 0.1}, steps=2,
+    ),
+    "Adam, token loss with padding 2+3": Case(
+        batch_size=5, micro_batch_sizes=(2, 3), model="token_mlp", loss="token_cross_entropy",
+        optimizer="Adam", optimizer_kwargs={"lr": 1e-2}, steps=3,
+    ),
+}

@@ -1,0 +1,292 @@
+"""Run a case's steps with one step function and record what changed.
+
+A trajectory is the parameters, buffers and optimizer state after every
+optimizer step, copied to float64 on the CPU.  The reference step (one step on
+the concatenated batch, mean loss over all items) and the user's candidate are
+run by the same loop on identical copies; the candidate is called once per
+optimizer step on the same model and optimizer, with no clean-up in between,
+so gradients it leaks into the next step change the next update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from equiv.batches import Batch, split_batch
+from equiv.cases.case import Case
+from equiv.checking.contract import CandidateError, accepted_keywords, candidate_name
+from equiv.losses import Loss
+
+__all__ = [
+    "NonFiniteLossError",
+    "Snapshot",
+    "full_batch_step",
+    "run_candidate",
+    "run_reference",
+]
+
+class NonFiniteLossError(ValueError):
+    """The full-batch reference produced a non-finite loss: the case itself is bad."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Named float64 CPU copies of one moment of a run."""
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    #: "<param name>:<state key>" -> tensor (scalars as 0-d tensors)
+    optimizer_state: dict[str, Tensor]
+
+
+def _snapshot(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None = None
+) -> Snapshot:
+    def copy(tensor: Tensor) -> Tensor:
+        return tensor.detach().to("cpu", torch.float64, copy=True)
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    state: dict[str, Tensor] = {}
+    for param, param_state in optimizer.state.items():
+        for key, value in param_state.items():
+            label = f"{names.get(id(param), '?')}:{key}"
+            state[label] = copy(value) if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64)
+    if grad_scaler is not None:
+        # The scale must move exactly as the full-batch step's: backed off once
+        # per overflowing window, never per micro-batch.
+        state["grad_scaler:scale"] = torch.tensor(grad_scaler.get_scale(), dtype=torch.float64)
+    return Snapshot(
+        params={name: copy(p) for name, p in model.named_parameters()},
+        buffers={name: copy(b) for name, b in model.named_buffers() if b.is_floating_point()},
+        optimizer_state=state,
+    )
+
+
+def full_batch_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    loss_fn: Loss,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    normalise_after_backward: bool = False,
+) -> Tensor:
+    """The reference: one step on the whole batch with the mean loss over all
+    of its items, clipped once if asked.  With a ``grad_scaler`` the step is
+    skipped when the gradient overflows (and the scheduler with it, as
+    :class:`equiv.Accumulator` and Accelerate do).  Returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    inputs, targets = batch
+    if normalise_after_backward:
+        # The same mathematics rounded the other legitimate way: back-propagate
+        # the SUM over items and divide the gradient by the count afterwards
+        # (the rounding pattern an accumulator has); a floor sample, not a bug.
+        output = model(inputs)
+        loss = loss_fn.sum(output, targets)
+        count = loss_fn.count(targets)
+        (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_div_(grads, count.to(grads[0].dtype) if isinstance(count, Tensor) else float(count))
+        loss = loss / count
+    else:
+        loss = loss_fn(model(inputs), targets)
+        (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+    if grad_scaler is None:
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+        optimizer.step()
+        stepped = True
+    else:
+        grad_scaler.unscale_(optimizer)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+        scale_before = grad_scaler.get_scale()
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+        stepped = grad_scaler.get_scale() >= scale_before
+    if scheduler is not None and stepped:
+        scheduler.step()
+    return loss.detach()
+
+
+StepRunner = Callable[[nn.Module, torch.optim.Optimizer, Batch, "RunExtras", int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RunExtras:
+    """Objects a step needs besides model and optimizer, fresh for each run."""
+
+    scheduler: Any | None
+    grad_scaler: torch.amp.GradScaler | None
+
+
+def _run(
+    case: Case,
+    dtype: torch.dtype,
+    run_step: StepRunner,
+    permutation_seed: int | None = None,
+    *,
+    wrap_model: Callable[[nn.Module], nn.Module] | None = None,
+    batch_slice: slice | None = None,
+) -> list[Snapshot]:
+    """Snapshots before the first step and after each step, computing in ``dtype``.
+
+    ``wrap_model`` (e.g. DistributedDataParallel) wraps the model the step
+    sees; snapshots read the unwrapped one.  ``batch_slice`` keeps one part of
+    every batch (one rank's shard).
+    """
+    device = torch.device(case.device)
+    bundle = case.build_model()
+    model = bundle.module.to(device=device, dtype=dtype)
+    batches = case.batches(bundle)
+    stepped_model = _Autocast(model, case.autocast) if case.autocast is not None else model
+    if wrap_model is not None:
+        stepped_model = wrap_model(stepped_model)
+    optimizer = case.build_optimizer(stepped_model)
+    extras = RunExtras(
+        scheduler=case.build_scheduler(optimizer),
+        grad_scaler=case.build_grad_scaler(),
+    )
+    snapshots = [_snapshot(model, optimizer, extras.grad_scaler)]
+    # Dropout draws from the global RNG: seed it so every run of a case is repeatable.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # The CPU generator alone unless on CUDA: torch.manual_seed also queues
+        # seeding of every accelerator backend, a measurable cost per run.
+        if device.type == "cuda":
+            torch.manual_seed(case.seed)
+        else:
+            torch.default_generator.manual_seed(case.seed)
+        for step, (inputs, targets) in enumerate(batches):
+            if permutation_seed is not None:
+                order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(permutation_seed + step))
+                inputs, targets = inputs[order], targets[order]
+            if batch_slice is not None:
+                inputs, targets = inputs[batch_slice], targets[batch_slice]
+            batch = (_to(inputs, device, dtype), _to(targets, device, dtype))
+            run_step(stepped_model, optimizer, batch, extras, step)
+            snapshots.append(_snapshot(model, optimizer, extras.grad_scaler))
+    return snapshots
+
+
+class _Autocast(nn.Module):
+    """Runs the wrapped model's forward under ``torch.autocast`` (AMP).
+
+    Its parameters are the wrapped model's own, so optimizers and snapshots
+    see the same tensors.  Autocast never lowers float64, so float64 runs of an
+    autocast case stay exact.
+    """
+
+    def __init__(self, model: nn.Module, dtype_name: str) -> None:
+        super().__init__()
+        self.model = model
+        self.dtype = getattr(torch, dtype_name)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        with torch.autocast(device_type=inputs.device.type, dtype=self.dtype):
+            output: Tensor = self.model(inputs)
+        return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
+
+
+def _to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+
+
+def run_reference(
+    case: Case, dtype: torch.dtype, *, permutation_seed: int | None = None, normalise_after_backward: bool = False
+) -> list[Snapshot]:
+    """The full-batch trajectory.  With ``permutation_seed`` each batch is
+    shuffled first, and with ``normalise_after_backward`` the gradient of the
+    summed loss is divided by the item count after backward: the same
+    mathematics rounded another way, which measures the dtype's own noise
+    floor for this case."""
+    loss_fn = case.build_loss()
+
+    def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, extras: RunExtras, step: int) -> None:
+        loss = full_batch_step(
+            model, optimizer, batch, loss_fn, max_grad_norm=case.max_grad_norm,
+            scheduler=extras.scheduler, grad_scaler=extras.grad_scaler,
+            normalise_after_backward=normalise_after_backward,
+        )
+        # Under dynamic loss scaling a non-finite loss is an overflow to skip, not an error.
+        if extras.grad_scaler is None and not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"the full-batch reference loss is {loss.item()} at step {step} in {dtype}; "
+                f"the case cannot be checked: {case!r}"
+            )
+
+    return _run(case, dtype, run_step, permutation_seed)
+
+
+def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[RunExtras], dict[str, Any]]:
+    """The optional keywords to pass at each step: those the candidate accepts
+    (:func:`~equiv.checking.contract.accepted_keywords`) and the case sets."""
+    accepted = accepted_keywords(candidate)
+    if case.scheduler is not None and "scheduler" not in accepted:
+        raise TypeError(
+            f"case has scheduler {case.scheduler!r} but candidate {candidate_name(candidate)} takes no "
+            "'scheduler' keyword, so it could not step it once per window"
+        )
+    if case.loss_scale is not None and "grad_scaler" not in accepted:
+        raise TypeError(
+            f"case has loss_scale {case.loss_scale!r} but candidate {candidate_name(candidate)} takes no "
+            "'grad_scaler' keyword, so it could not scale its losses"
+        )
+
+    def keywords(extras: RunExtras) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if "max_grad_norm" in accepted and case.max_grad_norm is not None:
+            out["max_grad_norm"] = case.max_grad_norm
+        if "scheduler" in accepted and extras.scheduler is not None:
+            out["scheduler"] = extras.scheduler
+        if "grad_scaler" in accepted and extras.grad_scaler is not None:
+            out["grad_scaler"] = extras.grad_scaler
+        return out
+
+    return keywords
+
+
+def run_candidate(
+    case: Case,
+    candidate: Callable[..., Any],
+    dtype: torch.dtype,
+    *,
+    wrap_model: Callable[[nn.Module], nn.Module] | None = None,
+    batch_slice: slice | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> list[Snapshot]:
+    """The candidate's trajectory: called once per step on the same model and
+    optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
+
+    For one rank of a distributed run: ``wrap_model`` wraps the model in DDP,
+    ``batch_slice`` selects the rank's shard, ``micro_batch_sizes`` cuts it,
+    and ``on_step`` hears each step start (progress for fault reports).
+    """
+    loss_fn = case.build_loss()
+    keywords = _keywords_for(candidate, case)
+    dtype_name = str(dtype).removeprefix("torch.")
+    sizes = case.micro_batch_sizes if micro_batch_sizes is None else tuple(micro_batch_sizes)
+
+    def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, extras: RunExtras, step: int) -> None:
+        if on_step is not None:
+            on_step(step)
+        micro_batches = split_batch(batch, sizes, copy=True)  # copies: a step may write into its inputs
+        try:
+            candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
+        except Exception as exc:
+            raise CandidateError(
+                f"candidate {candidate_name(candidate)} raised {type(exc).__name__}: {exc} "
+                f"at step {step} in {dtype_name}; reproduce with {case!r}",
+                case=case,
+                step=step,
+                dtype=dtype_name,
+            ) from exc
+
+    return _run(case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice)

@@ -1,0 +1,194 @@
+"""The result of a check: per-tensor differences and a readable verdict.
+
+Messages follow ``torch.testing.assert_close``: which step, which tensor, which
+tier, the greatest difference and where, what was allowed (and why), and the
+case that reproduces it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from equiv.cases.case import Case
+
+__all__ = ["EquivalenceError", "Judgement", "TensorDiff", "Verdict"]
+
+Tier = Literal["exact", "noise"]
+Status = Literal["equivalent", "not_equivalent", "inherently_non_equivalent"]
+
+
+class EquivalenceError(AssertionError):
+    """Raised by ``assert_ok()`` of a verdict that is not equivalent; carries the verdict."""
+
+    def __init__(self, message: str, verdict: Judgement) -> None:
+        super().__init__(message)
+        self.verdict = verdict
+
+
+class Judgement:
+    """What every verdict shares (one process, or one per rank): truthy only
+    when equivalent, a readable :meth:`message`, and :meth:`assert_ok`."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        raise NotImplementedError
+
+    def message(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.message()
+
+    def assert_ok(self) -> None:
+        """Raise :class:`EquivalenceError` with :meth:`message` unless equivalent."""
+        __tracebackhide__ = True
+        if not self:
+            raise EquivalenceError(self.message(), self)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDiff:
+    """One tensor at one step in one tier, against the float64 truth."""
+
+    step: int  # 1-based: after the step-th optimizer step
+    name: str
+    kind: Literal["update", "buffer", "state"]
+    tier: Tier
+    dtype: str
+    max_abs_diff: float
+    index: tuple[int, ...]
+    max_rel_diff: float
+    rel_index: tuple[int, ...]
+    allowed: float
+    explanation: str
+    mismatched: int
+    numel: int
+
+    @property
+    def ratio(self) -> float:
+        """Greatest difference over what was allowed (> 1 is a mismatch)."""
+        if self.allowed > 0:
+            return self.max_abs_diff / self.allowed
+        return 0.0 if self.max_abs_diff == 0 else math.inf
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched == 0
+
+    @property
+    def label(self) -> str:
+        what = {"update": "the update of", "buffer": "the buffer", "state": "the optimizer state"}[self.kind]
+        return f"{what} '{self.name}'"
+
+    def describe(self) -> str:
+        share = 100.0 * self.mismatched / max(self.numel, 1)
+        index = self.index if self.index else "()"
+        return "\n".join(
+            [
+                f"Mismatched elements: {self.mismatched} / {self.numel} ({share:.1f}%) in {self.label}",
+                f"Greatest absolute difference: {self.max_abs_diff:.4g} at index {index} "
+                f"(up to {self.allowed:.4g} allowed)",
+                f"Greatest relative difference: {self.max_rel_diff:.4g} at index {self.rel_index or '()'}",
+                f"Allowed = {self.explanation}",
+            ]
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "name": self.name,
+            "kind": self.kind,
+            "tier": self.tier,
+            "dtype": self.dtype,
+            "max_abs_diff": self.max_abs_diff,
+            "index": list(self.index),
+            "max_rel_diff": self.max_rel_diff,
+            "allowed": self.allowed,
+            "ratio": self.ratio,
+            "mismatched": self.mismatched,
+            "numel": self.numel,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict(Judgement):
+    """Truthy only when the candidate is equivalent to full-batch training."""
+
+    case: Case
+    candidate: str
+    #: Every tensor that exceeded its allowance, in step order.
+    mismatches: tuple[TensorDiff, ...]
+    #: Per tier, the tensor that came closest to (or furthest past) its allowance.
+    worst: dict[str, TensorDiff] = field(default_factory=dict)
+    #: Why this case cannot be equivalent however it is accumulated (BatchNorm, dropout).
+    inherent: tuple[str, ...] = ()
+
+    @property
+    def status(self) -> Status:
+        if self.inherent:
+            return "inherently_non_equivalent"
+        return "not_equivalent" if self.mismatches else "equivalent"
+
+    def __bool__(self) -> bool:
+        return self.status == "equivalent"
+
+    @property
+    def first_mismatch(self) -> TensorDiff | None:
+        """The earliest step's worst mismatch (updates before optimizer state)."""
+        if not self.mismatches:
+            return None
+        first_step = min(d.step for d in self.mismatches)
+        at_step = [d for d in self.mismatches if d.step == first_step]
+        # What users act on first: a parameter update, then state, then buffers.
+        kind_rank = {"update": 2, "state": 1, "buffer": 0}
+        return max(at_step, key=lambda d: (kind_rank[d.kind], d.tier == "exact", d.ratio))
+
+    def diverged_tiers(self) -> list[str]:
+        return sorted({d.tier for d in self.mismatches})
+
+    def message(self) -> str:
+        head = f"candidate {self.candidate}"
+        lines: list[str] = []
+        if self.inherent:
+            lines.append(f"Inherently not equivalent to full-batch training ({head}):")
+            lines += [f"  - {reason}" for reason in self.inherent]
+        first = self.first_mismatch
+        if first is None:
+            if not self.inherent:
+                lines.append(f"Equivalent to full-batch training ({head}) in every step and tier.")
+        else:
+            if not self.inherent:
+                lines.append(f"Not equivalent to full-batch training ({head}).")
+            lines.append(
+                f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):"
+            )
+            lines.append(first.describe())
+            kind_order = {"update": 0, "state": 1, "buffer": 2}
+            others = sorted(
+                {(kind_order[d.kind], d.label, d.tier) for d in self.mismatches if d.step == first.step}
+                - {(kind_order[first.kind], first.label, first.tier)}
+            )
+            if others:
+                shown = ", ".join(f"{label} [{tier}]" for _, label, tier in others[:4])
+                more = f" (+{len(others) - 4} more)" if len(others) > 4 else ""
+                lines.append(f"Also mismatched at step {first.step}: {shown}{more}")
+        for tier, worst in sorted(self.worst.items()):
+            lines.append(
+                f"Tier {tier} ({worst.dtype}): worst {worst.ratio:.3g} x allowed, {worst.label} at step {worst.step}"
+            )
+        lines.append(f"Reproduce: equiv.check({self.candidate}, {self.case!r})")
+        return "\n".join(lines)
+
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "candidate": self.candidate,
+            "status": self.status,
+            "case": self.case.to_dict(),
+            "inherent": list(self.inherent),
+            "mismatches": [d.to_dict() for d in self.mismatches],
+            "worst": {tier: d.to_dict() for tier, d in sorted(self.worst.items())},
+        }

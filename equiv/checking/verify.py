@@ -1,0 +1,318 @@
+"""``equiv.verify``: search cases for a counterexample to a user's step.
+
+Hypothesis draws cases from :func:`equiv.strategies.cases`, checks the
+candidate on each with :func:`equiv.check`, and shrinks the first mismatch to
+the smallest case that still shows it.  Default search: sample-mean losses,
+no BatchNorm or dropout; token-level losses (``--item-weighted``) and
+inherent layers (``--allow-inherent``) only when asked.  Cases with an LR
+scheduler are searched when the candidate takes a ``scheduler`` keyword.
+
+From the shell: ``equiv verify MODULE:FUNC [--seed S] ...`` (:mod:`equiv.cli`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import hypothesis
+from hypothesis import HealthCheck, Phase, given, reject, settings, target
+from hypothesis.errors import Flaky, Unsatisfiable
+
+from equiv.cases import strategies as eqst
+from equiv.cases.case import Case
+from equiv.checking.check import check
+from equiv.checking.contract import Candidate, CandidateError, candidate_name, takes_keyword
+from equiv.checking.trajectory import NonFiniteLossError
+from equiv.checking.verdict import Verdict
+
+__all__ = ["VerifyResult", "verify"]
+
+#: progress(cases checked so far, seconds elapsed)
+Progress = Callable[[int, float], None]
+
+_BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """What a search found; truthy when no counterexample was found."""
+
+    candidate: str
+    #: Checks run, shrinking included.
+    examples: int
+    #: How many checks it took to meet the first counterexample (None: none met).
+    first_failure_at: int | None
+    #: The shrunk counterexample and its verdict (None when none was found or the candidate raised).
+    counterexample: Case | None
+    verdict: Verdict | None
+    #: The candidate's exception on the shrunk case, when it raised.
+    error: str | None
+    seed: int | None
+    profile: str
+    max_examples: int
+    #: Hypothesis's reproduction blob for ``--reproduce`` (when it gave one).
+    blob: str | None
+    elapsed_s: float
+    #: Of elapsed_s, the seconds spent inside equiv.check (the training runs and
+    #: their comparison); the rest is drawing and shrinking cases.
+    checking_s: float = 0.0
+    #: The counterexample failed once but not when replayed: the candidate is not deterministic.
+    flaky: bool = False
+    #: Cases skipped as inherently non-equivalent (only with allow_inherent), and their reasons.
+    inherent_cases: int = 0
+    inherent_reasons: tuple[str, ...] = ()
+    #: "model / optimizer" -> the largest difference over allowance seen on an equivalent case.
+    worst_ratio: dict[str, float] = field(default_factory=dict)
+    #: The filters the search ran with (for replay and reports).
+    search: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def found(self) -> bool:
+        return self.counterexample is not None
+
+    def __bool__(self) -> bool:
+        return not self.found
+
+    def replay_hint(self, target: str = "MODULE:FUNC") -> str:
+        lines = []
+        if self.counterexample is not None:
+            case_json = json.dumps(self.counterexample.to_dict(), sort_keys=True)
+            lines.append(f"  this case:   equiv check {target} --case '{case_json}'")
+        how = f"--seed {self.seed}" if self.seed is not None else f"--profile {self.profile}"
+        lines.append(f"  this search: equiv verify {target} {how} --max-examples {self.max_examples}"
+                     + "".join(f" {flag}" for flag in _search_flags(self.search)))
+        if self.blob is not None:
+            lines.append(f"  shrunk draw: equiv verify {target} --reproduce {self.blob}"
+                         + "".join(f" {flag}" for flag in _search_flags(self.search)))
+        return "\n".join(lines)
+
+    @property
+    def seconds_per_case(self) -> float:
+        return self.elapsed_s / max(self.examples, 1)
+
+    def message(self, target: str = "MODULE:FUNC") -> str:
+        outside = 1 - self.checking_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        timing = (f"{self.examples} checks in {self.elapsed_s:.1f} s, {1000 * self.seconds_per_case:.0f} ms per case, "
+                  f"{100 * outside:.0f}% outside the checks")
+        if not self.found:
+            text = f"no counterexample in {self.examples} cases ({timing}; candidate {self.candidate})"
+            if self.inherent_cases:
+                text += f"\n{self.inherent_cases} case(s) inherently non-equivalent, skipped:"
+                text += "".join(f"\n  - {reason}" for reason in self.inherent_reasons)
+            return text
+        assert self.counterexample is not None
+        head = (f"counterexample after {self.first_failure_at} case(s), shrunk to:\n  {self.counterexample!r}")
+        if self.flaky:
+            head += ("\n(flaky: the same case passed when replayed, so the candidate is not deterministic; "
+                     "it may use unseeded randomness or state kept across calls)")
+        if self.error is not None:
+            body = f"The candidate raised: {self.error}"
+        else:
+            assert self.verdict is not None
+            body = self.verdict.message()
+        return f"{head}\n{body}\n({timing})\nReplay:\n{self.replay_hint(target)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "candidate": self.candidate,
+            "found": self.found,
+            "examples": self.examples,
+            "first_failure_at": self.first_failure_at,
+            "counterexample": None if self.counterexample is None else self.counterexample.to_dict(),
+            "verdict": None if self.verdict is None else self.verdict.to_dict(),
+            "error": self.error,
+            "seed": self.seed,
+            "profile": self.profile,
+            "max_examples": self.max_examples,
+            "blob": self.blob,
+            "flaky": self.flaky,
+            "elapsed_s": self.elapsed_s,
+            "checking_s": self.checking_s,
+            "inherent_cases": self.inherent_cases,
+            "inherent_reasons": list(self.inherent_reasons),
+            "worst_ratio": dict(sorted(self.worst_ratio.items())),
+            "search": self.search,
+        }
+
+
+class _Found(Exception):
+    """Raised inside the search to make Hypothesis shrink; carries the finding."""
+
+    def __init__(self, case: Case, verdict: Verdict | None, error: str | None) -> None:
+        super().__init__(error or (verdict.message() if verdict is not None else repr(case)))
+        self.case, self.verdict, self.error = case, verdict, error
+
+
+def _search_flags(search: dict[str, Any]) -> list[str]:
+    flags = []
+    for key in ("families", "optimizers", "losses"):
+        if search.get(key):
+            flags.append(f"--{key} {','.join(search[key])}")
+    for key in ("item_weighted", "allow_inherent"):
+        if search.get(key):
+            flags.append(f"--{key.replace('_', '-')}")
+    if search.get("device", "cpu") != "cpu":
+        flags.append(f"--device {search['device']}")
+    return flags
+
+
+def verify(
+    candidate: Candidate,
+    *,
+    max_examples: int | None = None,
+    seed: int | None = None,
+    profile: str | None = None,
+    families: Sequence[str] | None = None,
+    optimizers: Sequence[str] | None = None,
+    losses: Sequence[str] | None = None,
+    item_weighted: bool = False,
+    allow_inherent: bool = False,
+    max_batch_size: int = 12,
+    device: str = "cpu",
+    reproduce: str | None = None,
+    progress: Progress | None = None,
+) -> VerifyResult:
+    """Search for a case where ``candidate`` is not the full-batch step.
+
+    ``max_examples`` defaults to the profile's (``profile``: a registered
+    Hypothesis profile such as "dev", "ci", "thorough"; default the one
+    loaded).  ``seed`` fixes the search (a derandomized profile is already
+    fixed; otherwise a seed is drawn and reported so the search can be
+    replayed).  ``families``, ``optimizers`` and ``losses`` restrict the
+    strategies (:func:`equiv.strategies.cases`); ``item_weighted=True`` adds
+    the token-level loss; ``allow_inherent=True`` adds BatchNorm and dropout
+    models, whose cases are counted and skipped, not failed.  Cases clip
+    (none / inactive / active) only if the candidate takes ``max_grad_norm``
+    and step an LR scheduler only if it takes ``scheduler``.  ``device``
+    (default "cpu") is where the runs happen.  ``reproduce``
+    replays a blob printed by an earlier search.  ``progress`` is called
+    after every check with (checks so far, seconds elapsed).
+    """
+    base = settings.get_profile(profile) if profile is not None else settings()  # settings(): the loaded profile
+    profile_name = profile or getattr(settings, "_current_profile", None) or "default"
+    if seed is None and not base.derandomize and reproduce is None:
+        seed = random.SystemRandom().randrange(2**32)
+    search = {
+        "families": list(families or []),
+        "optimizers": list(optimizers or []),
+        "losses": list(losses or []),
+        "item_weighted": item_weighted,
+        "allow_inherent": allow_inherent,
+        "device": device,
+    }
+    strategy = eqst.cases(
+        families=families,
+        optimizer_names=optimizers,
+        loss_names=losses,
+        item_weighted=item_weighted or any(loss in eqst.ITEM_WEIGHTED_LOSSES for loss in losses or ()),
+        allow_batchnorm=allow_inherent,
+        allow_dropout=allow_inherent,
+        max_batch_size=max_batch_size,
+        # A step can only clip or schedule if it is told to: cases with a clip
+        # norm or a scheduler only for candidates that take those keywords.
+        clipping=eqst.CLIPPING if takes_keyword(candidate, "max_grad_norm") else ("none",),
+        schedulers=tuple(eqst.SCHEDULERS) if takes_keyword(candidate, "scheduler") else (None,),
+        devices=(device,),
+    )
+    chosen_max = base.max_examples if max_examples is None else max_examples
+    run_settings = settings(
+        base,
+        max_examples=chosen_max,
+        deadline=None,
+        database=None,
+        derandomize=base.derandomize and seed is None,
+        print_blob=True,
+        report_multiple_bugs=False,
+        # No "explain" phase: it reruns the shrunk case dozens of times to
+        # say which draws matter, which the verdict already says (and costs
+        # more than the whole search).
+        phases=[p for p in base.phases if p is not Phase.explain],
+        suppress_health_check=list(HealthCheck),
+    )
+    started = time.perf_counter()
+    counts = {"examples": 0, "inherent": 0}
+    checking = [0.0]
+    first_failure_at: list[int] = []
+    inherent_reasons: dict[str, None] = {}
+    worst_ratio: dict[str, float] = {}
+
+    def search_once(case: Case) -> None:
+        counts["examples"] += 1
+        try:
+            check_started = time.perf_counter()
+            try:
+                verdict = check(candidate, case)
+            except NonFiniteLossError:
+                reject()  # the case diverges on its own (too large a learning rate): not a finding
+            except CandidateError as exc:
+                first_failure_at.append(counts["examples"])
+                raise _Found(case, None, str(exc)) from None
+            finally:
+                checking[0] += time.perf_counter() - check_started
+            if verdict.status == "inherently_non_equivalent":
+                counts["inherent"] += 1
+                inherent_reasons.update(dict.fromkeys(verdict.inherent))
+                return
+            ratio = max((d.ratio for d in verdict.worst.values()), default=0.0)
+            if not verdict:
+                first_failure_at.append(counts["examples"])
+                raise _Found(case, verdict, None)
+            key = f"{case.model} / {case.optimizer}"
+            worst_ratio[key] = max(worst_ratio.get(key, 0.0), ratio)
+            if math.isfinite(ratio):
+                target(ratio, label="worst difference / allowed")
+        finally:
+            if progress is not None:
+                progress(counts["examples"], time.perf_counter() - started)
+
+    test = given(strategy)(search_once)
+    if reproduce is not None:
+        test = hypothesis.reproduce_failure(hypothesis.__version__, reproduce.encode())(test)
+    test = run_settings(test)
+    if seed is not None:
+        test = hypothesis.seed(seed)(test)
+    found: _Found | None = None
+    flaky = False
+    blob = None
+    try:
+        test()
+    except _Found as exc:
+        found = exc
+        notes = "\n".join(getattr(exc, "__notes__", []))
+        match = _BLOB.search(notes)
+        blob = match.group(2) if match else None
+    except Flaky as exc:
+        # The candidate failed once and passed on replay of the same case: it
+        # is not deterministic.  Still a finding; the case is the one that failed.
+        inner = [e for e in getattr(exc, "exceptions", ()) if isinstance(e, _Found)]
+        if not inner:
+            raise
+        found, flaky = inner[0], True
+    except Unsatisfiable:
+        pass  # every drawn case diverged on its own: nothing was checked, nothing found
+    return VerifyResult(
+        candidate=candidate_name(candidate),
+        examples=counts["examples"],
+        first_failure_at=first_failure_at[0] if first_failure_at else None,
+        counterexample=None if found is None else found.case,
+        verdict=None if found is None else found.verdict,
+        error=None if found is None else found.error,
+        seed=seed,
+        profile=profile_name,
+        max_examples=chosen_max,
+        blob=blob,
+        elapsed_s=time.perf_counter() - started,
+        checking_s=checking[0],
+        flaky=flaky,
+        inherent_cases=counts["inherent"],
+        inherent_reasons=tuple(inherent_reasons),
+        worst_ratio=worst_ratio,
+        search=search,
+    )

@@ -1,0 +1,356 @@
+"""Turn ``pytest --benchmark-json`` output into ``reports/benchmarks.md``.
+
+    equiv report benchmarks --json reports/benchmarks.json --out reports/benchmarks.md
+
+Per workload: a table of N, micro-batch size, implementation, peak memory
+(forward/backward and optimizer step), samples/s and the time ratio against
+the native loop; the fitted cost model with leave-one-out prediction errors;
+and a Mermaid chart of memory against throughput as N grows.  Rows are
+sorted and floats formatted at fixed precision, so the markdown of two runs
+differs only where a measurement did (memory figures, deterministic on CPU,
+do not move at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from equiv.cost.costmodel import (
+    MemoryModel,
+    MemoryPoint,
+    TimeModel,
+    TimePoint,
+    fit_memory,
+    fit_time,
+    leave_one_out,
+)
+from equiv.reporting.markdown import markdown_table
+
+__all__ = ["load_benchmarks", "render_report"]
+
+MIB = 2**20
+#: The N at which the Accumulator's overhead target is stated (at most 3% over the native loop on the MLP).
+OVERHEAD_TARGET_N = 8
+IMPLEMENTATION_ORDER = {"native": 0, "accumulator": 1, "checkpoint": 2}
+GENERATE_COMMANDS = (
+    "python -m pytest benchmarks --benchmark-only --benchmark-json=reports/benchmarks.json\n"
+    "equiv report benchmarks --json reports/benchmarks.json --out reports/benchmarks.md"
+)
+
+
+def load_benchmarks(raw: dict[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The step benchmarks (one row per workload, N, implementation) and the
+    paired overhead benchmarks (one row per workload and N), from parsed JSON."""
+    steps, paired = [], []
+    for bench in raw.get("benchmarks", []):
+        info, stats = bench.get("extra_info", {}), bench["stats"]
+        if "workload" not in info:
+            continue  # somebody else's benchmark in the same run
+        if info.get("implementation") == "paired":
+            paired.append(info)
+            continue
+        batch = info["global_batch_size"]
+        steps.append(
+            {
+                **info,
+                "median_s": stats["median"],
+                "rounds": stats["rounds"],
+                "samples_per_s": batch / stats["median"],
+                # Quartiles of time map to quartiles of rate, reversed.
+                "samples_per_s_q1": batch / stats["q3"],
+                "samples_per_s_q3": batch / stats["q1"],
+            }
+        )
+    step_frame = pd.DataFrame(steps)
+    if not step_frame.empty:
+        step_frame["implementation_order"] = step_frame["implementation"].map(IMPLEMENTATION_ORDER).fillna(9)
+        step_frame = step_frame.sort_values(["workload", "n_micro_batches", "implementation_order"], kind="stable")
+        step_frame = step_frame.reset_index(drop=True)
+    paired_frame = pd.DataFrame(paired)
+    if not paired_frame.empty:
+        paired_frame = paired_frame.sort_values(["workload", "n_micro_batches"], kind="stable").reset_index(drop=True)
+    return step_frame, paired_frame
+
+
+def _load_note(steps: pd.DataFrame) -> str:
+    """The 1-minute load average seen by the benchmarks: above the thread
+    count, other processes were competing for the cores and timings suffer."""
+    if "load_average_1min" not in steps:
+        return ""
+    low, high = float(steps["load_average_1min"].min()), float(steps["load_average_1min"].max())
+    return f"; 1-min load average {low:.2f}-{high:.2f} during the run"
+
+
+def _mib(value: float) -> str:
+    return f"{value / MIB:.3f}"
+
+
+def _micro_batches(sizes: Sequence[int] | float, largest: int) -> str:
+    if not isinstance(sizes, Sequence) or len(set(sizes)) <= 1:
+        return str(largest)
+    return "+".join(str(s) for s in sizes)  # uneven split: show every piece
+
+
+def _time_ratios(frame: pd.DataFrame) -> list[str]:
+    """Median step time over the native loop's at the same N (checkpoint: over native N=1)."""
+    native = frame[frame["implementation"] == "native"].set_index("n_micro_batches")["median_s"]
+    ratios = []
+    for row in frame.itertuples():
+        base = native.get(row.n_micro_batches)
+        ratios.append(f"{row.median_s / base:.3f}" if base else "-")
+    return ratios
+
+
+def _paired_ratios(frame: pd.DataFrame, paired: pd.DataFrame) -> list[str]:
+    """The paired overhead (Accumulator over native, alternated) on Accumulator rows."""
+    by_n = {} if paired.empty else dict(zip(paired["n_micro_batches"], paired["overhead_ratio"], strict=True))
+    return [
+        f"{by_n[n]:.3f}" if impl == "accumulator" and n in by_n else "-"
+        for n, impl in zip(frame["n_micro_batches"], frame["implementation"], strict=True)
+    ]
+
+
+def _workload_table(frame: pd.DataFrame, paired: pd.DataFrame) -> str:
+    table = pd.DataFrame(
+        {
+            "N": frame["n_micro_batches"],
+            "micro-batch": [
+                _micro_batches(s, m) for s, m in zip(frame["micro_batch_sizes"], frame["micro_batch_size"], strict=True)
+            ],
+            "implementation": frame["implementation"],
+            "fwd/bwd peak MiB": frame["forward_backward_peak_bytes"].map(_mib),
+            "step peak MiB": frame["optimizer_step_peak_bytes"].map(_mib),
+            "peak MiB": frame["peak_bytes"].map(_mib),
+            "samples/s (median)": frame["samples_per_s"].map(lambda v: f"{v:.0f}"),
+            "samples/s (IQR)": [
+                f"{lo:.0f}-{hi:.0f}"
+                for lo, hi in zip(frame["samples_per_s_q1"], frame["samples_per_s_q3"], strict=True)
+            ],
+            "time / native": _time_ratios(frame),
+            "overhead, paired": _paired_ratios(frame, paired),
+        }
+    )
+    return markdown_table(table)
+
+
+def _fits(frame: pd.DataFrame) -> tuple[list[str], MemoryModel | None, TimeModel | None]:
+    """Fit the Accumulator rows; memory on N >= 2 (see the note it returns)."""
+    acc = frame[frame["implementation"] == "accumulator"].sort_values("n_micro_batches")
+    lines: list[str] = []
+    memory_points = [
+        MemoryPoint(
+            micro_batch_size=int(r.micro_batch_size),
+            forward_backward_peak_bytes=float(r.forward_backward_peak_bytes),
+            optimizer_step_peak_bytes=float(r.optimizer_step_peak_bytes),
+        )
+        for r in acc.itertuples()
+        if r.n_micro_batches >= 2
+    ]
+    memory_ns = [int(n) for n in acc["n_micro_batches"] if n >= 2]
+    time_points = [
+        TimePoint(
+            n_micro_batches=int(r.n_micro_batches), global_batch_size=int(r.global_batch_size), step_seconds=r.median_s
+        )
+        for r in acc.itertuples()
+    ]
+    try:
+        memory_model = fit_memory(memory_points)
+        time_model = fit_time(time_points)
+    except ValueError as exc:
+        return [f"Not enough Accumulator measurements to fit the cost model: {exc}"], None, None
+
+    mem_held = {
+        memory_ns[h.index]: h
+        for h in leave_one_out(
+            memory_points,
+            fit_memory,
+            lambda m, p: m.forward_backward_bytes(p.micro_batch_size),
+            lambda p: p.forward_backward_peak_bytes,
+        )
+    }
+    time_held = {
+        time_points[h.index].n_micro_batches: h
+        for h in leave_one_out(
+            time_points,
+            fit_time,
+            lambda m, p: m.step_seconds(p.n_micro_batches, p.global_batch_size),
+            lambda p: p.step_seconds,
+        )
+    }
+    batch = int(acc["global_batch_size"].iloc[0])
+    lines += [
+        f"- memory: forward/backward peak = **{memory_model.static_bytes / MIB:.3f} MiB + "
+        f"{memory_model.activation_bytes_per_sample / MIB * 1024:.2f} KiB x micro-batch** "
+        f"(= {memory_model.static_bytes / MIB:.3f} + {memory_model.activation_bytes_per_sample * batch / MIB:.3f}"
+        f" / N MiB at B={batch}); optimizer-step peak **{memory_model.optimizer_step_peak_bytes / MIB:.3f} MiB**; "
+        "whole step = the larger of the two.",
+        f"- time: step = **N x {time_model.seconds_per_micro_step * 1e3:.2f} ms + B x "
+        f"{time_model.seconds_per_sample * 1e6:.1f} us** (B={batch}).",
+        "- Memory is fitted on N >= 2: with one micro-batch backward's gradients become `.grad` directly, from "
+        "N = 2 on each micro-batch's gradient is a temporary added into `.grad`, a step the line does not describe; "
+        "the N = 1 row below is predicted from the N >= 2 fit.",
+        "",
+    ]
+    n1 = acc[acc["n_micro_batches"] == 1]
+    held_rows = []
+    for r in acc.itertuples():
+        n = int(r.n_micro_batches)
+        if n == 1 and not n1.empty:
+            predicted = memory_model.forward_backward_bytes(int(r.micro_batch_size))
+            mem_measured, mem_predicted = float(r.forward_backward_peak_bytes), predicted
+        elif n in mem_held:
+            mem_measured, mem_predicted = mem_held[n].measured, mem_held[n].predicted
+        else:
+            mem_measured = mem_predicted = float("nan")
+        held = time_held.get(n)
+        held_rows.append(
+            {
+                "N left out": str(n),
+                "fwd/bwd MiB measured": _mib(mem_measured),
+                "fwd/bwd MiB predicted": _mib(mem_predicted),
+                "fwd/bwd error": f"{(mem_predicted - mem_measured) / mem_measured:+.1%}",
+                "step ms measured": f"{held.measured * 1e3:.2f}" if held else "-",
+                "step ms predicted": f"{held.predicted * 1e3:.2f}" if held else "-",
+                "step error": f"{held.relative_error:+.1%}" if held else "-",
+            }
+        )
+    lines.append("Prediction error on each N left out of the fit (leave-one-out; Accumulator rows):")
+    lines.append("")
+    lines.append(markdown_table(pd.DataFrame(held_rows)))
+    return lines, memory_model, time_model
+
+
+def _chart(workload: str, frame: pd.DataFrame) -> list[str]:
+    """Mermaid xychart: whole-step peak (bars) and samples/s (line), both as % of N=1."""
+    acc = frame[frame["implementation"] == "accumulator"].sort_values("n_micro_batches")
+    base = acc[acc["n_micro_batches"] == 1]
+    if base.empty:
+        return []
+    peak_1, rate_1 = float(base["peak_bytes"].iloc[0]), float(base["samples_per_s"].iloc[0])
+    peaks = [100 * p / peak_1 for p in acc["peak_bytes"]]
+    rates = [100 * r / rate_1 for r in acc["samples_per_s"]]
+    top = max(110, int(max(peaks + rates) // 10 * 10 + 10))
+    labels = ", ".join(f'"N={int(n)}"' for n in acc["n_micro_batches"])
+    return [
+        "```mermaid",
+        "xychart-beta",
+        f'    title "{workload}, Accumulator: peak memory (bars) and samples/s (line), % of N=1"',
+        f"    x-axis [{labels}]",
+        f'    y-axis "% of N=1" 0 --> {top}',
+        f"    bar [{', '.join(f'{v:.1f}' for v in peaks)}]",
+        f"    line [{', '.join(f'{v:.1f}' for v in rates)}]",
+        "```",
+    ]
+
+
+def render_report(raw: dict[str, Any], *, source: str = "reports/benchmarks.json") -> str:
+    """The whole markdown report from parsed ``--benchmark-json`` output."""
+    steps, paired = load_benchmarks(raw)
+    if steps.empty:
+        raise ValueError(f"{source} holds no equiv step benchmarks (none with extra_info['workload'])")
+    first = steps.iloc[0]
+    cpu = raw.get("machine_info", {}).get("cpu", {})
+    rounds = sorted({int(r) for r in steps["rounds"]})
+    lines = [
+        "# Benchmarks: what gradient accumulation buys in memory and costs in throughput",
+        "",
+        "Generated; do not edit. Regenerate with:",
+        "",
+        "```",
+        GENERATE_COMMANDS,
+        "```",
+        "",
+        f"Run of {raw.get('datetime', 'unknown time')[:19]} on {cpu.get('brand_raw', 'unknown CPU')} "
+        f"({cpu.get('count', '?')} cores), device `{first['device']}`, {first['threads']} threads, "
+        f"dtype {first['dtype']}, torch {first['torch_version']}, AdamW, "
+        f"{'/'.join(map(str, rounds))} timed rounds per row"
+        f"{' (quick mode: CI)' if bool(first.get('quick', False)) else ''}"
+        f"{_load_note(steps)}.",
+        "",
+        "- **Memory** is the peak of one steady-state optimizer step (AdamW state already created), split into the "
+        "forward/backward phase and the optimizer-step phase; *peak* is the larger. "
+        + (
+            "On CPU it is counted from live tensor storages (`equiv.cost.memory.StorageCounter`): byte-identical on "
+            "every run."
+            if first["memory_method"] == "storage-counter"
+            else "On CUDA it is the caching allocator's `max_memory_allocated`, synchronised."
+        ),
+        "- **Samples/s** is the global batch over the median step time (IQR in brackets). Each round times the "
+        "second step of freshly built weights. Absolute CPU times move by tens of percent between runs: compare "
+        "rows of one run, and read overheads from the paired figure.",
+        "- **time / native**: median step time over the native loop's at the same N (checkpoint: native at N=1). "
+        "The native loop is `(loss_sum / total_items).backward()` per micro-batch, then `optimizer.step()`.",
+        "- **overhead, paired**: Accumulator and native steps timed alternately (ABBA) in one benchmark at each N; "
+        "the median of per-pair ratios, which machine load drifting between benchmarks does not bias. Read the "
+        "Accumulator's overhead here; *time / native* compares two separate benchmarks.",
+        "",
+        "## Summary",
+        "",
+        _summary(steps, paired),
+        "",
+    ]
+    for workload in sorted(steps["workload"].unique()):
+        frame = steps[steps["workload"] == workload]
+        pair = paired[paired["workload"] == workload] if not paired.empty else paired
+        row = frame.iloc[0]
+        lines += [
+            f"## {workload}",
+            "",
+            f"{row.get('description', '')}; {int(row['parameters']):,} parameters; global batch "
+            f"B = {int(row['global_batch_size'])}.",
+            "",
+            _workload_table(frame, pair),
+            "",
+        ]
+        at_8 = pair[pair["n_micro_batches"] == OVERHEAD_TARGET_N] if not pair.empty else pair
+        if not at_8.empty:
+            p = at_8.iloc[0]
+            lines += [
+                f"Paired overhead of `equiv.Accumulator` at N={OVERHEAD_TARGET_N}: "
+                f"**{p['overhead_ratio']:.3f}x** the native loop's step time "
+                f"(IQR {p['overhead_ratio_q1']:.3f}-{p['overhead_ratio_q3']:.3f}, {int(p['pairs'])} pairs).",
+                "",
+            ]
+        fit_lines, _, _ = _fits(frame)
+        lines += ["### Fitted cost model", "", *fit_lines, "", *_chart(workload, frame), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _pick(frame: pd.DataFrame, n: int, implementation: str, column: str) -> float | None:
+    hit = frame[(frame["n_micro_batches"] == n) & (frame["implementation"] == implementation)]
+    return float(hit[column].iloc[0]) if not hit.empty else None
+
+
+def _summary(steps: pd.DataFrame, paired: pd.DataFrame) -> str:
+    rows = []
+    for workload in sorted(steps["workload"].unique()):
+        frame = steps[steps["workload"] == workload]
+
+        peak_1, peak_8 = _pick(frame, 1, "accumulator", "peak_bytes"), _pick(frame, 8, "accumulator", "peak_bytes")
+        rate_1, rate_8 = (
+            _pick(frame, 1, "accumulator", "samples_per_s"),
+            _pick(frame, 8, "accumulator", "samples_per_s"),
+        )
+        ckpt_peak, ckpt_rate = (
+            _pick(frame, 1, "checkpoint", "peak_bytes"),
+            _pick(frame, 1, "checkpoint", "samples_per_s"),
+        )
+        pair = paired[paired["workload"] == workload] if not paired.empty else paired
+        pair = pair[pair["n_micro_batches"] == OVERHEAD_TARGET_N] if not pair.empty else pair
+        rows.append(
+            {
+                "workload": workload,
+                "B": str(int(frame["global_batch_size"].iloc[0])),
+                "peak MiB, N=1": _mib(peak_1) if peak_1 else "-",
+                "peak MiB, N=8": _mib(peak_8) if peak_8 else "-",
+                "peak N=8 / N=1": f"{peak_8 / peak_1:.3f}" if peak_1 and peak_8 else "-",
+                "samples/s N=8 / N=1": f"{rate_8 / rate_1:.3f}" if rate_1 and rate_8 else "-",
+                "checkpoint N=1: peak / N=1": f"{ckpt_peak / peak_1:.3f}" if ckpt_peak and peak_1 else "-",
+                "checkpoint N=1: samples/s / N=1": f"{ckpt_rate / rate_1:.3f}" if ckpt_rate and rate_1 else "-",
+                "Accumulator overhead N=8 (paired)": f"{pair['overhead_ratio'].iloc[0]:.3f}" if not pair.empty else "-",
+            }
+        )
+    return markdown_table(pd.DataFrame(rows))

@@ -1,0 +1,22 @@
+"""Adapters: accumulation that people actually use, under the candidate contract.
+
+Each adapter is a candidate ``step(model, optimizer, micro_batches, loss_fn)``
+driving someone else's code, faithfully, bugs and all:
+
+- :mod:`equiv.zoo.adapters.loops`: the textbook ``loss / N`` loop (nanoGPT) and a
+  torchtitan-style loop normalised by the window's item count.
+- :mod:`equiv.zoo.adapters.mindspore_ports`: the MindSpore tutorials' patterns
+  (r1.0/r1.3 ``GradientAccumulation``, 2.0 ``Accumulator``) ported to PyTorch.
+- :mod:`equiv.zoo.adapters.accelerate`: Hugging Face Accelerate (extra ``accelerate``).
+- :mod:`equiv.zoo.adapters.lightning`: PyTorch Lightning's Trainer (extra ``lightning``).
+
+Adapters with state that outlives one window (a step counter, a framework's
+global state) start afresh when they are handed a model they have not seen,
+which is what happens at the start of every run of a case: cases stay
+independent.  The optional frameworks are imported only by their modules.
+"""
+
+from equiv.zoo.adapters.loops import textbook_step, torchtitan_step
+from equiv.zoo.adapters.mindspore_ports import MindSporeAccumulator, MindSporeGradientAccumulation
+
+__all__ = ["MindSporeAccumulator", "MindSporeGradientAccumulation", "textbook_step", "torchtitan_step"]

@@ -1,0 +1,157 @@
+"""The package's shape: imports flow one way, nothing below the CLI imports it, no cycle.
+
+    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches
+
+The graph is read from the source (every ``import``, module level or inside
+a function), so a lazy import cannot hide a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import equiv
+from equiv.cli import build_parser
+
+PACKAGE = Path(equiv.__file__).resolve().parent
+
+#: Lower layers may not import higher ones.  The public facade (equiv,
+#: equiv.strategies, python -m equiv) sits above everything.
+LAYERS: dict[str, int] = {
+    "equiv.batches": 0,
+    "equiv.losses": 0,
+    "equiv.accumulator": 0,
+    "equiv.cases": 1,
+    "equiv.zoo": 1,
+    "equiv.checking": 2,
+    "equiv.cost": 2,
+    "equiv.reporting": 3,
+    "equiv.cli": 4,
+    "equiv.strategies": 5,
+    "equiv.__main__": 5,
+    "equiv": 5,
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[prefix]
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The equiv modules ``module`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "equiv"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "equiv":
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
+    found.discard(module)
+    return found
+
+
+GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+
+
+def test_every_module_is_placed_in_a_layer() -> None:
+    assert {module for module in MODULES if _layer(module) == 5} == {"equiv", "equiv.strategies", "equiv.__main__"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_flow_down_the_layers(module: str) -> None:
+    upward = sorted(target for target in GRAPH[module] if _layer(target) > _layer(module))
+    assert not upward, f"{module} (layer {_layer(module)}) imports higher layers: {upward}"
+
+
+def _subpackage(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_checking_and_cost_do_not_import_each_other() -> None:
+    crossing = [
+        (module, target)
+        for module, targets in GRAPH.items()
+        for target in targets
+        if {_subpackage(module), _subpackage(target)} == {"checking", "cost"}
+    ]
+    assert crossing == []
+
+
+def test_only_the_entry_point_imports_the_cli() -> None:
+    importers = sorted(module for module, targets in GRAPH.items() if "equiv.cli" in targets)
+    assert importers == ["equiv.__main__"]
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(GRAPH.get(module, ())):
+            if state.get(target) == "open":
+                cycle = [*path[path.index(target) :], target] if target in path else [module, target]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_every_module_imports_in_a_fresh_interpreter_in_dependency_order() -> None:
+    order: list[str] = []
+    # The optional peers' adapters need their extras (their importers guard the import).
+    optional = {"equiv.zoo.adapters.accelerate": "accelerate", "equiv.zoo.adapters.lightning": "pytorch_lightning"}
+    missing = {module for module, extra in optional.items() if importlib.util.find_spec(extra) is None}
+
+    def place(module: str) -> None:
+        if module in order or module in missing:
+            return
+        for target in sorted(GRAPH[module]):
+            place(target)
+        order.append(module)
+
+    for module in sorted(MODULES):
+        if module != "equiv.__main__":  # it runs the command line
+            place(module)
+    script = f"import importlib\nfor name in {order!r}:\n    importlib.import_module(name)\n"
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+def test_the_cli_lists_every_subcommand() -> None:
+    help_text = build_parser().format_help()
+    for command in ("check", "verify", "plan", "report"):
+        assert f"    {command} " in help_text, command
+    report_parser = build_parser().parse_args(["report", "benchmarks", "--json", "x.json"])
+    assert report_parser.report == "benchmarks"
+
+
+def test_the_public_api_is_exactly_all() -> None:
+    public = {name for name in vars(equiv) if not name.startswith("_")} - {
+        # subpackages and modules reachable as attributes once imported
+        "accumulator", "batches", "cases", "checking", "cost", "losses", "reporting", "zoo", "cli",
+    }
+    assert public == set(equiv.__all__) - {"__version__"}
