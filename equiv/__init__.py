@@ -17,7 +17,7 @@ from equiv.accumulator import Accumulator, WindowResult, accumulator_step
 from equiv.cases.case import Case, InvalidCase
 from equiv.cases.models import CausalLM, ModelBundle, register_model
 from equiv.checking.check import ReferenceRuns, check
-from equiv.checking.contract import Candidate, CandidateError
+from equiv.checking.contract import Candidate, CandidateError, ContractError
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
 from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.trajectory import NonFiniteLossError, full_batch_step
@@ -37,6 +37,7 @@ __all__ = [
     "CandidateError",
     "Case",
     "CausalLM",
+    "ContractError",
     "CrossEntropy",
     "DistributedCase",
     "DistributedCheckError",

@@ -15,16 +15,13 @@ Progress goes to stderr through the ``equiv`` logger.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import importlib.util
 import json
 import logging
 import math
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +35,7 @@ from equiv.cases import strategies as eqst
 from equiv.cases.case import Case, InvalidCase
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check
-from equiv.checking.contract import CandidateError
+from equiv.checking.contract import CandidateError, ContractError, check_signature, load_candidate
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
@@ -53,49 +50,13 @@ class UsageError(Exception):
 
 
 # ------------------------------------------------------------------ targets
-@contextlib.contextmanager
-def _on_sys_path(directory: str) -> Iterator[None]:
-    """``directory`` first on ``sys.path`` while a target is imported, removed after."""
-    sys.path.insert(0, directory)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.path.remove(directory)
-
-
 def load_target(spec: str) -> Callable[..., Any]:
-    """``package.module:func`` or ``path/to/file.py:func`` -> the callable.
-
-    The file's folder (or the working directory, for a module name) is on
-    ``sys.path`` only while the module is imported, so its own imports
-    resolve; nothing is left there afterwards."""
-    module_part, sep, attr = spec.rpartition(":")
-    if not sep or not module_part or not attr:
-        raise UsageError(f"expected MODULE:FUNC or path/to/file.py:FUNC, got {spec!r}")
+    """``package.module:func`` or ``path/to/file.py:func`` -> the callable
+    (:func:`equiv.checking.contract.load_candidate`; a bad spec is a usage error)."""
     try:
-        if module_part.endswith(".py"):
-            path = Path(module_part)
-            if not path.is_file():
-                raise UsageError(f"no such file {str(path)!r} (from {spec!r})")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            with _on_sys_path(str(path.resolve().parent)):
-                module_spec.loader.exec_module(module)
-        else:
-            with _on_sys_path(str(Path.cwd())):
-                module = importlib.import_module(module_part)
-    except UsageError:
-        raise
-    except Exception as exc:
-        raise UsageError(f"could not import {module_part!r}: {type(exc).__name__}: {exc}") from exc
-    target = getattr(module, attr, None)
-    if target is None:
-        raise UsageError(f"module {module_part!r} has no attribute {attr!r}")
-    if not callable(target):
-        raise UsageError(f"{spec!r} is a {type(target).__name__}, not a callable step")
-    return target
+        return load_candidate(spec)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _parse_case(text: str) -> Case:
@@ -117,26 +78,40 @@ def _names(text: str | None) -> list[str] | None:
 def _cmd_check(args: argparse.Namespace) -> int:
     candidate = load_target(args.target)
     cases = {"--case": _parse_case(args.case)} if args.case else STANDARD_CASES
-    results, failed = [], 0
+    try:
+        check_signature(candidate)
+    except ContractError as exc:
+        raise UsageError(str(exc)) from None
+    results: list[dict[str, Any]] = []
+    counts = {"equivalent": 0, "not": 0, "not applicable": 0, "inherently non-equivalent": 0}
     for index, (name, case) in enumerate(cases.items(), 1):
         log.info("[%d/%d] %s", index, len(cases), name)
         try:
             verdict = check(candidate, case)
         except CandidateError as exc:
             print(f"ERROR {name}: {exc}")
-            failed += 1
+            counts["not"] += 1
             results.append({"case_name": name, "status": "candidate_error", "error": str(exc)})
             continue
         results.append({"case_name": name, **verdict.to_dict()})
         if verdict:
+            counts["equivalent"] += 1
             print(f"ok    {name}")
+        elif verdict.status == "not_applicable":
+            counts["not applicable"] += 1
+            print(f"n/a   {name}: {'; '.join(verdict.not_applicable)}")
+        elif verdict.status == "inherently_non_equivalent":
+            counts["inherently non-equivalent"] += 1
+            print(f"inh.  {name}: {'; '.join(verdict.inherent)}")
         else:
-            failed += 1
+            counts["not"] += 1
             print(f"FAIL  {name}\n" + "\n".join("      " + line for line in verdict.message().splitlines()))
-    print(f"{len(cases) - failed} equivalent, {failed} not, of {len(cases)} case(s)")
+    summary = ", ".join(f"{count} {label}" for label, count in counts.items() if count or label in ("equivalent", "not"))
+    print(f"{summary}, of {len(cases)} case(s)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    return 1 if failed else 0
+    # Only an applicable case that failed fails the command.
+    return 1 if counts["not"] else 0
 
 
 # ------------------------------------------------------------------- verify
@@ -169,7 +144,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             reproduce=args.reproduce,
             progress=show,
         )
-    except InvalidArgument as exc:
+    except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(result.message(args.target))
     if args.json:

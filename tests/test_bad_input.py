@@ -59,13 +59,43 @@ def test_candidate_that_raises_names_the_case() -> None:
     assert isinstance(info.value.__cause__, KeyError)
 
 
-def test_case_with_scheduler_needs_a_candidate_that_takes_one() -> None:
+def test_case_with_scheduler_is_not_applicable_to_a_candidate_without_one() -> None:
     def no_scheduler(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object) -> None:
-        pass
+        raise AssertionError("a case that does not apply must not run the candidate")
 
     case = equiv.Case(batch_size=2, micro_batch_sizes=(2,), scheduler="StepLR", scheduler_kwargs={"step_size": 1})
-    with pytest.raises(TypeError, match="takes no 'scheduler' keyword"):
-        equiv.check(no_scheduler, case)
+    verdict = equiv.check(no_scheduler, case)
+    assert verdict.status == "not_applicable" and not verdict
+    assert verdict.not_applicable == (
+        "test_case_with_scheduler_is_not_applicable_to_a_candidate_without_one.<locals>.no_scheduler takes no "
+        "scheduler (the case sets scheduler='StepLR')",
+    )
+    assert verdict.message().startswith("Not applicable (candidate ")
+    with pytest.raises(equiv.EquivalenceError, match="Not applicable"):
+        verdict.assert_ok()
+
+
+def test_clipping_case_is_not_applicable_to_a_step_that_takes_no_max_grad_norm() -> None:
+    def no_clip(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object) -> None:
+        equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)  # type: ignore[arg-type]
+
+    case = equiv.Case(batch_size=8, micro_batch_sizes=(3, 5), model_kwargs=MLP, max_grad_norm=0.05)
+    verdict = equiv.check(no_clip, case)
+    assert verdict.status == "not_applicable"
+    assert "takes no max_grad_norm (the case sets max_grad_norm=0.05)" in verdict.not_applicable[0]
+    # Without the clipping the same step is checked, and equivalent.
+    equiv.check(no_clip, case.replace(max_grad_norm=None)).assert_ok()
+
+
+@pytest.mark.parametrize(
+    "candidate",
+    [lambda model, optimizer: None, lambda model, optimizer, micro_batches, loss_fn, extra: None, 42],
+    ids=["too-few-parameters", "extra-required-parameter", "not-callable"],
+)
+def test_a_candidate_that_cannot_take_the_contract_is_a_contract_error(candidate: object) -> None:
+    case = equiv.Case(batch_size=2, micro_batch_sizes=(2,))
+    with pytest.raises(equiv.ContractError, match=r"step\(model, optimizer, micro_batches, loss_fn\)"):
+        equiv.check(candidate, case)  # type: ignore[arg-type]
 
 
 def test_check_rejects_non_case_and_bad_tiers() -> None:

@@ -13,6 +13,17 @@ import equiv
 def reference(model, optimizer, micro_batches, loss_fn, max_grad_norm=None, scheduler=None):
     equiv.accumulator_step(model, optimizer, micro_batches, loss_fn, max_grad_norm=max_grad_norm)
 
+def weighted(model, optimizer, micro_batches, loss_fn):
+    """Correct, and takes no max_grad_norm: the clipping case does not apply to it."""
+    optimizer.zero_grad()
+    total = sum(loss_fn.count(y) for _, y in micro_batches)
+    for x, y in micro_batches:
+        (loss_fn.sum(model(x), y) / total).backward()
+    optimizer.step()
+
+def two_arguments(model, optimizer):
+    pass
+
 def textbook(model, optimizer, micro_batches, loss_fn):
     optimizer.zero_grad()
     for x, y in micro_batches:
@@ -45,6 +56,28 @@ def test_textbook_loop_fails_uneven_cases_and_writes_json(
     verdicts = {row["case_name"]: row["status"] for row in json.loads(out.read_text())}
     assert verdicts["SGD momentum, even 4 x 4"] == "equivalent"
     assert verdicts["SGD momentum, uneven 1+5+10"] == "not_equivalent"
+
+
+def test_a_correct_step_that_does_not_clip_passes_with_clipping_not_applicable(
+    steps_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "verdicts.json"
+    assert main(["check", f"{steps_file}:weighted", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "n/a   SGD, active clipping 3+5: weighted takes no max_grad_norm (the case sets max_grad_norm=0.05)" in text
+    assert "FAIL" not in text
+    statuses = {row["case_name"]: row["status"] for row in json.loads(out.read_text())}
+    not_applicable = sorted(name for name, status in statuses.items() if status == "not_applicable")
+    equivalent = sum(status == "equivalent" for status in statuses.values())
+    assert "SGD, active clipping 3+5" in not_applicable
+    assert f"{equivalent} equivalent, 0 not, {len(not_applicable)} not applicable, of {len(statuses)} case(s)" in text
+
+
+def test_a_step_that_cannot_take_the_contract_is_a_usage_error(
+    steps_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", f"{steps_file}:two_arguments"]) == 2
+    assert "cannot be called as step(model, optimizer, micro_batches, loss_fn)" in capsys.readouterr().err
 
 
 def test_one_case_as_json(steps_file: Path) -> None:

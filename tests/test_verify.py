@@ -16,6 +16,27 @@ from equiv.zoo.bugs import mean_of_means as bad
 
 def crashes(model, optimizer, micro_batches, loss_fn):
     raise RuntimeError("boom")
+
+_calls = [0]
+
+def keeps_state(model, optimizer, micro_batches, loss_fn):
+    # Correct for its first six calls, then scales every gradient: state kept across calls.
+    _calls[0] += 1
+    scale = 1.0 if _calls[0] <= 6 else 1.5
+    optimizer.zero_grad()
+    total = sum(len(y) for _, y in micro_batches)
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) * (len(y) / total) * scale).backward()
+    optimizer.step()
+
+def float32_weights(model, optimizer, micro_batches, loss_fn):
+    # Mathematically the full-batch step, but the weights are float32 (int / int tensor division).
+    import torch
+    optimizer.zero_grad()
+    total = torch.tensor(sum(len(y) for _, y in micro_batches))
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) * (torch.tensor(len(y)) / total)).backward()
+    optimizer.step()
 '''
 
 #: Few examples, one small family: these test the plumbing, not the search.
@@ -136,3 +157,69 @@ def test_a_step_that_fails_only_once_is_reported_as_flaky() -> None:
     assert result.found and result.flaky
     assert "fails_on_its_first_step raised RuntimeError: first call" in result.error
     assert "not deterministic" in result.message()
+
+
+def test_a_step_that_keeps_state_across_calls_is_told_so_with_a_replay_that_reproduces(
+    steps_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", f"{steps_file}:keeps_state", *FAST]) == 1
+    out = capsys.readouterr().out
+    assert "fails only after earlier calls: your step keeps state across calls" in out
+    # The one-case replays would pass in a fresh process: only the search is offered.
+    assert "this case:" not in out and "--reproduce" not in out and "Reproduce: equiv.check" not in out
+    assert f"this search: equiv verify {steps_file}:keeps_state --seed 1 --max-examples 15" in out
+
+
+def test_a_float32_computation_inside_the_float64_run_is_a_precision_finding(steps_file: Path) -> None:
+    from equiv.checking.contract import load_candidate
+
+    result = verify(load_candidate(f"{steps_file}:float32_weights"), max_examples=20, seed=1, families=["mlp"],
+                    optimizers=["SGD", "Adam"], replay_in_fresh_process=False)
+    assert result.kind == "precision", result.message()
+    assert result.verdict is not None and {d.tier for d in result.verdict.mismatches} == {"exact"}
+    assert result.message().startswith("precision finding after")
+    assert "computed partly in float32" in result.message()
+
+
+def test_an_exact_tier_mismatch_that_is_mathematical_is_not_called_precision() -> None:
+    from equiv.zoo.bugs import unscaled_sum
+
+    # An unscaled sum under Adam with active clipping hides under float32 noise, and stays in float64.
+    case = equiv.Case(batch_size=4, micro_batch_sizes=(2, 2), model_kwargs={"hidden": (8,)}, optimizer="Adam",
+                      optimizer_kwargs={"lr": 1e-2}, max_grad_norm=1e-3)
+    verdict = equiv.check(unscaled_sum, case)
+    assert verdict.status == "not_equivalent" and verdict.kind == "not_equivalent"
+
+
+@pytest.mark.parametrize("blob", ["notablob", "AXicY2BgZGBkAAAAJgAF"], ids=["garbage", "truncated"])
+def test_a_blob_that_does_not_reproduce_is_a_usage_error_without_a_traceback(
+    steps_file: Path, blob: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", f"{steps_file}:good", "--reproduce", blob]) == 2
+    err = capsys.readouterr().err
+    assert f"the blob {blob[:24]}... does not reproduce a failure of accumulator_step" in err
+    assert "Traceback" not in err
+
+
+def test_a_valid_blob_of_another_step_does_not_reproduce(steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    found = verify(mean_of_means, max_examples=15, seed=1, families=["mlp"], optimizers=["SGD", "Adam"],
+                   replay_in_fresh_process=False)
+    assert found.blob is not None
+    assert main(["verify", f"{steps_file}:good", "--reproduce", found.blob, "--families", "mlp",
+                 "--optimizers", "SGD,Adam"]) == 2
+    assert "DidNotReproduce" in capsys.readouterr().err
+
+
+def test_torch_warnings_are_shown_once_per_search() -> None:
+    import warnings
+
+    def warns(model, optimizer, micro_batches, loss_fn):  # type: ignore[no-untyped-def]
+        warnings.warn("the same warning every call", UserWarning, stacklevel=1)
+        equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = verify(warns, max_examples=5, seed=0, families=["mlp"])
+    assert result.examples >= 5
+    mine = [w for w in caught if "the same warning every call" in str(w.message)]
+    assert len(mine) == 1 and "shown once" in str(mine[0].message)

@@ -16,8 +16,13 @@ signature names it (or takes ``**kwargs``).  Every entry point (``check``,
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -31,8 +36,13 @@ __all__ = [
     "OPTIONAL_KEYWORDS",
     "Candidate",
     "CandidateError",
+    "ContractError",
     "accepted_keywords",
     "candidate_name",
+    "candidate_reference",
+    "check_signature",
+    "load_candidate",
+    "not_applicable_reasons",
     "takes_keyword",
 ]
 
@@ -59,6 +69,11 @@ class CandidateError(RuntimeError):
         self.case, self.step, self.dtype = case, step, dtype
 
 
+class ContractError(TypeError):
+    """The candidate cannot be called as ``step(model, optimizer, micro_batches, loss_fn)``:
+    a usage error, not a counterexample."""
+
+
 def candidate_name(candidate: Callable[..., Any]) -> str:
     """How messages and reports name a candidate: its qualified name, else its repr."""
     return getattr(candidate, "__qualname__", None) or getattr(candidate, "__name__", None) or repr(candidate)
@@ -82,3 +97,118 @@ def takes_keyword(candidate: Callable[..., Any], keyword: str) -> bool:
     if keyword not in OPTIONAL_KEYWORDS:
         raise ValueError(f"keyword must be one of {OPTIONAL_KEYWORDS}, got {keyword!r}")
     return keyword in accepted_keywords(candidate)
+
+
+def check_signature(candidate: Callable[..., Any]) -> None:
+    """Raise :class:`ContractError` unless ``candidate`` can be called with the
+    four positional arguments of the contract (a callable whose signature
+    cannot be read, such as a builtin, is given the benefit of the doubt)."""
+    if not callable(candidate):
+        raise ContractError(
+            f"candidate must be callable as step(model, optimizer, micro_batches, loss_fn), got {candidate!r}"
+        )
+    try:
+        signature = inspect.signature(candidate)
+    except (TypeError, ValueError):
+        return
+    # Optional keywords the signature requires are passed by the checker when a case sets them.
+    required_keywords = {
+        name: None
+        for name, parameter in signature.parameters.items()
+        if name in OPTIONAL_KEYWORDS and parameter.default is inspect.Parameter.empty
+    }
+    try:
+        signature.bind(None, None, None, None, **required_keywords)
+    except TypeError as exc:
+        raise ContractError(
+            f"candidate {candidate_name(candidate)}{signature} cannot be called as "
+            f"step(model, optimizer, micro_batches, loss_fn) ({exc}); see the candidate contract in the README"
+        ) from None
+
+
+#: Case field -> the keyword a candidate needs to honour it.
+_NEEDS = (("max_grad_norm", "max_grad_norm"), ("scheduler", "scheduler"), ("loss_scale", "grad_scaler"))
+
+
+def not_applicable_reasons(candidate: Callable[..., Any], case: Case) -> tuple[str, ...]:
+    """Why ``case`` does not apply to ``candidate``: one reason per case setting
+    the candidate has no keyword for (a step that takes no ``max_grad_norm``
+    cannot clip, so a clipping case says nothing about it).  Empty when the
+    case applies.  The one rule every entry point follows: such a case is
+    reported "not applicable", never a pass and never a failure."""
+    accepted = accepted_keywords(candidate)
+    name = candidate_name(candidate)
+    reasons = []
+    for field_name, keyword in _NEEDS:
+        value = getattr(case, field_name)
+        if value is not None and keyword not in accepted:
+            reasons.append(f"{name} takes no {keyword} (the case sets {field_name}={value!r})")
+    return tuple(reasons)
+
+
+@contextlib.contextmanager
+def _on_sys_path(directory: str) -> Iterator[None]:
+    """``directory`` first on ``sys.path`` while a target is imported, removed after."""
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(directory)
+
+
+def load_candidate(spec: str) -> Callable[..., Any]:
+    """``package.module:func`` or ``path/to/file.py:func`` -> the callable
+    (``func`` may be dotted: ``Class.method``).
+
+    The file's folder (or the working directory, for a module name) is on
+    ``sys.path`` only while the module is imported, so its own imports
+    resolve; nothing is left there afterwards.  Raises ``ValueError`` naming
+    what is wrong with ``spec``."""
+    module_part, sep, attr = spec.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise ValueError(f"expected MODULE:FUNC or path/to/file.py:FUNC, got {spec!r}")
+    try:
+        if module_part.endswith(".py"):
+            path = Path(module_part)
+            if not path.is_file():
+                raise ValueError(f"no such file {str(path)!r} (from {spec!r})")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            with _on_sys_path(str(path.resolve().parent)):
+                module_spec.loader.exec_module(module)
+        else:
+            with _on_sys_path(str(Path.cwd())):
+                module = importlib.import_module(module_part)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"could not import {module_part!r}: {type(exc).__name__}: {exc}") from exc
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ValueError(f"module {module_part!r} has no attribute {attr!r}")
+    if not callable(target):
+        raise ValueError(f"{spec!r} is a {type(target).__name__}, not a callable step")
+    return target
+
+
+def candidate_reference(candidate: Callable[..., Any]) -> str | None:
+    """A spec :func:`load_candidate` can load ``candidate`` from in another
+    process (``module:qualname``, or ``path/to/file.py:qualname`` for a module
+    loaded from a file), or None when it has no such name (a lambda, a
+    function defined inside another, an instance)."""
+    qualname = getattr(candidate, "__qualname__", None)
+    module_name = getattr(candidate, "__module__", None)
+    if not qualname or not module_name or "<" in qualname:
+        return None
+    module = sys.modules.get(module_name)
+    if module is not None and getattr(module.__spec__, "name", None) == module_name:
+        return f"{module_name}:{qualname}"
+    try:
+        source = inspect.getsourcefile(candidate)
+    except TypeError:
+        return None
+    return f"{source}:{qualname}" if source and source.endswith(".py") else None

@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.check import TIERS, ReferenceRuns
-from equiv.checking.contract import Candidate, candidate_name
+from equiv.checking.contract import Candidate, candidate_name, check_signature, not_applicable_reasons
 from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, Tier, Verdict
 
@@ -135,7 +135,7 @@ class DistributedVerdict(Judgement):
     @property
     def status(self) -> str:
         statuses = {v.status for v in self.ranks}
-        for status in ("inherently_non_equivalent", "not_equivalent"):
+        for status in ("not_applicable", "inherently_non_equivalent", "not_equivalent"):
             if status in statuses:
                 return status
         return "equivalent"
@@ -351,6 +351,12 @@ def check_distributed(
             f"candidate {candidate_name(candidate)} cannot be sent to spawned ranks ({exc}); "
             "define it at module level in an importable module"
         ) from None
+    check_signature(candidate)
+    name = candidate_name(candidate)
+    reasons = not_applicable_reasons(candidate, dcase.case)
+    if reasons:  # nothing to run: every rank says why the case does not apply
+        verdict = Verdict(case=dcase.case, candidate=name, mismatches=(), not_applicable=reasons)
+        return DistributedVerdict(case=dcase, candidate=name, ranks=(verdict,) * dcase.world_size)
     if dcase.case.device.startswith("cuda") and torch.cuda.device_count() < dcase.world_size:
         raise ValueError(
             f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, {torch.cuda.device_count()} visible"
@@ -360,7 +366,6 @@ def check_distributed(
         (tier, str(references.dtype(tier)).removeprefix("torch.")) for tier in references.tiers
     ]
     per_rank = _launch(candidate, dcase, tier_dtypes, timeout_s)
-    name = candidate_name(candidate)
     verdicts = []
     for results in per_rank:
         runs: dict[Tier, list[Snapshot]] = {tier: results[tier]["snapshots"] for tier in references.tiers}

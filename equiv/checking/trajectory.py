@@ -10,7 +10,8 @@ so gradients it leaks into the next step change the next update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 
 from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case
-from equiv.checking.contract import CandidateError, accepted_keywords, candidate_name
+from equiv.checking.contract import CandidateError, accepted_keywords, candidate_name, not_applicable_reasons
 from equiv.losses import Loss
 
 __all__ = [
@@ -227,17 +228,10 @@ def run_reference(
 def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[RunExtras], dict[str, Any]]:
     """The optional keywords to pass at each step: those the candidate accepts
     (:func:`~equiv.checking.contract.accepted_keywords`) and the case sets."""
+    reasons = not_applicable_reasons(candidate, case)
+    if reasons:  # check() reports such a case as not applicable before running anything
+        raise ValueError(f"the case does not apply to the candidate: {'; '.join(reasons)}")
     accepted = accepted_keywords(candidate)
-    if case.scheduler is not None and "scheduler" not in accepted:
-        raise TypeError(
-            f"case has scheduler {case.scheduler!r} but candidate {candidate_name(candidate)} takes no "
-            "'scheduler' keyword, so it could not step it once per window"
-        )
-    if case.loss_scale is not None and "grad_scaler" not in accepted:
-        raise TypeError(
-            f"case has loss_scale {case.loss_scale!r} but candidate {candidate_name(candidate)} takes no "
-            "'grad_scaler' keyword, so it could not scale its losses"
-        )
 
     def keywords(extras: RunExtras) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -252,6 +246,20 @@ def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[RunExt
     return keywords
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` for the block (None: unchanged)."""
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def run_candidate(
     case: Case,
     candidate: Callable[..., Any],
@@ -261,6 +269,7 @@ def run_candidate(
     batch_slice: slice | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     on_step: Callable[[int], None] | None = None,
+    default_dtype: torch.dtype | None = None,
 ) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
@@ -268,6 +277,8 @@ def run_candidate(
     For one rank of a distributed run: ``wrap_model`` wraps the model in DDP,
     ``batch_slice`` selects the rank's shard, ``micro_batch_sizes`` cuts it,
     and ``on_step`` hears each step start (progress for fault reports).
+    ``default_dtype`` sets torch's default dtype while the candidate runs
+    (how :func:`equiv.check` tells a precision finding from a mismatch).
     """
     loss_fn = case.build_loss()
     keywords = _keywords_for(candidate, case)
@@ -279,7 +290,8 @@ def run_candidate(
             on_step(step)
         micro_batches = split_batch(batch, sizes, copy=True)  # copies: a step may write into its inputs
         try:
-            candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
+            with _default_dtype(default_dtype):
+                candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
         except Exception as exc:
             raise CandidateError(
                 f"candidate {candidate_name(candidate)} raised {type(exc).__name__}: {exc} "

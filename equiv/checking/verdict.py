@@ -16,7 +16,7 @@ from equiv.cases.case import Case
 __all__ = ["EquivalenceError", "Judgement", "TensorDiff", "Verdict"]
 
 Tier = Literal["exact", "noise"]
-Status = Literal["equivalent", "not_equivalent", "inherently_non_equivalent"]
+Status = Literal["equivalent", "not_equivalent", "inherently_non_equivalent", "not_applicable"]
 
 
 class EquivalenceError(AssertionError):
@@ -125,12 +125,26 @@ class Verdict(Judgement):
     worst: dict[str, TensorDiff] = field(default_factory=dict)
     #: Why this case cannot be equivalent however it is accumulated (BatchNorm, dropout).
     inherent: tuple[str, ...] = ()
+    #: Why the case does not apply to the candidate (it needs a keyword the
+    #: candidate does not take); nothing was run.  Neither a pass nor a failure.
+    not_applicable: tuple[str, ...] = ()
+    #: The mismatches are float32 roundoff inside the float64 run: with torch's
+    #: default dtype set to float64 the candidate matched (see equiv.check).
+    precision_only: bool = False
 
     @property
     def status(self) -> Status:
+        if self.not_applicable:
+            return "not_applicable"
         if self.inherent:
             return "inherently_non_equivalent"
         return "not_equivalent" if self.mismatches else "equivalent"
+
+    @property
+    def kind(self) -> str:
+        """What kind of result: the status, with a precision finding told apart
+        from a mathematical mismatch ("precision")."""
+        return "precision" if self.status == "not_equivalent" and self.precision_only else self.status
 
     def __bool__(self) -> bool:
         return self.status == "equivalent"
@@ -152,6 +166,11 @@ class Verdict(Judgement):
     def message(self) -> str:
         head = f"candidate {self.candidate}"
         lines: list[str] = []
+        if self.not_applicable:
+            lines.append(f"Not applicable ({head}): the case asks for what the step cannot be told to do:")
+            lines += [f"  - {reason}" for reason in self.not_applicable]
+            lines.append(f"Reproduce: equiv.check({self.candidate}, {self.case!r})")
+            return "\n".join(lines)
         if self.inherent:
             lines.append(f"Inherently not equivalent to full-batch training ({head}):")
             lines += [f"  - {reason}" for reason in self.inherent]
@@ -160,7 +179,13 @@ class Verdict(Judgement):
             if not self.inherent:
                 lines.append(f"Equivalent to full-batch training ({head}) in every step and tier.")
         else:
-            if not self.inherent:
+            if self.precision_only and not self.inherent:
+                lines.append(
+                    f"Precision ({head}): differences at float32 roundoff inside the float64 run. Mathematically "
+                    "the full-batch step, computed partly in float32: with torch's default dtype set to float64 "
+                    "it matches (a tensor made without a dtype, e.g. an int / int division, is float32)."
+                )
+            elif not self.inherent:
                 lines.append(f"Not equivalent to full-batch training ({head}).")
             lines.append(
                 f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):"
@@ -188,7 +213,9 @@ class Verdict(Judgement):
             "candidate": self.candidate,
             "status": self.status,
             "case": self.case.to_dict(),
+            "kind": self.kind,
             "inherent": list(self.inherent),
+            "not_applicable": list(self.not_applicable),
             "mismatches": [d.to_dict() for d in self.mismatches],
             "worst": {tier: d.to_dict() for tier, d in sorted(self.worst.items())},
         }

@@ -12,23 +12,35 @@ From the shell: ``equiv verify MODULE:FUNC [--seed S] ...`` (:mod:`equiv.cli`).
 
 from __future__ import annotations
 
+import binascii
 import json
 import math
 import random
 import re
+import subprocess
+import sys
 import time
+import warnings
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis
 from hypothesis import HealthCheck, Phase, given, reject, settings, target
-from hypothesis.errors import Flaky, Unsatisfiable
+from hypothesis.errors import DidNotReproduce, Flaky, InvalidArgument, Unsatisfiable
 
 from equiv.cases import strategies as eqst
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.checking.contract import Candidate, CandidateError, candidate_name, takes_keyword
+from equiv.checking.contract import (
+    Candidate,
+    CandidateError,
+    candidate_name,
+    candidate_reference,
+    check_signature,
+    takes_keyword,
+)
 from equiv.checking.trajectory import NonFiniteLossError
 from equiv.checking.verdict import Verdict
 
@@ -37,6 +49,8 @@ __all__ = ["VerifyResult", "verify"]
 #: progress(cases checked so far, seconds elapsed)
 Progress = Callable[[int, float], None]
 
+#: Seconds a fresh-process replay of one case may take (start-up included).
+_REPLAY_TIMEOUT_S = 120
 _BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
 
@@ -65,6 +79,11 @@ class VerifyResult:
     checking_s: float = 0.0
     #: The counterexample failed once but not when replayed: the candidate is not deterministic.
     flaky: bool = False
+    #: The shrunk case failed in the search but passed alone in a fresh process:
+    #: the step keeps state across calls (None: not replayed, see ``fresh_replay``).
+    state_across_calls: bool | None = None
+    #: What replaying the shrunk case alone in a fresh process showed, or why it was not replayed.
+    fresh_replay: str = ""
     #: Cases skipped as inherently non-equivalent (only with allow_inherent), and their reasons.
     inherent_cases: int = 0
     inherent_reasons: tuple[str, ...] = ()
@@ -77,18 +96,31 @@ class VerifyResult:
     def found(self) -> bool:
         return self.counterexample is not None
 
+    @property
+    def kind(self) -> str | None:
+        """None (nothing found), "error" (the candidate raised), "precision" (float32
+        roundoff inside the float64 run only) or "mismatch" (mathematically different)."""
+        if not self.found:
+            return None
+        if self.error is not None:
+            return "error"
+        return "precision" if self.verdict is not None and self.verdict.kind == "precision" else "mismatch"
+
     def __bool__(self) -> bool:
         return not self.found
 
     def replay_hint(self, target: str = "MODULE:FUNC") -> str:
+        """Commands that reproduce what was found.  When the shrunk case passes
+        alone (state kept across calls), only the whole search reproduces it."""
         lines = []
-        if self.counterexample is not None:
+        alone_reproduces = not self.state_across_calls
+        if self.counterexample is not None and alone_reproduces:
             case_json = json.dumps(self.counterexample.to_dict(), sort_keys=True)
             lines.append(f"  this case:   equiv check {target} --case '{case_json}'")
         how = f"--seed {self.seed}" if self.seed is not None else f"--profile {self.profile}"
         lines.append(f"  this search: equiv verify {target} {how} --max-examples {self.max_examples}"
                      + "".join(f" {flag}" for flag in _search_flags(self.search)))
-        if self.blob is not None:
+        if self.blob is not None and alone_reproduces:
             lines.append(f"  shrunk draw: equiv verify {target} --reproduce {self.blob}"
                          + "".join(f" {flag}" for flag in _search_flags(self.search)))
         return "\n".join(lines)
@@ -108,7 +140,15 @@ class VerifyResult:
                 text += "".join(f"\n  - {reason}" for reason in self.inherent_reasons)
             return text
         assert self.counterexample is not None
-        head = (f"counterexample after {self.first_failure_at} case(s), shrunk to:\n  {self.counterexample!r}")
+        if self.kind == "precision":
+            head = (f"precision finding after {self.first_failure_at} case(s) (no mathematical mismatch found; "
+                    f"not shrunk):\n  {self.counterexample!r}")
+        else:
+            head = f"counterexample after {self.first_failure_at} case(s), shrunk to:\n  {self.counterexample!r}"
+        if self.state_across_calls:
+            head += ("\nfails only after earlier calls: your step keeps state across calls (a module-level cache, "
+                     "hooks never removed, a counter). The shrunk case alone passes in a fresh process; the search "
+                     "below reproduces the sequence of calls that breaks it.")
         if self.flaky:
             head += ("\n(flaky: the same case passed when replayed, so the candidate is not deterministic; "
                      "it may use unseeded randomness or state kept across calls)")
@@ -117,6 +157,8 @@ class VerifyResult:
         else:
             assert self.verdict is not None
             body = self.verdict.message()
+        if self.state_across_calls:  # the verdict's one-case replay would pass: only the search reproduces it
+            body = "\n".join(line for line in body.splitlines() if not line.startswith("Reproduce:"))
         return f"{head}\n{body}\n({timing})\nReplay:\n{self.replay_hint(target)}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,6 +175,9 @@ class VerifyResult:
             "max_examples": self.max_examples,
             "blob": self.blob,
             "flaky": self.flaky,
+            "kind": self.kind,
+            "state_across_calls": self.state_across_calls,
+            "fresh_replay": self.fresh_replay,
             "elapsed_s": self.elapsed_s,
             "checking_s": self.checking_s,
             "inherent_cases": self.inherent_cases,
@@ -178,6 +223,7 @@ def verify(
     device: str = "cpu",
     reproduce: str | None = None,
     progress: Progress | None = None,
+    replay_in_fresh_process: bool = True,
 ) -> VerifyResult:
     """Search for a case where ``candidate`` is not the full-batch step.
 
@@ -192,9 +238,21 @@ def verify(
     (none / inactive / active) only if the candidate takes ``max_grad_norm``
     and step an LR scheduler only if it takes ``scheduler``.  ``device``
     (default "cpu") is where the runs happen.  ``reproduce``
-    replays a blob printed by an earlier search.  ``progress`` is called
-    after every check with (checks so far, seconds elapsed).
+    replays a blob printed by an earlier search (a ``ValueError`` says so
+    when it no longer reproduces a failure).  ``progress`` is called after
+    every check with (checks so far, seconds elapsed).
+
+    A found case is replayed alone in a fresh Python process
+    (``replay_in_fresh_process``, when the candidate is importable by name):
+    if it passes there, the step keeps state across calls and the result
+    says so.  A case whose only difference is float32 roundoff inside the
+    float64 run (a "precision" verdict) never stands in for a mathematical
+    mismatch: the search goes on, and reports it only when it finds no
+    mismatch.  Warnings raised by the checks are shown once per search.
+    Raises :class:`~equiv.checking.contract.ContractError` for a candidate
+    that cannot take ``(model, optimizer, micro_batches, loss_fn)``.
     """
+    check_signature(candidate)
     base = settings.get_profile(profile) if profile is not None else settings()  # settings(): the loaded profile
     profile_name = profile or getattr(settings, "_current_profile", None) or "default"
     if seed is None and not base.derandomize and reproduce is None:
@@ -242,6 +300,7 @@ def verify(
     first_failure_at: list[int] = []
     inherent_reasons: dict[str, None] = {}
     worst_ratio: dict[str, float] = {}
+    precision_findings: list[tuple[int, Case, Verdict]] = []
 
     def search_once(case: Case) -> None:
         counts["examples"] += 1
@@ -256,11 +315,17 @@ def verify(
                 raise _Found(case, None, str(exc)) from None
             finally:
                 checking[0] += time.perf_counter() - check_started
+            if verdict.status == "not_applicable":
+                reject()  # the strategy only draws what the candidate can take; never a finding
             if verdict.status == "inherently_non_equivalent":
                 counts["inherent"] += 1
                 inherent_reasons.update(dict.fromkeys(verdict.inherent))
                 return
             ratio = max((d.ratio for d in verdict.worst.values()), default=0.0)
+            if verdict.kind == "precision":
+                # Not raised: the shrinker must not trade a mathematical mismatch for this class.
+                precision_findings.append((counts["examples"], case, verdict))
+                return
             if not verdict:
                 first_failure_at.append(counts["examples"])
                 raise _Found(case, verdict, None)
@@ -282,7 +347,9 @@ def verify(
     flaky = False
     blob = None
     try:
-        test()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            test()
     except _Found as exc:
         found = exc
         notes = "\n".join(getattr(exc, "__notes__", []))
@@ -297,6 +364,23 @@ def verify(
         found, flaky = inner[0], True
     except Unsatisfiable:
         pass  # every drawn case diverged on its own: nothing was checked, nothing found
+    except (DidNotReproduce, InvalidArgument, binascii.Error, zlib.error, UnicodeError) as exc:
+        if reproduce is None:
+            raise
+        raise ValueError(
+            f"the blob {reproduce[:24]}... does not reproduce a failure of {candidate_name(candidate)} "
+            f"({type(exc).__name__}: {exc}); it only replays with the search flags and equiv version that "
+            "printed it"
+        ) from None
+    _warn_once(caught)
+    if found is None and precision_findings:
+        at, case, verdict = precision_findings[0]
+        found, first_failure_at[:] = _Found(case, verdict, None), [at]
+    elapsed_s = time.perf_counter() - started
+    state_across_calls: bool | None = None
+    fresh_replay = ""
+    if found is not None and not flaky and replay_in_fresh_process:
+        state_across_calls, fresh_replay = _replay_alone(candidate, found)
     return VerifyResult(
         candidate=candidate_name(candidate),
         examples=counts["examples"],
@@ -308,11 +392,58 @@ def verify(
         profile=profile_name,
         max_examples=chosen_max,
         blob=blob,
-        elapsed_s=time.perf_counter() - started,
+        elapsed_s=elapsed_s,
         checking_s=checking[0],
         flaky=flaky,
+        state_across_calls=state_across_calls,
+        fresh_replay=fresh_replay,
         inherent_cases=counts["inherent"],
         inherent_reasons=tuple(inherent_reasons),
         worst_ratio=worst_ratio,
         search=search,
     )
+
+
+def _warn_once(caught: list[warnings.WarningMessage]) -> None:
+    """Each distinct warning the checks raised, once per search (torch warns per call)."""
+    seen: dict[tuple[type[Warning], str], int] = {}
+    for record in caught:
+        key = (record.category, str(record.message))
+        seen[key] = seen.get(key, 0) + 1
+    for (category, message), times in seen.items():
+        warnings.warn(f"{message} [seen {times} time(s) in this search, shown once]", category, stacklevel=3)
+
+
+#: Replays one case alone: prints {"status": ...} or {"error": ...} as JSON.
+_REPLAY = """
+import json, sys
+from equiv.cases.case import Case
+from equiv.checking.check import check
+from equiv.checking.contract import CandidateError, load_candidate
+candidate = load_candidate(sys.argv[1])
+try:
+    verdict = check(candidate, Case.from_dict(json.loads(sys.argv[2])))
+    print(json.dumps({"status": verdict.status}))
+except CandidateError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+def _replay_alone(candidate: Candidate, found: _Found) -> tuple[bool | None, str]:
+    """Replay the found case in a fresh process: (state kept across calls?, what happened)."""
+    reference = candidate_reference(candidate)
+    if reference is None:
+        return None, "not replayed alone: the candidate has no importable name (a lambda or a local function)"
+    command = [sys.executable, "-c", _REPLAY, reference, json.dumps(found.case.to_dict())]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_REPLAY_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return None, f"not replayed alone: the fresh process took over {_REPLAY_TIMEOUT_S} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"not replayed alone: the fresh process failed ({last})"
+    outcome = json.loads(lines[-1])
+    if outcome.get("status") == "equivalent":
+        return True, f"the case alone, in a fresh process ({reference}): equivalent"
+    return False, f"the case alone, in a fresh process ({reference}): {outcome.get('status') or 'raised'}"

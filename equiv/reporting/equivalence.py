@@ -74,7 +74,7 @@ def equivalence_table(results: Iterable[tuple[str, str, Verdict]]) -> pd.DataFra
         rows.append({
             "case": case_name,
             "candidate": candidate_name,
-            "verdict": verdict.status.replace("_", " "),
+            "verdict": verdict.kind.replace("_", " "),
             "worst exact / allowed": format_ratio(worst["exact"].ratio) if "exact" in worst else "-",
             "worst noise / allowed": format_ratio(worst["noise"].ratio) if "noise" in worst else "-",
             "first divergence": "-" if first is None else f"step {first.step}, {first.tier}, {first.label}",
