@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from equiv.cases.case import Case
-from equiv.checking.compare import compare_trajectories
+from equiv.checking.compare import FloorErrors, StepComparer, compare_trajectories
 from equiv.checking.contract import Candidate, candidate_name, check_signature, not_applicable_reasons
 from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.tolerances import unit_roundoff
@@ -60,31 +60,36 @@ def check(candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS) ->
         return Verdict(case=case, candidate=name, mismatches=(), not_applicable=reasons)
 
     references = ReferenceRuns.of(case, tiers)
-    candidate_runs = {tier: run_candidate(case, candidate, references.dtype(tier)) for tier in references.tiers}
-    verdict = references.verdict(name, candidate_runs)
+    # Each candidate run is compared step by step as it runs; nothing of it is kept.
+    diffs = [diff for tier in references.tiers for diff in references.run_and_compare(tier, case, candidate)]
+    verdict = references.judge(name, diffs)
     if verdict.mismatches and all(d.tier == "exact" for d in verdict.mismatches):
         # Exact tier only: a mathematical mismatch that hides under float32 noise
         # (an unscaled sum under Adam), or the full-batch step computed partly in
         # float32 inside the float64 run (a tensor made without a dtype).  Only
         # the second goes away when torch's default dtype is float64 too.
-        rerun = run_candidate(case, candidate, torch.float64, default_dtype=torch.float64)
-        if all(d.ok for d in references.compare("exact", rerun)):
+        rerun = references.run_and_compare("exact", case, candidate, default_dtype=torch.float64)
+        if all(d.ok for d in rerun):
             verdict = dataclasses.replace(verdict, precision_only=True)
     return verdict
 
 
 @dataclass(frozen=True)
 class ReferenceRuns:
-    """The float64 truth and the floor samples of each tier, for one case.
+    """The float64 truth and, per tier, how far the floor samples land from it.
 
-    Computed once; any candidate trajectory run elsewhere (e.g. one per rank
-    of a distributed run) is then judged by :meth:`compare` / :meth:`verdict`.
+    Computed once, streaming: the truth's trajectory is kept (every candidate
+    is compared with it), each floor run only leaves its per-step, per-tensor
+    distance from the truth (:class:`~equiv.checking.compare.FloorErrors`).
+    A candidate is then judged step by step as it runs
+    (:meth:`run_and_compare`), or from a whole trajectory run elsewhere, e.g.
+    one per rank of a distributed run (:meth:`compare`, :meth:`verdict`).
     """
 
     case: Case
     truth: list[Snapshot]
-    #: tier -> (floor runs, the factor each floor run's error is scaled by)
-    floors: dict[str, tuple[list[list[Snapshot]], list[float]]]
+    #: tier -> the floor samples' distances from the truth
+    floors: dict[str, FloorErrors]
 
     @property
     def tiers(self) -> list[Tier]:
@@ -98,52 +103,66 @@ class ReferenceRuns:
         exact = torch.float64
         working = case.working_dtype
         truth = run_reference(case, exact)
+        floors: dict[str, FloorErrors] = {}
+        if "exact" in tiers:
+            floors["exact"] = FloorErrors(truth)
+        if "noise" in tiers and working != exact:
+            floors["noise"] = FloorErrors(truth)
         # Floor samples: the full-batch run in order, on shuffled batches, and
         # normalised after backward (the same mathematics rounded other ways).
         # Several samples, because the ratio of two roundoff errors is
         # heavy-tailed (see equiv.checking.tolerances).
         shuffles = [case.seed + offset for offset in _SHUFFLE_SEED_OFFSETS]
 
-        def floor_samples(dtype: torch.dtype) -> list[list[Snapshot]]:
-            return [
-                run_reference(case, dtype),
-                *(run_reference(case, dtype, permutation_seed=s) for s in shuffles),
-                run_reference(case, dtype, normalise_after_backward=True),
-            ]
+        def run_floor_samples(dtype: torch.dtype, feeds: list[tuple[FloorErrors, float]]) -> None:
+            def feed(step: int, snapshot: Snapshot) -> None:
+                for floor_errors, factor in feeds:
+                    floor_errors.add(step, snapshot, factor)
 
-        float32_floors = floor_samples(torch.float32)
-        floors: dict[str, tuple[list[list[Snapshot]], list[float]]] = {}
-        if "exact" in tiers:
-            # Rounding error grows linearly with the unit roundoff, so float32 runs'
-            # errors scaled by u(float64)/u(float32) estimate the float64 floor; the
-            # float64 run on a shuffled batch is a direct sample (none for batches
-            # of one sample, whose shuffle is the identity).
-            float32_to_64 = unit_roundoff(exact) / unit_roundoff(torch.float32)
-            float64_floors = [
-                run_reference(case, exact, permutation_seed=shuffles[0]),
-                # Normalising after backward is the accumulator's own rounding
-                # pattern: a direct float64 sample of the error it may show.
-                run_reference(case, exact, normalise_after_backward=True),
-            ]
-            floors["exact"] = (
-                [*float32_floors, *float64_floors],
-                [float32_to_64] * len(float32_floors) + [1.0] * len(float64_floors),
-            )
-        if "noise" in tiers and working != exact:
-            noise_floors = float32_floors if working == torch.float32 else floor_samples(working)
-            floors["noise"] = (noise_floors, [1.0] * len(noise_floors))
+            run_reference(case, dtype, on_snapshot=feed)
+            for seed in shuffles:
+                run_reference(case, dtype, permutation_seed=seed, on_snapshot=feed)
+            run_reference(case, dtype, normalise_after_backward=True, on_snapshot=feed)
+
+        # Rounding error grows linearly with the unit roundoff, so float32 runs'
+        # errors scaled by u(float64)/u(float32) estimate the float64 floor.
+        float32_to_64 = unit_roundoff(exact) / unit_roundoff(torch.float32)
+        float32_feeds = [(floors["exact"], float32_to_64)] if "exact" in floors else []
+        if "noise" in floors and working == torch.float32:
+            float32_feeds.append((floors["noise"], 1.0))
+        if float32_feeds:
+            run_floor_samples(torch.float32, float32_feeds)
+        if "exact" in floors:
+            # Direct float64 samples: the run on a shuffled batch (none for
+            # batches of one sample, whose shuffle is the identity), and the run
+            # normalised after backward, the accumulator's own rounding pattern.
+            def feed_exact(step: int, snapshot: Snapshot) -> None:
+                floors["exact"].add(step, snapshot, 1.0)
+
+            run_reference(case, exact, permutation_seed=shuffles[0], on_snapshot=feed_exact)
+            run_reference(case, exact, normalise_after_backward=True, on_snapshot=feed_exact)
+        if "noise" in floors and working != torch.float32:
+            run_floor_samples(working, [(floors["noise"], 1.0)])
         return cls(case=case, truth=truth, floors=floors)
 
+    def run_and_compare(
+        self, tier: Tier, case: Case, candidate: Candidate, *, default_dtype: torch.dtype | None = None
+    ) -> list[TensorDiff]:
+        """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced."""
+        comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier])
+        run_candidate(case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype)
+        return comparer.diffs
+
     def compare(self, tier: Tier, candidate: list[Snapshot]) -> list[TensorDiff]:
-        floor_runs, floor_scales = self.floors[tier]
-        return compare_trajectories(
-            tier=tier, dtype=self.dtype(tier), truth=self.truth,
-            floor_runs=floor_runs, floor_scales=floor_scales, candidate=candidate,
-        )
+        """Judge a whole candidate trajectory (e.g. one rank's)."""
+        return compare_trajectories(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier], candidate=candidate)
 
     def verdict(self, candidate: str, runs: Mapping[Tier, list[Snapshot]]) -> Verdict:
         """The verdict for one candidate trajectory per tier."""
-        diffs = [diff for tier, run in runs.items() for diff in self.compare(tier, run)]
+        return self.judge(candidate, [diff for tier, run in runs.items() for diff in self.compare(tier, run)])
+
+    def judge(self, candidate: str, diffs: list[TensorDiff]) -> Verdict:
+        """The verdict from every tensor's comparison, all tiers."""
         worst: dict[str, TensorDiff] = {}
         for diff in diffs:
             if diff.tier not in worst or diff.ratio > worst[diff.tier].ratio:
@@ -153,10 +172,11 @@ class ReferenceRuns:
             candidate=candidate,
             mismatches=tuple(d for d in diffs if not d.ok),
             worst=worst,
-            inherent=tuple(inherent_non_equivalences(self.case.build_model().module)) + self._scale_departures(runs),
+            inherent=tuple(inherent_non_equivalences(self.case.build_model().module))
+            + self._scale_departures({d.tier for d in diffs}),
         )
 
-    def _scale_departures(self, runs: Mapping[Tier, list[Snapshot]]) -> tuple[str, ...]:
+    def _scale_departures(self, tiers: set[str]) -> tuple[str, ...]:
         """A full-batch run that overflows where the float64 truth does not
         (a natural float16 overflow: float64 is never autocast) has no truth to
         be compared with for its skip decisions."""
@@ -165,8 +185,7 @@ class ReferenceRuns:
             return ()
         truth_scales = [float(s.optimizer_state[key]) for s in self.truth]
         # Every floor run is a full-batch run in a lower precision than the truth.
-        for run in (run for tier in runs for run in self.floors[tier][0]):
-            scales = [float(s.optimizer_state[key]) for s in run]
+        for scales in (scales for tier in self.tiers if tier in tiers for scales in self.floors[tier].scale_trajectories):
             if scales != truth_scales:
                 precision = self.case.dtype + (f" with {self.case.autocast} autocast" if self.case.autocast else "")
                 return (

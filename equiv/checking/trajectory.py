@@ -37,7 +37,8 @@ class NonFiniteLossError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """Named float64 CPU copies of one moment of a run."""
+    """Named float64 copies of one moment of a run, on the run's device (so a
+    CUDA case is compared on the GPU, without per-tensor host round-trips)."""
 
     params: dict[str, Tensor]
     buffers: dict[str, Tensor]
@@ -49,7 +50,7 @@ def _snapshot(
     model: nn.Module, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None = None
 ) -> Snapshot:
     def copy(tensor: Tensor) -> Tensor:
-        return tensor.detach().to("cpu", torch.float64, copy=True)
+        return tensor.detach().to(dtype=torch.float64, copy=True)
 
     names = {id(p): name for name, p in model.named_parameters()}
     state: dict[str, Tensor] = {}
@@ -136,6 +137,7 @@ def _run(
     *,
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
     batch_slice: slice | None = None,
+    on_snapshot: Callable[[int, Snapshot], None] | None = None,
 ) -> list[Snapshot]:
     """Snapshots before the first step and after each step, computing in ``dtype``.
 
@@ -155,7 +157,16 @@ def _run(
         scheduler=case.build_scheduler(optimizer),
         grad_scaler=case.build_grad_scaler(),
     )
-    snapshots = [_snapshot(model, optimizer, extras.grad_scaler)]
+    snapshots: list[Snapshot] = []
+
+    def record(step: int) -> None:
+        snapshot = _snapshot(model, optimizer, extras.grad_scaler)
+        if on_snapshot is None:
+            snapshots.append(snapshot)
+        else:  # streamed: compared (or folded into floor errors) at once, not kept
+            on_snapshot(step, snapshot)
+
+    record(0)
     # Dropout draws from the global RNG: seed it so every run of a case is repeatable.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         # The CPU generator alone unless on CUDA: torch.manual_seed also queues
@@ -172,7 +183,7 @@ def _run(
                 inputs, targets = inputs[batch_slice], targets[batch_slice]
             batch = (_to(inputs, device, dtype), _to(targets, device, dtype))
             run_step(stepped_model, optimizer, batch, extras, step)
-            snapshots.append(_snapshot(model, optimizer, extras.grad_scaler))
+            record(step + 1)
     return snapshots
 
 
@@ -200,7 +211,12 @@ def _to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 def run_reference(
-    case: Case, dtype: torch.dtype, *, permutation_seed: int | None = None, normalise_after_backward: bool = False
+    case: Case,
+    dtype: torch.dtype,
+    *,
+    permutation_seed: int | None = None,
+    normalise_after_backward: bool = False,
+    on_snapshot: Callable[[int, Snapshot], None] | None = None,
 ) -> list[Snapshot]:
     """The full-batch trajectory.  With ``permutation_seed`` each batch is
     shuffled first, and with ``normalise_after_backward`` the gradient of the
@@ -222,7 +238,7 @@ def run_reference(
                 f"the case cannot be checked: {case!r}"
             )
 
-    return _run(case, dtype, run_step, permutation_seed)
+    return _run(case, dtype, run_step, permutation_seed, on_snapshot=on_snapshot)
 
 
 def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[RunExtras], dict[str, Any]]:
@@ -270,6 +286,7 @@ def run_candidate(
     micro_batch_sizes: Sequence[int] | None = None,
     on_step: Callable[[int], None] | None = None,
     default_dtype: torch.dtype | None = None,
+    on_snapshot: Callable[[int, Snapshot], None] | None = None,
 ) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
@@ -301,4 +318,4 @@ def run_candidate(
                 dtype=dtype_name,
             ) from exc
 
-    return _run(case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice)
+    return _run(case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice, on_snapshot=on_snapshot)
