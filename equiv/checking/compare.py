@@ -58,20 +58,6 @@ def _host_floats(values: list[Tensor]) -> list[float]:
     return [float(v) for v in torch.stack([v.to(values[0].device) for v in values]).cpu().tolist()]
 
 
-def _tensors(step: Snapshot, initial: Snapshot, names: _Names) -> dict[Key, Tensor]:
-    """The compared tensors of one snapshot: updates and buffer changes since
-    ``initial``, optimizer state as is (names from the truth, plus any extra
-    state the run has)."""
-    out: dict[Key, Tensor] = {}
-    for name in names.params:
-        out["update", name] = step.params[name] - initial.params[name]
-    for name in names.buffers:
-        out["buffer", name] = step.buffers[name] - initial.buffers[name]
-    for name, value in step.optimizer_state.items():
-        out["state", name] = value
-    return out
-
-
 class _Names:
     """The tensor names of the truth at one step, in comparison order."""
 
@@ -80,12 +66,53 @@ class _Names:
         self.buffers = list(truth_step.buffers)
 
 
+class _Compared:
+    """The compared tensors of one snapshot, made on demand, one at a time (so
+    at most one delta temporary lives at once): updates and buffer changes
+    since ``initial``, optimizer state as is.  Names come from the truth, plus
+    any extra state the run has."""
+
+    def __init__(self, step: Snapshot, initial: Snapshot, names: _Names) -> None:
+        self.snapshot, self.initial = step, initial
+        self.keys: list[Key] = [
+            *(("update", name) for name in names.params),
+            *(("buffer", name) for name in names.buffers),
+            *(("state", name) for name in step.optimizer_state),
+        ]
+
+    def get(self, key: Key) -> Tensor | None:
+        kind, name = key
+        if kind == "update":
+            return self.snapshot.params[name] - self.initial.params[name]
+        if kind == "buffer":
+            return self.snapshot.buffers[name] - self.initial.buffers[name]
+        return self.snapshot.optimizer_state.get(name)
+
+
+def _initial_state(snapshot: Snapshot, truth_initial: Snapshot) -> Snapshot:
+    """What a run's updates are measured from.  Every run starts from the same
+    weights as the truth, so the truth's first snapshot serves (nothing is
+    kept of the run); a run that starts elsewhere keeps a copy of its own."""
+    same = snapshot.params.keys() == truth_initial.params.keys() and all(
+        torch.equal(value, truth_initial.params[name].to(value.device)) for name, value in snapshot.params.items()
+    ) and snapshot.buffers.keys() == truth_initial.buffers.keys() and all(
+        torch.equal(value, truth_initial.buffers[name].to(value.device)) for name, value in snapshot.buffers.items()
+    )
+    if same:
+        return truth_initial
+    return Snapshot(
+        params={name: value.clone() for name, value in snapshot.params.items()},
+        buffers={name: value.clone() for name, value in snapshot.buffers.items()},
+        optimizer_state={},
+    )
+
+
 class FloorErrors:
     """For one tier: per step and tensor, the largest distance from the truth
     of any full-batch floor run, times that run's scale factor.
 
     Feed each floor run's snapshots in order with :meth:`add` (step 0 first);
-    nothing of the run is kept but its first snapshot while it runs.
+    nothing of the run is kept while it runs (snapshots may be its live tensors).
     """
 
     def __init__(self, truth: list[Snapshot]) -> None:
@@ -97,7 +124,7 @@ class FloorErrors:
 
     def add(self, step: int, snapshot: Snapshot, factor: float) -> None:
         if step == 0:
-            self._initial = snapshot
+            self._initial = _initial_state(snapshot, self.truth[0])
             self.scale_trajectories.append([])
         assert self._initial is not None, "a floor run's snapshots must start at step 0"
         scale = snapshot.optimizer_state.get("grad_scaler:scale")
@@ -105,11 +132,10 @@ class FloorErrors:
             self.scale_trajectories[-1].append(float(scale))
         if step == 0:
             return
-        truth_step = self.truth[step]
-        names = _Names(truth_step)
-        run = _tensors(snapshot, self._initial, names)
-        truth = _tensors(truth_step, self.truth[0], names)
-        keys = list(dict.fromkeys([*truth, *run]))
+        names = _Names(self.truth[step])
+        run = _Compared(snapshot, self._initial, names)
+        truth = _Compared(self.truth[step], self.truth[0], names)
+        keys = list(dict.fromkeys([*truth.keys, *run.keys]))
         distances = []
         for key in keys:
             truth_value = truth.get(key)
@@ -142,7 +168,7 @@ class StepComparer:
 
     def add(self, step: int, snapshot: Snapshot) -> None:
         if step == 0:
-            self._initial = snapshot
+            self._initial = _initial_state(snapshot, self.floors.truth[0])
             return
         assert self._initial is not None, "a run's snapshots must start at step 0"
         self.diffs.extend(self.compare(step, snapshot, self._initial))
@@ -150,67 +176,82 @@ class StepComparer:
     def compare(self, step: int, candidate_step: Snapshot, candidate_initial: Snapshot) -> list[TensorDiff]:
         truth_step, truth_initial = self.floors.truth[step], self.floors.truth[0]
         names = _Names(truth_step)
-        truth = _tensors(truth_step, truth_initial, names)
+        truth = _Compared(truth_step, truth_initial, names)
+        run = _Compared(candidate_step, candidate_initial, names)
         device = truth_initial.params[names.params[0]].device if names.params else None
-        candidate = {
-            key: value.to(device) if device is not None and value.dim() else value  # a rank's run may live elsewhere
-            for key, value in _tensors(candidate_step, candidate_initial, names).items()
-        }
-        # Tie the absolute floor to the global update size (see tolerances).
-        update_keys = [("update", name) for name in names.params]
-        global_update = max(_host_floats([_max_abs(truth[key]) for key in update_keys]), default=0.0)
-        rows: list[tuple[Key, Tensor | None, Tensor]] = []
-        for key in update_keys:
-            rows.append((key, candidate[key], truth[key]))
-        for name in names.buffers:
-            rows.append((("buffer", name), candidate["buffer", name], truth["buffer", name]))
-        state_names = sorted({n for k, n in truth if k == "state"} | {n for k, n in candidate if k == "state"})
-        for name in state_names:
-            truth_state = truth.get(("state", name))
-            candidate_state = candidate.get(("state", name))
-            if truth_state is None:  # the candidate created state the full-batch step never has
-                assert candidate_state is not None
-                truth_state = torch.zeros_like(candidate_state)
-            rows.append((("state", name), candidate_state, truth_state))
 
-        # Scales: the parameter (at least the global update) for updates, the
-        # tensor's own magnitude for buffers and state.
-        scale_values = [
-            _max_abs(truth_step.params[name]) if kind == "update" else
-            _max_abs(truth_step.buffers[name]) if kind == "buffer" else _max_abs(truth_value)
-            for (kind, name), _, truth_value in rows
-        ]
-        scales = _host_floats(scale_values)
-        out = []
-        measured = [self._measure(c, t) for _, c, t in rows]
-        floats = _host_floats([value for m in measured if m is not None for value in m])
+        def candidate(key: Key) -> Tensor | None:
+            value = run.get(key)
+            # A rank's run may live on another device than the truth (0-d state may stay on the CPU).
+            return value.to(device) if value is not None and device is not None and value.dim() else value
+
+        def truth_of(key: Key) -> Tensor:
+            value = truth.get(key)
+            if value is None:  # the candidate created state the full-batch step never has
+                created = candidate(key)
+                assert created is not None
+                return torch.zeros_like(created)
+            return value
+
+        update_keys: list[Key] = [("update", name) for name in names.params]
+        state_names = sorted({n for k, n in truth.keys if k == "state"} | {n for k, n in run.keys if k == "state"})
+        keys = [*update_keys, *(("buffer", name) for name in names.buffers), *(("state", n) for n in state_names)]
+
+        # One tensor at a time: its 0-d maxima are kept, its temporaries freed.
+        scale_values: list[Tensor] = []
+        measured: list[list[Tensor] | None] = []
+        shapes: list[tuple[int, ...]] = []
+        for kind, name in keys:
+            truth_value = truth_of((kind, name))
+            # Scales: the parameter (at least the global update) for updates, the
+            # tensor's own magnitude for buffers and state.
+            scale_values.append(
+                _max_abs(truth_step.params[name]) if kind == "update"
+                else _max_abs(truth_step.buffers[name]) if kind == "buffer" else _max_abs(truth_value)
+            )
+            if kind == "update":
+                # Tie the absolute floor to the global update size (see tolerances).
+                scale_values.append(_max_abs(truth_value))
+            measured.append(self._measure(candidate((kind, name)), truth_value))
+            shapes.append(tuple(truth_value.shape) if truth_value.numel() else ())
+        floats = _host_floats([*scale_values, *(value for m in measured if m is not None for value in m)])
+        scales: list[float] = []
+        update_sizes: list[float] = []
         position = 0
-        for ((kind, name), candidate_value, truth_value), scale, m in zip(rows, scales, measured, strict=True):
+        for kind, _ in keys:
+            scales.append(floats[position])
+            position += 1
+            if kind == "update":
+                update_sizes.append(floats[position])
+                position += 1
+        global_update = max(update_sizes, default=0.0)
+
+        out = []
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        for (kind, name), scale, m, shape in zip(keys, scales, measured, shapes, strict=True):
             if kind == "update":
                 scale = max(scale, global_update)
             budget = allowance(floor=self.floors.floor(step, (kind, name)), dtype=self.dtype, scale=scale, steps=step)
-            dtype_name = str(self.dtype).removeprefix("torch.")
+            numel = math.prod(shape) if shape else truth_of((kind, name)).numel()
             if m is None:
                 # Missing state (e.g. the optimizer never stepped) or a reshaped tensor.
-                size = max(truth_value.numel(), 1)
+                size = max(numel, 1)
                 out.append(TensorDiff(step, name, kind, self.tier, dtype_name, math.inf, (), math.inf, (),  # type: ignore[arg-type]
                                       budget.allowed, budget.explain(), size, size))
                 continue
             max_abs, flat_abs, max_rel, flat_rel = floats[position : position + 4]
             position += 4
-            assert candidate_value is not None
-            # Counting the mismatched elements costs a pass: only where there are some.
-            mismatched = (
-                int((self._abs_diff(candidate_value, truth_value) > budget.allowed).sum())
-                if max_abs > budget.allowed else 0
-            )
-            shape = tuple(truth_value.shape) if truth_value.numel() else ()
+            mismatched = 0
+            if max_abs > budget.allowed:  # counting costs a pass: only where there are some
+                candidate_value = candidate((kind, name))
+                assert candidate_value is not None
+                mismatched = int((self._abs_diff(candidate_value, truth_of((kind, name))) > budget.allowed).sum())
             out.append(TensorDiff(
                 step=step, name=name, kind=kind, tier=self.tier, dtype=dtype_name,  # type: ignore[arg-type]
                 max_abs_diff=max_abs, index=_unravel(int(flat_abs), shape),
                 max_rel_diff=max_rel, rel_index=_unravel(int(flat_rel), shape),
                 allowed=budget.allowed, explanation=budget.explain(),
-                mismatched=mismatched, numel=truth_value.numel(),
+                mismatched=mismatched, numel=numel,
             ))
         return out
 

@@ -47,10 +47,14 @@ class Snapshot:
 
 
 def _snapshot(
-    model: nn.Module, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None = None
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None = None,
+    *, copy_tensors: bool = True,
 ) -> Snapshot:
+    """Float64 copies of the run's state; with ``copy_tensors=False`` a float64
+    run's own tensors (no copy: for a consumer that reads them at once)."""
+
     def copy(tensor: Tensor) -> Tensor:
-        return tensor.detach().to(dtype=torch.float64, copy=True)
+        return tensor.detach().to(dtype=torch.float64, copy=copy_tensors)
 
     names = {id(p): name for name, p in model.named_parameters()}
     state: dict[str, Tensor] = {}
@@ -160,7 +164,8 @@ def _run(
     snapshots: list[Snapshot] = []
 
     def record(step: int) -> None:
-        snapshot = _snapshot(model, optimizer, extras.grad_scaler)
+        # Streamed snapshots are read at once and dropped: a float64 run lends its own tensors.
+        snapshot = _snapshot(model, optimizer, extras.grad_scaler, copy_tensors=on_snapshot is None)
         if on_snapshot is None:
             snapshots.append(snapshot)
         else:  # streamed: compared (or folded into floor errors) at once, not kept
