@@ -135,3 +135,22 @@ def test_main_writes_the_markdown(tmp_path: Path) -> None:
 def test_json_without_equiv_benchmarks_is_refused() -> None:
     with pytest.raises(ValueError, match="holds no equiv step benchmarks"):
         render_report({"benchmarks": []})
+
+
+def test_checker_scaling_rows_get_their_own_table_with_targets() -> None:
+    raw = _fixture()
+    for parameters, ratio, growth in ((100_000, 40.0, 4.4), (1_000_000, 12.0, 3.5)):
+        raw["benchmarks"].append({
+            "name": f"test_check_scaling[{parameters}]",
+            "extra_info": {"scaling": True, "parameters": parameters, "check_median_s": 1.0,
+                           "own_steps_median_s": 1.0 / ratio, "time_ratio": ratio,
+                           "check_bytes_per_parameter": 143.0, "growth_model_states": growth},
+            "stats": {"median": 1.0},
+        })
+    report = render_report(raw)
+    rows = _table_after(report, "## What a check costs as the model grows")
+    assert [row["parameters"] for row in rows] == ["0.10M", "1.00M"]
+    assert [row["check / own steps"] for row in rows] == ["40x", "12x"]
+    assert [row["time target <= 15x"] for row in rows] == ["NOT met", "met"]
+    assert [row["memory target <= 4"] for row in rows] == ["NOT met", "met"]
+    assert "## What a check costs" not in render_report(_fixture())  # no scaling rows, no section

@@ -316,7 +316,47 @@ def render_report(raw: dict[str, Any], *, source: str = "reports/benchmarks.json
             ]
         fit_lines, _, _ = _fits(frame)
         lines += ["### Fitted cost model", "", *fit_lines, "", *_chart(workload, frame), ""]
+    lines += _scaling_section(raw)
     return "\n".join(lines).rstrip() + "\n"
+
+
+#: Targets for the checker's own cost (time in units of the candidate's own float32 steps;
+#: memory in model states beyond one bare float64 run).
+CHECK_TIME_TARGET, CHECK_MEMORY_TARGET = 15.0, 4.0
+
+
+def _scaling_section(raw: dict[str, Any]) -> list[str]:
+    """The cost of equiv.check itself as the model grows (benchmarks/test_check_scaling.py)."""
+    rows = [bench["extra_info"] for bench in raw.get("benchmarks", []) if bench.get("extra_info", {}).get("scaling")]
+    if not rows:
+        return []
+    rows.sort(key=lambda info: info["parameters"])
+    table = pd.DataFrame([
+        {
+            "parameters": f"{info['parameters'] / 1e6:.2f}M",
+            "check s (median)": f"{info['check_median_s']:.3f}",
+            "own 2 float32 steps s": f"{info['own_steps_median_s']:.4f}",
+            "check / own steps": f"{info['time_ratio']:.0f}x",
+            f"time target <= {CHECK_TIME_TARGET:g}x": "met" if info["time_ratio"] <= CHECK_TIME_TARGET else "NOT met",
+            "check peak B/param": f"{info['check_bytes_per_parameter']:.0f}",
+            "growth, model states": f"{info['growth_model_states']:.2f}",
+            f"memory target <= {CHECK_MEMORY_TARGET:g}": (
+                "met" if info["growth_model_states"] <= CHECK_MEMORY_TARGET else "NOT met"),
+        }
+        for info in rows
+    ])
+    return [
+        "## What a check costs as the model grows",
+        "",
+        "`equiv.check(accumulator_step, case)` on a three-layer MLP (AdamW, batch 8 split 3 + 5, 2 steps) against "
+        "the candidate's own two float32 steps timed in the same rounds, and its peak of live tensor storages "
+        "against one bare float64 run, in model states (parameters + AdamW's two moments in float64, 24 bytes "
+        "per parameter) beyond that run. A check runs the case 9 times (the float64 truth, 6 floor samples, the "
+        "candidate in float64 and float32), about 13x the candidate's float32 cost before any comparison.",
+        "",
+        markdown_table(table),
+        "",
+    ]
 
 
 def _pick(frame: pd.DataFrame, n: int, implementation: str, column: str) -> float | None:
