@@ -15,6 +15,11 @@ Everything stays on the parameters' device.  Item counts given as tensors are
 summed on the device, so no micro-step reads a value back to the host; the
 only host reads are once per window (GradScaler's skip decision, and the
 zero-count check for tensor counts).
+
+Under data parallelism (DDP, or FSDP2's ``fully_shard``) the invariant holds
+for the sum over every rank's micro-batches and the count is all-reduced once
+per window, so ranks holding different numbers of items still normalise by the
+global total.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.batches import MicroBatches
@@ -66,9 +73,19 @@ class Accumulator:
     holding different numbers of samples or items still normalise by the
     global total.
 
+    Under FSDP2 pass the root module ``fully_shard`` returned and use the same
+    ``micro_batch(last=...)`` context: all but the last micro-batch run with
+    ``set_requires_gradient_sync(False)``, so each FSDP unit reduce-scatters
+    once per window (holding unsharded gradients in between: the memory that
+    buys), gradients are the DTensor shards, and clipping uses the global norm
+    over all shards.  The Accumulator makes the model's FSDP units *sum*
+    gradients over ranks (``set_gradient_divide_factor(1.0)`` with
+    ``set_force_sum_reduction_for_comms(True)``; FSDP divides by the world size
+    by default) and divides once by the global item count itself.
+
     Args:
-        params: a module (a ``DistributedDataParallel`` one too) or an
-            iterable of parameters (all on one device).
+        params: a module (a ``DistributedDataParallel`` one, or an FSDP2 root
+            module, too) or an iterable of parameters (all on one device).
         optimizer: stepped once per window.
         scheduler: an LR scheduler stepped once per window that updated
             (not on windows skipped for overflow).
@@ -101,6 +118,7 @@ class Accumulator:
         accumulate_dtype: torch.dtype | None = None,
     ) -> None:
         self.ddp = params if isinstance(params, DistributedDataParallel) else None
+        self.fsdp = params if isinstance(params, FSDPModule) else None
         params_list = list(params.parameters() if isinstance(params, nn.Module) else params)
         self.params: list[nn.Parameter] = [p for p in params_list if p.requires_grad]
         if not self.params:
@@ -133,6 +151,10 @@ class Accumulator:
                 f"accumulate_dtype={accumulate_dtype} wider than the parameters is not supported under "
                 "DistributedDataParallel; accumulate in the parameters' dtype"
             )
+        #: Under FSDP2: the group the window's item count is summed over.
+        self._group: dist.ProcessGroup | None = (
+            self._prepare_fsdp(self.fsdp, widening=widening, grad_scaler=grad_scaler) if self.fsdp is not None else None
+        )
         self.device = self.params[0].device
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -171,11 +193,21 @@ class Accumulator:
 
         Under DDP every micro-batch but the last runs in ``no_sync()``: DDP
         decides at forward time whether the backward all-reduces, so the
-        forward must be inside (accelerate #1726).  Without DDP it does nothing.
+        forward must be inside (accelerate #1726).  Under FSDP2 every
+        micro-batch but the last runs with ``set_requires_gradient_sync(False)``
+        (FSDP1's ``no_sync``), which FSDP2 reads in the backward; sync is
+        switched back on when the block ends.  Otherwise it does nothing.
         """
         if self.ddp is not None and not last:
             with self.ddp.no_sync():
                 yield
+        elif self.fsdp is not None:
+            self.fsdp.set_requires_gradient_sync(last)
+            try:
+                yield
+            finally:
+                # FSDP2's default; a plain backward() outside this block syncs.
+                self.fsdp.set_requires_gradient_sync(True)
         else:
             yield
 
@@ -225,6 +257,18 @@ class Accumulator:
         accumulated = self._accumulated()
         if self.ddp is not None:
             items, accumulated = self._synchronise_count(items, accumulated)
+        elif self.fsdp is not None:
+            if not accumulated:
+                # FSDP2 leaves the sharded .grad unset until a backward syncs.
+                raise RuntimeError(
+                    f"no parameter holds a gradient after the window's {micro_batches} micro-batches: under FSDP2 "
+                    "the last micro-batch's backward must run with gradient sync on "
+                    "(acc.micro_batch(last=True), or model.set_requires_gradient_sync(True) before it)"
+                )
+            # The FSDP units summed the gradients over ranks (set up in
+            # __init__): only the count is left to add up, once per window.
+            items = torch.as_tensor(items, device=self.device, dtype=torch.int64).clone()
+            dist.all_reduce(items, op=dist.ReduceOp.SUM, group=self._group)
         # For a tensor count this is the window's one host read (never per micro-step).
         if int(items) == 0:
             raise ValueError(
@@ -242,12 +286,18 @@ class Accumulator:
         grad_norm = None
         if self.max_grad_norm is not None:
             # Once per window, on the accumulated gradient, in the accumulation dtype.
+            # Under FSDP2 the tensors are DTensor shards: get_total_norm reduces
+            # the shards' norms over ranks (the global norm, as
+            # torch.nn.utils.clip_grad_norm_ does on DTensors) and returns a
+            # replicated DTensor, so every rank scales its shard by one coefficient.
             grad_norm = torch.nn.utils.get_total_norm(accumulated, self.norm_type, foreach=True)
             # torch.nn.utils.clip_grad_norm_'s formula, applied to the accumulated
             # tensors (it only reaches p.grad, not wide buffers); the clamp keeps
             # it free of a host sync.
             clip_coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
             torch._foreach_mul_(accumulated, clip_coef)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()  # replicated: no communication
 
         for p, buf in zip(self._buffered, self._buffers, strict=True):
             p.grad = buf.to(p.dtype)
@@ -282,6 +332,46 @@ class Accumulator:
             torch._foreach_mul_(accumulated, float(dist.get_world_size(group)))
         return total, accumulated
 
+
+    def _prepare_fsdp(
+        self, root: FSDPModule, *, widening: bool, grad_scaler: torch.amp.GradScaler | None
+    ) -> dist.ProcessGroup:
+        """Check the FSDP2 set-up, make its units sum gradients, and return the
+        process group the item count is summed over."""
+        if widening:
+            # FSDP2 reduce-scatters from its own unsharded gradients; a wide
+            # buffer drained from the sharded .grad would see only the last sync.
+            raise ValueError(
+                "accumulate_dtype wider than the parameters is not supported under FSDP2 (fully_shard); "
+                "accumulate in the parameters' dtype, or set MixedPrecisionPolicy(reduce_dtype=...)"
+            )
+        if grad_scaler is not None:
+            # torch.amp.GradScaler looks for inf/nan in this rank's shard only:
+            # ranks could disagree on skipping the window.
+            raise ValueError(
+                "grad_scaler is not supported under FSDP2 (fully_shard): torch.amp.GradScaler checks only this "
+                "rank's gradient shard for inf/nan, so ranks could disagree on skipping a window"
+            )
+        meshes = {p.device_mesh for p in self.params if isinstance(p, DTensor)}
+        if len(meshes) != 1 or next(iter(meshes)).ndim != 1:
+            shapes = sorted(str(tuple(m.shape)) for m in meshes)
+            raise ValueError(
+                f"Accumulator under FSDP2 needs every parameter sharded on one 1-D device mesh, got meshes {shapes}"
+            )
+        units = [m for m in cast(nn.Module, root).modules() if isinstance(m, FSDPModule)]
+        missing = [name for name in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
+                   if not hasattr(units[0], name)]
+        if missing:
+            raise RuntimeError(f"Accumulator under FSDP2 needs FSDPModule.{missing[0]} (torch {torch.__version__} has none)")
+        for unit in units:
+            # FSDP2 divides by the world size by default; summing instead leaves
+            # the division by the global item count as the only normalisation
+            # (exact for any world size; multiplying an average back by W=3 is
+            # not).  Forcing SUM: with a factor of 1 FSDP would otherwise ask for
+            # PREMUL_SUM, which gloo lacks.
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        return next(iter(meshes)).get_group()
 
     def _accumulated(self) -> list[Tensor]:
         """The tensors holding the window's gradient sums (buffers, then plain .grad)."""
@@ -321,12 +411,14 @@ def accumulator_step(
     """The reference candidate: sum each micro-batch's loss, normalise once by
     the window's item count, clip once, step once (skipped for the whole
     window if dynamic loss scaling finds an overflow).  Works unchanged on
-    one process and, given a ``DistributedDataParallel`` model, on many."""
+    one process and, given a ``DistributedDataParallel`` model or an FSDP2
+    (``fully_shard``) root module, on many."""
     accumulator = Accumulator(
         model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler
     )
     for index, (inputs, targets) in enumerate(micro_batches):
-        # Under DDP: no_sync for all but the last micro-batch (forward included).
+        # Under DDP: no_sync for all but the last micro-batch (forward included);
+        # under FSDP2: gradient sync off for all but the last.
         with accumulator.micro_batch(last=index == len(micro_batches) - 1):
             loss_sum, items = loss_sum_and_count(loss_fn, model(inputs), targets)
             accumulator.backward(loss_sum, items=items)

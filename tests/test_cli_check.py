@@ -11,7 +11,7 @@ STEPS = '''
 import equiv
 
 def reference(model, optimizer, micro_batches, loss_fn, max_grad_norm=None, scheduler=None):
-    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn, max_grad_norm=max_grad_norm)
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn, max_grad_norm=max_grad_norm, scheduler=scheduler)
 
 def weighted(model, optimizer, micro_batches, loss_fn):
     """Correct, and takes no max_grad_norm: the clipping case does not apply to it."""

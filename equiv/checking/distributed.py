@@ -5,8 +5,11 @@ rank at once::
 
     step(model, optimizer, micro_batches, loss_fn) -> None
 
-- ``model`` is the case's model wrapped in ``DistributedDataParallel`` (the
-  process group is initialised: gloo on CPU, NCCL on CUDA);
+- ``model`` is the case's model wrapped by the engine (the process group is
+  initialised: gloo on CPU, NCCL on CUDA): ``engine="ddp"`` wraps it in
+  ``DistributedDataParallel``; ``engine="fsdp2"`` applies FSDP2's
+  ``fully_shard`` to each layer and then to the root, on a 1-D device mesh of
+  the W ranks (parameters, gradients and optimizer state become DTensor shards);
 - ``micro_batches`` are THIS rank's micro-batches: each step's global batch is
   cut into consecutive rank shards (sizes may differ between ranks), and each
   shard into that rank's micro-batches;
@@ -14,48 +17,72 @@ rank at once::
   ``count``), exactly as on one process.
 
 The reference is one single-process full-batch step on the concatenated
-global batch.  Every rank's parameters and optimizer state are compared with
-it after every step, in the same two tiers as :func:`equiv.check`.  A comm hook
-counts DDP's gradient all-reduces and their bytes per optimizer step: a
-correct ``no_sync`` step all-reduces once per window, whatever N is.
+global batch.  Every rank's parameters and optimizer state (under FSDP2
+gathered to full tensors with ``full_tensor()``) are compared with it after
+every step, in the same two tiers as :func:`equiv.check`.  The gradient
+collectives are counted per optimizer step: under DDP a comm hook counts the
+all-reduces (a correct ``no_sync`` step does one per window, whatever N is);
+under FSDP2 a custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``)
+counts each unit's reduce-scatters (one per unit per window with
+``set_requires_gradient_sync(False)`` on all but the last micro-batch, N with
+sync on every micro-batch).
 
-Workers are spawned processes with a deadline: a rank that raises, hangs or
+:func:`run_on_ranks` is the launcher underneath, for any per-rank task (the
+FSDP2 cost sweep of :mod:`equiv.cost.fsdp` runs through it).
+
+Ranks are fresh processes with a deadline (started by a fork server that
+has imported torch once, see :func:`_context`): a rank that raises, hangs or
 dies ends the check with :class:`DistributedCheckError` naming the rank and the
-case, and no worker outlives the call.
+case, and no rank outlives the call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# The interface FSDPModule.set_custom_reduce_scatter takes; torch 2.13 exports
+# it under no public name.
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.check import TIERS, ReferenceRuns
 from equiv.checking.contract import Candidate, candidate_name, check_signature, not_applicable_reasons
 from equiv.checking.trajectory import Snapshot, run_candidate
-from equiv.checking.verdict import Judgement, Tier, Verdict
+from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
 
 __all__ = [
+    "ENGINES",
     "DistributedCase",
     "DistributedCheckError",
     "DistributedVerdict",
     "check_distributed",
+    "fully_shard_layers",
+    "run_on_ranks",
 ]
+
+#: The data-parallel engines a distributed check wraps the model in.
+ENGINES: tuple[str, ...] = ("ddp", "fsdp2")
+Engine = Literal["ddp", "fsdp2"]
 
 #: Seconds a rank that already failed gives the others to report before all are stopped.
 _GRACE_S = 3.0
@@ -112,9 +139,11 @@ class DistributedCase:
 
 @dataclass(frozen=True, slots=True)
 class CommStats:
-    """DDP gradient all-reduces on one rank, per optimizer step."""
+    """Gradient collectives on one rank, per optimizer step: DDP's all-reduces
+    (one per bucket per sync) or FSDP2's reduce-scatters (one per unit per sync)."""
 
     calls_per_step: tuple[int, ...]
+    #: Bytes each call took in (FSDP2: the padded unsharded gradients, before scattering).
     bytes_per_step: tuple[int, ...]
 
 
@@ -126,8 +155,17 @@ class DistributedVerdict(Judgement):
     candidate: str
     #: One verdict per rank (its trajectory against the same references).
     ranks: tuple[Verdict, ...]
-    #: tier -> per-rank all-reduce statistics
+    #: tier -> per-rank gradient collective statistics (all-reduces or reduce-scatters, see ``engine``)
     comm: dict[str, tuple[CommStats, ...]] = field(default_factory=dict)
+    engine: Engine = "ddp"
+    #: FSDP2: the units (``fully_shard``-ed modules with trainable parameters);
+    #: each reduce-scatters once per gradient sync.
+    fsdp_units: int = 0
+    #: FSDP2: the ``MixedPrecisionPolicy`` the model was sharded with (None: full precision).
+    mp_policy: MixedPrecisionPolicy | None = None
+    #: Set when the mismatch is the mixed-precision policy's: the same step
+    #: without the policy matches (a precision finding, see :attr:`kind`).
+    precision_note: str | None = None
 
     def __bool__(self) -> bool:
         return all(self.ranks)
@@ -140,16 +178,74 @@ class DistributedVerdict(Judgement):
                 return status
         return "equivalent"
 
-    def allreduces_per_step(self, tier: str = "exact") -> set[int]:
-        """The distinct all-reduce counts per step seen on any rank."""
+    @property
+    def kind(self) -> str:
+        """The status, with a precision finding (the mismatch is the mixed-precision
+        policy's: 16-bit reduction or accumulation) told apart from a mathematical one."""
+        return "precision" if self.status == "not_equivalent" and self.precision_note else self.status
+
+    @property
+    def collective(self) -> str:
+        """The gradient collective counted: "all-reduce" (DDP) or "reduce-scatter" (FSDP2)."""
+        return "all-reduce" if self.engine == "ddp" else "reduce-scatter"
+
+    def collectives_per_step(self, tier: str = "exact") -> set[int]:
+        """The distinct gradient-collective counts per step seen on any rank."""
         return {calls for stats in self.comm.get(tier, ()) for calls in stats.calls_per_step}
 
+    def allreduces_per_step(self, tier: str = "exact") -> set[int]:
+        """The distinct DDP all-reduce counts per step seen on any rank."""
+        if self.engine != "ddp":
+            raise ValueError(
+                f"allreduces_per_step() counts DDP's gradient all-reduces; this check ran engine={self.engine!r}: "
+                "use reduce_scatters_per_step()"
+            )
+        return self.collectives_per_step(tier)
+
+    def reduce_scatters_per_step(self, tier: str = "exact") -> set[int]:
+        """The distinct FSDP2 reduce-scatter counts per step seen on any rank
+        (all units together: ``fsdp_units`` per gradient sync)."""
+        if self.engine != "fsdp2":
+            raise ValueError(
+                f"reduce_scatters_per_step() counts FSDP2's reduce-scatters; this check ran engine={self.engine!r}: "
+                "use allreduces_per_step()"
+            )
+        return self.collectives_per_step(tier)
+
     def bytes_per_step(self, tier: str = "exact") -> int:
-        """The most bytes any rank all-reduced in one step."""
+        """The most bytes any rank sent into gradient collectives in one step."""
         return max((b for stats in self.comm.get(tier, ()) for b in stats.bytes_per_step), default=0)
 
+    def measured_error(self, tier: str) -> TensorDiff | None:
+        """How far off ``tier`` is, on any rank: the parameter update furthest
+        past its allowance (what training feels), else the worst tensor."""
+        diffs = [d for v in self.ranks for d in v.mismatches if d.tier == tier]
+        updates = [d for d in diffs if d.kind == "update"]
+        worst = [v.worst[tier] for v in self.ranks if tier in v.worst]
+        return max(updates or diffs or worst, key=lambda d: d.ratio, default=None)
+
+    def _reproduce(self) -> str:
+        extra = "" if self.engine == "ddp" else f", engine={self.engine!r}"
+        if self.mp_policy is not None:
+            extra += f", mp_policy={self.mp_policy!r}"
+        return f"Reproduce: equiv.check_distributed({self.candidate}, {self.case!r}{extra})"
+
     def message(self) -> str:
-        lines = [f"{self.case.world_size} ranks, micro-batches per rank {[list(s) for s in self.case.rank_micro_batch_sizes]}"]
+        engine = "DistributedDataParallel" if self.engine == "ddp" else "FSDP2 (fully_shard)"
+        lines = [
+            f"{self.case.world_size} ranks under {engine}, micro-batches per rank "
+            f"{[list(s) for s in self.case.rank_micro_batch_sizes]}"
+        ]
+        if self.kind == "precision":
+            lines.append(f"Precision ({self.candidate} under {self.mp_policy!r}): {self.precision_note}")
+            for failing_tier in sorted({d.tier for v in self.ranks for d in v.mismatches}):
+                diff = self.measured_error(failing_tier)
+                if diff is not None:
+                    lines.append(
+                        f"Measured error, {failing_tier} tier ({diff.dtype}): {diff.max_abs_diff:.3g} absolute, "
+                        f"{diff.max_rel_diff:.3g} relative in {diff.label} at step {diff.step} "
+                        f"({diff.ratio:.3g} x allowed)"
+                    )
         failing = [(rank, v) for rank, v in enumerate(self.ranks) if not v]
         if failing:
             rank, verdict = failing[0]
@@ -161,13 +257,13 @@ class DistributedVerdict(Judgement):
             # One rank's summary suffices; the distributed reproduction follows.
             lines += [line for line in self.ranks[0].message().splitlines() if not line.startswith("Reproduce:")]
         for tier, _stats in sorted(self.comm.items()):
+            units = f" ({self.fsdp_units} FSDP units, one each per sync)" if self.engine == "fsdp2" else ""
             lines.append(
-                f"gradient all-reduces per step ({tier} tier): {sorted(self.allreduces_per_step(tier))}, "
-                f"up to {self.bytes_per_step(tier)} bytes per step per rank"
+                f"gradient {self.collective}s per step ({tier} tier): {sorted(self.collectives_per_step(tier))}"
+                f"{units}, up to {self.bytes_per_step(tier)} bytes per step per rank"
             )
-        lines.append(f"Reproduce: equiv.check_distributed({self.candidate}, {self.case!r})")
+        lines.append(self._reproduce())
         return "\n".join(lines)
-
 
 
 class _AllReduceCounter:
@@ -190,55 +286,190 @@ class _AllReduceCounter:
         return default_hooks.allreduce_hook(state, bucket)
 
 
-def _worker(
-    rank: int,
-    candidate: Callable[..., Any],
-    dcase: DistributedCase,
-    tiers: list[tuple[str, str]],
-    workdir: str,
-    timeout_s: float,
+class _ReduceScatterCounter(ReduceScatter):
+    """FSDP2's default reduce-scatter (``torch.empty`` buffers, one
+    ``reduce_scatter_tensor``), counted per optimizer step."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.bytes: list[int] = []
+
+    def start_step(self, step: int) -> None:
+        self.calls.append(0)
+        self.bytes.append(0)
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: Any, async_op: bool = False
+    ) -> Any:
+        if self.calls:  # FSDP may reduce outside a step (never in this module's runs)
+            self.calls[-1] += 1
+            self.bytes[-1] += input_tensor.numel() * input_tensor.element_size()
+        # What FSDP2's DefaultReduceScatter calls (reduce_scatter_tensor before torch 2.13).
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _shard_units(module: nn.Module) -> Iterator[nn.Module]:
+    """The modules ``fully_shard`` wraps below the root: each child with
+    parameters, looking through containers (ModuleList/ModuleDict have no
+    forward of their own to hook) and through a wrapper that owns no parameter
+    and is the only child with parameters (e.g. an autocast wrapper).  Never
+    deeper: a module may use a child's parameters without calling the child
+    (MultiheadAttention uses ``out_proj.weight`` directly)."""
+    with_params = [c for c in module.children() if next(c.parameters(), None) is not None]
+    for child in with_params:
+        wrapper = len(with_params) == 1 and next(child.parameters(recurse=False), None) is None and any(
+            next(g.parameters(), None) is not None for g in child.children()
+        )
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or wrapper:
+            yield from _shard_units(child)
+        else:
+            yield child
+
+
+def fully_shard_layers(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> int:
+    """Apply FSDP2's ``fully_shard`` to each layer of ``model`` (see
+    :func:`_shard_units`) and then to ``model`` itself, in place, as
+    torchtitan does; return the number of FSDP units that hold trainable
+    parameters (each reduce-scatters once per gradient sync)."""
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    layers = list(_shard_units(model))
+    # Counted before sharding: fully_shard replaces the parameters.
+    covered = {id(p) for layer in layers for p in layer.parameters()}
+    units = sum(any(p.requires_grad for p in layer.parameters()) for layer in layers)
+    units += any(p.requires_grad and id(p) not in covered for p in model.parameters())
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return units
+
+
+def _gathered(snapshots: list[Snapshot]) -> list[Snapshot]:
+    """Snapshots with every DTensor shard gathered (``full_tensor()``, a
+    collective: every rank runs this in the same order) and on the CPU, so
+    their names and shapes are the single-process ones."""
+
+    def full(values: dict[str, Tensor]) -> dict[str, Tensor]:
+        out = {}
+        for name in sorted(values):  # the same order on every rank
+            value = values[name]
+            out[name] = (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
+        return {name: out[name] for name in values}
+
+    return [
+        dataclasses.replace(
+            s, params=full(s.params), buffers=full(s.buffers), optimizer_state=full(s.optimizer_state)
+        )
+        for s in snapshots
+    ]
+
+
+class RankTask(Protocol):
+    """What :func:`run_on_ranks` runs on each rank, once the process group is up.
+
+    ``progress(text)`` records where the rank is (named in fault reports).
+    The return value goes back to the caller (it must be picklable).
+    """
+
+    def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class _CheckTask:
+    """One rank of a distributed check: the candidate in each tier's dtype."""
+
+    candidate: Callable[..., Any]
+    dcase: DistributedCase
+    tiers: list[tuple[str, str]]
+    engine: Engine
+    mp_policy: MixedPrecisionPolicy | None
+
+    def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> dict[str, Any]:
+        device = torch.device(self.dcase.case.device)
+        results: dict[str, Any] = {}
+        for tier, dtype_name in self.tiers:
+            counter: _AllReduceCounter | _ReduceScatterCounter
+            units = 0
+            if self.engine == "ddp":
+                counter = _AllReduceCounter()
+
+                def wrap(model: nn.Module, counter: Any = counter) -> nn.Module:
+                    ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
+                    ddp.register_comm_hook(None, counter.hook)
+                    return ddp
+
+            else:
+                counter = _ReduceScatterCounter()
+
+                def wrap(model: nn.Module, counter: Any = counter) -> nn.Module:
+                    nonlocal units
+                    units = fully_shard_layers(model, init_device_mesh(device.type, (world_size,)), self.mp_policy)
+                    for module in model.modules():
+                        if isinstance(module, FSDPModule):
+                            module.set_custom_reduce_scatter(counter)
+                    return model
+
+            def on_step(step: int, counter: Any = counter, tier: str = tier) -> None:
+                progress(f"{tier} tier, step {step}: in the candidate")
+                counter.start_step(step)
+
+            snapshots = run_candidate(
+                self.dcase.case, self.candidate, getattr(torch, dtype_name), wrap_model=wrap,
+                batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batch_sizes[rank],
+                on_step=on_step,
+            )
+            progress(f"{tier} tier: gathering the snapshots")
+            results[tier] = {
+                "snapshots": _gathered(snapshots), "calls": counter.calls, "bytes": counter.bytes, "units": units,
+            }
+        return results
+
+
+def _rank_main(
+    rank: int, task: RankTask, world_size: int, device_type: str, backend: str, workdir: str, timeout_s: float
 ) -> None:
-    """One rank: run the candidate in each tier's dtype, save snapshots and counts."""
+    """One spawned rank: join the group, run ``task``, save what it returns."""
     out = Path(workdir)
     progress = out / f"rank{rank}.progress"
     try:
         torch.set_num_threads(1)
-        device = torch.device(dcase.case.device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
+        if device_type == "cuda":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"file://{out / 'store'}", rank=rank, world_size=dcase.world_size,
+            backend, init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         progress.write_text("ready")
-        results: dict[str, Any] = {}
-        for tier, dtype_name in tiers:
-            counter = _AllReduceCounter()
 
-            def wrap(model: nn.Module, counter: _AllReduceCounter = counter) -> nn.Module:
-                ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
-                ddp.register_comm_hook(None, counter.hook)
-                return ddp
+        def report(text: str) -> None:
+            progress.write_text(text)
 
-            def on_step(step: int, counter: _AllReduceCounter = counter, tier: str = tier) -> None:
-                progress.write_text(f"{tier} tier, step {step}: in the candidate")
-                counter.start_step(step)
-
-            snapshots = run_candidate(
-                dcase.case, candidate, getattr(torch, dtype_name), wrap_model=wrap,
-                batch_slice=dcase.rank_slice(rank), micro_batch_sizes=dcase.rank_micro_batch_sizes[rank],
-                on_step=on_step,
-            )
-            results[tier] = {"snapshots": snapshots, "calls": counter.calls, "bytes": counter.bytes}
+        result = task(rank, world_size, report)
         progress.write_text("finished")
-        torch.save(results, out / f"rank{rank}.pt")
+        torch.save(result, out / f"rank{rank}.pt")
     except BaseException:
         (out / f"rank{rank}.error").write_text(traceback.format_exc())
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _context() -> Any:
+    """Where ranks come from: a fork server that has imported torch and equiv
+    once, so a launch does not pay for it again (about 5 s of every start
+    on two cores).  A rank still starts as a clean child of that server, as
+    with spawn: nothing of the caller's state is inherited, CUDA included
+    (the server never initialises it).  The server is started on the first
+    launch and ends with the calling process."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed.fsdp", "equiv.checking.distributed"])
+    return context
 
 
 def _describe_exit(code: int | None) -> str:
@@ -249,15 +480,43 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _launch(
-    candidate: Callable[..., Any], dcase: DistributedCase, tiers: list[tuple[str, str]], timeout_s: float
-) -> list[dict[str, Any]]:
-    context = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="equiv-ddp-") as workdir:
+def run_on_ranks(
+    task: RankTask,
+    world_size: int,
+    *,
+    device: str = "cpu",
+    backend: str | None = None,
+    timeout_s: float = 120.0,
+    describe: str = "",
+) -> list[Any]:
+    """Run ``task(rank, world_size, progress)`` on ``world_size`` spawned
+    processes, each in an initialised process group (gloo on CPU, NCCL on
+    CUDA, unless ``backend`` says otherwise), and return what each returned,
+    in rank order.
+
+    ``task`` must be picklable (a module-level function, or an instance of a
+    module-level class).  Raises :class:`DistributedCheckError` naming the
+    rank(s) and ``describe`` if a rank raises, hangs past ``timeout_s``
+    (counted once every rank has started; starting has 120 s of its own) or
+    dies; never leaves a process behind.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    device_type = torch.device(device).type
+    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"{world_size} ranks on {device!r} need as many GPUs, {torch.cuda.device_count()} visible")
+    if backend is None:
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    context = _context()
+    with tempfile.TemporaryDirectory(prefix="equiv-ranks-") as workdir:
         out = Path(workdir)
         processes = [
-            context.Process(target=_worker, args=(rank, candidate, dcase, tiers, workdir, timeout_s), daemon=True)
-            for rank in range(dcase.world_size)
+            context.Process(
+                target=_rank_main, args=(rank, task, world_size, device_type, backend, workdir, timeout_s), daemon=True
+            )
+            for rank in range(world_size)
         ]
         try:
             for process in processes:
@@ -279,15 +538,15 @@ def _launch(
                     first_failure = time.monotonic()
                 grace_over = first_failure is not None and time.monotonic() - first_failure > _GRACE_S
                 if (failed and all(code is not None for code in codes)) or grace_over:
-                    raise DistributedCheckError(_failure_report(out, processes, dcase, candidate))
+                    raise DistributedCheckError(_failure_report(out, processes, describe))
                 if time.monotonic() > deadline:
                     raise DistributedCheckError(
                         f"the distributed check did not finish within {timeout_s:g} s"
                         f"{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: "
-                        + _failure_report(out, processes, dcase, candidate, hung=True)
+                        + _failure_report(out, processes, describe, hung=True)
                     )
                 time.sleep(0.05)
-            return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(dcase.world_size)]
+            return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
         finally:
             # No worker outlives the call, whatever happened.
             for process in processes:
@@ -300,12 +559,16 @@ def _launch(
                     process.join()
 
 
-def _failure_report(
-    out: Path, processes: list[Any], dcase: DistributedCase, candidate: Callable[..., Any], hung: bool = False
-) -> str:
+def _failure_report(out: Path, processes: list[Any], describe: str, hung: bool = False) -> str:
     lines = []
-    # Root causes first: ranks that died without a word, then those that raised.
-    order = sorted(range(len(processes)), key=lambda r: (not (out / f"rank{r}.error").exists(), r))
+    # Root causes first: ranks that failed before ranks still running; among
+    # those that raised, the first to raise (the others often fail because it
+    # left a collective, e.g. an FSDP all-gather, waiting), then silent deaths.
+    def raised_at(rank: int) -> tuple[bool, int, int]:
+        error = out / f"rank{rank}.error"
+        return (not error.exists(), error.stat().st_mtime_ns if error.exists() else 0, rank)
+
+    order = sorted(range(len(processes)), key=raised_at)
     order.sort(key=lambda r: processes[r].exitcode in (None, 0))
     for rank in order:
         code = processes[rank].exitcode
@@ -319,8 +582,13 @@ def _failure_report(
             lines.append(f"rank {rank} died with {_describe_exit(code)} ({progress}) and reported nothing")
         elif code is None:
             lines.append(f"rank {rank} {'hung' if hung else 'was stopped'} ({progress})")
-    lines.append(f"candidate {candidate_name(candidate)}, case {dcase!r}")
+    if describe:
+        lines.append(describe)
     return "; ".join(lines)
+
+
+def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
+    return policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None)
 
 
 def check_distributed(
@@ -329,9 +597,18 @@ def check_distributed(
     *,
     tiers: Sequence[Tier] = TIERS,
     timeout_s: float = 120.0,
+    engine: str = "ddp",
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> DistributedVerdict:
     """Run ``candidate`` on ``dcase.world_size`` local processes and compare
     every rank with the single-process full-batch step.
+
+    ``engine`` wraps the model: ``"ddp"`` in ``DistributedDataParallel``,
+    ``"fsdp2"`` with ``fully_shard`` per layer and at the root (with
+    ``mp_policy``, an FSDP2 ``MixedPrecisionPolicy``, if given).  A candidate
+    that fails only under a 16-bit ``mp_policy`` and matches without it is a
+    precision finding (``verdict.kind == "precision"``), reported with the
+    measured error.
 
     ``candidate`` must be importable by name (a module-level function): the
     ranks are spawned processes that import it.  Raises
@@ -342,6 +619,23 @@ def check_distributed(
     __tracebackhide__ = True
     if not isinstance(dcase, DistributedCase):
         raise TypeError(f"dcase must be an equiv.DistributedCase, got {type(dcase).__name__}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got {type(mp_policy).__name__}"
+        )
+    if mp_policy is not None and engine != "fsdp2":
+        raise ValueError(f"mp_policy is an FSDP2 setting: it needs engine='fsdp2', got engine={engine!r}")
+    counts = [len(sizes) for sizes in dcase.rank_micro_batch_sizes]
+    if engine == "fsdp2" and len(set(counts)) > 1:
+        # Each forward all-gathers every unit's parameters (and each backward
+        # again), so a rank with fewer micro-batches would leave the others
+        # waiting in a collective.  Shard sizes may differ; counts may not.
+        raise InvalidCase(
+            f"under engine='fsdp2' every rank needs the same number of micro-batches (each forward and backward "
+            f"all-gathers the parameters), got {counts} micro-batches per rank in {dcase!r}"
+        )
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     try:
@@ -353,10 +647,12 @@ def check_distributed(
         ) from None
     check_signature(candidate)
     name = candidate_name(candidate)
+    fsdp = engine == "fsdp2"
     reasons = not_applicable_reasons(candidate, dcase.case)
     if reasons:  # nothing to run: every rank says why the case does not apply
         verdict = Verdict(case=dcase.case, candidate=name, mismatches=(), not_applicable=reasons)
-        return DistributedVerdict(case=dcase, candidate=name, ranks=(verdict,) * dcase.world_size)
+        return DistributedVerdict(case=dcase, candidate=name, ranks=(verdict,) * dcase.world_size,
+                                  engine=engine, mp_policy=mp_policy)  # type: ignore[arg-type]
     if dcase.case.device.startswith("cuda") and torch.cuda.device_count() < dcase.world_size:
         raise ValueError(
             f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, {torch.cuda.device_count()} visible"
@@ -365,7 +661,19 @@ def check_distributed(
     tier_dtypes: list[tuple[str, str]] = [
         (tier, str(references.dtype(tier)).removeprefix("torch.")) for tier in references.tiers
     ]
-    per_rank = _launch(candidate, dcase, tier_dtypes, timeout_s)
+    # Under FSDP2 on CUDA the snapshots' shards are gathered where they live
+    # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
+    backend = "cpu:gloo,cuda:nccl" if fsdp and dcase.case.device.startswith("cuda") else None
+
+    def launch(tiers_here: list[tuple[str, str]], policy: MixedPrecisionPolicy | None) -> list[dict[str, Any]]:
+        task = _CheckTask(candidate, dcase, tiers_here, engine, policy)  # type: ignore[arg-type]
+        extra = "" if not fsdp else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
+        return run_on_ranks(
+            task, dcase.world_size, device=dcase.case.device, backend=backend, timeout_s=timeout_s,
+            describe=f"candidate {name}, case {dcase!r}{extra}",
+        )
+
+    per_rank = launch(tier_dtypes, mp_policy)
     verdicts = []
     for results in per_rank:
         runs: dict[Tier, list[Snapshot]] = {tier: results[tier]["snapshots"] for tier in references.tiers}
@@ -374,4 +682,36 @@ def check_distributed(
         tier: tuple(CommStats(tuple(r[tier]["calls"]), tuple(r[tier]["bytes"])) for r in per_rank)
         for tier in references.tiers
     }
-    return DistributedVerdict(case=dcase, candidate=name, ranks=tuple(verdicts), comm=comm)
+    units = max(r[tier]["units"] for r in per_rank for tier in references.tiers)
+    precision_note = None
+    if not all(verdicts) and _lowers_precision(mp_policy) and not any(v.inherent for v in verdicts):
+        # As check() tells float32 roundoff inside the float64 run from a
+        # mismatch: rerun the failing tiers without the policy.  If that
+        # matches, the step is the full-batch step and the policy's 16-bit
+        # reduction/accumulation is what differs (trl #2175 under FSDP1).
+        failing = {d.tier for v in verdicts for d in v.mismatches}
+        rerun = launch([(t, d) for t, d in tier_dtypes if t in failing], None)
+        if all(
+            references.verdict(name, {t: r[t]["snapshots"] for t in failing}) for r in rerun
+        ):
+            precision_note = (
+                f"the same step with no MixedPrecisionPolicy matches, so the difference is the policy's "
+                f"{_policy_dtypes(mp_policy)}"
+            )
+    return DistributedVerdict(
+        case=dcase, candidate=name, ranks=tuple(verdicts), comm=comm, engine=engine,  # type: ignore[arg-type]
+        fsdp_units=units, mp_policy=mp_policy, precision_note=precision_note,
+    )
+
+
+def _policy_dtypes(policy: MixedPrecisionPolicy | None) -> str:
+    assert policy is not None
+    parts = []
+    if policy.param_dtype is not None:
+        parts.append(f"{str(policy.param_dtype).removeprefix('torch.')} parameters in forward/backward")
+    if policy.reduce_dtype is not None:
+        parts.append(
+            f"{str(policy.reduce_dtype).removeprefix('torch.')} gradient reduction (and accumulation between "
+            "micro-batches without sync)"
+        )
+    return " and ".join(parts)

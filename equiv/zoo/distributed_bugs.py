@@ -2,25 +2,41 @@
 
 Like :mod:`equiv.zoo.bugs`, each follows the candidate contract and is wrong in one
 way, named for it.  The DDP ones receive a ``DistributedDataParallel`` model
-(see :mod:`equiv.checking.distributed`); the loss-scaling one a ``grad_scaler``.
+(see :mod:`equiv.checking.distributed`); the FSDP2 ones a model ``fully_shard``-ed
+per layer and at the root (``check_distributed(..., engine="fsdp2")``), listed
+in :data:`FSDP2_BUGS` with the sharding policy they run under and what the
+check must find; the loss-scaling one a ``grad_scaler``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+
+from equiv.accumulator import Accumulator, accumulator_step
+from equiv.losses import item_count, loss_sum_and_count
 
 __all__ = [
     "DISTRIBUTED_BUGS",
+    "FSDP2_BUGS",
     "LOSS_SCALE_BUGS",
+    "Fsdp2Entry",
+    "clip_shard_with_local_norm",
     "forward_outside_no_sync",
     "local_mean_per_rank",
+    "local_mean_per_rank_fsdp2",
     "no_sync_missing",
     "overflow_checked_on_last_micro_batch",
+    "sync_disabled_on_last_micro_batch",
+    "sync_every_micro_batch",
 ]
 
 Batches = list[tuple[Tensor, Tensor]]
@@ -115,6 +131,122 @@ def overflow_checked_on_last_micro_batch(model: nn.Module, optimizer: torch.opti
     grad_scaler.step(optimizer)
     grad_scaler.update()
 
+
+# ---------------------------------------------------------------------- FSDP2
+def sync_every_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    """Numerically right, but every micro-batch's backward reduce-scatters
+    (FSDP2 syncs by default): N reduce-scatters per unit per window, against
+    one with ``set_requires_gradient_sync(False)`` on all but the last.  The
+    trade: gradients stay sharded between micro-batches instead of being held
+    unsharded on every rank."""
+    assert isinstance(model, FSDPModule)
+    accumulator = Accumulator(model, optimizer, max_grad_norm=max_grad_norm)
+    for inputs, targets in micro_batches:  # no accumulator.micro_batch(last=...): sync stays on
+        loss_sum, items = loss_sum_and_count(loss_fn, model(inputs), targets)
+        accumulator.backward(loss_sum, items=items)
+    accumulator.step()
+
+
+def _globally_weighted_fsdp2_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor], *,
+                                      sync_last: bool) -> None:
+    """Each micro-batch's summed loss weighted by world / global item count
+    (FSDP2's reduce-scatter averages over ranks), gradient sync off for all
+    but the last micro-batch, and off for that one too unless ``sync_last``."""
+    total = torch.tensor(sum(int(item_count(loss_fn, targets)) for _, targets in micro_batches), dtype=torch.int64)
+    dist.all_reduce(total)
+    world = dist.get_world_size()
+    for index, (inputs, targets) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(sync_last and index == len(micro_batches) - 1)  # type: ignore[operator]
+        loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+        (loss_sum * (world / float(total))).backward()
+
+
+def sync_disabled_on_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    """Gradient sync off for every micro-batch, the last one too (switched
+    back on only after the loop, once its backward has run: FSDP2 reads the
+    flag in the backward).  No reduce-scatter at all: no rank ever gets a
+    sharded gradient, the optimizer steps nothing, and the unsharded
+    gradients pile up inside FSDP from window to window."""
+    assert isinstance(model, FSDPModule)
+    optimizer.zero_grad(set_to_none=True)
+    _globally_weighted_fsdp2_backward(model, micro_batches, loss_fn, sync_last=False)
+    model.set_requires_gradient_sync(True)  # BUG: too late, the last backward has run
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    optimizer.step()
+
+
+def local_mean_per_rank_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                              loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    """Each rank normalises by its OWN sample count and FSDP's reduce-scatter
+    averages the ranks: a mean of rank means, wrong whenever ranks hold
+    different numbers of samples (transformers #34191's per-device
+    normalisation).  Syncs once per window and clips with the global norm."""
+    assert isinstance(model, FSDPModule)
+    optimizer.zero_grad(set_to_none=True)
+    rank_samples = sum(len(targets) for _, targets in micro_batches)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        (loss_fn(model(inputs), targets) * len(targets) / rank_samples).backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    optimizer.step()
+
+
+def clip_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                               loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    """Weighted by the global item count and synced once per window, but
+    clipped with the norm of this rank's gradient SHARD: every rank scales its
+    shard by a different coefficient, none of them the full-batch one.  (The
+    norm of a sharded gradient needs the shards' squares summed over ranks,
+    which ``clip_grad_norm_`` on the DTensors does and FSDP1's
+    ``FullyShardedDataParallel.clip_grad_norm_`` exists for.)"""
+    assert isinstance(model, FSDPModule)
+    optimizer.zero_grad(set_to_none=True)
+    _globally_weighted_fsdp2_backward(model, micro_batches, loss_fn, sync_last=True)
+    if max_grad_norm is not None:
+        shards = [p.grad.to_local() for p in model.parameters() if isinstance(p.grad, DTensor)]
+        local_norm = torch.nn.utils.get_total_norm(shards, 2.0)  # BUG: this rank's shard only
+        torch._foreach_mul_(shards, torch.clamp(max_grad_norm / (local_norm + 1e-6), max=1.0))
+    optimizer.step()
+
+
+@dataclass(frozen=True, slots=True)
+class Fsdp2Entry:
+    """An FSDP2 zoo entry: a step, the sharding policy it runs under, and what
+    ``check_distributed(candidate, dcase, engine="fsdp2", mp_policy=mp_policy)``
+    must find."""
+
+    candidate: Callable[..., Any]
+    #: The ``fully_shard`` MixedPrecisionPolicy (None: full precision).
+    mp_policy: MixedPrecisionPolicy | None = None
+    #: "not_equivalent", "precision" (mathematically right, off by the policy's
+    #: 16-bit arithmetic) or "equivalent" (right, at a cost).
+    expected: Literal["not_equivalent", "precision", "equivalent"] = "not_equivalent"
+    #: One line for reports.
+    what: str = ""
+
+
+#: name -> FSDP2 entry, for suites and reports.  The clipping bug needs a case
+#: that clips (``max_grad_norm``) to show; the others take it too.
+FSDP2_BUGS: dict[str, Fsdp2Entry] = {
+    "sync_disabled_on_last_micro_batch": Fsdp2Entry(
+        sync_disabled_on_last_micro_batch, what="no reduce-scatter at all: nothing steps"),
+    "local_mean_per_rank_fsdp2": Fsdp2Entry(
+        local_mean_per_rank_fsdp2, what="mean of rank means (uneven shards)"),
+    "clip_shard_with_local_norm": Fsdp2Entry(
+        clip_shard_with_local_norm, what="each shard clipped with its own norm"),
+    # The reference accumulator itself, sharded with a 16-bit reduce_dtype:
+    # FSDP2 then also accumulates the unsharded gradients between micro-batches
+    # in bfloat16 (what trl #2175 reported against FSDP1's mixed precision).
+    "bfloat16_reduce": Fsdp2Entry(
+        accumulator_step, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), expected="precision",
+        what="accumulator_step under MixedPrecisionPolicy(reduce_dtype=bfloat16)"),
+    "sync_every_micro_batch": Fsdp2Entry(
+        sync_every_micro_batch, expected="equivalent", what="equivalent, N reduce-scatters per unit per window"),
+}
 
 #: name -> candidate, for suites and reports.
 DISTRIBUTED_BUGS: dict[str, Callable[..., Any]] = {
