@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from equiv.cases.standard import STANDARD_CASES
 from equiv.cli import main
 
 STEPS = '''
@@ -43,7 +44,8 @@ def steps_file(tmp_path: Path) -> Path:
 
 def test_reference_passes_all_standard_cases(steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", f"{steps_file}:reference"]) == 0
-    assert "9 equivalent, 0 not, of 9 case(s)" in capsys.readouterr().out
+    count = len(STANDARD_CASES)
+    assert f"{count} equivalent, 0 not, of {count} case(s)" in capsys.readouterr().out
 
 
 def test_textbook_loop_fails_uneven_cases_and_writes_json(
