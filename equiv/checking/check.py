@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from equiv.cases.case import Case
-from equiv.checking.compare import FloorErrors, StepComparer, compare_trajectories
+from equiv.cases.models import ModelBundle
+from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory, compare_trajectories
 from equiv.checking.contract import Candidate, candidate_name, check_signature, not_applicable_reasons
 from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.tolerances import unit_roundoff
@@ -87,9 +88,12 @@ class ReferenceRuns:
     """
 
     case: Case
-    truth: list[Snapshot]
+    #: the float64 full-batch run, in compared form (updates since step 0, state)
+    truth: TruthTrajectory
     #: tier -> the floor samples' distances from the truth
     floors: dict[str, FloorErrors]
+    #: the case's model before any step, built once; every run trains a copy
+    initial: ModelBundle | None = None
 
     @property
     def tiers(self) -> list[Tier]:
@@ -102,7 +106,9 @@ class ReferenceRuns:
     def of(cls, case: Case, tiers: Sequence[Tier] = TIERS) -> ReferenceRuns:
         exact = torch.float64
         working = case.working_dtype
-        truth = run_reference(case, exact)
+        initial = case.build_model()
+        truth = TruthTrajectory()
+        run_reference(case, exact, on_snapshot=truth.add, initial=initial)
         floors: dict[str, FloorErrors] = {}
         if "exact" in tiers:
             floors["exact"] = FloorErrors(truth)
@@ -119,10 +125,10 @@ class ReferenceRuns:
                 for floor_errors, factor in feeds:
                     floor_errors.add(step, snapshot, factor)
 
-            run_reference(case, dtype, on_snapshot=feed)
+            run_reference(case, dtype, on_snapshot=feed, initial=initial)
             for seed in shuffles:
-                run_reference(case, dtype, permutation_seed=seed, on_snapshot=feed)
-            run_reference(case, dtype, normalise_after_backward=True, on_snapshot=feed)
+                run_reference(case, dtype, permutation_seed=seed, on_snapshot=feed, initial=initial)
+            run_reference(case, dtype, normalise_after_backward=True, on_snapshot=feed, initial=initial)
 
         # Rounding error grows linearly with the unit roundoff, so float32 runs'
         # errors scaled by u(float64)/u(float32) estimate the float64 floor.
@@ -139,18 +145,20 @@ class ReferenceRuns:
             def feed_exact(step: int, snapshot: Snapshot) -> None:
                 floors["exact"].add(step, snapshot, 1.0)
 
-            run_reference(case, exact, permutation_seed=shuffles[0], on_snapshot=feed_exact)
-            run_reference(case, exact, normalise_after_backward=True, on_snapshot=feed_exact)
+            run_reference(case, exact, permutation_seed=shuffles[0], on_snapshot=feed_exact, initial=initial)
+            run_reference(case, exact, normalise_after_backward=True, on_snapshot=feed_exact, initial=initial)
         if "noise" in floors and working != torch.float32:
             run_floor_samples(working, [(floors["noise"], 1.0)])
-        return cls(case=case, truth=truth, floors=floors)
+        return cls(case=case, truth=truth, floors=floors, initial=initial)
 
     def run_and_compare(
         self, tier: Tier, case: Case, candidate: Candidate, *, default_dtype: torch.dtype | None = None
     ) -> list[TensorDiff]:
         """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced."""
         comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier])
-        run_candidate(case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype)
+        run_candidate(
+            case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype, initial=self.initial
+        )
         return comparer.diffs
 
     def compare(self, tier: Tier, candidate: list[Snapshot]) -> list[TensorDiff]:
@@ -172,7 +180,7 @@ class ReferenceRuns:
             candidate=candidate,
             mismatches=tuple(d for d in diffs if not d.ok),
             worst=worst,
-            inherent=tuple(inherent_non_equivalences(self.case.build_model().module))
+            inherent=tuple(inherent_non_equivalences((self.initial or self.case.build_model()).module))
             + self._scale_departures({d.tier for d in diffs}),
         )
 
@@ -180,10 +188,9 @@ class ReferenceRuns:
         """A full-batch run that overflows where the float64 truth does not
         (a natural float16 overflow: float64 is never autocast) has no truth to
         be compared with for its skip decisions."""
-        key = "grad_scaler:scale"
-        if key not in self.truth[0].optimizer_state:
+        truth_scales = self.truth.loss_scales
+        if not truth_scales:
             return ()
-        truth_scales = [float(s.optimizer_state[key]) for s in self.truth]
         # Every floor run is a full-batch run in a lower precision than the truth.
         for scales in (scales for tier in self.tiers if tier in tiers for scales in self.floors[tier].scale_trajectories):
             if scales != truth_scales:

@@ -5,18 +5,24 @@ What is compared per step: the cumulative update of every parameter
 small updates), floating buffers the same way, and every optimizer state
 tensor.  Each gets its own allowance (see :mod:`equiv.checking.tolerances`).
 
-Everything streams: a floor run or a candidate run hands over one snapshot
-per step and keeps nothing.  :class:`FloorErrors` keeps only, per step and
-tensor, the largest (scaled) distance of a floor run from the truth;
-:class:`StepComparer` turns each candidate snapshot into :class:`TensorDiff`
-rows at once.  So a check holds the truth's trajectory plus O(1) model states,
-whatever the number of runs and steps.  The arithmetic happens where the
-tensors are (the GPU for a CUDA case); the per-tensor maxima of one step come
-back to the host in one transfer.
+Everything streams: a floor run or a candidate run hands over its live
+tensors once per step (any dtype: the arithmetic promotes them to float64,
+which is exact) and keeps nothing.  :class:`TruthTrajectory` holds the float64
+truth already in compared form (updates since step 0, state as is) with the
+per-step scales every comparison needs, computed once; :class:`FloorErrors`
+keeps only, per step and tensor, the largest (scaled) distance of a floor run
+from the truth; :class:`StepComparer` turns each candidate snapshot into
+:class:`TensorDiff` rows at once.  So a check holds the truth's trajectory
+plus O(1) model states, whatever the number of runs and steps, and each
+compared tensor costs one temporary (two for a candidate: the relative
+difference).  The arithmetic happens where the tensors are (the GPU for a
+CUDA case); the per-tensor maxima of one step come back to the host in one
+transfer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -27,10 +33,12 @@ from equiv.checking.tolerances import allowance
 from equiv.checking.trajectory import Snapshot
 from equiv.checking.verdict import TensorDiff, Tier
 
-__all__ = ["FloorErrors", "StepComparer", "compare_trajectories"]
+__all__ = ["FloorErrors", "StepComparer", "TruthTrajectory", "compare_trajectories"]
 
 #: (kind, name): kind is "update", "buffer" or "state".
 Key = tuple[str, str]
+#: The GradScaler's scale, recorded as optimizer state when a case scales losses.
+LOSS_SCALE_KEY = "grad_scaler:scale"
 
 
 def _unravel(flat_index: int, shape: Sequence[int]) -> tuple[int, ...]:
@@ -58,53 +66,162 @@ def _host_floats(values: list[Tensor]) -> list[float]:
     return [float(v) for v in torch.stack([v.to(values[0].device) for v in values]).cpu().tolist()]
 
 
-class _Names:
-    """The tensor names of the truth at one step, in comparison order."""
+def _float64(tensor: Tensor, device: torch.device | None) -> Tensor:
+    """A 0-d or lent tensor as float64 where the truth lives (a copy only when it must)."""
+    if device is not None and tensor.dim():
+        tensor = tensor.to(device)
+    return tensor.to(torch.float64)
 
-    def __init__(self, truth_step: Snapshot) -> None:
-        self.params = list(truth_step.params)
-        self.buffers = list(truth_step.buffers)
+
+class _Scratch:
+    """Reusable float64 (and bool) buffers for the comparison's temporaries.
+
+    A fresh large tensor per compared tensor is mostly page faults (the
+    allocator hands big blocks back to the system and gets zeroed pages the
+    next time): one buffer per slot, grown to the largest tensor compared and
+    viewed in each tensor's shape, keeps the comparison to its arithmetic.
+    Memory: two float64 tensors and one bool tensor of the largest size.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+
+    def get(self, slot: str, shape: torch.Size, device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
+        key = (slot, dtype, device)
+        numel = math.prod(shape)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
 
 
-class _Compared:
-    """The compared tensors of one snapshot, made on demand, one at a time (so
-    at most one delta temporary lives at once): updates and buffer changes
-    since ``initial``, optimizer state as is.  Names come from the truth, plus
-    any extra state the run has."""
+class TruthTrajectory:
+    """The float64 full-batch run, kept in the form it is compared in.
 
-    def __init__(self, step: Snapshot, initial: Snapshot, names: _Names) -> None:
-        self.snapshot, self.initial = step, initial
-        self.keys: list[Key] = [
-            *(("update", name) for name in names.params),
-            *(("buffer", name) for name in names.buffers),
-            *(("state", name) for name in step.optimizer_state),
-        ]
+    Per step k >= 1: every parameter's update since step 0 (t_k - t_0), every
+    floating buffer's change, every optimizer state tensor; and the scales the
+    allowances use (max |t_k|, max |t_k - t_0|, max |state|), computed once
+    here instead of once per compared run.  Step 0 is kept whole: every run
+    starts from it, and updates are measured from it.
 
-    def get(self, key: Key) -> Tensor | None:
+    Built streaming (:meth:`add` as the truth runs, its tensors lent, not
+    copied) or from a list of snapshots (:meth:`of`).  Holds the same memory
+    as the truth's snapshots: an update replaces the parameter it comes from.
+    """
+
+    def __init__(self) -> None:
+        self.initial: Snapshot | None = None
+        #: step -> key -> the compared float64 tensor (index 0 unused)
+        self.compared: list[dict[Key, Tensor]] = [{}]
+        #: step -> key -> the tensor's own scale: max |t_k| for updates and buffers, max |state| for state
+        self.scales: list[dict[Key, float]] = [{}]
+        #: step -> the largest |update| anywhere in the model (the floor of every update's scale)
+        self.global_update: list[float] = [0.0]
+        #: the GradScaler's scale after each step, step 0 included (empty when the case does not scale)
+        self.loss_scales: list[float] = []
+
+    @classmethod
+    def of(cls, snapshots: Sequence[Snapshot]) -> TruthTrajectory:
+        truth = cls()
+        for step, snapshot in enumerate(snapshots):
+            truth.add(step, snapshot)
+        return truth
+
+    def __len__(self) -> int:
+        return len(self.compared)
+
+    def add(self, step: int, snapshot: Snapshot) -> None:
+        if step != len(self.compared) - (self.initial is None):
+            raise ValueError(f"the truth's snapshots must come in order: got step {step} after {len(self) - 1}")
+        if LOSS_SCALE_KEY in snapshot.optimizer_state:
+            self.loss_scales.append(float(snapshot.optimizer_state[LOSS_SCALE_KEY]))
+        if step == 0:
+            self.initial = Snapshot(
+                params={name: value.detach().to(torch.float64, copy=True) for name, value in snapshot.params.items()},
+                buffers={name: value.detach().to(torch.float64, copy=True) for name, value in snapshot.buffers.items()},
+                optimizer_state={},
+            )
+            return
+        initial = self.initial
+        assert initial is not None
+        compared: dict[Key, Tensor] = {}
+        own_scales: list[Tensor] = []
+        update_sizes: list[Tensor] = []
+        for name, value in snapshot.params.items():
+            compared[("update", name)] = torch.sub(value.detach(), initial.params[name])
+            own_scales.append(_max_abs(value.detach()))
+            update_sizes.append(_max_abs(compared[("update", name)]))
+        for name, value in snapshot.buffers.items():
+            compared[("buffer", name)] = torch.sub(value.detach(), initial.buffers[name])
+            own_scales.append(_max_abs(value.detach()))
+        for name, value in snapshot.optimizer_state.items():
+            compared[("state", name)] = value.detach().to(torch.float64, copy=True)
+            own_scales.append(_max_abs(compared[("state", name)]))
+        floats = _host_floats([*own_scales, *update_sizes])
+        self.compared.append(compared)
+        self.scales.append(dict(zip(compared, floats[: len(compared)], strict=True)))
+        self.global_update.append(max(floats[len(compared) :], default=0.0))
+
+    def names(self, step: int, kind: str) -> list[str]:
+        return [name for k, name in self.compared[step] if k == kind]
+
+    @property
+    def device(self) -> torch.device | None:
+        assert self.initial is not None
+        first = next(iter(self.initial.params.values()), None)
+        return first.device if first is not None else None
+
+
+class _RunStart:
+    """Where one run's updates are measured from.  Every run starts from the
+    truth's weights, so the truth's step 0 serves (nothing of the run is
+    kept); a run that starts elsewhere keeps a float64 copy of its own."""
+
+    def __init__(self, snapshot: Snapshot, truth: TruthTrajectory, scratch: _Scratch) -> None:
+        self.scratch = scratch
+        initial = truth.initial
+        assert initial is not None
+        device = truth.device
+
+        def same(values: dict[str, Tensor], truths: dict[str, Tensor]) -> bool:
+            return values.keys() == truths.keys() and all(
+                torch.equal(_float64(value.detach(), device), truths[name]) for name, value in values.items()
+            )
+
+        if same(snapshot.params, initial.params) and same(snapshot.buffers, initial.buffers):
+            self.params, self.buffers = initial.params, initial.buffers
+        else:
+            self.params = {name: _float64(v.detach(), device).clone() for name, v in snapshot.params.items()}
+            self.buffers = {name: _float64(v.detach(), device).clone() for name, v in snapshot.buffers.items()}
+
+    def difference(self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None) -> Tensor | None:
+        """The run's compared tensor at ``key`` minus the truth's (the truth's
+        zeros where the truth lacks it), float64, in a scratch buffer that the
+        next call overwrites; None where the run lacks it or its shape differs."""
         kind, name = key
         if kind == "update":
-            return self.snapshot.params[name] - self.initial.params[name]
-        if kind == "buffer":
-            return self.snapshot.buffers[name] - self.initial.buffers[name]
-        return self.snapshot.optimizer_state.get(name)
-
-
-def _initial_state(snapshot: Snapshot, truth_initial: Snapshot) -> Snapshot:
-    """What a run's updates are measured from.  Every run starts from the same
-    weights as the truth, so the truth's first snapshot serves (nothing is
-    kept of the run); a run that starts elsewhere keeps a copy of its own."""
-    same = snapshot.params.keys() == truth_initial.params.keys() and all(
-        torch.equal(value, truth_initial.params[name].to(value.device)) for name, value in snapshot.params.items()
-    ) and snapshot.buffers.keys() == truth_initial.buffers.keys() and all(
-        torch.equal(value, truth_initial.buffers[name].to(value.device)) for name, value in snapshot.buffers.items()
-    )
-    if same:
-        return truth_initial
-    return Snapshot(
-        params={name: value.clone() for name, value in snapshot.params.items()},
-        buffers={name: value.clone() for name, value in snapshot.buffers.items()},
-        optimizer_state={},
-    )
+            value = snapshot.params.get(name)
+            start = self.params.get(name)
+        elif kind == "buffer":
+            value = snapshot.buffers.get(name)
+            start = self.buffers.get(name)
+        else:
+            value, start = snapshot.optimizer_state.get(name), None
+        if value is None:
+            return None
+        value = value.detach()
+        if device is not None and value.dim():
+            value = value.to(device)  # a rank's run may live on another device than the truth
+        # (p_k - p_0) - (t_k - t_0), state - truth state: the same operations as
+        # on float64 copies (type promotion to float64 is exact), in one temporary.
+        if truth_value is not None and truth_value.shape != value.shape:
+            return None
+        # Converted into the scratch buffer first: a mixed-dtype subtraction is
+        # several times slower than a conversion and a float64 one.
+        out = self.scratch.get("difference", value.shape, value.device).copy_(value)
+        if start is not None:  # an update: measured from the run's start
+            out.sub_(start)
+        return out.sub_(truth_value) if truth_value is not None else out
 
 
 class FloorErrors:
@@ -115,37 +232,33 @@ class FloorErrors:
     nothing of the run is kept while it runs (snapshots may be its live tensors).
     """
 
-    def __init__(self, truth: list[Snapshot]) -> None:
+    def __init__(self, truth: TruthTrajectory) -> None:
         self.truth = truth
         self.errors: dict[tuple[int, str, str], float] = {}
         #: Per floor run, the GradScaler scale after each step (when the case scales losses).
         self.scale_trajectories: list[list[float]] = []
-        self._initial: Snapshot | None = None
+        self._start: _RunStart | None = None
+        self._scratch = _Scratch()
 
     def add(self, step: int, snapshot: Snapshot, factor: float) -> None:
         if step == 0:
-            self._initial = _initial_state(snapshot, self.truth[0])
+            self._start = _RunStart(snapshot, self.truth, self._scratch)
             self.scale_trajectories.append([])
-        assert self._initial is not None, "a floor run's snapshots must start at step 0"
-        scale = snapshot.optimizer_state.get("grad_scaler:scale")
+        assert self._start is not None, "a floor run's snapshots must start at step 0"
+        scale = snapshot.optimizer_state.get(LOSS_SCALE_KEY)
         if scale is not None:
             self.scale_trajectories[-1].append(float(scale))
         if step == 0:
             return
-        names = _Names(self.truth[step])
-        run = _Compared(snapshot, self._initial, names)
-        truth = _Compared(self.truth[step], self.truth[0], names)
-        keys = list(dict.fromkeys([*truth.keys, *run.keys]))
+        truth = self.truth.compared[step]
+        device = self.truth.device
+        # The truth's tensors, then state only the run has (compared with zeros).
+        keys = [*truth, *(("state", n) for n in snapshot.optimizer_state if ("state", n) not in truth)]
         distances = []
         for key in keys:
-            truth_value = truth.get(key)
-            run_value = run.get(key)
-            if truth_value is None:  # state the full-batch truth never has: compared with zeros
-                assert run_value is not None
-                truth_value = torch.zeros_like(run_value)
-            if run_value is None:  # the floor run lacks it: no distance
-                run_value = truth_value
-            distances.append(_max_abs(torch.sub(run_value, truth_value)))
+            difference = self._start.difference(snapshot, key, truth.get(key), device)
+            # A tensor the floor run lacks has no distance.
+            distances.append(_max_abs(difference) if difference is not None else torch.zeros((), dtype=torch.float64))
         for key, distance in zip(keys, _host_floats(distances), strict=True):
             scaled = distance * factor
             previous = self.errors.get((step, key[0], key[1]))
@@ -157,123 +270,125 @@ class FloorErrors:
         return self.errors.get((step, key[0], key[1]), 0.0)
 
 
+def _abs_difference_(difference: Tensor) -> Tensor:
+    """|difference| in place; NaN anywhere is as far from the truth as it gets."""
+    return difference.abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
+
+
 class StepComparer:
     """Judge a candidate run snapshot by snapshot against the truth and a
-    tier's :class:`FloorErrors`; :attr:`diffs` collects every tensor's row."""
+    tier's :class:`FloorErrors`; :attr:`diffs` collects every tensor's row.
+
+    Every tensor costs one pass for its greatest difference (min and max of
+    the difference in one fused reduction).  Where it is (``index``), the
+    greatest relative difference and the count of mismatched elements take
+    several more passes (an argmax is ~8 times a max on the CPU), so they are
+    computed only for the rows a verdict shows: the tensors that exceed their
+    allowance, and each tensor that is the tier's worst so far (a verdict's
+    ``worst`` is the first row of greatest ratio).  Other rows carry
+    ``index=()``, ``rel_index=()`` and ``max_rel_diff=nan``.
+    """
 
     def __init__(self, *, tier: Tier, dtype: torch.dtype, floors: FloorErrors) -> None:
         self.tier, self.dtype, self.floors = tier, dtype, floors
         self.diffs: list[TensorDiff] = []
-        self._initial: Snapshot | None = None
+        self._start: _RunStart | None = None
+        self._scratch = _Scratch()
+        self._worst_ratio: float | None = None
 
     def add(self, step: int, snapshot: Snapshot) -> None:
         if step == 0:
-            self._initial = _initial_state(snapshot, self.floors.truth[0])
+            self._start = _RunStart(snapshot, self.floors.truth, self._scratch)
             return
-        assert self._initial is not None, "a run's snapshots must start at step 0"
-        self.diffs.extend(self.compare(step, snapshot, self._initial))
+        assert self._start is not None, "a run's snapshots must start at step 0"
+        self.diffs.extend(self.compare(step, snapshot, self._start))
 
-    def compare(self, step: int, candidate_step: Snapshot, candidate_initial: Snapshot) -> list[TensorDiff]:
-        truth_step, truth_initial = self.floors.truth[step], self.floors.truth[0]
-        names = _Names(truth_step)
-        truth = _Compared(truth_step, truth_initial, names)
-        run = _Compared(candidate_step, candidate_initial, names)
-        device = truth_initial.params[names.params[0]].device if names.params else None
+    def compare(self, step: int, candidate: Snapshot, start: _RunStart) -> list[TensorDiff]:
+        truth = self.floors.truth
+        device = truth.device
+        compared = truth.compared[step]
+        extra_state = sorted(n for n in candidate.optimizer_state if ("state", n) not in compared)
+        truth_state = sorted(n for k, n in compared if k == "state")
+        keys: list[Key] = [
+            *(("update", n) for n in truth.names(step, "update")),
+            *(("buffer", n) for n in truth.names(step, "buffer")),
+            *(("state", n) for n in sorted([*truth_state, *extra_state])),
+        ]
 
-        def candidate(key: Key) -> Tensor | None:
-            value = run.get(key)
-            # A rank's run may live on another device than the truth (0-d state may stay on the CPU).
-            return value.to(device) if value is not None and device is not None and value.dim() else value
+        def difference(key: Key) -> Tensor | None:
+            return start.difference(candidate, key, compared.get(key), device)
 
-        def truth_of(key: Key) -> Tensor:
-            value = truth.get(key)
-            if value is None:  # the candidate created state the full-batch step never has
-                created = candidate(key)
-                assert created is not None
-                return torch.zeros_like(created)
-            return value
-
-        update_keys: list[Key] = [("update", name) for name in names.params]
-        state_names = sorted({n for k, n in truth.keys if k == "state"} | {n for k, n in run.keys if k == "state"})
-        keys = [*update_keys, *(("buffer", name) for name in names.buffers), *(("state", n) for n in state_names)]
-
-        # One tensor at a time: its 0-d maxima are kept, its temporaries freed.
-        scale_values: list[Tensor] = []
-        measured: list[list[Tensor] | None] = []
-        shapes: list[tuple[int, ...]] = []
-        for kind, name in keys:
-            truth_value = truth_of((kind, name))
-            # Scales: the parameter (at least the global update) for updates, the
-            # tensor's own magnitude for buffers and state.
-            scale_values.append(
-                _max_abs(truth_step.params[name]) if kind == "update"
-                else _max_abs(truth_step.buffers[name]) if kind == "buffer" else _max_abs(truth_value)
-            )
-            if kind == "update":
-                # Tie the absolute floor to the global update size (see tolerances).
-                scale_values.append(_max_abs(truth_value))
-            measured.append(self._measure(candidate((kind, name)), truth_value))
-            shapes.append(tuple(truth_value.shape) if truth_value.numel() else ())
-        floats = _host_floats([*scale_values, *(value for m in measured if m is not None for value in m)])
-        scales: list[float] = []
-        update_sizes: list[float] = []
-        position = 0
-        for kind, _ in keys:
-            scales.append(floats[position])
-            position += 1
-            if kind == "update":
-                update_sizes.append(floats[position])
-                position += 1
-        global_update = max(update_sizes, default=0.0)
+        # One tensor at a time, into one scratch buffer: only its 0-d maximum is kept.
+        maxima: list[Tensor | None] = []
+        for key in keys:
+            diff = difference(key)
+            maxima.append(_max_abs(diff) if diff is not None else None)
+        floats = iter(_host_floats([m for m in maxima if m is not None]))
 
         out = []
         dtype_name = str(self.dtype).removeprefix("torch.")
-        for (kind, name), scale, m, shape in zip(keys, scales, measured, shapes, strict=True):
+        for key, maximum in zip(keys, maxima, strict=True):
+            kind, name = key
+            truth_value = compared.get(key)
+            # Scales: the parameter (at least the global update) for updates, the
+            # tensor's own magnitude for buffers and state (0 for state the truth lacks).
+            scale = truth.scales[step].get(key, 0.0)
             if kind == "update":
-                scale = max(scale, global_update)
-            budget = allowance(floor=self.floors.floor(step, (kind, name)), dtype=self.dtype, scale=scale, steps=step)
-            numel = math.prod(shape) if shape else truth_of((kind, name)).numel()
-            if m is None:
+                scale = max(scale, truth.global_update[step])
+            budget = allowance(floor=self.floors.floor(step, key), dtype=self.dtype, scale=scale, steps=step)
+            shape = tuple(truth_value.shape) if truth_value is not None else tuple(candidate.optimizer_state[name].shape)
+            numel = math.prod(shape)
+            if maximum is None:
                 # Missing state (e.g. the optimizer never stepped) or a reshaped tensor.
                 size = max(numel, 1)
-                out.append(TensorDiff(step, name, kind, self.tier, dtype_name, math.inf, (), math.inf, (),  # type: ignore[arg-type]
-                                      budget.allowed, budget.explain(), size, size))
-                continue
-            max_abs, flat_abs, max_rel, flat_rel = floats[position : position + 4]
-            position += 4
-            mismatched = 0
-            if max_abs > budget.allowed:  # counting costs a pass: only where there are some
-                candidate_value = candidate((kind, name))
-                assert candidate_value is not None
-                mismatched = int((self._abs_diff(candidate_value, truth_of((kind, name))) > budget.allowed).sum())
-            out.append(TensorDiff(
-                step=step, name=name, kind=kind, tier=self.tier, dtype=dtype_name,  # type: ignore[arg-type]
-                max_abs_diff=max_abs, index=_unravel(int(flat_abs), shape),
-                max_rel_diff=max_rel, rel_index=_unravel(int(flat_rel), shape),
-                allowed=budget.allowed, explanation=budget.explain(),
-                mismatched=mismatched, numel=numel,
-            ))
+                row = TensorDiff(step, name, kind, self.tier, dtype_name, math.inf, (), math.inf, (),  # type: ignore[arg-type]
+                                 budget.allowed, budget.explain(), size, size)
+            else:
+                max_abs = next(floats)
+                if math.isnan(max_abs):  # NaN anywhere is as far from the truth as it gets
+                    max_abs = math.inf
+                row = TensorDiff(
+                    step=step, name=name, kind=kind, tier=self.tier, dtype=dtype_name,  # type: ignore[arg-type]
+                    max_abs_diff=max_abs, index=(), max_rel_diff=math.nan, rel_index=(),
+                    allowed=budget.allowed, explanation=budget.explain(), mismatched=0, numel=numel,
+                )
+                worst_so_far = self._worst_ratio is None or row.ratio > self._worst_ratio
+                if max_abs > budget.allowed or worst_so_far:
+                    again = difference(key)
+                    assert again is not None
+                    row = _detailed(row, again, truth_value, self._scratch)
+            if self._worst_ratio is None or row.ratio > self._worst_ratio:
+                self._worst_ratio = row.ratio
+            out.append(row)
         return out
 
-    @staticmethod
-    def _abs_diff(candidate: Tensor, truth: Tensor) -> Tensor:
-        # NaN anywhere is as far from the truth as it gets.  In place: one temporary.
-        return torch.sub(candidate, truth).abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
 
-    def _measure(self, candidate: Tensor | None, truth: Tensor) -> list[Tensor] | None:
-        """[max |diff|, its flat index, max relative diff, its flat index] as 0-d tensors."""
-        if candidate is None or candidate.shape != truth.shape:
-            return None
-        zero = torch.zeros((), dtype=torch.float64, device=truth.device)
-        if truth.numel() == 0:
-            return [zero, zero, zero, zero]
-        abs_diff = self._abs_diff(candidate, truth)
-        # |diff| / |truth|, 0 where the two agree (0 / 0 included), inf where only the truth is 0.
-        rel_diff = torch.where(abs_diff == 0, 0.0, torch.div(abs_diff, truth.abs()).nan_to_num_(nan=math.inf))
-        flat_abs = abs_diff.argmax()
-        flat_rel = rel_diff.argmax()
-        return [abs_diff.flatten()[flat_abs], flat_abs.to(torch.float64),
-                rel_diff.flatten()[flat_rel], flat_rel.to(torch.float64)]
+def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch: _Scratch) -> TensorDiff:
+    """``row`` with where its greatest differences are, its greatest relative
+    difference and its count of mismatched elements, from the candidate-minus-
+    truth ``difference`` (consumed)."""
+    if difference.numel() == 0:
+        return dataclasses.replace(row, index=(), max_rel_diff=0.0, rel_index=())
+    shape = tuple(difference.shape)
+    abs_diff = _abs_difference_(difference)
+    flat_abs = abs_diff.argmax()
+    if truth is None:  # state the truth never has, compared with zeros: relative difference inf where not 0
+        truth = torch.zeros_like(abs_diff)
+    # |diff| / |truth|, 0 where the two agree (0 / 0 included), inf where only
+    # the truth is 0.  |diff / truth| is |diff| / |truth| bit for bit: one temporary.
+    rel_diff = torch.div(abs_diff, truth, out=scratch.get("relative", abs_diff.shape, abs_diff.device))
+    rel_diff.abs_().nan_to_num_(nan=math.inf)
+    agree = torch.eq(abs_diff, 0, out=scratch.get("agree", abs_diff.shape, abs_diff.device, torch.bool))
+    rel_diff.masked_fill_(agree, 0.0)
+    flat_rel = rel_diff.argmax()
+    mismatched = (abs_diff > row.allowed).sum() if row.max_abs_diff > row.allowed else torch.zeros((), dtype=torch.long)
+    index_abs, max_rel, index_rel, count = _host_floats(
+        [flat_abs.to(torch.float64), rel_diff.flatten()[flat_rel], flat_rel.to(torch.float64), mismatched.to(torch.float64)]
+    )
+    return dataclasses.replace(
+        row, index=_unravel(int(index_abs), shape), max_rel_diff=max_rel,
+        rel_index=_unravel(int(index_rel), shape), mismatched=int(count),
+    )
 
 
 def compare_trajectories(

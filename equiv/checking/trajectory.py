@@ -11,6 +11,7 @@ so gradients it leaks into the next step change the next update.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case
+from equiv.cases.models import ModelBundle
 from equiv.checking.contract import CandidateError, accepted_keywords, candidate_name, not_applicable_reasons
 from equiv.losses import Loss
 
@@ -37,8 +39,10 @@ class NonFiniteLossError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """Named float64 copies of one moment of a run, on the run's device (so a
-    CUDA case is compared on the GPU, without per-tensor host round-trips)."""
+    """Named tensors of one moment of a run, on the run's device (so a CUDA
+    case is compared on the GPU, without per-tensor host round-trips): float64
+    copies, or the run's own tensors in its own dtype, lent to a consumer
+    that reads them at once (a streamed run)."""
 
     params: dict[str, Tensor]
     buffers: dict[str, Tensor]
@@ -50,11 +54,12 @@ def _snapshot(
     model: nn.Module, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None = None,
     *, copy_tensors: bool = True,
 ) -> Snapshot:
-    """Float64 copies of the run's state; with ``copy_tensors=False`` a float64
-    run's own tensors (no copy: for a consumer that reads them at once)."""
+    """Float64 copies of the run's state; with ``copy_tensors=False`` the run's
+    own tensors, in its dtype (no copy, no conversion: for a consumer that
+    reads them at once and computes in float64, which promotes them exactly)."""
 
     def copy(tensor: Tensor) -> Tensor:
-        return tensor.detach().to(dtype=torch.float64, copy=copy_tensors)
+        return tensor.detach().to(dtype=torch.float64, copy=True) if copy_tensors else tensor.detach()
 
     names = {id(p): name for name, p in model.named_parameters()}
     state: dict[str, Tensor] = {}
@@ -142,15 +147,18 @@ def _run(
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
     batch_slice: slice | None = None,
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
+    initial: ModelBundle | None = None,
 ) -> list[Snapshot]:
     """Snapshots before the first step and after each step, computing in ``dtype``.
 
     ``wrap_model`` (e.g. DistributedDataParallel) wraps the model the step
     sees; snapshots read the unwrapped one.  ``batch_slice`` keeps one part of
-    every batch (one rank's shard).
+    every batch (one rank's shard).  ``initial``: the case's model as
+    ``case.build_model()`` makes it, built once for many runs (a copy is
+    trained; initialising a large model costs more than copying it).
     """
     device = torch.device(case.device)
-    bundle = case.build_model()
+    bundle = copy.deepcopy(initial) if initial is not None else case.build_model()
     model = bundle.module.to(device=device, dtype=dtype)
     batches = case.batches(bundle)
     stepped_model = _Autocast(model, case.autocast) if case.autocast is not None else model
@@ -164,7 +172,7 @@ def _run(
     snapshots: list[Snapshot] = []
 
     def record(step: int) -> None:
-        # Streamed snapshots are read at once and dropped: a float64 run lends its own tensors.
+        # Streamed snapshots are read at once and dropped: the run lends its own tensors.
         snapshot = _snapshot(model, optimizer, extras.grad_scaler, copy_tensors=on_snapshot is None)
         if on_snapshot is None:
             snapshots.append(snapshot)
@@ -222,6 +230,7 @@ def run_reference(
     permutation_seed: int | None = None,
     normalise_after_backward: bool = False,
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
+    initial: ModelBundle | None = None,
 ) -> list[Snapshot]:
     """The full-batch trajectory.  With ``permutation_seed`` each batch is
     shuffled first, and with ``normalise_after_backward`` the gradient of the
@@ -243,7 +252,7 @@ def run_reference(
                 f"the case cannot be checked: {case!r}"
             )
 
-    return _run(case, dtype, run_step, permutation_seed, on_snapshot=on_snapshot)
+    return _run(case, dtype, run_step, permutation_seed, on_snapshot=on_snapshot, initial=initial)
 
 
 def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[RunExtras], dict[str, Any]]:
@@ -292,6 +301,7 @@ def run_candidate(
     on_step: Callable[[int], None] | None = None,
     default_dtype: torch.dtype | None = None,
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
+    initial: ModelBundle | None = None,
 ) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
@@ -323,4 +333,6 @@ def run_candidate(
                 dtype=dtype_name,
             ) from exc
 
-    return _run(case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice, on_snapshot=on_snapshot)
+    return _run(
+        case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice, on_snapshot=on_snapshot, initial=initial
+    )
