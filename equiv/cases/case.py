@@ -9,14 +9,14 @@ same bits whatever dtype it computes in.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from equiv.cases.models import MODELS, ModelBundle, build_model
+from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model, import_path, import_target
 from equiv.losses import LOSSES, Loss, build_loss
 
 __all__ = ["DATA", "DTYPES", "Case", "InvalidCase"]
@@ -31,6 +31,10 @@ DTYPES: dict[str, torch.dtype] = {
 #: How a case's batches are drawn: "random" from the seed, or "toy_2x"
 #: (x = 1..B, y = 2x, the same every step; for ``scalar_linear``).
 DATA = ("random", "toy_2x")
+
+#: A user's own data: ``(step, batch_size, generator) -> (inputs, targets)``,
+#: one full batch per optimizer step, drawn from the seeded CPU ``generator``.
+DataFactory = Callable[[int, int, torch.Generator], tuple[Tensor, Tensor]]
 
 
 class InvalidCase(ValueError):
@@ -47,11 +51,18 @@ class Case:
 
     batch_size: int
     micro_batch_sizes: tuple[int, ...]
-    model: str = "mlp"
+    #: A family registered with ``register_model``, or your own model without a
+    #: registry entry: a factory (a callable, or its ``"module:attribute"`` import
+    #: path, which replays in another process) returning an ``nn.Module`` or a
+    #: ``ModelBundle``, called with ``model_kwargs`` under the case's seed.
+    model: str | ModelFactory = "mlp"
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
     optimizer: str = "SGD"
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.1})
-    loss: str = "mse"
+    #: A name in ``equiv.losses.LOSSES``, or your own loss object following the
+    #: sum + count protocol: ``sum(output, targets)``, ``count(targets)`` and
+    #: ``__call__`` (the mean), like :class:`equiv.losses.Loss`.
+    loss: str | Loss = "mse"
     #: Optimizer steps; >= 2 so that state and gradients leaking across steps show.
     steps: int = 2
     #: Clip the window's gradient to this norm once per step (None: no clipping).
@@ -72,7 +83,9 @@ class Case:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    data: str = "random"
+    #: "random" (drawn from the seed for the model's inputs and the loss's
+    #: targets), "toy_2x", or your own data: a ``DataFactory`` or its import path.
+    data: str | DataFactory = "random"
 
     def __post_init__(self) -> None:
         # Normalise containers so equal cases compare equal and repr round-trips.
@@ -81,6 +94,11 @@ class Case:
             object.__setattr__(self, "overflow_at", tuple(self.overflow_at))
         for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
             object.__setattr__(self, name, dict(getattr(self, name)))
+        if isinstance(self.loss, str) and ":" in self.loss:  # a user's loss class (a replay line), built with no arguments
+            try:
+                object.__setattr__(self, "loss", import_target(self.loss)())
+            except (ValueError, TypeError) as exc:
+                raise InvalidCase(f"loss {self.loss!r}: {exc}") from None
         self._validate()
 
     def _validate(self) -> None:
@@ -117,12 +135,17 @@ class Case:
             raise InvalidCase(f"autocast must be 'float16', 'bfloat16' or None, got {self.autocast!r}")
         if self.dtype not in DTYPES:
             raise InvalidCase(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
-        if self.loss not in LOSSES:
-            raise InvalidCase(f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)}")
-        if self.model not in MODELS:
-            raise InvalidCase(f"unknown model {self.model!r}; expected one of {sorted(MODELS)}")
-        if self.data not in DATA:
-            raise InvalidCase(f"unknown data {self.data!r}; expected one of {list(DATA)}")
+        if isinstance(self.loss, str):
+            if self.loss not in LOSSES:
+                raise InvalidCase(f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)} or a loss object")
+        elif not (callable(self.loss) and callable(getattr(self.loss, "sum", None))
+                  and callable(getattr(self.loss, "count", None))):
+            raise InvalidCase(
+                f"loss {self.loss!r} does not follow the sum + count protocol; expected a name in {sorted(LOSSES)} "
+                "or an object with sum(output, targets), count(targets) and __call__(output, targets) (the mean)"
+            )
+        _check_target("model", self.model, MODELS)
+        _check_target("data", self.data, DATA)
         if self.data == "toy_2x" and self.model != "scalar_linear":
             raise InvalidCase(f"data 'toy_2x' needs model 'scalar_linear', got {self.model!r}")
         optimizer_class = getattr(torch.optim, self.optimizer, None)
@@ -138,20 +161,33 @@ class Case:
     # ----------------------------------------------------------- serialising
     def __repr__(self) -> str:
         """Only the fields that differ from the defaults: short, and still
-        exactly the case (paste it to reproduce)."""
+        exactly the case (paste it to reproduce; a user's own model, loss or
+        data shows as its import path, or says it cannot be imported)."""
         defaults = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
                     for f in fields(Case)}
+        # A user's model, loss or data as its import path (to_dict); the other fields as they are.
+        as_strings = self.to_dict()
         shown = [
-            f"{f.name}={getattr(self, f.name)!r}"
+            f"{f.name}={(as_strings[f.name] if f.name in ('model', 'loss', 'data') else getattr(self, f.name))!r}"
             for f in fields(self)
             if f.name in ("batch_size", "micro_batch_sizes") or getattr(self, f.name) != defaults[f.name]
         ]
         return f"Case({', '.join(shown)})"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values only (lists, not tuples), ready for JSON or a report row."""
-        out = asdict(self)
+        """Plain values only (lists, not tuples), ready for JSON or a report row.
+        A user's own model factory, loss or data becomes its import path
+        (``"module:attribute"``, which :meth:`from_dict` imports), or a
+        ``"<...: not importable>"`` description that :meth:`from_dict` rejects."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
+            out[name] = dict(out[name])
         out["micro_batch_sizes"] = list(self.micro_batch_sizes)
+        if self.overflow_at is not None:
+            out["overflow_at"] = list(self.overflow_at)
+        out["model"] = _reference(self.model)
+        out["data"] = _reference(self.data)
+        out["loss"] = self.loss if isinstance(self.loss, str) else _loss_reference(self.loss)
         return out
 
     @classmethod
@@ -162,7 +198,7 @@ class Case:
 
     def replace(self, **changes: Any) -> Case:
         """A copy with some fields changed (validated again)."""
-        return Case.from_dict({**self.to_dict(), **changes})
+        return Case(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
     # -------------------------------------------------------------- building
     @property
@@ -170,7 +206,8 @@ class Case:
         return DTYPES[self.dtype]
 
     def build_loss(self) -> Loss:
-        return build_loss(self.loss)
+        # A user's loss object is shared by every run of the case: the protocol asks it to be stateless.
+        return build_loss(self.loss) if isinstance(self.loss, str) else self.loss
 
     def build_model(self) -> ModelBundle:
         """The model with its initial weights already rounded to the working
@@ -191,8 +228,17 @@ class Case:
         out = []
         for step in range(self.steps):
             generator = torch.Generator().manual_seed(self.seed * 100_003 + step)
-            inputs = bundle.make_inputs(self.batch_size, generator)
-            targets = self._targets(bundle.output_shape, generator)
+            if self.data == "random":
+                if bundle.make_inputs is None or bundle.output_shape is None:
+                    raise InvalidCase(
+                        f"model {_reference(self.model)!r} is a bare nn.Module, so equiv cannot draw its inputs: "
+                        "pass data=your_batches, a callable (step, batch_size, generator) -> (inputs, targets), "
+                        "or return a ModelBundle from the factory"
+                    )
+                inputs = bundle.make_inputs(self.batch_size, generator)
+                targets = self._targets(bundle.output_shape, generator)
+            else:
+                inputs, targets = self._user_batch(step, generator)
             if self.overflow_at is not None and self.overflow_at[0] == step:
                 if not inputs.is_floating_point():
                     raise InvalidCase(f"overflow_at needs float inputs; model {self.model!r} takes {inputs.dtype}")
@@ -200,8 +246,24 @@ class Case:
             out.append((self._round(inputs), self._round(targets)))
         return out
 
+    def _user_batch(self, step: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        factory = import_target(self.data) if isinstance(self.data, str) else self.data
+        batch = factory(step, self.batch_size, generator)
+        if not (isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
+            raise InvalidCase(f"data {_reference(self.data)!r} returned {type(batch).__name__} at step {step}; "
+                              "expected a tuple (inputs, targets) of tensors")
+        inputs, targets = batch
+        for label, tensor in (("inputs", inputs), ("targets", targets)):
+            if tensor.dim() == 0 or tensor.shape[0] != self.batch_size:
+                raise InvalidCase(f"data {_reference(self.data)!r} returned {label} of shape {tuple(tensor.shape)} "
+                                  f"at step {step}; expected batch_size={self.batch_size} samples along dim 0")
+        return inputs.detach().cpu(), targets.detach().cpu()
+
     def _targets(self, output_shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
         batch = self.batch_size
+        if not isinstance(self.loss, str):
+            raise InvalidCase(f"random targets are drawn for a built-in loss ({sorted(LOSSES)}); with your own "
+                              f"loss {self.loss!r} pass data=your_batches as well")
         if self.loss == "mse":
             return torch.randn(batch, *output_shape, generator=generator)
         if self.loss == "cross_entropy":
@@ -215,7 +277,7 @@ class Case:
         tokens = torch.randint(0, vocab, (batch, seq_len), generator=generator)
         lengths = torch.randint(1, seq_len + 1, (batch, 1), generator=generator)
         padding = torch.arange(seq_len).expand(batch, seq_len) >= lengths
-        ignore_index: int = build_loss(self.loss).ignore_index  # type: ignore[attr-defined]
+        ignore_index: int = self.build_loss().ignore_index  # type: ignore[attr-defined]
         return tokens.masked_fill(padding, ignore_index)
 
     def _round(self, tensor: Tensor) -> Tensor:
@@ -244,3 +306,54 @@ class Case:
             raise InvalidCase(
                 f"scheduler {self.scheduler}(**{dict(self.scheduler_kwargs)!r}) rejected: {exc}"
             ) from None
+
+
+def _check_target(field_name: str, value: Any, names: Any) -> None:
+    """A named entry (``names``), a callable, or an import path that imports."""
+    if callable(value):
+        return
+    if not isinstance(value, str):
+        raise InvalidCase(f"{field_name} must be a name in {sorted(names)}, a callable or an import path "
+                          f"'module:attribute', got {type(value).__name__}: {value!r}")
+    if ":" in value:
+        try:
+            target = import_target(value)
+        except ValueError as exc:
+            raise InvalidCase(f"{field_name}: {exc}") from None
+        if not callable(target):
+            raise InvalidCase(f"{field_name} {value!r} imports {type(target).__name__}, which is not callable")
+        return
+    if value not in names:
+        raise InvalidCase(f"unknown {field_name} {value!r}; expected one of {sorted(names)}, "
+                          "a callable or an import path 'module:attribute'")
+
+
+def _reference(value: Any) -> str:
+    """A model or data field as a string: itself, a callable's import path, or
+    a description saying it cannot be imported (so no replay pretends to work)."""
+    if isinstance(value, str):
+        return value
+    path = import_path(value)
+    if path is not None:
+        return path
+    name = getattr(value, "__qualname__", type(value).__name__)
+    return f"<{name}: not importable, define it at module level to replay>"
+
+
+def _loss_reference(loss: Any) -> str:
+    """A loss object as a string: a built-in loss's name, or its class's import
+    path when the class rebuilds it with no arguments (same repr)."""
+    cls = type(loss)
+    try:
+        fresh = cls()
+    except TypeError:
+        rebuilt = False
+    else:  # the same settings: the same attributes (or, without any, the same repr)
+        rebuilt = (vars(fresh) == vars(loss)) if hasattr(loss, "__dict__") else repr(fresh) == repr(loss)
+    if rebuilt and isinstance(getattr(cls, "name", None), str) and LOSSES.get(cls.name) is cls:
+        return cls.name
+    path = import_path(cls)
+    if rebuilt and path is not None:
+        return path
+    shown = repr(loss) if type(loss).__repr__ is not object.__repr__ else f"a {cls.__qualname__}"
+    return f"<{shown}: not importable, a module-level loss class built with no arguments replays>"

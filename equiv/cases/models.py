@@ -9,6 +9,7 @@ the module, how to draw a batch of its inputs, and the per-sample output shape
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MODELS", "CausalLM", "ModelBundle", "build_model", "register_model"]
+__all__ = ["MODELS", "CausalLM", "ModelBundle", "ModelFactory", "build_model", "import_path", "import_target", "register_model"]
 
 #: Draws a batch of ``batch_size`` inputs from a seeded CPU generator.
 InputMaker = Callable[[int, torch.Generator], Tensor]
@@ -25,9 +26,10 @@ InputMaker = Callable[[int, torch.Generator], Tensor]
 @dataclass(frozen=True, slots=True)
 class ModelBundle:
     module: nn.Module
-    make_inputs: InputMaker
-    #: Shape of one sample's output: (features,) or (classes,) or (seq, vocab).
-    output_shape: tuple[int, ...]
+    #: None for a user's model given as a bare module (its case brings its own data).
+    make_inputs: InputMaker | None
+    #: Shape of one sample's output: (features,) or (classes,) or (seq, vocab); None when unknown.
+    output_shape: tuple[int, ...] | None
 
 
 MODELS: dict[str, Callable[..., ModelBundle]] = {}
@@ -45,25 +47,71 @@ def register_model(name: str) -> Callable[[Callable[..., ModelBundle]], Callable
     return register
 
 
-def build_model(name: str, seed: int, **kwargs: Any) -> ModelBundle:
-    """Build family ``name`` in float32 on the CPU, weights drawn from ``seed``.
+def import_target(path: str) -> Any:
+    """The object an import path ``"package.module:attribute"`` names.
 
-    The global RNG is left as it was, so building a model never perturbs the
-    caller's randomness.
+    How a case names a user's own model factory, loss or data without a
+    registry entry, so that its ``repr`` still replays in another process.
     """
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{path!r} is not an import path; expected 'package.module:attribute'")
     try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}") from None
+        target: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {path!r}: {exc}") from None
+    return target
+
+
+def import_path(target: Any) -> str | None:
+    """``"module:qualname"`` of a module-level function or class, if importing it gives it back."""
+    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+    if not module or not qualname or "<" in qualname or module == "__main__":
+        return None
+    path = f"{module}:{qualname}"
+    try:
+        return path if import_target(path) is target else None
+    except ValueError:
+        return None
+
+
+ModelFactory = Callable[..., "ModelBundle | nn.Module"]
+
+
+def build_model(model: str | ModelFactory, seed: int, **kwargs: Any) -> ModelBundle:
+    """Build a model in float32 on the CPU, weights drawn from ``seed``.
+
+    ``model``: a family registered with :func:`register_model`, or a user's
+    factory (a callable or its ``"module:attribute"`` import path) returning a
+    :class:`ModelBundle` or a bare ``nn.Module`` (whose case then brings its
+    own data).  The global RNG is left as it was, so building a model never
+    perturbs the caller's randomness.
+    """
+    if callable(model):
+        builder, label = model, getattr(model, "__qualname__", repr(model))
+    elif ":" in model:
+        builder, label = import_target(model), model
+    else:
+        try:
+            builder, label = MODELS[model], model
+        except KeyError:
+            raise ValueError(f"unknown model {model!r}; expected one of {sorted(MODELS)} or an import path") from None
     with torch.random.fork_rng(devices=[]):
         # The CPU generator only (what initialisation draws from):
         # torch.manual_seed also queues lazy CUDA/XPU/MTIA seeding, which
         # formats the whole Python stack each call (slow under Hypothesis).
         torch.default_generator.manual_seed(seed)
         try:
-            return builder(**kwargs)
+            built = builder(**kwargs)
         except TypeError as exc:
-            raise ValueError(f"bad arguments {kwargs!r} for model {name!r}: {exc}") from None
+            raise ValueError(f"bad arguments {kwargs!r} for model {label!r}: {exc}") from None
+    if isinstance(built, ModelBundle):
+        return built
+    if isinstance(built, nn.Module):
+        return ModelBundle(built, None, None)
+    raise ValueError(f"model {label!r} returned {type(built).__name__}; expected an nn.Module or a ModelBundle")
 
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
