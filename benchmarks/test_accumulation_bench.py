@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from equiv.cost.steps import PreparedStep, StepOptions, prepare_step, synchronize
-from equiv.cost.workloads import WORKLOADS, build_workload_model
+from equiv.cost.steps import PreparedStep, prepare_workload_step, synchronize
+from equiv.cost.workloads import WORKLOADS
 
 SPLITS = (1, 2, 3, 4, 8, 16, 32)
 SEED = 0
@@ -43,13 +43,7 @@ def _cases() -> list[Any]:
 
 def _prepare(workload_name: str, n: int, implementation: str, device: torch.device) -> PreparedStep:
     """Fresh weights from SEED, the fixed global batch cut into n, one warm-up step."""
-    workload = WORKLOADS[workload_name]
-    batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(SEED))
-    model = build_workload_model(workload, seed=SEED)
-    options = StepOptions(
-        loss_sum=workload.loss_sum, count_items=workload.count_items, implementation=implementation, device=device
-    )
-    return prepare_step(model, batch, n, options)
+    return prepare_workload_step(WORKLOADS[workload_name], n, implementation, device, seed=SEED)
 
 
 @pytest.mark.parametrize(("workload_name", "n_micro_batches", "implementation"), _cases())

@@ -154,3 +154,42 @@ def test_checker_scaling_rows_get_their_own_table_with_targets() -> None:
     assert [row["time target <= 15x"] for row in rows] == ["NOT met", "met"]
     assert [row["memory target <= 4"] for row in rows] == ["NOT met", "met"]
     assert "## What a check costs" not in render_report(_fixture())  # no scaling rows, no section
+
+
+def test_peer_rows_get_their_own_table_and_stay_out_of_the_step_tables() -> None:
+    raw = _fixture()
+    steps_only = render_report(_fixture())
+    raw["benchmarks"].append({
+        "name": "test_peer_step_ratios[mlp-N8]",
+        "extra_info": {"peers": True, "workload": "mlp", "n_micro_batches": 8, "rotations": 6,
+                       "accelerate_version": "1.15.0", "native_median_s": 0.1,
+                       "accumulator_ratio": 1.01, "accumulator_ratio_q1": 0.99, "accumulator_ratio_q3": 1.02,
+                       "accelerate_ratio": 1.2, "accelerate_ratio_q1": 1.1, "accelerate_ratio_q3": 1.3},
+        "stats": {"median": 0.6},
+    })
+    report = render_report(raw)
+    rows = _table_after(report, "## Peers' steps, timed side by side")
+    assert rows[0]["Accelerate 1.15.0 accumulate() / native"] == "1.200 (1.100-1.300)"
+    assert rows[0]["equiv.Accumulator / native"] == "1.010 (0.990-1.020)"
+    # Everything before the peers' section is what the step benchmarks alone give.
+    assert report[: report.index("## Peers'")].rstrip() == steps_only.rstrip()
+
+
+def test_planner_regret_rows_say_whether_the_goal_is_met() -> None:
+    raw = _fixture()
+    exhaustive = {"1": {"peak_bytes": 300, "median_step_s": 1.0}, "2": {"peak_bytes": 200, "median_step_s": 1.2}}
+    raw["benchmarks"].append({
+        "name": "test_planner_regret[mlp]",
+        "extra_info": {"planner_regret": True, "workload_name": "mlp", "exhaustive": exhaustive, "rows": [
+            {"budget_bytes": 250, "picked_n": 2, "picked_fits": True, "best_n": 2, "regret": 0.0,
+             "probes": 3, "probes_over_budget": 0},
+            {"budget_bytes": 330, "picked_n": 2, "picked_fits": True, "best_n": 1, "regret": 0.2,
+             "probes": 4, "probes_over_budget": 1},
+        ]},
+        "stats": {"median": 1.0},
+    })
+    rows = _table_after(render_report(raw), "## Planner regret")
+    assert [row["N fitting (measured)"] for row in rows] == ["2", "1, 2"]
+    assert [row["regret"] for row in rows] == ["0.0%", "20.0%"]
+    assert [row["goal <= 5%"] for row in rows] == ["met", "NOT met"]
+    assert rows[1]["probes (over budget)"] == "4 (1)"

@@ -216,12 +216,17 @@ class _RunStart:
         # on float64 copies (type promotion to float64 is exact), in one temporary.
         if truth_value is not None and truth_value.shape != value.shape:
             return None
-        # Converted into the scratch buffer first: a mixed-dtype subtraction is
-        # several times slower than a conversion and a float64 one.
-        out = self.scratch.get("difference", value.shape, value.device).copy_(value)
-        if start is not None:  # an update: measured from the run's start
-            out.sub_(start)
-        return out.sub_(truth_value) if truth_value is not None else out
+        out = self.scratch.get("difference", value.shape, value.device)
+        first = start if start is not None else truth_value  # an update is measured from the run's start
+        if value.dtype == torch.float64 and first is not None:
+            torch.sub(value, first, out=out)
+        else:
+            # Converted into the scratch buffer first: a mixed-dtype subtraction
+            # is several times slower than a conversion and a float64 one.
+            out.copy_(value)
+            if first is not None:
+                out.sub_(first)
+        return out.sub_(truth_value) if start is not None and truth_value is not None else out
 
 
 class FloorErrors:

@@ -26,7 +26,7 @@ from torch import nn
 from equiv.accumulator import Accumulator
 from equiv.batches import Batch, MicroBatches, even_sizes, split_batch
 from equiv.cost.memory import StepMemory, measure_step_memory, training_state_tensors
-from equiv.cost.workloads import BlockNet, CountItems, LossSum
+from equiv.cost.workloads import BlockNet, CountItems, LossSum, Workload, build_workload_model
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -38,6 +38,7 @@ __all__ = [
     "make_train_step",
     "measure_step",
     "prepare_step",
+    "prepare_workload_step",
     "synchronize",
 ]
 
@@ -200,6 +201,21 @@ def prepare_step(model: nn.Module, batch: Batch, n_micro_batches: int, options: 
     step()
     synchronize(device)
     return PreparedStep(step, model, optimizer, micro_batches, device)
+
+
+def prepare_workload_step(
+    workload: Workload, n_micro_batches: int, implementation: str, device: torch.device | str = "cpu", *, seed: int = 0
+) -> PreparedStep:
+    """A workload's step at ``n_micro_batches``, ready to measure: fresh weights
+    and the fixed global batch drawn from ``seed`` (so every implementation
+    and N of one run trains the same model on the same data)."""
+    batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(seed))
+    model = build_workload_model(workload, seed=seed)
+    options = StepOptions(
+        loss_sum=workload.loss_sum, count_items=workload.count_items, implementation=implementation,
+        device=torch.device(device),
+    )
+    return prepare_step(model, batch, n_micro_batches, options)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -47,8 +47,8 @@ def load_benchmarks(raw: dict[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
     steps, paired = [], []
     for bench in raw.get("benchmarks", []):
         info, stats = bench.get("extra_info", {}), bench["stats"]
-        if "workload" not in info:
-            continue  # somebody else's benchmark in the same run
+        if "workload" not in info or info.get("peers"):
+            continue  # somebody else's benchmark in the same run, or the peers' (their own section)
         if info.get("implementation") == "paired":
             paired.append(info)
             continue
@@ -316,8 +316,84 @@ def render_report(raw: dict[str, Any], *, source: str = "reports/benchmarks.json
             ]
         fit_lines, _, _ = _fits(frame)
         lines += ["### Fitted cost model", "", *fit_lines, "", *_chart(workload, frame), ""]
+    lines += _peers_section(raw)
+    lines += _regret_section(raw)
     lines += _scaling_section(raw)
     return "\n".join(lines).rstrip() + "\n"
+
+
+#: The planner's goal: its pick at most this much slower than the fastest N that fits.
+REGRET_TARGET = 0.05
+
+
+def _regret_section(raw: dict[str, Any]) -> list[str]:
+    """The planner's pick against every N measured (benchmarks/test_planner_regret.py)."""
+    infos = [b["extra_info"] for b in raw.get("benchmarks", []) if b.get("extra_info", {}).get("planner_regret")]
+    if not infos:
+        return []
+    records = []
+    for info in sorted(infos, key=lambda i: i["workload_name"]):
+        exhaustive = info["exhaustive"]
+        for row in info["rows"]:
+            regret = row["regret"]
+            records.append({
+                "workload": info["workload_name"],
+                "budget MiB": _mib(row["budget_bytes"]),
+                "N fitting (measured)": ", ".join(
+                    n for n in exhaustive if exhaustive[n]["peak_bytes"] <= row["budget_bytes"]) or "-",
+                "planner's N": row["picked_n"] if row["picked_n"] is not None else "none",
+                "fastest fitting N": row["best_n"] if row["best_n"] is not None else "none",
+                "regret": "does not fit" if not row["picked_fits"] else f"{100 * regret:.1f}%",
+                f"goal <= {100 * REGRET_TARGET:g}%": (
+                    "met" if row["picked_fits"] and regret is not None and regret <= REGRET_TARGET else "NOT met"),
+                "probes (over budget)": f"{row['probes']} ({row['probes_over_budget']})",
+            })
+    return [
+        "## Planner regret",
+        "",
+        "Every candidate N measured in the same run (whole step: peak memory, median step time), then "
+        "`equiv plan`'s search at budgets between the smallest and the largest peak and above all of them; regret "
+        "is the pick's measured step time over the fastest fitting N's, from the exhaustive measurements. "
+        "Step times on a shared CPU move by several percent between runs, so a regret of a few percent between "
+        "two N of near-equal time is within noise; a probe over budget would be an out-of-memory error on a GPU.",
+        "",
+        markdown_table(pd.DataFrame(records)),
+        "",
+    ]
+
+
+def _peers_section(raw: dict[str, Any]) -> list[str]:
+    """Peers' steps against the native loop, timed in rotation (benchmarks/test_peer_steps.py)."""
+    rows = [bench["extra_info"] for bench in raw.get("benchmarks", []) if bench.get("extra_info", {}).get("peers")]
+    if not rows:
+        return []
+    rows.sort(key=lambda info: (info["workload"], info["n_micro_batches"]))
+
+    def ratio(info: dict[str, Any], name: str) -> str:
+        return f"{info[f'{name}_ratio']:.3f} ({info[f'{name}_ratio_q1']:.3f}-{info[f'{name}_ratio_q3']:.3f})"
+
+    table = pd.DataFrame([
+        {
+            "workload": info["workload"],
+            "N": info["n_micro_batches"],
+            "native step s (median)": f"{info['native_median_s']:.4f}",
+            "equiv.Accumulator / native": ratio(info, "accumulator"),
+            f"Accelerate {info['accelerate_version']} accumulate() / native": ratio(info, "accelerate"),
+            "rotations": info["rotations"],
+        }
+        for info in rows
+    ])
+    return [
+        "## Peers' steps, timed side by side",
+        "",
+        "The native loop, `equiv.Accumulator` and Accelerate's `accumulate()` loop (as its gradient-accumulation "
+        "guide writes it) stepped in rotation on three models from the same seed over the same global batch; each "
+        "cell is the median of per-rotation ratios to the native step (interquartile range in brackets). Cost only: "
+        "reports/peers.md says which of them is equivalent.",
+        "",
+        markdown_table(table),
+        "",
+    ]
 
 
 #: Targets for the checker's own cost (time in units of the candidate's own float32 steps;
@@ -333,9 +409,12 @@ def _scaling_section(raw: dict[str, Any]) -> list[str]:
     rows.sort(key=lambda info: info["parameters"])
     table = pd.DataFrame([
         {
+            "model": info["size"] if "GPT" in str(info.get("size")) else "MLP",
             "parameters": f"{info['parameters'] / 1e6:.2f}M",
             "check s (median)": f"{info['check_median_s']:.3f}",
             "own 2 float32 steps s": f"{info['own_steps_median_s']:.4f}",
+            "bare runs / own steps": f"{info['bare_runs_ratio']:.1f}x" if "bare_runs_ratio" in info else "-",
+            "check / bare runs": f"{info['check_over_bare_runs']:.2f}x" if "check_over_bare_runs" in info else "-",
             "check / own steps": f"{info['time_ratio']:.0f}x",
             f"time target <= {CHECK_TIME_TARGET:g}x": "met" if info["time_ratio"] <= CHECK_TIME_TARGET else "NOT met",
             "check peak B/param": f"{info['check_bytes_per_parameter']:.0f}",
@@ -348,11 +427,14 @@ def _scaling_section(raw: dict[str, Any]) -> list[str]:
     return [
         "## What a check costs as the model grows",
         "",
-        "`equiv.check(accumulator_step, case)` on a three-layer MLP (AdamW, batch 8 split 3 + 5, 2 steps) against "
-        "the candidate's own two float32 steps timed in the same rounds, and its peak of live tensor storages "
-        "against one bare float64 run, in model states (parameters + AdamW's two moments in float64, 24 bytes "
-        "per parameter) beyond that run. A check runs the case 9 times (the float64 truth, 6 floor samples, the "
-        "candidate in float64 and float32), about 13x the candidate's float32 cost before any comparison.",
+        "`equiv.check(accumulator_step, case)` on a three-layer MLP (and, in a full run, a GPT-2-small-shaped "
+        "causal LM brought in with `Case(model=..., data=..., loss=...)`), AdamW, batch 8 split 3 + 5, 2 steps, "
+        "against the candidate's own two float32 steps and against the nine bare runs a check is made of (the "
+        "float64 truth, 6 floor samples, the candidate in float64 and float32, nothing compared), all timed in "
+        "the same rounds; and its peak of live tensor storages against one bare float64 run, in model states "
+        "(parameters + AdamW's two moments in float64, 24 bytes per parameter) beyond that run. *bare runs / own "
+        "steps* is the part no comparison can remove (float64 costs 2-3x float32 on a CPU); *check / bare runs* "
+        "is what comparing adds.",
         "",
         markdown_table(table),
         "",
