@@ -7,14 +7,16 @@ Each adapter pins one number an outside script can reproduce with the library
 alone (the toy: x = 1..8, y = 2x, w = 0, MSE, SGD lr 0.02).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 import equiv
 from equiv.cases.standard import TOY_CASE
 from equiv.checking.trajectory import run_candidate
-from equiv.reporting.peer_runs import EpochRun, classify_step, measure_epochs, update_gap
-from equiv.reporting.peers import CONFIGURATIONS, EPOCH_RUNS, smallest_counterexample
+from equiv.reporting.peer_runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs, update_gap
+from equiv.reporting.peers import CONFIGURATIONS, EPOCH_RUNS, TRAINER_RUNS, smallest_counterexample
 from equiv.zoo.adapters import MindSporeAccumulator, MindSporeGradientAccumulation, textbook_step, torchtitan_step
 from equiv.zoo.bugs import clip_per_micro_batch, unscaled_sum
 
@@ -124,6 +126,22 @@ def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means(
     assert tail.kind_name() == "tail divided by N" and tail.gap is not None and abs(tail.gap.scale - 1 / 3) < 1e-9
     short = measure_epochs(lightning.LightningStep(3), SHORT_EPOCH)  # Lightning #21808: steps every epoch
     assert short.steps == (2, 2) and short.gap is not None and abs(short.gap.scale - 2 / 3) < 1e-9
+
+
+def test_transformers_trainer_is_exact_with_num_items_in_batch_and_averages_token_means_without() -> None:
+    pytest.importorskip("transformers", reason="needs the transformers extra")
+    from equiv.zoo.adapters.transformers import TrainerRun
+
+    def trainer_measure(run: TokenRun) -> Measure:
+        return measure(lambda model, optimizer, micro: TrainerRun(run.n).train(model, optimizer, micro,
+                                                                               epochs=run.epochs), run)
+
+    uneven = TRAINER_RUNS["uneven token counts, tail of a long epoch: 7 micro-batches, N=3"]
+    assert trainer_measure(uneven).equivalent  # the window's token count reaches the loss, tail included
+    fallback = trainer_measure(dataclasses.replace(uneven, loss_kwargs=False))  # transformers #37766
+    assert fallback.kind_name() == "mean of means" and fallback.gap is not None and fallback.gap.step == 1
+    # 8, 4 and 14 target tokens: each micro-batch's mean weighted 1/3 instead of 8/26, 4/26, 14/26.
+    assert 0.5 < fallback.gap.cosine < 0.999
 
 
 def test_mindspore_r13_port_leaks_a_partial_window_into_the_next_epoch() -> None:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from equiv.batches import split_batch
 from equiv.cases.case import Case
-from equiv.checking.trajectory import full_batch_step, run_candidate, run_reference
+from equiv.checking.trajectory import run_candidate, run_reference
 from equiv.losses import Loss
 from equiv.zoo.bugs import clip_per_micro_batch
 
@@ -39,10 +39,13 @@ __all__ = [
     "EpochRunner",
     "Kind",
     "Measure",
+    "Problem",
     "UpdateGap",
     "classify_step",
+    "measure",
     "measure_epochs",
     "update_gap",
+    "windows",
 ]
 
 #: float64 runs of the same mathematics differ by rounding only (~1e-15 of the
@@ -60,6 +63,34 @@ class EpochRunner(Protocol):
                    loss_fn: Loss, *, epochs: int) -> None: ...
 
 
+class Problem(Protocol):
+    """What a run trains on: a fresh float64 model, optimizer and one epoch of
+    micro-batches each time it is asked, and how to score a micro-batch."""
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def epochs(self) -> int: ...
+
+    @property
+    def tolerance(self) -> float:
+        """The relative update gap that still counts as the same step."""
+
+    def fresh(self) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]: ...
+
+    def count(self, micro_batch: Any) -> float: ...
+
+    def mean_loss(self, model: nn.Module, micro_batch: Any) -> Tensor: ...
+
+    def full_batch_loss(self, model: nn.Module, micro_batches: list[Any]) -> Tensor: ...
+
+
+def windows(micro_batches: int, n: int) -> list[list[int]]:
+    """Micro-batch indices of each window of one epoch: N at a time, the last shorter."""
+    return [list(range(start, min(start + n, micro_batches))) for start in range(0, micro_batches, n)]
+
+
 @dataclass(frozen=True)
 class EpochRun:
     """One epoch of ``case.micro_batch_sizes`` micro-batches (the case's first
@@ -68,16 +99,33 @@ class EpochRun:
     case: Case
     n: int
     epochs: int = 1
-
-    def windows(self) -> list[list[int]]:
-        """Micro-batch indices of each window of one epoch: N at a time, the last shorter."""
-        count = len(self.case.micro_batch_sizes)
-        return [list(range(start, min(start + self.n, count))) for start in range(0, count, self.n)]
+    tolerance: float = _SAME
 
     def describe(self) -> str:
-        sizes = [len(w) for w in self.windows()]
+        sizes = [len(w) for w in windows(len(self.case.micro_batch_sizes), self.n)]
         epochs = f", {self.epochs} epochs" if self.epochs > 1 else ""
         return f"{len(self.case.micro_batch_sizes)} micro-batches, N={self.n}: windows {'+'.join(map(str, sizes))}{epochs}"
+
+    def fresh(self) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
+        """The case's model and optimizer in float64, and one epoch's micro-batches."""
+        bundle = self.case.build_model()
+        model = bundle.module.to(dtype=torch.float64)
+        inputs, targets = self.case.batches(bundle)[0]
+        batch = tuple(t.to(torch.float64) if t.is_floating_point() else t for t in (inputs, targets))
+        micro = split_batch(batch, self.case.micro_batch_sizes, copy=True)  # type: ignore[arg-type]
+        return model, self.case.build_optimizer(model), list(micro)
+
+    def count(self, micro_batch: Any) -> float:
+        return float(self.case.build_loss().count(micro_batch[1]))
+
+    def mean_loss(self, model: nn.Module, micro_batch: Any) -> Tensor:
+        inputs, targets = micro_batch
+        loss: Tensor = self.case.build_loss()(model(inputs), targets)
+        return loss
+
+    def full_batch_loss(self, model: nn.Module, micro_batches: list[Any]) -> Tensor:
+        batch = (torch.cat([p[0] for p in micro_batches]), torch.cat([p[1] for p in micro_batches]))
+        return self.mean_loss(model, batch)
 
 
 @dataclass(frozen=True)
@@ -92,9 +140,8 @@ class UpdateGap:
     #: cos(Δ, Δ_full): 1.0 the right direction, -1.0 a sign flip
     cosine: float
 
-    @property
-    def same(self) -> bool:
-        return self.relative <= _SAME
+    def same(self, tolerance: float = _SAME) -> bool:
+        return self.relative <= tolerance
 
     def describe(self) -> str:
         if self.scale == 0.0:
@@ -167,12 +214,12 @@ def _weighted_step(weights: Weighting, n: int | None) -> Callable[..., None]:
     return step
 
 
-def _first_gap(trajectory: Sequence[Tensor], full: Sequence[Tensor]) -> UpdateGap | None:
+def _first_gap(trajectory: Sequence[Tensor], full: Sequence[Tensor], tolerance: float = _SAME) -> UpdateGap | None:
     """The first step whose update differs from the full-batch update from the
     same weights (both trajectories agree up to it); None when none does."""
     for step in range(1, min(len(trajectory), len(full))):
         gap = update_gap(step, full[step - 1], trajectory[step], full[step])
-        if not gap.same:
+        if not gap.same(tolerance):
             return gap
     return None
 
@@ -245,53 +292,44 @@ PER_MICRO_BATCH_CLIPPING = Kind("per-micro-batch clipping", _exact,
 # -- runs spanning all windows -------------------------------------------------------------------------
 
 
-def _data(run: EpochRun) -> tuple[nn.Module, torch.optim.Optimizer, MicroBatches]:
-    """The case's model and optimizer in float64, and one epoch's micro-batches."""
-    bundle = run.case.build_model()
-    model = bundle.module.to(dtype=torch.float64)
-    inputs, targets = run.case.batches(bundle)[0]
-    batch = tuple(t.to(torch.float64) if t.is_floating_point() else t for t in (inputs, targets))
-    micro = split_batch(batch, run.case.micro_batch_sizes, copy=True)  # type: ignore[arg-type]
-    return model, run.case.build_optimizer(model), list(micro)
-
-
 def _params(model: nn.Module) -> Tensor:
     return _flat({name: p for name, p in model.named_parameters()})
 
 
-def _reference(run: EpochRun, weights: Weighting) -> list[Tensor]:
+def _reference(problem: Problem, weights: Weighting) -> list[Tensor]:
     """Parameters before and after each window's step with the given weighting
-    (``_exact``: the full-batch step on the window's samples)."""
-    model, optimizer, micro = _data(run)
-    loss_fn = run.case.build_loss()
+    of the micro-batches' means (``_exact``: one step on the window's samples as one batch)."""
+    model, optimizer, micro = problem.fresh()
     trajectory = [_params(model)]
-    step = _weighted_step(weights, run.n)
-    for _ in range(run.epochs):
-        for window in run.windows():
+    for _ in range(problem.epochs):
+        for window in windows(len(micro), problem.n):
             pieces = [micro[i] for i in window]
+            optimizer.zero_grad(set_to_none=True)
             if weights is _exact:
-                batch = (torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]))
-                full_batch_step(model, optimizer, batch, loss_fn, max_grad_norm=run.case.max_grad_norm)
+                problem.full_batch_loss(model, pieces).backward()
             else:
-                step(model, optimizer, pieces, loss_fn, max_grad_norm=run.case.max_grad_norm)
+                counts = [problem.count(piece) for piece in pieces]
+                for weight, piece in zip(weights(counts, problem.n), pieces, strict=True):
+                    (problem.mean_loss(model, piece) * weight).backward()
+            optimizer.step()
             trajectory.append(_params(model))
     return trajectory
 
 
-def measure_epochs(runner: EpochRunner, run: EpochRun) -> Measure:
-    """Drive ``runner`` over ``run`` once and compare each optimizer step it
-    takes with the full-batch step over the same window."""
-    model, optimizer, micro = _data(run)
+def measure(drive: Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None], problem: Problem) -> Measure:
+    """Let ``drive`` train a fresh model on the problem's epochs in one run and
+    compare each optimizer step it takes with the full-batch step over the same window."""
+    model, optimizer, micro = problem.fresh()
     trajectory = [_params(model)]
-    # Every real optimizer step, whoever wraps the optimizer (Accelerate, Lightning).
+    # Every real optimizer step, whoever wraps the optimizer (Accelerate, Lightning, a Trainer).
     hook = optimizer.register_step_post_hook(lambda *_: trajectory.append(_params(model)))
     try:
-        runner.run_epochs(model, optimizer, micro, run.case.build_loss(), epochs=run.epochs)
+        drive(model, optimizer, micro)
     finally:
         hook.remove()
-    full = _reference(run, _exact)
+    full = _reference(problem, _exact)
     steps = (len(trajectory) - 1, len(full) - 1)
-    gap = _first_gap(trajectory, full)
+    gap = _first_gap(trajectory, full, problem.tolerance)
     if gap is None and steps[0] == steps[1]:
         return Measure(None, steps=steps)
     if gap is None:
@@ -300,8 +338,62 @@ def measure_epochs(runner: EpochRunner, run: EpochRun) -> Measure:
     for kind in KINDS:
         # The kind whose trajectory explains the first wrong step; a later departure
         # from it too is a window in the wrong place (a leak across epochs).
-        later = _first_gap(trajectory, _reference(run, kind.weights))
+        later = _first_gap(trajectory, _reference(problem, kind.weights), problem.tolerance)
         took_that_step = len(trajectory) > gap.step
         if took_that_step and (later is None or later.step > gap.step):
             return Measure(gap, kind, steps, later)
     return Measure(gap, None, steps)
+
+
+def measure_epochs(runner: EpochRunner, run: EpochRun) -> Measure:
+    """Drive ``runner`` over ``run`` once (its own epoch loop) against full batch."""
+    loss_fn = run.case.build_loss()
+    return measure(lambda model, optimizer, micro: runner.run_epochs(model, optimizer, micro, loss_fn,
+                                                                      epochs=run.epochs), run)
+
+
+@dataclass(frozen=True)
+class TokenRun:
+    """A tiny causal LM (:mod:`equiv.zoo.adapters.transformers`) trained with
+    SGD on right-padded sequences: ``real_lengths`` holds each micro-batch's
+    sequences' real token counts, so micro-batches carry unequal numbers of
+    tokens; N per window, ``epochs`` passes.  ``loss_kwargs`` False wraps the
+    model in a forward without ``**kwargs``."""
+
+    real_lengths: tuple[tuple[int, ...], ...]
+    n: int
+    epochs: int = 1
+    loss_kwargs: bool = True
+    lr: float = 0.5
+    #: The model runs in float64 but its RMSNorm computes in float32 (as Llama's does):
+    #: runs whose weights differ by float64 rounding drift apart by ~1e-7 per step.
+    tolerance: float = 1e-5
+
+    def describe(self) -> str:
+        sizes = [len(w) for w in windows(len(self.real_lengths), self.n)]
+        tokens = "/".join(str(sum(length - 1 for length in lengths)) for lengths in self.real_lengths)
+        return (f"{len(self.real_lengths)} micro-batches of {len(self.real_lengths[0])} sequences, "
+                f"{tokens} target tokens, N={self.n}: windows {'+'.join(map(str, sizes))}")
+
+    def fresh(self) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
+        from equiv.zoo.adapters.transformers import NoLossKwargs, tiny_causal_lm, token_micro_batches
+
+        model = tiny_causal_lm()
+        if not self.loss_kwargs:
+            model = NoLossKwargs(model)
+        micro = token_micro_batches([list(lengths) for lengths in self.real_lengths])
+        return model, torch.optim.SGD(model.parameters(), lr=self.lr), micro
+
+    def count(self, micro_batch: Any) -> float:
+        return float((micro_batch["labels"][:, 1:] != -100).sum())
+
+    def mean_loss(self, model: nn.Module, micro_batch: Any) -> Tensor:
+        # Computed here, not by the model's own loss: next-token cross-entropy over real targets.
+        logits = model(input_ids=micro_batch["input_ids"], attention_mask=micro_batch["attention_mask"]).logits
+        targets = micro_batch["labels"][:, 1:]
+        loss_sum = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum")
+        return loss_sum / self.count(micro_batch)
+
+    def full_batch_loss(self, model: nn.Module, micro_batches: list[Any]) -> Tensor:
+        return self.mean_loss(model, {key: torch.cat([mb[key] for mb in micro_batches]) for key in micro_batches[0]})

@@ -16,10 +16,14 @@ Written by ``equiv report peers`` (``tox -e peers``).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.metadata
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -32,10 +36,22 @@ from equiv.cases.case import Case
 from equiv.checking.check import check
 from equiv.checking.contract import takes_keyword
 from equiv.reporting.markdown import markdown_table
-from equiv.reporting.peer_runs import EpochRun, Measure, classify_step, measure_epochs
+from equiv.reporting.peer_runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs
 from equiv.zoo.adapters import MindSporeAccumulator, MindSporeGradientAccumulation, textbook_step, torchtitan_step
 
-__all__ = ["CONFIGURATIONS", "EPOCH_RUNS", "KNOWN", "Peer", "peers", "peers_report", "smallest_counterexample"]
+__all__ = [
+    "CONFIGURATIONS",
+    "EPOCH_RUNS",
+    "KNOWN",
+    "TRAINER_RUNS",
+    "Peer",
+    "peers",
+    "peers_report",
+    "smallest_counterexample",
+    "trainer_cells",
+    "trainer_results",
+    "write_trainer_results",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +76,17 @@ def _epoch(micro_batches: int, n: int, epochs: int = 1) -> EpochRun:
     case = _EVEN.replace(batch_size=2 * micro_batches, micro_batch_sizes=(2,) * micro_batches, steps=1)
     return EpochRun(case, n, epochs)
 
+
+_UNEVEN_TOKENS = ((8, 2), (3, 3), (8, 8), (5, 2), (8, 4), (2, 2), (6, 7))
+_EQUAL_TOKENS = ((5, 5),) * 7
+
+#: column -> one ``Trainer.train()`` over padded token sequences (transformers rows).
+TRAINER_RUNS: dict[str, TokenRun] = {
+    "uneven token counts, one window: 3 micro-batches, N=3": TokenRun(_UNEVEN_TOKENS[:3], 3),
+    "uneven token counts, tail of a long epoch: 7 micro-batches, N=3": TokenRun(_UNEVEN_TOKENS, 3),
+    "equal token counts, tail of a long epoch: 7 micro-batches, N=3": TokenRun(_EQUAL_TOKENS, 3),
+    "equal token counts, epoch shorter than N: 2 micro-batches, N=3, 2 epochs": TokenRun(_EQUAL_TOKENS[:2], 3, 2),
+}
 
 #: column -> one run of the library over whole epochs (one DataLoader / one fit).
 EPOCH_RUNS: dict[str, EpochRun] = {
@@ -152,10 +179,13 @@ KNOWN: tuple[tuple[str, str, str, str], ...] = (
      "window of fewer than N batches, still divided by N", "measured: tail column, Accelerate accumulate()"),
     ("huggingface/accelerate", "#1970, #3877, #3780", "under DeepSpeed, backward() leaves the division by N to "
      "DeepSpeed's engine", "quoted (needs DeepSpeed; not run here)"),
+    ("huggingface/transformers", "PR #34191", "the 2024 fix: the Trainer counts the window's tokens and passes "
+     "num_items_in_batch to the model's loss; before it, a mean of per-micro-batch token means",
+     "measured: the transformers 4.45.2 rows (mean of means) against the 5.x forward(**kwargs) row (equivalent)"),
     ("huggingface/transformers", "#37766", "a model whose loss does not accept num_items_in_batch falls back to "
-     "the mean of per-micro-batch means", "quoted (transformers Trainer not driven yet)"),
+     "the mean of per-micro-batch means", "measured: the 5.x row 'model forward without **kwargs'"),
     ("huggingface/transformers", "PR #46204", "num_items_in_batch counted unshifted labels, one token per "
-     "sequence too many", "quoted"),
+     "sequence too many", "measured indirectly: 5.x counts shifted labels, so its forward(**kwargs) row is exact"),
     ("Lightning-AI/pytorch-lightning", "#20350", "token losses averaged as a mean of per-batch means",
      "measured: token-loss column, Lightning"),
     ("Lightning-AI/pytorch-lightning", "#19987", "the tail of an epoch is divided by accumulate_grad_batches, "
@@ -165,6 +195,64 @@ KNOWN: tuple[tuple[str, str, str, str], ...] = (
     ("huggingface/trl", "#2175", "FSDP accumulating gradients in 16-bit", "quoted (needs FSDP with mixed "
      "precision; not run here)"),
 )
+
+
+def trainer_cells(loss_kwargs: bool) -> dict[str, str]:
+    """One cell per :data:`TRAINER_RUNS` column for the installed transformers' Trainer."""
+    from equiv.zoo.adapters.transformers import TrainerRun
+
+    cells = {}
+    for column, template in TRAINER_RUNS.items():
+        run = dataclasses.replace(template, loss_kwargs=loss_kwargs)
+        result = measure(lambda model, optimizer, micro, run=run: TrainerRun(run.n).train(  # type: ignore[misc]
+            model, optimizer, micro, epochs=run.epochs), run)
+        cells[column] = "equivalent" if result.equivalent else _describe(result)
+    return cells
+
+
+def _not_a_step(configured_n: int | None) -> Callable[..., Any]:
+    raise TypeError("the Trainer owns its loop: it is measured over whole runs only")
+
+
+#: The model's forward with ``**kwargs`` (5.x passes it ``num_items_in_batch``; 4.45.2 passes nothing), and without.
+_TRAINER_VARIANTS = ((True, "model forward(**kwargs)"), (False, "model forward without **kwargs"))
+
+
+def trainer_results() -> dict[str, Any]:
+    """The installed transformers' Trainer measured: its version and one row of
+    cells per model variant (with and without ``num_items_in_batch`` in forward)."""
+    version = importlib.metadata.version("transformers")
+    return {"transformers": version,
+            "rows": [[f"transformers {version} Trainer: {what}", trainer_cells(loss_kwargs)]
+                     for loss_kwargs, what in _TRAINER_VARIANTS]}
+
+
+def write_trainer_results(path: str | Path) -> None:
+    """Measure the installed Trainer into ``path`` (JSON): how an older release,
+    installed in a tox env of its own (``tox -e peers-transformers445``), reaches the report."""
+    Path(path).write_text(json.dumps(trainer_results(), indent=1, sort_keys=True) + "\n")
+
+
+def _trainer_rows(saved: Path) -> list[_Row]:
+    """The installed transformers' Trainer, then releases measured in their own
+    env (``peers-trainer-*.json`` in ``saved``), oldest first."""
+    results = []
+    try:
+        importlib.import_module("transformers")
+        results.append(trainer_results())
+    except ImportError:
+        pass
+    results += [json.loads(path.read_text()) for path in sorted(saved.glob("peers-trainer-*.json"))]
+    rows = []
+    for result in sorted(results, key=lambda r: tuple(int(p) for p in r["transformers"].split(".")[:3])):
+        for name, cells in result["rows"]:
+            row = _Row(Peer(name, _not_a_step, "Trainer(args=TrainingArguments(gradient_accumulation_steps=N)).train()",
+                            family="transformers"))
+            for column in TRAINER_RUNS:
+                row.cells[column] = cells.get(column, "not measured")
+                _tally(row, column, row.cells[column])
+            rows.append(row)
+    return rows
 
 
 def _describe(measure: Measure) -> str:
@@ -277,7 +365,7 @@ def _summary(rows: list[_Row]) -> list[str]:
     """Three lines: who is equivalent everywhere measured, who only in some
     configurations (named), who nowhere."""
     everywhere = [r.peer.name for r in rows if not r.failing]
-    partly = [f"{r.peer.name} ({', '.join(_short(c) for c in r.equivalent)})" for r in rows if r.failing and r.equivalent]
+    partly = [f"{r.peer.name} ({' / '.join(_short(c) for c in r.equivalent)})" for r in rows if r.failing and r.equivalent]
     nowhere = [r.peer.name for r in rows if r.failing and not r.equivalent]
     return [
         f"- **Equivalent in every configuration measured:** {'; '.join(everywhere) or 'none'}.",
@@ -288,7 +376,7 @@ def _summary(rows: list[_Row]) -> list[str]:
 
 def _versions() -> dict[str, str]:
     versions = {name: importlib.metadata.version(name) for name in ("torch", "hypothesis")}
-    for optional in ("accelerate", "pytorch-lightning"):
+    for optional in ("accelerate", "pytorch-lightning", "transformers"):
         try:
             versions[optional] = importlib.metadata.version(optional)
         except importlib.metadata.PackageNotFoundError:
@@ -301,17 +389,19 @@ def _table(rows: list[_Row], columns: list[str]) -> str:
                                         for r in rows]))
 
 
-def peers_report() -> str:
-    """The markdown of reports/peers.md."""
+def peers_report(saved: Path = Path("reports")) -> str:
+    """The markdown of reports/peers.md; ``saved`` holds results measured in
+    other environments (an older transformers release)."""
     rows = [_evaluate(peer) for peer in peers()]
+    trainer = _trainer_rows(saved)
     own = [_evaluate(peer) for peer in _own()]
     searches = [entry for row in rows + own for entry in _counterexamples(row)]
     drives = [{"implementation": r.peer.name, "drives": r.peer.drives, "documented limitation": r.peer.documented or "-"}
-              for r in rows + own]
+              for r in rows + trainer + own]
     known = [{"repository": repo, "issue": number, "what": what, "here": how} for repo, number, what, how in KNOWN]
     return "\n\n".join([
         "# Peers report",
-        "\n".join(_summary(rows)),
+        "\n".join(_summary(rows + trainer)),
         "Generated by `tox -e peers` (`equiv report peers`); do not edit by hand. Each implementation runs "
         "through an adapter in `equiv/zoo/adapters/` and is checked against full-batch training.",
         "Versions: " + ", ".join(f"{name} {version}" for name, version in _versions().items()) + ".",
@@ -336,6 +426,17 @@ def peers_report() -> str:
         "each epoch. Micro-batches of 2 samples each, so only window handling can fail here.",
         _table([r for r in rows if r.peer.epochs is not None], list(EPOCH_RUNS)),
         "Data: " + "; ".join(f"{name}: {run.describe()}, `{run.case!r}`" for name, run in EPOCH_RUNS.items()),
+        "## transformers Trainer: one train() per run",
+        "A one-layer Llama built from a config (nothing downloaded), float64, SGD lr 0.5 with a constant "
+        "schedule, clipping off, sequential order; right-padded sequences of 8 tokens, 2 per micro-batch, "
+        "labels -100 on padding. Each optimizer step is compared with the full-batch step over the same window "
+        "(cross-entropy over every real next-token target of the window, computed independently of the model's "
+        "own loss). The model's RMSNorm computes in float32, so steps count as equal within 1e-5 of the update. "
+        "transformers 4.45.2 is the last release before the 2024 fix (transformers #34191); it is measured in "
+        "`tox -e peers-transformers445` (its results in reports/peers-trainer-4.45.2.json).",
+        _table(trainer, list(TRAINER_RUNS)) if trainer else
+        "transformers is not installed (pip install equiv[peers]): not measured.",
+        "Data: " + "; ".join(f"{name}: {run.describe()}" for name, run in TRAINER_RUNS.items()),
         "## equiv's own loops (reference points, not peers)",
         "These call equiv's helpers (`equiv.losses`); the torchtitan-style loop is equiv's code written in "
         "torchtitan's manner (loss sum / the window's valid-token count), not torchtitan's.",
