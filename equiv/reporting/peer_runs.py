@@ -35,6 +35,7 @@ from equiv.zoo.bugs import clip_per_micro_batch
 __all__ = [
     "KINDS",
     "PER_MICRO_BATCH_CLIPPING",
+    "WINDOW_BOUNDARY",
     "EpochRun",
     "EpochRunner",
     "Kind",
@@ -147,7 +148,9 @@ class UpdateGap:
         if self.scale == 0.0:
             return f"step {self.step}: no update where full batch updates"
         direction = "sign flipped" if self.cosine < -0.99 else f"cos {self.cosine:.2f}"
-        return f"step {self.step}: update {self.scale:.3g}x the full-batch one, {direction}"
+        # The gap too: under Adam a 3x gradient moves the update only through eps (scale "1x").
+        return (f"step {self.step}: update {self.scale:.3g}x the full-batch one, {direction}, "
+                f"off by {self.relative:.2g} of it")
 
 
 def _flat(params: dict[str, Tensor]) -> Tensor:
@@ -276,7 +279,7 @@ def classify_step(candidate: Callable[..., Any], case: Case, *, configured_n: in
     if gap is None:
         return Measure(None)
     if gap.scale == 0.0:
-        return Measure(gap, Kind("window boundary", _exact, "no update in a window that full batch updates"))
+        return Measure(gap, WINDOW_BOUNDARY)
     suspects = [(kind, _weighted_step(kind.weights, configured_n)) for kind in KINDS]
     for kind, suspect in [*suspects, (PER_MICRO_BATCH_CLIPPING, clip_per_micro_batch)]:
         if _first_gap(trajectory, _flat_trajectory(case, suspect)) is None:
@@ -287,6 +290,11 @@ def classify_step(candidate: Callable[..., Any], case: Case, *, configured_n: in
 #: Not a weighting: matched by equiv's own bug of that name (correct weights, clipped every micro-batch).
 PER_MICRO_BATCH_CLIPPING = Kind("per-micro-batch clipping", _exact,
                                 "the running gradient clipped after every micro-batch (transformers #986, #1563)")
+
+
+#: Not a weighting: a step missing, or taken at the wrong micro-batch (a window spanning epochs).
+WINDOW_BOUNDARY = Kind("window boundary", _exact, "an optimizer step missing, or taken at the wrong micro-batch: a "
+                       "short window never stepped, or one that spans an epoch boundary")
 
 
 # -- runs spanning all windows -------------------------------------------------------------------------

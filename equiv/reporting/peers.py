@@ -36,7 +36,17 @@ from equiv.cases.case import Case
 from equiv.checking.check import check
 from equiv.checking.contract import takes_keyword
 from equiv.reporting.markdown import markdown_table
-from equiv.reporting.peer_runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs
+from equiv.reporting.peer_runs import (
+    KINDS,
+    PER_MICRO_BATCH_CLIPPING,
+    WINDOW_BOUNDARY,
+    EpochRun,
+    Measure,
+    TokenRun,
+    classify_step,
+    measure,
+    measure_epochs,
+)
 from equiv.zoo.adapters import MindSporeAccumulator, MindSporeGradientAccumulation, textbook_step, torchtitan_step
 
 __all__ = [
@@ -107,6 +117,8 @@ class Peer:
     epochs: Callable[[int], Any] | None = None
     documented: str = ""
     family: str = ""
+    #: kind of failure -> the upstream report it matches, named in the cell
+    issues: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +138,7 @@ def peers() -> list[Peer]:
              documented="exact only for equal micro-batches of a sample mean (train.py: loss / gradient_accumulation_steps)"),
         Peer("MindSpore r1.3 GradientAccumulation (port)", lambda n: MindSporeGradientAccumulation(n),
              "MindSpore r1.0/r1.3 tutorial: grad_sum, TrainOptim, TrainClear, mini_steps",
+             issues={"window boundary": "k restarts each epoch, grad_sum is kept"},
              epochs=lambda n: MindSporeGradientAccumulation(n), family="MindSpore tutorial ports",
              documented="the tutorial adds gradients of mean losses with no division by mini_steps"),
         Peer("MindSpore 2.0 Accumulator (port)", lambda n: MindSporeAccumulator(n),
@@ -140,6 +153,7 @@ def peers() -> list[Peer]:
             Peer(f"Accelerate {version}: accumulate()", lambda n: AccelerateStep(n),
                  "Accelerator(gradient_accumulation_steps=N), accumulate(), backward()",
                  epochs=lambda n: AccelerateStep(n), family="Accelerate",
+                 issues={"tail divided by N": "accelerate #1847"},
                  documented="backward() divides by N; the end of the DataLoader closes a window (accelerate #1847)"),
             Peer(f"Accelerate {version}: accumulate(), sync_with_dataloader=False",
                  lambda n: AccelerateStep(n, sync_with_dataloader=False),
@@ -158,6 +172,7 @@ def peers() -> list[Peer]:
         version = importlib.metadata.version("pytorch-lightning")
         out.append(Peer(f"Lightning {version}", lambda n: LightningStep(n), "Trainer(accumulate_grad_batches=N)",
                         epochs=lambda n: LightningStep(n), family="Lightning",
+                        issues={"tail divided by N": "Lightning #19987, #21808", "mean of means": "Lightning #20350"},
                         documented="mean of per-batch means (Lightning #20350); tail divided by N (#19987)"))
     except ImportError:
         pass
@@ -201,12 +216,14 @@ def trainer_cells(loss_kwargs: bool) -> dict[str, str]:
     """One cell per :data:`TRAINER_RUNS` column for the installed transformers' Trainer."""
     from equiv.zoo.adapters.transformers import TrainerRun
 
+    before_fix = tuple(int(p) for p in importlib.metadata.version("transformers").split(".")[:2]) < (4, 46)
+    issues = {"mean of means": "transformers #34191" if before_fix else "transformers #37766" if not loss_kwargs else ""}
     cells = {}
     for column, template in TRAINER_RUNS.items():
         run = dataclasses.replace(template, loss_kwargs=loss_kwargs)
         result = measure(lambda model, optimizer, micro, run=run: TrainerRun(run.n).train(  # type: ignore[misc]
             model, optimizer, micro, epochs=run.epochs), run)
-        cells[column] = "equivalent" if result.equivalent else _describe(result)
+        cells[column] = "equivalent" if result.equivalent else _describe(result, issues)
     return cells
 
 
@@ -255,8 +272,11 @@ def _trainer_rows(saved: Path) -> list[_Row]:
     return rows
 
 
-def _describe(measure: Measure) -> str:
-    return f"NOT equivalent: {measure.describe()}"
+def _describe(measure: Measure, issues: dict[str, str]) -> str:
+    """A NOT cell: the kind(s) of failure, the upstream report each matches, the magnitude."""
+    matched = [issues[kind] for kind in measure.kind_name().split(" + ") if issues.get(kind)]
+    upstream = f" ({'; '.join(matched)})" if matched else ""
+    return f"NOT equivalent: {measure.describe()}{upstream}"
 
 
 def _window_cell(peer: Peer, column: str, case: Case) -> tuple[str, str | None]:
@@ -273,14 +293,14 @@ def _window_cell(peer: Peer, column: str, case: Case) -> tuple[str, str | None]:
         first = verdict.first_mismatch
         assert first is not None
         return f"NOT equivalent: float32 only, step {first.step}, {first.label}", "float32 rounding"
-    return _describe(measure), measure.kind_name()
+    return _describe(measure, peer.issues), measure.kind_name()
 
 
 def _epoch_cell(peer: Peer, run: EpochRun) -> str:
     if peer.epochs is None:
         return "n/a (no epoch loop)"
     measure = measure_epochs(peer.epochs(run.n), run)
-    return "equivalent" if measure.equivalent else _describe(measure)
+    return "equivalent" if measure.equivalent else _describe(measure, peer.issues)
 
 
 def _search_space(candidate: Callable[..., Any]) -> Any:
@@ -357,6 +377,9 @@ def _counterexamples(row: _Row) -> list[dict[str, str]]:
     return out
 
 
+_ALL_KINDS = (*KINDS, PER_MICRO_BATCH_CLIPPING, WINDOW_BOUNDARY)
+
+
 def _short(column: str) -> str:
     return column.split(":")[0].split(" (")[0]
 
@@ -411,8 +434,11 @@ def peers_report(saved: Path = Path("reports")) -> str:
         "1/len(window); tail divided by N: a short window still divided by the configured N; sum without "
         "division; per-micro-batch clipping; window boundary: a step missing or taken at the wrong micro-batch). "
         "Its magnitude is the first differing update against the full-batch update from the same weights: "
-        "`update 0.75x` is three quarters of the step; `cos` is the angle between the two updates, and "
-        "`sign flipped` says Adam's first step (about lr * sign(g)) went the other way.",
+        "`update 0.75x` is three quarters of the step; `cos` is the cosine between the two updates, and "
+        "`sign flipped` says Adam's first step (about lr * sign(g)) went the other way; `off by` is "
+        "|update - full-batch update| / |full-batch update| (a sign flip is off by 2, Adam absorbing a 3x "
+        "gradient is off by only eps's share).",
+        markdown_table(pd.DataFrame([{"kind of failure": kind.name, "what it is": kind.means} for kind in _ALL_KINDS])),
         "## One window per call",
         "The candidate contract (`equiv.check`): each window is handed to the implementation on its own, "
         "N = the window's micro-batch count; both tiers (float64 exact, float32 noise floor).",

@@ -83,6 +83,20 @@ class MindSporeGradientAccumulation(_PortedLoop):
     ``train_process`` calls ``TrainOptim`` (``optimizer(grad_sum)``) and
     ``TrainClear`` when ``(k + 1) % mini_steps == 0``, ``k`` counting mini-batches
     through the epoch.  Nothing divides by ``mini_steps``: an unscaled sum.
+    ``run_epochs`` follows the tutorial's ``train_process``
+    (https://www.mindspore.cn/tutorial/training/en/r1.0/advanced_use/apply_gradient_accumulation.html)::
+
+        for i in range(epoch):
+            step = 0
+            for k, next_element in enumerate(dataset_helper):
+                loss = self._train_forward_backward(*next_element)
+                if (k + 1) % mini_steps == 0:
+                    step += 1
+                    ...
+                    self._train_optim()
+                    self._train_clear()
+
+    so ``k`` restarts each epoch while ``grad_sum`` keeps an epoch's partial window.
 
     ``mini_steps`` None: the number of micro-batches in the window.
     """
