@@ -3,19 +3,43 @@
 These pin today's behaviour: if a peer changes, a test fails (rather than the
 peers report silently changing).  Accelerate and Lightning tests need the
 extras (`pip install equiv[peers]`) and skip with a reason without them.
+Each adapter pins one number an outside script can reproduce with the library
+alone (the toy: x = 1..8, y = 2x, w = 0, MSE, SGD lr 0.02).
 """
 
+import dataclasses
+
 import pytest
+import torch
 
 import equiv
-from equiv.reporting.peers import CONFIGURATIONS, smallest_counterexample
+from equiv.cases.standard import TOY_CASE
+from equiv.checking.trajectory import run_candidate
+from equiv.reporting.peer_runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs, update_gap
+from equiv.reporting.peers import CONFIGURATIONS, EPOCH_RUNS, TRAINER_RUNS, smallest_counterexample
 from equiv.zoo.adapters import MindSporeAccumulator, MindSporeGradientAccumulation, textbook_step, torchtitan_step
+from equiv.zoo.bugs import clip_per_micro_batch, unscaled_sum
 
 EVEN = CONFIGURATIONS["equal splits, SGD"]
 ADAM = CONFIGURATIONS["equal splits, Adam"]
 UNEVEN = CONFIGURATIONS["uneven splits 1+4+7"]
 TOKENS = CONFIGURATIONS["token loss, causal LM, equal splits"]
 CLIPPED = CONFIGURATIONS["clipping (active), equal splits"]
+MID_EPOCH = EPOCH_RUNS["mid-epoch windows: 9 micro-batches, N=3"]
+LONG_TAIL = EPOCH_RUNS["tail of a long epoch: 7 micro-batches, N=3 (Lightning #19987)"]
+SHORT_EPOCH = EPOCH_RUNS["epoch shorter than N: 2 micro-batches, N=3, 2 epochs (Lightning #21808)"]
+TWO_EPOCHS = EPOCH_RUNS["epoch boundary: 7 micro-batches, N=3, 2 epochs"]
+#: The toy's 8 samples as 3+3+2, one window of N=3: sum of per-micro-batch means of x^2 is
+#: 14/3 + 77/3 + 113/2, so loss / N gives w = 0.02 * 4 * (that / 3) = 2.315556 where full batch gives 2.04.
+TOY_UNEVEN = TOY_CASE.replace(micro_batch_sizes=(3, 3, 2))
+#: The toy as one epoch of 8 micro-batches of one sample, N=3: windows 3+3+2.
+TOY_EPOCH = EpochRun(TOY_CASE.replace(micro_batch_sizes=(1,) * 8), 3)
+
+
+def toy_w(candidate: object) -> float:
+    """w after the toy's one step, computed in float64."""
+    snapshots = run_candidate(TOY_UNEVEN, candidate, torch.float64)  # type: ignore[arg-type]
+    return float(snapshots[1].params["weight"])
 
 
 def first_update_mismatch(candidate: object, case: equiv.Case) -> equiv.TensorDiff:
@@ -64,23 +88,81 @@ def test_mindspore_2_port_cannot_clip_and_misses_short_tails() -> None:
     assert first_update_mismatch(MindSporeAccumulator(4), EVEN).max_rel_diff == 1.0
 
 
-def test_accelerate_divides_a_short_tail_window_by_the_full_n() -> None:
+def test_accelerate_averages_micro_batch_means_on_the_toy_and_its_recipe_does_not() -> None:
     accelerate = pytest.importorskip("equiv.zoo.adapters.accelerate", reason="needs the accelerate extra")
+    assert abs(toy_w(accelerate.AccelerateStep()) - 0.02 * 4 * (14 / 3 + 77 / 3 + 113 / 2) / 3) < 1e-12
+    assert round(toy_w(accelerate.AccelerateStep()), 5) == 2.31556
+    # The guide's variable-size recipe (num_items_in_batch, loss * N) lands on the full-batch 2.04.
+    assert abs(toy_w(accelerate.AccelerateVariableSizeStep()) - 2.04) < 1e-12
     assert equiv.check(accelerate.AccelerateStep(), EVEN)
     assert equiv.check(accelerate.AccelerateStep(), CLIPPED)
-    assert first_update_mismatch(accelerate.AccelerateStep(), UNEVEN).step == 1
-    # N=4 configured, 3 micro-batches: stepped at the end of data but scaled by 3/4.
-    assert abs(first_update_mismatch(accelerate.AccelerateStep(4), EVEN).max_rel_diff - 0.25) < 1e-6
-    # Without sync_with_dataloader the short window is not stepped at all.
-    assert first_update_mismatch(accelerate.AccelerateStep(4, sync_with_dataloader=False), EVEN).max_rel_diff == 1.0
+    assert equiv.check(accelerate.AccelerateVariableSizeStep(), UNEVEN)
+    assert equiv.check(accelerate.AccelerateVariableSizeStep(), TOKENS)
 
 
-def test_lightning_divides_a_short_tail_window_by_the_full_n() -> None:
+def test_accelerate_one_dataloader_divides_the_epoch_tail_by_n() -> None:
+    accelerate = pytest.importorskip("equiv.zoo.adapters.accelerate", reason="needs the accelerate extra")
+    assert measure_epochs(accelerate.AccelerateStep(3), MID_EPOCH).equivalent  # the mid-epoch counter is right
+    tail = measure_epochs(accelerate.AccelerateStep(3), LONG_TAIL)
+    assert tail.kind_name() == "tail divided by N" and tail.gap is not None
+    assert tail.gap.step == 3 and abs(tail.gap.scale - 1 / 3) < 1e-9  # one micro-batch of a window of 3
+    # The toy, one sample per micro-batch, one DataLoader, N=3: the 2-sample tail scaled by 2/3.
+    assert abs(measure_epochs(accelerate.AccelerateStep(3), TOY_EPOCH).gap.scale - 2 / 3) < 1e-9  # type: ignore[union-attr]
+    # Without sync_with_dataloader the tail is never stepped.
+    missed = measure_epochs(accelerate.AccelerateStep(3, sync_with_dataloader=False), LONG_TAIL)
+    assert missed.steps == (2, 3) and missed.kind_name() == "window boundary"
+    for run in (LONG_TAIL, SHORT_EPOCH, TWO_EPOCHS, TOY_EPOCH):
+        assert measure_epochs(accelerate.AccelerateVariableSizeStep(3), run).equivalent
+
+
+def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means() -> None:
     lightning = pytest.importorskip("equiv.zoo.adapters.lightning", reason="needs the lightning extra")
     assert equiv.check(lightning.LightningStep(), EVEN)
     assert equiv.check(lightning.LightningStep(), CLIPPED)  # clips once, after accumulation
-    assert first_update_mismatch(lightning.LightningStep(), UNEVEN).step == 1
-    assert abs(first_update_mismatch(lightning.LightningStep(4), EVEN).max_rel_diff - 0.25) < 1e-6
+    assert round(toy_w(lightning.LightningStep()), 5) == 2.31556
+    assert classify_step(lightning.LightningStep(), TOKENS).kind_name() == "mean of means"  # Lightning #20350
+    assert measure_epochs(lightning.LightningStep(3), MID_EPOCH).equivalent
+    tail = measure_epochs(lightning.LightningStep(3), LONG_TAIL)  # Lightning #19987
+    assert tail.kind_name() == "tail divided by N" and tail.gap is not None and abs(tail.gap.scale - 1 / 3) < 1e-9
+    short = measure_epochs(lightning.LightningStep(3), SHORT_EPOCH)  # Lightning #21808: steps every epoch
+    assert short.steps == (2, 2) and short.gap is not None and abs(short.gap.scale - 2 / 3) < 1e-9
+
+
+def test_transformers_trainer_is_exact_with_num_items_in_batch_and_averages_token_means_without() -> None:
+    # 5.x: the release the peers extra installs (4.45.2 is measured in tox -e peers-transformers445).
+    pytest.importorskip("transformers", minversion="5.0", reason="needs the transformers 5.x of the peers extra")
+    from equiv.zoo.adapters.transformers import TrainerRun
+
+    def trainer_measure(run: TokenRun) -> Measure:
+        return measure(lambda model, optimizer, micro: TrainerRun(run.n).train(model, optimizer, micro,
+                                                                               epochs=run.epochs), run)
+
+    uneven = TRAINER_RUNS["uneven token counts, tail of a long epoch: 7 micro-batches, N=3"]
+    assert trainer_measure(uneven).equivalent  # the window's token count reaches the loss, tail included
+    fallback = trainer_measure(dataclasses.replace(uneven, loss_kwargs=False))  # transformers #37766
+    assert fallback.kind_name() == "mean of means" and fallback.gap is not None and fallback.gap.step == 1
+    # 8, 4 and 14 target tokens: each micro-batch's mean weighted 1/3 instead of 8/26, 4/26, 14/26.
+    assert 0.5 < fallback.gap.cosine < 0.999
+
+
+def test_mindspore_r13_port_leaks_a_partial_window_into_the_next_epoch() -> None:
+    # 7 micro-batches, mini_steps=3, 2 epochs: k restarts at 0 each epoch but grad_sum is not cleared,
+    # so epoch 2's first window also carries epoch 1's last micro-batch; 4 steps instead of 6.
+    leak = measure_epochs(MindSporeGradientAccumulation(3), TWO_EPOCHS)
+    assert leak.steps == (4, 6)
+    assert leak.kind_name() == "sum without division + window boundary"
+    assert leak.gap is not None and abs(leak.gap.scale - 3.0) < 1e-9 and leak.gap.cosine > 0.999
+
+
+def test_failures_are_named_by_kind() -> None:
+    assert classify_step(textbook_step, UNEVEN).kind_name() == "mean of means"
+    assert classify_step(unscaled_sum, EVEN).kind_name() == "sum without division"
+    assert classify_step(clip_per_micro_batch, CLIPPED).kind_name() == "per-micro-batch clipping"
+    assert classify_step(equiv.accumulator_step, UNEVEN).gap is None
+    # Adam's first step is about lr * sign(g): a flipped step is "2 relative" but reads as a sign flip here.
+    before, full = torch.zeros(3), torch.tensor([0.01, -0.01, 0.01])
+    flipped = update_gap(1, before, -full, full)
+    assert flipped.relative == 2.0 and abs(flipped.cosine + 1) < 1e-12 and "sign flipped" in flipped.describe()
 
 
 def test_stateful_adapters_start_afresh_for_each_run() -> None:

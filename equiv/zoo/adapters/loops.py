@@ -1,4 +1,4 @@
-"""Hand-written loops as people write them."""
+"""Hand-written loops: nanoGPT's, and equiv's own in torchtitan's style."""
 
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ def textbook_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batc
 
 def torchtitan_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
                     loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
-    """torchtitan's item-normalised loop: count the window's valid items first
-    (``global_valid_tokens``), then each micro-batch's loss is its SUM over
-    items divided by that global count, so no later rescaling is needed."""
+    """equiv's own loop written in torchtitan's style (it calls equiv's
+    ``item_count`` / ``loss_sum_and_count``, not torchtitan's code): count the
+    window's valid items first (torchtitan's ``global_valid_tokens``), then each
+    micro-batch's loss is its SUM over items divided by that global count, so
+    no later rescaling is needed.  A reference point, not a peer."""
     optimizer.zero_grad(set_to_none=True)
     global_valid_items = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
     for inputs, targets in micro_batches:
