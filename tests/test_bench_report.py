@@ -193,3 +193,20 @@ def test_planner_regret_rows_say_whether_the_goal_is_met() -> None:
     assert [row["regret"] for row in rows] == ["0.0%", "20.0%"]
     assert [row["goal <= 5%"] for row in rows] == ["met", "NOT met"]
     assert rows[1]["probes (over budget)"] == "4 (1)"
+
+
+def test_a_committed_full_scaling_run_is_shown_beside_this_runs_sizes() -> None:
+    full = {"datetime": "2026-11-23T03:18:39", "benchmarks": [{
+        "name": "test_check_scaling[124M GPT-2]",
+        "extra_info": {"scaling": True, "size": "124M GPT-2", "parameters": 124_439_808, "check_median_s": 160.8,
+                       "own_steps_median_s": 9.59, "time_ratio": 16.8, "bare_runs_ratio": 14.9,
+                       "check_over_bare_runs": 1.13, "check_bytes_per_parameter": 110.0, "growth_model_states": 2.93,
+                       "load_average_1min": 2.43, "torch_version": "2.13.0+cpu", "threads": 1},
+        "stats": {"median": 160.8},
+    }]}
+    report = render_report(_fixture(), scaling_full=full)
+    assert "run of 2026-11-23T03:18:39" in report
+    rows = _table_after(report, "committed as reports/check_scaling_full.json")
+    assert len(rows) == 1 and rows[0]["model"] == "124M GPT-2"
+    assert rows[0]["bare runs / own steps"] == "14.9x" and rows[0]["check / bare runs"] == "1.13x"
+    assert rows[0]["time target <= 15x"] == "NOT met" and rows[0]["memory target <= 4"] == "met"

@@ -37,7 +37,8 @@ OVERHEAD_TARGET_N = 8
 IMPLEMENTATION_ORDER = {"native": 0, "accumulator": 1, "checkpoint": 2}
 GENERATE_COMMANDS = (
     "python -m pytest benchmarks --benchmark-only --benchmark-json=reports/benchmarks.json\n"
-    "equiv report benchmarks --json reports/benchmarks.json --out reports/benchmarks.md"
+    "equiv report benchmarks --json reports/benchmarks.json --scaling-full reports/check_scaling_full.json "
+    "--out reports/benchmarks.md"
 )
 
 
@@ -246,8 +247,14 @@ def _chart(workload: str, frame: pd.DataFrame) -> list[str]:
     ]
 
 
-def render_report(raw: dict[str, Any], *, source: str = "reports/benchmarks.json") -> str:
-    """The whole markdown report from parsed ``--benchmark-json`` output."""
+def render_report(
+    raw: dict[str, Any], *, source: str = "reports/benchmarks.json", scaling_full: dict[str, Any] | None = None
+) -> str:
+    """The whole markdown report from parsed ``--benchmark-json`` output.
+
+    ``scaling_full``: a committed full run of the check-scaling benchmark
+    (too long for CI: up to a 124M-parameter model), shown beside this run's
+    quick sizes, with its own date and load."""
     steps, paired = load_benchmarks(raw)
     if steps.empty:
         raise ValueError(f"{source} holds no equiv step benchmarks (none with extra_info['workload'])")
@@ -318,7 +325,7 @@ def render_report(raw: dict[str, Any], *, source: str = "reports/benchmarks.json
         lines += ["### Fitted cost model", "", *fit_lines, "", *_chart(workload, frame), ""]
     lines += _peers_section(raw)
     lines += _regret_section(raw)
-    lines += _scaling_section(raw)
+    lines += _scaling_section(raw, scaling_full)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -401,13 +408,35 @@ def _peers_section(raw: dict[str, Any]) -> list[str]:
 CHECK_TIME_TARGET, CHECK_MEMORY_TARGET = 15.0, 4.0
 
 
-def _scaling_section(raw: dict[str, Any]) -> list[str]:
-    """The cost of equiv.check itself as the model grows (benchmarks/test_check_scaling.py)."""
+def _scaling_rows(raw: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [bench["extra_info"] for bench in raw.get("benchmarks", []) if bench.get("extra_info", {}).get("scaling")]
-    if not rows:
+    return sorted(rows, key=lambda info: info["parameters"])
+
+
+def _scaling_section(raw: dict[str, Any], scaling_full: dict[str, Any] | None = None) -> list[str]:
+    """The cost of equiv.check itself as the model grows (benchmarks/test_check_scaling.py)."""
+    rows = _scaling_rows(raw)
+    full_rows = _scaling_rows(scaling_full or {})
+    if not rows and not full_rows:
         return []
-    rows.sort(key=lambda info: info["parameters"])
-    table = pd.DataFrame([
+    full_note: list[str] = []
+    if full_rows:
+        loads = sorted(float(info["load_average_1min"]) for info in full_rows if "load_average_1min" in info)
+        full_note = [
+            f"Full run (`EQUIV_BENCH_QUICK=0 pytest benchmarks/test_check_scaling.py --benchmark-only`), committed "
+            f"as reports/check_scaling_full.json: run of {str((scaling_full or {}).get('datetime', 'unknown time'))[:19]}"
+            f", torch {full_rows[0].get('torch_version', '?')}, {full_rows[0].get('threads', '?')} thread(s), "
+            f"1-minute load {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}.",
+            "",
+            markdown_table(_scaling_table(full_rows)),
+            "",
+        ]
+    quick = [f"This run ({'quick' if rows and rows[0].get('quick') else 'full'}):", "", markdown_table(_scaling_table(rows)), ""] if rows else []
+    return [*_scaling_intro(), *quick, *full_note]
+
+
+def _scaling_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame([
         {
             "model": info["size"] if "GPT" in str(info.get("size")) else "MLP",
             "parameters": f"{info['parameters'] / 1e6:.2f}M",
@@ -424,6 +453,9 @@ def _scaling_section(raw: dict[str, Any]) -> list[str]:
         }
         for info in rows
     ])
+
+
+def _scaling_intro() -> list[str]:
     return [
         "## What a check costs as the model grows",
         "",
@@ -435,8 +467,6 @@ def _scaling_section(raw: dict[str, Any]) -> list[str]:
         "(parameters + AdamW's two moments in float64, 24 bytes per parameter) beyond that run. *bare runs / own "
         "steps* is the part no comparison can remove (float64 costs 2-3x float32 on a CPU); *check / bare runs* "
         "is what comparing adds.",
-        "",
-        markdown_table(table),
         "",
     ]
 
