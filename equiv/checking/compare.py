@@ -85,14 +85,22 @@ class _Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+        #: Views already made, per slot and shape (a model has few shapes; a view costs a call).
+        self._views: dict[tuple[str, torch.dtype, torch.device, torch.Size], Tensor] = {}
 
     def get(self, slot: str, shape: torch.Size, device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
+        view = self._views.get((slot, dtype, device, shape))
+        if view is not None:
+            return view
         key = (slot, dtype, device)
         numel = math.prod(shape)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
+            # A larger buffer: views of the old one would outlive it, so they go.
             buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer[:numel].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[:3] != key}
+        view = self._views[(slot, dtype, device, shape)] = buffer[:numel].view(shape)
+        return view
 
 
 class TruthTrajectory:
@@ -210,7 +218,7 @@ class _RunStart:
         if value is None:
             return None
         value = value.detach()
-        if device is not None and value.dim():
+        if device is not None and value.dim() and value.device != device:
             value = value.to(device)  # a rank's run may live on another device than the truth
         # (p_k - p_0) - (t_k - t_0), state - truth state: the same operations as
         # on float64 copies (type promotion to float64 is exact), in one temporary.
