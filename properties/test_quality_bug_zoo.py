@@ -1,5 +1,7 @@
 """Quality of the search: equiv.verify FINDS every bug in the zoo, and shrinks
-it to a case that says what is wrong.
+it to a case that says what is wrong.  The blind-spot bugs (exact unless a
+setting the search could not draw before is drawn) have their own suite:
+test_quality_blind_spots.py.
 
 Each search runs under the loaded Hypothesis profile (ci: derandomized, so
 the same counterexample every run).  Shrunk-case assertions state what the
@@ -14,7 +16,7 @@ from hypothesis import given, note, settings
 import equiv
 from equiv import strategies as eqst
 from equiv.checking.verify import VerifyResult, verify
-from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
+from equiv.zoo.bugs import BLIND_SPOT_BUGS, BUGS, ITEM_WEIGHTED_BUGS
 
 
 def two_pieces(case: equiv.Case) -> bool:
@@ -55,10 +57,11 @@ def search(name: str) -> VerifyResult:
 
 def test_the_zoo_holds_at_least_10_kinds_of_bug_each_with_a_shrink_claim() -> None:
     assert len(BUGS) >= 10
-    assert set(SHRUNK) == set(BUGS)
+    # Every bug has a claim here or, for a blind spot, in test_quality_blind_spots.py.
+    assert set(SHRUNK) == set(BUGS) - BLIND_SPOT_BUGS
 
 
-@pytest.mark.parametrize("name", sorted(BUGS))
+@pytest.mark.parametrize("name", sorted(set(BUGS) - BLIND_SPOT_BUGS))
 def test_search_finds_and_shrinks_a_counterexample_to(name: str) -> None:
     result = search(name)
     assert result.found, f"no counterexample to {name} in {result.examples} cases"

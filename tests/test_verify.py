@@ -223,3 +223,16 @@ def test_torch_warnings_are_shown_once_per_search() -> None:
     assert result.examples >= 5
     mine = [w for w in caught if "the same warning every call" in str(w.message)]
     assert len(mine) == 1 and "shown once" in str(mine[0].message)
+
+
+def test_the_search_bounds_come_from_the_command_line(steps_file: Path, tmp_path: Path) -> None:
+    report = tmp_path / "result.json"
+    assert main(["verify", f"{steps_file}:good", "--max-examples", "10", "--seed", "3", "--families", "mlp",
+                 "--max-batch-size", "6", "--max-micro-batches", "3", "--json", str(report)]) == 0
+    search = json.loads(report.read_text())["search"]
+    assert (search["max_batch_size"], search["max_micro_batches"]) == (6, 3)
+
+
+def test_a_bad_search_bound_is_a_usage_error(steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", f"{steps_file}:good", "--max-micro-batches", "0"]) == 2
+    assert "max_micro_batches" in capsys.readouterr().err
