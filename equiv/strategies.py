@@ -13,8 +13,8 @@ code lives in :mod:`equiv.cases.strategies`.  Use them in your own tests::
 
 from equiv.cases.strategies import (
     CLIPPING,
-    DEFAULT_FEW_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_EXTRA_SAMPLES,
     DEFAULT_MAX_MICRO_BATCHES,
     FEW_MICRO_BATCHES,
     ITEM_WEIGHTED_LOSSES,
@@ -33,8 +33,8 @@ from equiv.cases.strategies import (
 
 __all__ = [
     "CLIPPING",
-    "DEFAULT_FEW_MAX_BATCH_SIZE",
     "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_MAX_EXTRA_SAMPLES",
     "DEFAULT_MAX_MICRO_BATCHES",
     "FEW_MICRO_BATCHES",
     "ITEM_WEIGHTED_LOSSES",

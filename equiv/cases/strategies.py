@@ -32,8 +32,8 @@ from equiv.losses import LOSSES
 
 __all__ = [
     "CLIPPING",
-    "DEFAULT_FEW_MAX_BATCH_SIZE",
     "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_MAX_EXTRA_SAMPLES",
     "DEFAULT_MAX_MICRO_BATCHES",
     "FEW_MICRO_BATCHES",
     "ITEM_WEIGHTED_LOSSES",
@@ -69,27 +69,26 @@ OPTIMIZERS: tuple[str, ...] = (
 #: Clipping regimes: no clipping, a norm the gradient never reaches, one it always exceeds.
 CLIPPING: tuple[str, ...] = ("none", "inactive", "active")
 #: Most cases have up to this many micro-batches (fewer more likely); about one
-#: in five has more, up to ``max_micro_batches`` (see :data:`_COUNT_TABLE`).
+#: in five has more, up to ``max_micro_batches`` (see :func:`_count_table`).
 FEW_MICRO_BATCHES = 8
 #: The default bounds of :func:`cases`: N = 32 micro-batches (people run 8,
-#: 16, 32) need a batch of 32 samples or more, so batches go up to 40 when
-#: there are more than FEW_MICRO_BATCHES micro-batches, and up to
-#: DEFAULT_FEW_MAX_BATCH_SIZE otherwise (small batches shrink in few steps,
-#: and a search spends most of its checks shrinking).
+#: 16, 32), each batch holding its micro-batch count plus 0 to
+#: DEFAULT_MAX_EXTRA_SAMPLES more samples (so up to 40 samples for 32
+#: micro-batches, up to 16 for 8: small batches shrink in few steps, and a
+#: search spends most of its checks shrinking).
 DEFAULT_MAX_MICRO_BATCHES = 32
-DEFAULT_MAX_BATCH_SIZE = 40
-DEFAULT_FEW_MAX_BATCH_SIZE = 12
+DEFAULT_MAX_EXTRA_SAMPLES = 8
+DEFAULT_MAX_BATCH_SIZE = DEFAULT_MAX_MICRO_BATCHES + DEFAULT_MAX_EXTRA_SAMPLES
 #: How many micro-batches a case has: ``table[i]`` for one drawn index ``i``,
-#: the table sorted, so the count is ONE integer choice that shrinks smoothly
-#: from 32 down to 1 (a regime drawn first and then a count would strand the
-#: shrinker among many-piece cases: lowering the regime reinterprets every
-#: later draw).  Weights: fewer pieces more likely up to 8, then 14 entries in
-#: 60 (23%; about 15-20% of Hypothesis's draws, which lean to the low end) for
+#: the table sorted, so the count is ONE integer choice that the shrinker
+#: lowers like any integer (toward 1), and a case found with 32 micro-batches
+#: shrinks to 2 when 2 show the difference.  Weights: fewer pieces more likely
+#: up to 8, then 10 entries in 56 (18%; about 20% of Hypothesis's draws) for
 #: 9..32 with 16 and 32 (what people run) weighted up: often enough that a bug
 #: showing only past 8 is met within a search of 60 cases, rare enough that
 #: searches stay cheap (a check with 32 micro-batches costs about twice one with 2).
 _FEW_COUNTS = (1,) * 8 + (2,) * 10 + (3,) * 7 + (4,) * 5 + (5,) * 3 + (6,) * 2 + (7, 8)
-_MANY_COUNTS = (9, 10, 11, 12, 13, 14, 16, 16, 20, 24, 28, 32, 32, 32)
+_MANY_COUNTS = (9, 10, 12, 14, 16, 16, 20, 24, 32, 32)
 
 
 def _count_table(low: int, top: int) -> tuple[int, ...]:
@@ -101,6 +100,8 @@ def _count_table(low: int, top: int) -> tuple[int, ...]:
     many = [FEW_MICRO_BATCHES + 1 + round((n - FEW_MICRO_BATCHES - 1) * (top - FEW_MICRO_BATCHES - 1) / span)
             for n in _MANY_COUNTS] if top > FEW_MICRO_BATCHES else []
     return tuple(min(max(n, low), top) for n in (*_FEW_COUNTS, *many))
+
+
 #: LR schedulers a case may step once per optimizer step (None: no scheduler).
 SCHEDULERS: dict[str | None, dict[str, Any]] = {
     None: {},
@@ -135,31 +136,27 @@ def _check_flag(name: str, value: Any) -> None:
 
 
 # -------------------------------------------------------- micro-batch splits
-@st.composite
-def _cut(draw: st.DrawFn, required: bool, largest: int) -> int | None:
-    """One more micro-batch of 1..``largest`` samples, or None to stop (unless
-    ``required``).  One span of choices per piece, so the shrinker can delete
-    a whole piece at once, as it does for list elements."""
-    if not required and draw(st.integers(0, 2)) == 0:  # continue 2 times in 3
-        return None
-    return draw(st.integers(1, largest))
+def _cut_into(draw: st.DrawFn, batch_size: int, pieces: int) -> tuple[int, ...]:
+    """``batch_size`` samples cut into ``pieces`` micro-batches: one integer
+    per cut, each shrinking toward 1 with the rest in the last piece.  Always
+    ``pieces - 1`` choices whatever their values, so lowering an early size is
+    a shrink the shrinker can take (a cut that stopped when the samples ran
+    out would need more choices once an early piece is smaller, and the
+    shrinker rejects a candidate that runs past its choices)."""
+    sizes: list[int] = []
+    left = batch_size
+    for index in range(pieces - 1):
+        # Leave a sample for every piece still to come.
+        size = draw(st.integers(1, left - (pieces - 1 - index)))
+        sizes.append(size)
+        left -= size
+    return (*sizes, left)
 
 
 @st.composite
 def _splits(draw: st.DrawFn, batch_size: int, min_pieces: int, max_pieces: int) -> tuple[int, ...]:
-    # Each size shrinks toward 1 with the rest in the last piece (no
-    # rejection, and a smaller batch reuses the same draws).
-    sizes: list[int] = []
-    left = batch_size
-    while len(sizes) + 1 < max_pieces and left > 1:
-        # Leave a sample for the last piece and for every piece min_pieces still needs.
-        still_needed = max(min_pieces - len(sizes) - 2, 0)
-        size = draw(_cut(len(sizes) + 1 < min_pieces, left - 1 - still_needed))
-        if size is None:
-            break
-        sizes.append(size)
-        left -= size
-    return (*sizes, left)
+    # The number of pieces first (one choice, shrinking toward min_pieces), then the cuts.
+    return _cut_into(draw, batch_size, draw(st.integers(min_pieces, max_pieces)))
 
 
 def micro_batch_splits(
@@ -169,10 +166,10 @@ def micro_batch_splits(
     positive micro-batch sizes, in order, that add up to ``batch_size``.
 
     The number of pieces lies in [``min_pieces`` (default 1), ``max_pieces``
-    (default ``batch_size``: one sample each)].  Each size is drawn
-    anywhere it fits, so splits are deliberately uneven; it shrinks toward
-    few pieces, and toward small pieces first with the rest in the last one
-    (e.g. ``(1, 2)`` for a batch of 3 in two pieces).
+    (default ``batch_size``: one sample each)], drawn first; then each size
+    is drawn anywhere it fits, so splits are deliberately uneven.  Shrinks
+    toward few pieces, and toward small pieces first with the rest in the
+    last one (e.g. ``(1, 2)`` for a batch of 3 in two pieces).
     """
     _check_int("batch_size", batch_size, at_least=1)
     _check_int("min_pieces", min_pieces, at_least=1)
@@ -463,14 +460,15 @@ def cases(
     Micro-batches: ``min_micro_batches`` (1) to ``max_micro_batches`` (None:
     :data:`DEFAULT_MAX_MICRO_BATCHES`, 32), never more than the batch has
     samples.  About four cases in five have at most
-    :data:`FEW_MICRO_BATCHES` (8), fewer more likely, cut anywhere from a
-    batch of up to ``max_batch_size`` samples (None:
-    :data:`DEFAULT_FEW_MAX_BATCH_SIZE`, 12); the others have 9 up to
-    ``max_micro_batches`` (16 and 32 weighted up), cut as evenly as possible
-    or anywhere from a batch of up to ``max_batch_size`` (None:
-    :data:`DEFAULT_MAX_BATCH_SIZE`, 40), with the tiny shapes of
-    :func:`models` (``tiny=True``) so that N forward passes stay cheap.
-    Batches hold ``min_batch_size`` (1) samples or more.
+    :data:`FEW_MICRO_BATCHES` (8), fewer more likely, cut anywhere; the
+    others have 9 up to ``max_micro_batches`` (16 and 32 weighted up), cut as
+    evenly as possible or anywhere, with the tiny shapes of :func:`models`
+    (``tiny=True``) so that N forward passes stay cheap.  A batch holds its
+    micro-batch count (at least ``min_batch_size``, 1) plus 0 to
+    :data:`DEFAULT_MAX_EXTRA_SAMPLES` (8) samples, or, when
+    ``max_batch_size`` is given, plus 0 up to that many samples, capped at
+    ``max_batch_size`` (micro-batch counts are capped there too: a micro-batch
+    needs a sample).
 
     The rest: every model family fitting the loss (``families``: model
     families for sample losses, token families are used for the token loss);
@@ -488,27 +486,31 @@ def cases(
 
     Shrinks toward a batch of 1 or 2 in few pieces, a small model, SGD, MSE,
     one parameter group, nothing frozen, two steps, seed 0: the micro-batch
-    count is one choice and the sizes are drawn last, so a case found with
-    32 micro-batches still shrinks to 2 when 2 show the difference.
+    count is one choice, and no other choice changes meaning with it, so a
+    case found with 32 micro-batches still shrinks to 2 when 2 show the
+    difference.
     """
     _check_int("min_batch_size", min_batch_size, at_least=1)
     _check_int("min_micro_batches", min_micro_batches, at_least=1)
+    if max_batch_size is not None:
+        _check_int("max_batch_size", max_batch_size, at_least=1)
+    if max_micro_batches is not None:
+        _check_int("max_micro_batches", max_micro_batches, at_least=1)
+    if max_batch_size is not None and max_micro_batches is not None and max_micro_batches > max_batch_size:
+        raise InvalidArgument(
+            f"max_micro_batches={max_micro_batches} is more than max_batch_size={max_batch_size}: "
+            "every micro-batch needs a sample"
+        )
     # None: the defaults, raised to what the lower bounds ask for.
-    few_max_batch = max_batch_size
-    if max_batch_size is None:
-        max_batch_size = max(DEFAULT_MAX_BATCH_SIZE, min_batch_size, min_micro_batches)
-        few_max_batch = max(DEFAULT_FEW_MAX_BATCH_SIZE, min_batch_size, min_micro_batches)
     if max_micro_batches is None:
         max_micro_batches = max(DEFAULT_MAX_MICRO_BATCHES, min_micro_batches)
-    _check_int("max_batch_size", max_batch_size, at_least=1)
-    _check_int("max_micro_batches", max_micro_batches, at_least=1)
     if max_micro_batches < min_micro_batches:
         raise InvalidArgument(
             f"min_micro_batches={min_micro_batches} must be at most max_micro_batches={max_micro_batches}"
         )
-    if min_batch_size > max_batch_size:
+    if max_batch_size is not None and min_batch_size > max_batch_size:
         raise InvalidArgument(f"min_batch_size={min_batch_size} must be at most max_batch_size={max_batch_size}")
-    if min_micro_batches > max_batch_size:
+    if max_batch_size is not None and min_micro_batches > max_batch_size:
         raise InvalidArgument(
             f"min_micro_batches={min_micro_batches} is more than max_batch_size={max_batch_size}: "
             "every micro-batch needs a sample"
@@ -555,7 +557,11 @@ def cases(
                 families=pool, tokens=tokens, allow_batchnorm=batchnorm, allow_dropout=allow_dropout, tiny=tiny)
     optimizer_strategy = optimizers(names=chosen_optimizers)
     low_batch = max(min_batch_size, min_micro_batches)
-    counts = _count_table(min_micro_batches, min(max_micro_batches, max_batch_size))
+    if max_batch_size is None:
+        top_count, extra_samples = max_micro_batches, DEFAULT_MAX_EXTRA_SAMPLES
+    else:
+        top_count, extra_samples = min(max_micro_batches, max_batch_size), max_batch_size - low_batch
+    counts = st.sampled_from(_count_table(min_micro_batches, top_count))
     # One group (None) first, so it is what a case shrinks to; each recipe as
     # often (two in three cases have two groups by default: a search meets
     # groups with active clipping in about one case in nine).
@@ -565,12 +571,23 @@ def cases(
 
     @st.composite
     def draw_case(draw: st.DrawFn) -> Case:
-        # The count first (it picks the batch range and the model's size), the
-        # sizes last: a count shrunk lower then leaves only trailing choices
-        # unused, and no other draw out of line.
-        count = counts[draw(st.integers(0, len(counts) - 1))]
+        # Every choice means the same whatever the count, so that lowering the
+        # count alone (one integer) is a shrink the shrinker can take: the
+        # batch is the count plus a drawn surplus (not a range that depends on
+        # the count), the model takes the same choices tiny or not, and the
+        # cut is drawn last, with its choices drawn even when an even cut is
+        # used (a 9-piece even cut then shrinks to 2 uneven pieces, not to 2
+        # even ones that hide a mean of means).
+        count = draw(counts)
         many = count > FEW_MICRO_BATCHES
-        batch_size = draw(st.integers(max(low_batch, count), max_batch_size if many else few_max_batch))
+        batch_size = max(low_batch, count) + draw(st.integers(0, extra_samples))
+        if max_batch_size is not None:
+            batch_size = min(batch_size, max_batch_size)
+        # Only cases with more than FEW_MICRO_BATCHES micro-batches are cut as
+        # evenly as possible (how a batch of B is cut into N: sizes differ by
+        # one at most); the choice is drawn for every case, and False (cut
+        # anywhere) is what it shrinks to.
+        even = draw(st.booleans())
         clip = draw(st.sampled_from(chosen_clipping))
         # inactive: far above any gradient norm of these models; active: far
         # below, so every step is clipped (its norm drawn only then).
@@ -585,14 +602,9 @@ def cases(
         dtype = draw(st.sampled_from(chosen_dtypes))
         device = draw(st.sampled_from(list(devices)))
         seed = draw(st.integers(0, max_seed))
-        if many:
-            # As even as the batch allows (how a batch of B is cut into N: sizes
-            # differ by one at most), or anywhere it fits.  The even cut costs
-            # no further choices, so a long split shrinks in few steps.
-            even = tuple(even_sizes(batch_size, count))
-            sizes = draw(st.one_of(st.just(even), _splits(batch_size, count, count)))
-        else:
-            sizes = draw(_splits(batch_size, count, count))
+        sizes = _cut_into(draw, batch_size, count)
+        if many and even:
+            sizes = tuple(even_sizes(batch_size, count))
         # BatchNorm1d after a linear layer cannot train on a single sample
         # (one value per channel): such a micro-batch is no case at all.
         assume(not (model == "mlp" and model_kwargs.get("norm") == "batch" and min(sizes) < 2))
