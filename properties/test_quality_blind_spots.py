@@ -1,5 +1,6 @@
 """Quality of the search where it used to be blind: more than 8 micro-batches,
-several parameter groups, frozen layers, coupled weight decay.
+several parameter groups, frozen layers, coupled weight decay; and a step that
+keeps state across calls (exact for any one case alone).
 
 Each blind-spot bug of the zoo is exact unless its setting is drawn, so the
 default search must reach that setting to FIND it, and shrink to a case that
@@ -20,7 +21,7 @@ from equiv import strategies as eqst
 from equiv.cases.case import PARAM_GROUPS
 from equiv.checking.verify import verify
 from equiv.losses import item_count, loss_sum_and_count
-from equiv.zoo.bugs import BLIND_SPOT_BUGS, BUGS
+from equiv.zoo.bugs import BLIND_SPOT_BUGS, BUGS, caches_item_count, forget_item_count
 
 COUPLED = ("SGD", "Adam", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD")
 
@@ -72,6 +73,29 @@ def without_setting(name: str, case: equiv.Case) -> equiv.Case:
     if name == "zero_grads_for_frozen":
         return case.replace(frozen_layers=0)
     return case.replace(micro_batch_sizes=[case.batch_size])  # decay_per_micro_batch: one micro-batch
+
+
+def test_a_step_that_keeps_state_across_calls_is_found_and_told_so() -> None:
+    # caches_item_count divides by the item count of the first window it ever
+    # saw: any one case alone is exact, so only the calls before a case expose it.
+    forget_item_count()
+    try:
+        result = verify(caches_item_count)
+    finally:
+        forget_item_count()
+    assert result.found, f"no counterexample in {result.examples} cases"
+    assert result.verdict is not None and result.verdict.status == "not_equivalent", result.message()
+    assert result.state_across_calls is True, result.fresh_replay
+    message = result.message("equiv.zoo.bugs:caches_item_count")
+    assert "fails only after earlier calls: your step keeps state across calls" in message
+    # No one-case replay is offered: alone, the case passes.
+    assert "this case:" not in message and "--reproduce" not in message, message
+    assert "this search: equiv verify equiv.zoo.bugs:caches_item_count" in message
+    # As in the fresh process, the shrunk case with an empty cache is exact here too.
+    try:
+        equiv.check(caches_item_count, result.counterexample).assert_ok()
+    finally:
+        forget_item_count()
 
 
 def correct_loop(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: Any, *,

@@ -7,7 +7,7 @@ import pytest
 
 import equiv
 from equiv.zoo import bugs
-from equiv.zoo.bugs import BLIND_SPOT_BUGS, BUGS, ITEM_WEIGHTED_BUGS
+from equiv.zoo.bugs import BLIND_SPOT_BUGS, BUGS, ITEM_WEIGHTED_BUGS, STATE_ACROSS_CALLS_BUGS
 
 MLP = {"hidden": (8,)}
 
@@ -120,5 +120,19 @@ def test_every_step_in_the_zoo_module_is_registered_under_its_name() -> None:
         if inspect.isfunction(value) and value.__module__ == bugs.__name__ and not name.startswith("_")
         and list(inspect.signature(value).parameters)[:4] == ["model", "optimizer", "micro_batches", "loss_fn"]
     }
-    assert steps == BUGS
+    assert steps == {**BUGS, **STATE_ACROSS_CALLS_BUGS}
+    assert not set(STATE_ACROSS_CALLS_BUGS) & set(BUGS)
     assert set(ITEM_WEIGHTED_BUGS) <= set(BUGS)
+
+
+def test_caches_item_count_is_exact_alone_and_wrong_after_a_window_of_another_size() -> None:
+    bugs.forget_item_count()
+    try:
+        equiv.check(bugs.caches_item_count, case()).assert_ok()  # a batch of 6: its first window
+        equiv.check(bugs.caches_item_count, case(micro_batch_sizes=(1, 5))).assert_ok()  # as large: exact
+        verdict = equiv.check(bugs.caches_item_count, case(batch_size=4, micro_batch_sizes=(1, 3)))
+        assert verdict.status == "not_equivalent", verdict.message()
+        bugs.forget_item_count()  # as a fresh process: the same case alone is exact
+        equiv.check(bugs.caches_item_count, case(batch_size=4, micro_batch_sizes=(1, 3))).assert_ok()
+    finally:
+        bugs.forget_item_count()

@@ -19,6 +19,8 @@ __all__ = [
     "BLIND_SPOT_BUGS",
     "BUGS",
     "ITEM_WEIGHTED_BUGS",
+    "STATE_ACROSS_CALLS_BUGS",
+    "caches_item_count",
     "clip_per_micro_batch",
     "clips_first_group_only",
     "counts_padding_tokens",
@@ -26,6 +28,7 @@ __all__ = [
     "divides_twice",
     "drops_last_micro_batch",
     "eight_slot_buffer",
+    "forget_item_count",
     "leaks_gradients",
     "low_precision_buffer",
     "mean_of_means",
@@ -250,10 +253,13 @@ def eight_slot_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
     _step_once(model, optimizer, max_grad_norm, scheduler)
 
 
-def _item_weighted_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor]) -> None:
+def _item_weighted_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor], *,
+                            total: int | Tensor | None = None) -> None:
     """Backward of each micro-batch's summed loss over the window's item count
-    (counted up front): the full batch's mean, for sample and token losses."""
-    total = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
+    (counted up front): the full batch's mean, for sample and token losses.
+    ``total``: divide by this count instead (a bug's)."""
+    if total is None:
+        total = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
     for inputs, targets in micro_batches:
         loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
         (loss_sum / total).backward()
@@ -348,6 +354,43 @@ def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mi
             group["weight_decay"] = decay
     if scheduler is not None:
         scheduler.step()
+
+
+# --------------------------------------------------------------------------
+# A bug whose verdict depends on the calls before it: kept out of BUGS, whose
+# verdicts are pinned per case and tabulated (they would depend on which test
+# or report section ran first in the process).
+
+#: caches_item_count's module-level cache: the item count of its first window.
+_FIRST_ITEM_COUNT: list[int | Tensor] = []
+
+
+def caches_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                      scheduler: Any | None = None) -> None:
+    """Counts the window's items once, on its first call, and keeps the count
+    in a module-level cache for every later call (the items per window
+    "never change", so why count them again): each micro-batch's summed loss
+    over that count.  Exact for every window as large as the first one it
+    saw, so exact for any one case checked alone (its windows all have the
+    same size); a later case with another batch size is scaled by the wrong
+    count.  State kept across calls, like a normaliser computed once on the
+    first batch; no upstream issue cited: it stands for the whole class that
+    ``equiv.verify`` reports as failing "only after earlier calls"."""
+    if not _FIRST_ITEM_COUNT:
+        _FIRST_ITEM_COUNT.append(sum(item_count(loss_fn, targets) for _, targets in micro_batches))
+    optimizer.zero_grad(set_to_none=True)
+    _item_weighted_backward(model, micro_batches, loss_fn, total=_FIRST_ITEM_COUNT[0])
+    _step_once(model, optimizer, max_grad_norm, scheduler)
+
+
+def forget_item_count() -> None:
+    """Empty :func:`caches_item_count`'s cache, as a fresh process would have it."""
+    _FIRST_ITEM_COUNT.clear()
+
+
+#: Bugs that keep state across calls (see above), by name: not in BUGS.
+STATE_ACROSS_CALLS_BUGS: dict[str, Callable[..., Any]] = {"caches_item_count": caches_item_count}
 
 
 #: name -> candidate, for suites and reports.
