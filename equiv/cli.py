@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
     verify_parser.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
     verify_parser.add_argument("--max-batch-size", type=int, default=None,
-                               help="largest batch drawn (default: the strategy's, 40 for many micro-batches)")
+                               help="largest batch drawn (default: its micro-batch count plus up to 8 samples)")
     verify_parser.add_argument("--max-micro-batches", type=int, default=None,
                                help="most micro-batches per window drawn (default 32)")
     verify_parser.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")

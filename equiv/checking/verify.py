@@ -237,7 +237,8 @@ def verify(
     fixed; otherwise a seed is drawn and reported so the search can be
     replayed).  ``families``, ``optimizers`` and ``losses`` restrict the
     strategies (:func:`equiv.strategies.cases`), as do ``max_batch_size`` and
-    ``max_micro_batches`` (None: the strategy's defaults, up to 32 micro-batches); ``item_weighted=True`` adds
+    ``max_micro_batches`` (None: the strategy's defaults, up to 32 micro-batches; a bound
+    below 1, or more micro-batches than samples, raises ``InvalidArgument``); ``item_weighted=True`` adds
     the token-level loss; ``allow_inherent=True`` adds BatchNorm and dropout
     models, whose cases are counted and skipped, not failed.  Cases clip
     (none / inactive / active) only if the candidate takes ``max_grad_norm``
