@@ -53,7 +53,9 @@ def test_every_blind_spot_bug_has_a_shrink_claim() -> None:
 @pytest.mark.parametrize("name", sorted(BLIND_SPOT_BUGS))
 def test_default_search_finds_and_shrinks_a_counterexample_to(name: str) -> None:
     # The default search: nothing restricted, so the setting must come from the strategies' own draws.
-    result = verify(BUGS[name])
+    # No fresh-process replay (a torch import, seconds per search): these bugs keep no state, the
+    # shrunk case is replayed in process below, and the replay is the state-across-calls test's subject.
+    result = verify(BUGS[name], replay_in_fresh_process=False)
     assert result.found, f"no counterexample to {name} in {result.examples} cases"
     assert result.verdict is not None, result.message()  # a mismatch, not a crash
     assert result.verdict.status == "not_equivalent"

@@ -50,9 +50,11 @@ SHRUNK: dict[str, Callable[[equiv.Case], bool]] = {
 
 def search(name: str) -> VerifyResult:
     item_weighted = name in ITEM_WEIGHTED_BUGS
-    # Token bugs are exact for sample losses by design: search the token loss only.
+    # Token bugs are exact for sample losses by design: search the token loss only.  No fresh-process
+    # replay (a torch import, seconds per search): these bugs keep no state, each test replays its
+    # shrunk case in process, and test_quality_blind_spots.py tests the fresh replay on a step that does.
     return verify(BUGS[name], item_weighted=item_weighted,
-                  losses=list(eqst.ITEM_WEIGHTED_LOSSES) if item_weighted else None)
+                  losses=list(eqst.ITEM_WEIGHTED_LOSSES) if item_weighted else None, replay_in_fresh_process=False)
 
 
 def test_the_zoo_holds_at_least_10_kinds_of_bug_each_with_a_shrink_claim() -> None:
