@@ -140,6 +140,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             losses=_names(args.losses),
             item_weighted=args.item_weighted,
             allow_inherent=args.allow_inherent,
+            max_batch_size=args.max_batch_size,
+            max_micro_batches=args.max_micro_batches,
             device=args.device,
             reproduce=args.reproduce,
             progress=show,
@@ -296,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("--losses", help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
     verify_parser.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
     verify_parser.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
+    verify_parser.add_argument("--max-batch-size", type=int, default=None,
+                               help="largest batch drawn (default: its micro-batch count plus up to 8 samples)")
+    verify_parser.add_argument("--max-micro-batches", type=int, default=None,
+                               help="most micro-batches per window drawn (default 32)")
     verify_parser.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
     verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)

@@ -13,9 +13,14 @@ code lives in :mod:`equiv.cases.strategies`.  Use them in your own tests::
 
 from equiv.cases.strategies import (
     CLIPPING,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_EXTRA_SAMPLES,
+    DEFAULT_MAX_MICRO_BATCHES,
+    FEW_MICRO_BATCHES,
     ITEM_WEIGHTED_LOSSES,
     MODEL_FAMILIES,
     OPTIMIZERS,
+    PARAM_GROUPS,
     SAMPLE_LOSSES,
     SCHEDULERS,
     TOKEN_FAMILIES,
@@ -28,9 +33,14 @@ from equiv.cases.strategies import (
 
 __all__ = [
     "CLIPPING",
+    "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_MAX_EXTRA_SAMPLES",
+    "DEFAULT_MAX_MICRO_BATCHES",
+    "FEW_MICRO_BATCHES",
     "ITEM_WEIGHTED_LOSSES",
     "MODEL_FAMILIES",
     "OPTIMIZERS",
+    "PARAM_GROUPS",
     "SAMPLE_LOSSES",
     "SCHEDULERS",
     "TOKEN_FAMILIES",

@@ -1,5 +1,7 @@
 """Quality of the search: equiv.verify FINDS every bug in the zoo, and shrinks
-it to a case that says what is wrong.
+it to a case that says what is wrong.  The blind-spot bugs (exact unless a
+setting the search could not draw before is drawn) have their own suite:
+test_quality_blind_spots.py.
 
 Each search runs under the loaded Hypothesis profile (ci: derandomized, so
 the same counterexample every run).  Shrunk-case assertions state what the
@@ -14,7 +16,7 @@ from hypothesis import given, note, settings
 import equiv
 from equiv import strategies as eqst
 from equiv.checking.verify import VerifyResult, verify
-from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
+from equiv.zoo.bugs import BLIND_SPOT_BUGS, BUGS, ITEM_WEIGHTED_BUGS
 
 
 def two_pieces(case: equiv.Case) -> bool:
@@ -48,17 +50,20 @@ SHRUNK: dict[str, Callable[[equiv.Case], bool]] = {
 
 def search(name: str) -> VerifyResult:
     item_weighted = name in ITEM_WEIGHTED_BUGS
-    # Token bugs are exact for sample losses by design: search the token loss only.
+    # Token bugs are exact for sample losses by design: search the token loss only.  No fresh-process
+    # replay (a torch import, seconds per search): these bugs keep no state, each test replays its
+    # shrunk case in process, and test_quality_blind_spots.py tests the fresh replay on a step that does.
     return verify(BUGS[name], item_weighted=item_weighted,
-                  losses=list(eqst.ITEM_WEIGHTED_LOSSES) if item_weighted else None)
+                  losses=list(eqst.ITEM_WEIGHTED_LOSSES) if item_weighted else None, replay_in_fresh_process=False)
 
 
 def test_the_zoo_holds_at_least_10_kinds_of_bug_each_with_a_shrink_claim() -> None:
     assert len(BUGS) >= 10
-    assert set(SHRUNK) == set(BUGS)
+    # Every bug has a claim here or, for a blind spot, in test_quality_blind_spots.py.
+    assert set(SHRUNK) == set(BUGS) - BLIND_SPOT_BUGS
 
 
-@pytest.mark.parametrize("name", sorted(BUGS))
+@pytest.mark.parametrize("name", sorted(set(BUGS) - BLIND_SPOT_BUGS))
 def test_search_finds_and_shrinks_a_counterexample_to(name: str) -> None:
     result = search(name)
     assert result.found, f"no counterexample to {name} in {result.examples} cases"

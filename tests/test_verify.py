@@ -223,3 +223,37 @@ def test_torch_warnings_are_shown_once_per_search() -> None:
     assert result.examples >= 5
     mine = [w for w in caught if "the same warning every call" in str(w.message)]
     assert len(mine) == 1 and "shown once" in str(mine[0].message)
+
+
+def test_the_search_bounds_come_from_the_command_line(steps_file: Path, tmp_path: Path) -> None:
+    report = tmp_path / "result.json"
+    assert main(["verify", f"{steps_file}:good", "--max-examples", "10", "--seed", "3", "--families", "mlp",
+                 "--max-batch-size", "6", "--max-micro-batches", "3", "--json", str(report)]) == 0
+    search = json.loads(report.read_text())["search"]
+    assert (search["max_batch_size"], search["max_micro_batches"]) == (6, 3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-micro-batches", "0"], "max_micro_batches must be at least 1 but was 0"),
+        (["--max-batch-size", "-3"], "max_batch_size must be at least 1 but was -3"),
+        (["--max-batch-size", "4", "--max-micro-batches", "6"],
+         "max_micro_batches=6 is more than max_batch_size=4: every micro-batch needs a sample"),
+    ],
+    ids=["zero", "negative", "more-pieces-than-samples"],
+)
+def test_a_bad_search_bound_is_a_usage_error(
+    steps_file: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(["verify", f"{steps_file}:good", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_a_search_bound_alone_keeps_the_other_default() -> None:
+    # A batch bound below the default 32 micro-batches caps the count; no error.
+    result = verify(equiv.accumulator_step, max_examples=5, seed=0, families=["mlp"], max_batch_size=6)
+    assert result, result.message()
+    assert result.search["max_batch_size"] == 6 and result.search["max_micro_batches"] is None

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model, import_path, import_target
 from equiv.losses import LOSSES, Loss, build_loss
 
-__all__ = ["DATA", "DTYPES", "Case", "InvalidCase"]
+__all__ = ["DATA", "DTYPES", "HEAD_LR_BODY_FACTOR", "PARAM_GROUPS", "Case", "InvalidCase"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -35,6 +35,22 @@ DATA = ("random", "toy_2x")
 #: A user's own data: ``(step, batch_size, generator) -> (inputs, targets)``,
 #: one full batch per optimizer step, drawn from the seeded CPU ``generator``.
 DataFactory = Callable[[int, int, torch.Generator], tuple[Tensor, Tensor]]
+
+#: Optimizer parameter-group recipes a case may name (``Case.param_groups``),
+#: each two groups as training recipes build them:
+#:
+#: - "no_decay": tensors of 2+ dims (weights, embeddings) with the case's
+#:   ``weight_decay``; biases and norm weights (fewer dims) with none (nanoGPT's
+#:   ``configure_optimizers``, the Hugging Face Trainer's decay split).
+#: - "head_lr": the last layer (the head) at the case's ``lr``, every other layer
+#:   at ``HEAD_LR_BODY_FACTOR`` times it (fine-tuning with discriminative
+#:   learning rates); one weight decay.
+PARAM_GROUPS: dict[str, str] = {
+    "no_decay": "biases and norm weights without weight decay",
+    "head_lr": "the head at lr, the body at a tenth of it",
+}
+#: The body's lr under the "head_lr" recipe, as a factor of the case's lr.
+HEAD_LR_BODY_FACTOR = 0.1
 
 
 class InvalidCase(ValueError):
@@ -57,8 +73,15 @@ class Case:
     #: ``ModelBundle``, called with ``model_kwargs`` under the case's seed.
     model: str | ModelFactory = "mlp"
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Freeze (``requires_grad=False``) the first this many layers (modules that
+    #: own parameters, in order) when the model is built, as fine-tuning does.
+    #: They stay in the optimizer, with no gradient: the full batch never moves them.
+    frozen_layers: int = 0
     optimizer: str = "SGD"
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    #: A recipe of :data:`PARAM_GROUPS` splitting the parameters into optimizer
+    #: groups (None: one group of every parameter).
+    param_groups: str | None = None
     #: A name in ``equiv.losses.LOSSES``, or your own loss object following the
     #: sum + count protocol: ``sum(output, targets)``, ``count(targets)`` and
     #: ``__call__`` (the mean), like :class:`equiv.losses.Loss`.
@@ -116,6 +139,12 @@ class Case:
         if sum(sizes) != self.batch_size:
             raise InvalidCase(
                 f"micro_batch_sizes {sizes} add up to {sum(sizes)}, but batch_size is {self.batch_size}"
+            )
+        if isinstance(self.frozen_layers, bool) or not isinstance(self.frozen_layers, int) or self.frozen_layers < 0:
+            raise InvalidCase(f"frozen_layers must be an int >= 0 (layers to freeze), got {self.frozen_layers!r}")
+        if self.param_groups is not None and self.param_groups not in PARAM_GROUPS:
+            raise InvalidCase(
+                f"unknown param_groups {self.param_groups!r}; expected None or one of {sorted(PARAM_GROUPS)}"
             )
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise InvalidCase(f"steps must be a positive int, got {self.steps!r}")
@@ -211,12 +240,26 @@ class Case:
 
     def build_model(self) -> ModelBundle:
         """The model with its initial weights already rounded to the working
-        dtype (still stored in float32), so runs in any dtype start equal."""
+        dtype (still stored in float32), so runs in any dtype start equal, and
+        its first ``frozen_layers`` layers frozen."""
         bundle = build_model(self.model, self.seed, **self.model_kwargs)
         with torch.no_grad():
             for tensor in [*bundle.module.parameters(), *bundle.module.buffers()]:
                 if tensor.is_floating_point():
                     tensor.copy_(tensor.to(self.working_dtype))
+        if self.frozen_layers:
+            # A layer is a module owning parameters itself; recurse=False, so a
+            # module with children of its own (MultiheadAttention's out_proj)
+            # freezes only what it owns, and each child counts as its own layer.
+            layers = [m for m in bundle.module.modules() if next(m.parameters(recurse=False), None) is not None]
+            if self.frozen_layers >= len(layers):
+                raise InvalidCase(
+                    f"frozen_layers={self.frozen_layers} would freeze every layer of model {_reference(self.model)!r} "
+                    f"({len(layers)} with parameters); at least one must train"
+                )
+            for layer in layers[: self.frozen_layers]:
+                for param in layer.parameters(recurse=False):
+                    param.requires_grad_(False)
         return bundle
 
     def batches(self, bundle: ModelBundle) -> list[tuple[Tensor, Tensor]]:
@@ -284,12 +327,49 @@ class Case:
         return tensor.to(self.working_dtype).float() if tensor.is_floating_point() else tensor
 
     def build_optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
+        """The case's optimizer over every parameter of ``module``, frozen ones
+        included (as ``optimizer(model.parameters())`` in fine-tuning code: the
+        optimizer skips a parameter whose ``.grad`` is None), in the groups
+        of ``param_groups``."""
         optimizer_class = getattr(torch.optim, self.optimizer)
+        params = self._param_groups(module, optimizer_class)
         try:
-            optimizer: torch.optim.Optimizer = optimizer_class(module.parameters(), **self.optimizer_kwargs)
+            optimizer: torch.optim.Optimizer = optimizer_class(params, **self.optimizer_kwargs)
         except (TypeError, ValueError) as exc:
             raise InvalidCase(f"optimizer {self.optimizer}(**{dict(self.optimizer_kwargs)!r}) rejected: {exc}") from None
         return optimizer
+
+    def _param_groups(self, module: nn.Module, optimizer_class: type) -> list[nn.Parameter] | list[dict[str, Any]]:
+        named = list(module.named_parameters())
+        if self.param_groups is None:
+            return [param for _, param in named]
+        accepts = inspect.signature(optimizer_class).parameters
+        groups: list[dict[str, Any]]
+        if self.param_groups == "no_decay":
+            # Biases and norm weights are the tensors of fewer than 2 dims (nanoGPT's rule).
+            no_decay: dict[str, Any] = {"params": [p for _, p in named if p.dim() < 2]}
+            if "weight_decay" in accepts:  # an optimizer without decay (Rprop) gets two plain groups
+                no_decay["weight_decay"] = 0.0
+            groups = [{"params": [p for _, p in named if p.dim() >= 2]}, no_decay]
+        else:  # "head_lr"
+            if "lr" not in accepts:
+                raise InvalidCase(f"param_groups 'head_lr' needs an optimizer with an lr; {self.optimizer} has none")
+            lr = self.optimizer_kwargs.get("lr", accepts["lr"].default)
+            if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+                raise InvalidCase(f"param_groups 'head_lr' needs a numeric lr for {self.optimizer}, got {lr!r}")
+            # The head is the module owning the last parameter (its name minus the last part).
+            head_owner = named[-1][0].rpartition(".")[0] if named else ""
+            head = [p for name, p in named if name.rpartition(".")[0] == head_owner]
+            body = [p for name, p in named if name.rpartition(".")[0] != head_owner]
+            groups = [{"params": body, "lr": HEAD_LR_BODY_FACTOR * lr}, {"params": head}]
+        empty = [index for index, group in enumerate(groups) if not group["params"]]
+        if empty:
+            raise InvalidCase(
+                f"param_groups {self.param_groups!r} ({PARAM_GROUPS[self.param_groups]}) leaves group {empty[0]} "
+                f"empty for model {self.model!r} with parameters {[name for name, _ in named]}; "
+                "expected a model with parameters on both sides of the split"
+            )
+        return groups
 
     def build_grad_scaler(self) -> torch.amp.GradScaler | None:
         if self.loss_scale is None:

@@ -1,8 +1,10 @@
 """A fixed set of named cases: the quick, deterministic check before a search.
 
 Each one targets a way accumulation goes wrong (uneven splits, item-weighted
-losses, clipping, adaptive optimizers, leaks across steps); ``equiv check``
-runs them and the equivalence report tabulates them.
+losses, clipping, adaptive optimizers, leaks across steps, an LR scheduler,
+coupled weight decay, parameter groups, frozen layers, more than 8
+micro-batches); ``equiv check`` runs them and the equivalence report
+tabulates them.
 """
 
 from __future__ import annotations
@@ -55,5 +57,29 @@ STANDARD_CASES: dict[str, Case] = {
     "Adam, token loss with padding 2+3": Case(
         batch_size=5, micro_batch_sizes=(2, 3), model="token_mlp", loss="token_cross_entropy",
         optimizer="Adam", optimizer_kwargs={"lr": 1e-2}, steps=3,
+    ),
+    # The settings people run at scale, each in a small case of its own.
+    "SGD momentum, StepLR scheduler 2+3": Case(
+        batch_size=5, micro_batch_sizes=(2, 3), model_kwargs=_MLP,
+        optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
+        scheduler="StepLR", scheduler_kwargs={"step_size": 1, "gamma": 0.5}, steps=3,
+    ),
+    "Adam, coupled weight decay 2+2+3": Case(
+        batch_size=7, micro_batch_sizes=(2, 2, 3), model_kwargs=_MLP,
+        optimizer="Adam", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}, steps=3,
+    ),
+    # LayerNorm: norm weights for the no-decay group; a clip norm the gradient exceeds.
+    "SGD, two param groups (no decay on biases and norms), clipped 3+5": Case(
+        batch_size=8, micro_batch_sizes=(3, 5), model_kwargs={**_MLP, "norm": "layer"},
+        optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1},
+        param_groups="no_decay", max_grad_norm=0.05, steps=3,
+    ),
+    "AdamW, first layer frozen 2+4": Case(
+        batch_size=6, micro_batch_sizes=(2, 4), model_kwargs=_MLP, frozen_layers=1,
+        optimizer="AdamW", optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1}, steps=3,
+    ),
+    "SGD momentum, 16 micro-batches 15 x 2 + 3": Case(
+        batch_size=33, micro_batch_sizes=(2,) * 15 + (3,), model_kwargs={"hidden": (8,)},
+        optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, steps=2,
     ),
 }

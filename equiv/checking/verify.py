@@ -203,6 +203,9 @@ def _search_flags(search: dict[str, Any]) -> list[str]:
     for key in ("item_weighted", "allow_inherent"):
         if search.get(key):
             flags.append(f"--{key.replace('_', '-')}")
+    for key in ("max_batch_size", "max_micro_batches"):
+        if search.get(key) is not None:
+            flags.append(f"--{key.replace('_', '-')} {search[key]}")
     if search.get("device", "cpu") != "cpu":
         flags.append(f"--device {search['device']}")
     return flags
@@ -219,7 +222,8 @@ def verify(
     losses: Sequence[str] | None = None,
     item_weighted: bool = False,
     allow_inherent: bool = False,
-    max_batch_size: int = 12,
+    max_batch_size: int | None = None,
+    max_micro_batches: int | None = None,
     device: str = "cpu",
     reproduce: str | None = None,
     progress: Progress | None = None,
@@ -232,7 +236,9 @@ def verify(
     loaded).  ``seed`` fixes the search (a derandomized profile is already
     fixed; otherwise a seed is drawn and reported so the search can be
     replayed).  ``families``, ``optimizers`` and ``losses`` restrict the
-    strategies (:func:`equiv.strategies.cases`); ``item_weighted=True`` adds
+    strategies (:func:`equiv.strategies.cases`), as do ``max_batch_size`` and
+    ``max_micro_batches`` (None: the strategy's defaults, up to 32 micro-batches; a bound
+    below 1, or more micro-batches than samples, raises ``InvalidArgument``); ``item_weighted=True`` adds
     the token-level loss; ``allow_inherent=True`` adds BatchNorm and dropout
     models, whose cases are counted and skipped, not failed.  Cases clip
     (none / inactive / active) only if the candidate takes ``max_grad_norm``
@@ -264,6 +270,8 @@ def verify(
         "item_weighted": item_weighted,
         "allow_inherent": allow_inherent,
         "device": device,
+        "max_batch_size": max_batch_size,
+        "max_micro_batches": max_micro_batches,
     }
     strategy = eqst.cases(
         families=families,
@@ -273,6 +281,7 @@ def verify(
         allow_batchnorm=allow_inherent,
         allow_dropout=allow_inherent,
         max_batch_size=max_batch_size,
+        max_micro_batches=max_micro_batches,
         # A step can only clip or schedule if it is told to: cases with a clip
         # norm or a scheduler only for candidates that take those keywords.
         clipping=eqst.CLIPPING if takes_keyword(candidate, "max_grad_norm") else ("none",),

@@ -13,13 +13,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.losses import item_count, loss_sum_and_count
+
 __all__ = [
+    "BLIND_SPOT_BUGS",
     "BUGS",
     "ITEM_WEIGHTED_BUGS",
+    "STATE_ACROSS_CALLS_BUGS",
+    "caches_item_count",
     "clip_per_micro_batch",
+    "clips_first_group_only",
     "counts_padding_tokens",
+    "decay_per_micro_batch",
     "divides_twice",
     "drops_last_micro_batch",
+    "eight_slot_buffer",
+    "forget_item_count",
     "leaks_gradients",
     "low_precision_buffer",
     "mean_of_means",
@@ -28,6 +37,7 @@ __all__ = [
     "step_per_micro_batch",
     "unscaled_sum",
     "zero_grad_inside_loop",
+    "zero_grads_for_frozen",
 ]
 
 Batches = list[tuple[Tensor, Tensor]]
@@ -196,6 +206,193 @@ def counts_padding_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, mi
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
+# --------------------------------------------------------------------------
+# Bugs that only the settings people run at scale expose: more than 8
+# micro-batches, several parameter groups, frozen layers, coupled weight decay.
+# Each is item-weighted (exact for token losses too), clips once and steps a
+# scheduler once, so it is exact wherever its own setting is absent.
+
+
+def _step_once(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+               scheduler: Any | None) -> None:
+    _clip_and_step(model, optimizer, max_grad_norm)
+    if scheduler is not None:
+        scheduler.step()
+
+
+def eight_slot_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                      scheduler: Any | None = None) -> None:
+    """Keeps each micro-batch's gradient in a preallocated ring of 8 slots (to
+    look at per-micro-batch gradients, e.g. their noise scale, sized for the
+    accumulation counts "anyone uses") and steps on the slots' sum: from the
+    9th micro-batch on, slot ``i % 8`` is overwritten, so the first N - 8
+    micro-batches are lost while the item count still covers all of them.
+    Exact for N <= 8; no upstream issue, a fixed capacity nobody checks
+    against N (a search capped at 6 micro-batches never sees it)."""
+    slots = 8
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffer: list[list[Tensor | None] | None] = [None] * slots
+    items: int | Tensor = 0
+    for index, (inputs, targets) in enumerate(micro_batches):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, count = loss_sum_and_count(loss_fn, model(inputs), targets)
+        loss_sum.backward()
+        items = items + count
+        buffer[index % slots] = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    with torch.no_grad():
+        for position, param in enumerate(params):
+            grads = [grad for slot in buffer if slot is not None and (grad := slot[position]) is not None]
+            if not grads:
+                param.grad = None
+                continue
+            total = grads[0].clone()
+            for grad in grads[1:]:  # in micro-batch order, as .grad accumulates
+                total += grad
+            param.grad = total / (items.to(total.dtype) if isinstance(items, Tensor) else float(items))
+    _step_once(model, optimizer, max_grad_norm, scheduler)
+
+
+def _item_weighted_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor], *,
+                            total: int | Tensor | None = None) -> None:
+    """Backward of each micro-batch's summed loss over the window's item count
+    (counted up front): the full batch's mean, for sample and token losses.
+    ``total``: divide by this count instead (a bug's)."""
+    if total is None:
+        total = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+        (loss_sum / total).backward()
+
+
+def clips_first_group_only(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                           scheduler: Any | None = None) -> None:
+    """Clips ``optimizer.param_groups[0]["params"]``, code written when the
+    optimizer had one group: with two (no weight decay on biases and norms, or
+    a head at its own lr) the first group is clipped by its own norm and the
+    second not at all.  Exact with one group.  The per-group cousin, clipping
+    each group by its own norm instead of the global one: transformers #581
+    (fixed in #614)."""
+    optimizer.zero_grad(set_to_none=True)
+    _item_weighted_backward(model, micro_batches, loss_fn)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], max_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+
+
+def zero_grads_for_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                          loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                          scheduler: Any | None = None) -> None:
+    """Accumulates into its own buffers, allocated for ``model.parameters()``
+    (frozen ones too) and handed to the optimizer as ``.grad``: a frozen
+    parameter gets an all-zero gradient instead of None, and an optimizer steps
+    every parameter that has a gradient, so weight decay shrinks it and
+    stateful optimizers start state for it.  Exact when nothing is frozen.
+    Frozen weights that still move: fairseq #4702, pytorch #150610,
+    S-Prompts #2; all-zero gradients feeding optimizer state:
+    curated-transformers #69."""
+    params = list(model.parameters())
+    buffers = [torch.zeros_like(p) for p in params]
+    items: int | Tensor = 0
+    for inputs, targets in micro_batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, count = loss_sum_and_count(loss_fn, model(inputs), targets)
+        loss_sum.backward()
+        items = items + count
+        with torch.no_grad():
+            for param, buffer in zip(params, buffers, strict=True):
+                if param.grad is not None:
+                    buffer += param.grad
+    with torch.no_grad():
+        for param, buffer in zip(params, buffers, strict=True):
+            param.grad = buffer / (items.to(buffer.dtype) if isinstance(items, Tensor) else float(items))
+    _step_once(model, optimizer, max_grad_norm, scheduler)
+
+
+def _decay_is_coupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Whether the group's weight decay is an L2 term in the gradient (SGD,
+    Adam, ...), not a decoupled shrink of the weights (AdamW, Adafactor)."""
+    return not group.get("decoupled_weight_decay", False) and not isinstance(optimizer, torch.optim.Adafactor)
+
+
+def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                          loss_fn: Callable[..., Tensor], *, scheduler: Any | None = None) -> None:
+    """Applies coupled weight decay itself, as a gradient hook
+    ``p.register_hook(lambda g: g + wd * p)`` per parameter, with the
+    optimizer's own ``weight_decay`` set to 0 for the step: for SGD and Adam
+    that is the same L2 term, but a hook fires on every backward, so N
+    micro-batches add it N times (as Keras applied decay at every accumulation
+    step: keras #19990).  Exact for one micro-batch; leaves decoupled decay
+    (AdamW) to the optimizer.  Takes no ``max_grad_norm``: an L2 term in the
+    gradient is clipped with it, another regulariser than the optimizer's
+    decay even for one micro-batch, so clipping cases are not its to answer."""
+    optimizer.zero_grad(set_to_none=True)
+    hooks = []
+    saved: list[tuple[dict[str, Any], float]] = []
+    for group in optimizer.param_groups:
+        decay = group.get("weight_decay", 0.0)
+        if not decay or not _decay_is_coupled(optimizer, group):
+            continue
+        saved.append((group, decay))
+        group["weight_decay"] = 0.0
+        for param in group["params"]:
+            if param.requires_grad:
+                hooks.append(param.register_hook(
+                    lambda grad, param=param, decay=decay: grad.add(param.detach(), alpha=decay)))
+    try:
+        _item_weighted_backward(model, micro_batches, loss_fn)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    try:
+        optimizer.step()
+    finally:
+        for group, decay in saved:
+            group["weight_decay"] = decay
+    if scheduler is not None:
+        scheduler.step()
+
+
+# --------------------------------------------------------------------------
+# A bug whose verdict depends on the calls before it: kept out of BUGS, whose
+# verdicts are pinned per case and tabulated (they would depend on which test
+# or report section ran first in the process).
+
+#: caches_item_count's module-level cache: the item count of its first window.
+_FIRST_ITEM_COUNT: list[int | Tensor] = []
+
+
+def caches_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                      scheduler: Any | None = None) -> None:
+    """Counts the window's items once, on its first call, and keeps the count
+    in a module-level cache for every later call (the items per window
+    "never change", so why count them again): each micro-batch's summed loss
+    over that count.  Exact for every window as large as the first one it
+    saw, so exact for any one case checked alone (its windows all have the
+    same size); a later case with another batch size is scaled by the wrong
+    count.  State kept across calls, like a normaliser computed once on the
+    first batch; no upstream issue cited: it stands for the whole class that
+    ``equiv.verify`` reports as failing "only after earlier calls"."""
+    if not _FIRST_ITEM_COUNT:
+        _FIRST_ITEM_COUNT.append(sum(item_count(loss_fn, targets) for _, targets in micro_batches))
+    optimizer.zero_grad(set_to_none=True)
+    _item_weighted_backward(model, micro_batches, loss_fn, total=_FIRST_ITEM_COUNT[0])
+    _step_once(model, optimizer, max_grad_norm, scheduler)
+
+
+def forget_item_count() -> None:
+    """Empty :func:`caches_item_count`'s cache, as a fresh process would have it."""
+    _FIRST_ITEM_COUNT.clear()
+
+
+#: Bugs that keep state across calls (see above), by name: not in BUGS.
+STATE_ACROSS_CALLS_BUGS: dict[str, Callable[..., Any]] = {"caches_item_count": caches_item_count}
+
+
 #: name -> candidate, for suites and reports.
 BUGS: dict[str, Callable[..., Any]] = {
     "unscaled_sum": unscaled_sum,
@@ -210,7 +407,18 @@ BUGS: dict[str, Callable[..., Any]] = {
     "scheduler_per_micro_batch": scheduler_per_micro_batch,
     "sample_weighted_token_loss": sample_weighted_token_loss,
     "counts_padding_tokens": counts_padding_tokens,
+    "eight_slot_buffer": eight_slot_buffer,
+    "clips_first_group_only": clips_first_group_only,
+    "zero_grads_for_frozen": zero_grads_for_frozen,
+    "decay_per_micro_batch": decay_per_micro_batch,
 }
 
 #: The bugs that only an item-weighted (token) loss exposes: exact for sample-mean losses.
 ITEM_WEIGHTED_BUGS: frozenset[str] = frozenset({"sample_weighted_token_loss", "counts_padding_tokens"})
+
+#: The bugs that only a setting the search could not draw before exposes, each
+#: exact without it: more than 8 micro-batches, two parameter groups (with
+#: active clipping), frozen layers, coupled weight decay over several micro-batches.
+BLIND_SPOT_BUGS: frozenset[str] = frozenset(
+    {"eight_slot_buffer", "clips_first_group_only", "zero_grads_for_frozen", "decay_per_micro_batch"}
+)
