@@ -1,6 +1,6 @@
 """The package's shape: imports flow one way, nothing below the CLI imports it, no cycle.
 
-    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches
+    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches, collectives
 
 The graph is read from the source (every ``import``, module level or inside
 a function), so a lazy import cannot hide a cycle.
@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "equiv.batches": 0,
     "equiv.losses": 0,
     "equiv.accumulator": 0,
+    "equiv.collectives": 0,
     "equiv.cases": 1,
     "equiv.zoo": 1,
     "equiv.checking": 2,
@@ -152,6 +153,6 @@ def test_the_cli_lists_every_subcommand() -> None:
 def test_the_public_api_is_exactly_all() -> None:
     public = {name for name in vars(equiv) if not name.startswith("_")} - {
         # subpackages and modules reachable as attributes once imported
-        "accumulator", "batches", "cases", "checking", "cost", "losses", "reporting", "zoo", "cli",
+        "accumulator", "batches", "cases", "collectives", "checking", "cost", "losses", "reporting", "zoo", "cli",
     }
     assert public == set(equiv.__all__) - {"__version__"}

@@ -192,8 +192,10 @@ class _RunStart:
         device = truth.device
 
         def same(values: dict[str, Tensor], truths: dict[str, Tensor]) -> bool:
+            # torch.equal compares values across dtypes (float32 promoted exactly):
+            # no float64 copy of the whole model per run just to compare it.
             return values.keys() == truths.keys() and all(
-                torch.equal(_float64(value.detach(), device), truths[name]) for name, value in values.items()
+                torch.equal(value.detach().to(truths[name].device), truths[name]) for name, value in values.items()
             )
 
         if same(snapshot.params, initial.params) and same(snapshot.buffers, initial.buffers):

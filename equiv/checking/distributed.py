@@ -54,13 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-# The interface FSDPModule.set_custom_reduce_scatter takes; torch 2.13 exports
-# it under no public name.
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -69,6 +64,7 @@ from equiv.checking.check import TIERS, ReferenceRuns
 from equiv.checking.contract import Candidate, candidate_name, check_signature, not_applicable_reasons
 from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
+from equiv.collectives import CollectiveCounts, CountingReduceScatter
 
 __all__ = [
     "ENGINES",
@@ -266,52 +262,6 @@ class DistributedVerdict(Judgement):
         return "\n".join(lines)
 
 
-class _AllReduceCounter:
-    """A DDP comm hook: the default all-reduce, counted per optimizer step."""
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-        self.bytes: list[int] = []
-
-    def start_step(self, step: int) -> None:
-        self.calls.append(0)
-        self.bytes.append(0)
-
-    # No annotations: DDP compares them with dist.GradBucket at registration,
-    # and this module's postponed annotations would be strings.
-    def hook(self, state, bucket):  # type: ignore[no-untyped-def]
-        buffer = bucket.buffer()
-        self.calls[-1] += 1
-        self.bytes[-1] += buffer.numel() * buffer.element_size()
-        return default_hooks.allreduce_hook(state, bucket)
-
-
-class _ReduceScatterCounter(ReduceScatter):
-    """FSDP2's default reduce-scatter (``torch.empty`` buffers, one
-    ``reduce_scatter_tensor``), counted per optimizer step."""
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-        self.bytes: list[int] = []
-
-    def start_step(self, step: int) -> None:
-        self.calls.append(0)
-        self.bytes.append(0)
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: Any, async_op: bool = False
-    ) -> Any:
-        if self.calls:  # FSDP may reduce outside a step (never in this module's runs)
-            self.calls[-1] += 1
-            self.bytes[-1] += input_tensor.numel() * input_tensor.element_size()
-        # What FSDP2's DefaultReduceScatter calls (reduce_scatter_tensor before torch 2.13).
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 def _shard_units(module: nn.Module) -> Iterator[nn.Module]:
     """The modules ``fully_shard`` wraps below the root: each child with
     parameters, looking through containers (ModuleList/ModuleDict have no
@@ -393,28 +343,26 @@ class _CheckTask:
         device = torch.device(self.dcase.case.device)
         results: dict[str, Any] = {}
         for tier, dtype_name in self.tiers:
-            counter: _AllReduceCounter | _ReduceScatterCounter
+            counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2
             units = 0
             if self.engine == "ddp":
-                counter = _AllReduceCounter()
 
-                def wrap(model: nn.Module, counter: Any = counter) -> nn.Module:
+                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
-                    ddp.register_comm_hook(None, counter.hook)
+                    ddp.register_comm_hook(None, counter.allreduce_hook)
                     return ddp
 
             else:
-                counter = _ReduceScatterCounter()
 
-                def wrap(model: nn.Module, counter: Any = counter) -> nn.Module:
+                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     nonlocal units
                     units = fully_shard_layers(model, init_device_mesh(device.type, (world_size,)), self.mp_policy)
                     for module in model.modules():
                         if isinstance(module, FSDPModule):
-                            module.set_custom_reduce_scatter(counter)
+                            module.set_custom_reduce_scatter(CountingReduceScatter(counter))
                     return model
 
-            def on_step(step: int, counter: Any = counter, tier: str = tier) -> None:
+            def on_step(step: int, counter: CollectiveCounts = counter, tier: str = tier) -> None:
                 progress(f"{tier} tier, step {step}: in the candidate")
                 counter.start_step(step)
 

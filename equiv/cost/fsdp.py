@@ -25,7 +25,6 @@ frees and re-allocates in place), and step time.
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import time
 import weakref
@@ -38,16 +37,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-
-# The interfaces FSDPModule.set_custom_all_gather / set_custom_reduce_scatter
-# take; torch 2.13 exports them under no public name.
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from equiv.accumulator import Accumulator
 from equiv.batches import even_sizes, split_batch
+from equiv.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter
 from equiv.cost.memory import (
-    METHOD_STORAGE_COUNTER,
     StepMemory,
     StorageCounter,
     measure_step_memory,
@@ -81,63 +76,6 @@ class FsdpCostRow:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "memory": self.memory.to_dict()}
-
-
-class _Counts:
-    def __init__(self) -> None:
-        self.calls = 0
-        self.bytes = 0
-        #: While memory is measured: the counter, and every collective runs to
-        #: completion inside :meth:`ShardAwareStorageCounter.collective`.
-        self.counter: ShardAwareStorageCounter | None = None
-
-    def add(self, tensor: Tensor) -> None:
-        self.calls += 1
-        self.bytes += tensor.numel() * tensor.element_size()
-
-
-class _CountingReduceScatter(ReduceScatter):
-    """FSDP2's default reduce-scatter, counted."""
-
-    def __init__(self, counts: _Counts) -> None:
-        self.counts = counts
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: Any, async_op: bool = False
-    ) -> Any:
-        self.counts.add(input_tensor)
-        # What FSDP2's DefaultReduceScatter calls (reduce_scatter_tensor before torch 2.13).
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        if self.counts.counter is None:
-            return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        with self.counts.counter.collective(output_tensor, input_tensor):
-            reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=False)
-        return None  # FSDP2 takes None for a collective already finished
-
-
-class _CountingAllGather(AllGather):
-    """FSDP2's default all-gather, counted."""
-
-    def __init__(self, counts: _Counts) -> None:
-        self.counts = counts
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
-    ) -> Any:
-        self.counts.add(output_tensor)
-        # What FSDP2's DefaultAllGather calls (all_gather_into_tensor before torch 2.13).
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        if self.counts.counter is None:
-            return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        with self.counts.counter.collective(output_tensor, input_tensor):
-            all_gather(output_tensor, input_tensor, group=group, async_op=False)
-        return None  # FSDP2 takes None for a collective already finished
 
 
 def _holders(tensor: Tensor) -> tuple[int, int]:
@@ -207,36 +145,21 @@ class ShardAwareStorageCounter(StorageCounter):
 
 def _measure_memory(
     accumulate: Callable[[], None], update: Callable[[], None], roots: list[Tensor], device: torch.device, *,
-    counts: Sequence[_Counts],
+    counts: Sequence[CollectiveCounts],
 ) -> StepMemory:
     """:func:`~equiv.cost.memory.measure_step_memory` with the shard-aware
     counter on the CPU (the CUDA allocator already sees everything), the
     counted collectives run synchronously inside it."""
     if device.type != "cpu":
         return measure_step_memory(accumulate, update, roots=roots, device=device)
-    gc.collect()  # as measure_step_memory: no collection in the middle of the step
-    was_enabled = gc.isenabled()
-    gc.disable()
+    counter = ShardAwareStorageCounter()
+    for comm_counts in counts:
+        comm_counts.synchronous = counter.collective
     try:
-        with ShardAwareStorageCounter() as counter:
-            for comm_counts in counts:
-                comm_counts.counter = counter
-            counter.track(roots)
-            baseline = counter.live_bytes
-            with counter.phase("forward_backward"):
-                accumulate()
-            with counter.phase("optimizer_step"):
-                update()
+        return measure_step_memory(accumulate, update, roots=roots, device=device, counter=counter)
     finally:
         for comm_counts in counts:
-            comm_counts.counter = None
-        if was_enabled:
-            gc.enable()
-    return StepMemory(
-        device=str(device), method=METHOD_STORAGE_COUNTER, baseline_bytes=baseline,
-        forward_backward_peak_bytes=counter.phase_peak_bytes["forward_backward"],
-        optimizer_step_peak_bytes=counter.phase_peak_bytes["optimizer_step"],
-    )
+            comm_counts.synchronous = None
 
 
 def shard_block_net(model: BlockNet, world_size: int, device: torch.device) -> list[FSDPModule]:
@@ -301,10 +224,10 @@ class FsdpCostSweep:
         workload = WORKLOADS[self.workload]
         model = build_workload_model(workload, seed=0, device=device)
         units = shard_block_net(model, world_size, device)
-        reduce_scatters, all_gathers = _Counts(), _Counts()
+        reduce_scatters, all_gathers = CollectiveCounts(), CollectiveCounts()
         for unit in units:
-            unit.set_custom_reduce_scatter(_CountingReduceScatter(reduce_scatters))
-            unit.set_custom_all_gather(_CountingAllGather(all_gathers))
+            unit.set_custom_reduce_scatter(CountingReduceScatter(reduce_scatters))
+            unit.set_custom_all_gather(CountingAllGather(all_gathers))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         accumulator = Accumulator(model, optimizer)
         micro_batches = split_batch(batch, even_sizes(int(batch[0].shape[0]), n))
@@ -321,10 +244,11 @@ class FsdpCostSweep:
 
         accumulate()  # warm-up: AdamW's state exists from here on
         update()
-        reduce_scatters.calls = reduce_scatters.bytes = all_gathers.calls = all_gathers.bytes = 0
+        for counts in (reduce_scatters, all_gathers):  # the warm-up's collectives are not the step's
+            counts.start_step()
         roots = [*training_state_tensors(model, optimizer), *batch]
         memory = _measure_memory(accumulate, update, roots, device, counts=(reduce_scatters, all_gathers))
-        counted = (reduce_scatters.calls, reduce_scatters.bytes, all_gathers.calls, all_gathers.bytes)
+        counted = (reduce_scatters.calls[0], reduce_scatters.bytes[0], all_gathers.calls[0], all_gathers.bytes[0])
         seconds = []
         for _ in range(self.timed_steps):
             dist.barrier()

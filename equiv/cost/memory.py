@@ -177,6 +177,7 @@ def measure_step_memory(
     *,
     roots: Iterable[Tensor],
     device: torch.device | str = "cpu",
+    counter: StorageCounter | None = None,
 ) -> StepMemory:
     """Run one step, ``accumulate()`` (every micro-batch forward and backward)
     then ``update()`` (optimizer step, gradients cleared), and return its peaks.
@@ -185,6 +186,8 @@ def measure_step_memory(
     :func:`training_state_tensors`, plus the batch); on CPU only these and what
     the step allocates are counted.  Run a warm-up step first so lazily
     created optimizer state is part of the baseline, as in steady training.
+    ``counter``: the storage counter to count with on the CPU (a subclass,
+    e.g. one that understands sharded tensors); a plain one by default.
     """
     device = torch.device(device)
     roots = list(roots)
@@ -198,7 +201,8 @@ def measure_step_memory(
             return _measure_cuda(accumulate, update, roots, device)
         if device.type != "cpu":
             raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {str(device)!r}")
-        with StorageCounter() as counter:
+        counter = counter if counter is not None else StorageCounter()
+        with counter:
             counter.track(roots)
             baseline_bytes = counter.live_bytes
             with counter.phase("forward_backward"):
