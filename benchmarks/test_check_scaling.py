@@ -13,7 +13,8 @@ brought in with ``Case(model=..., data=..., loss=...)``); AdamW, batch 8 split
   pays to check a step, in units of running it, and bare runs / own steps
   the part of it no comparison can remove;
 * **memory**: the peak of live tensor storages during the check (torch's
-  dispatch-level storage counter, byte-identical on every run) against the
+  dispatch-level storage counter, byte-identical on every run; on the case's
+  device, so GPU memory under ``EQUIV_BENCH_DEVICE=cuda``) against the
   peak of one bare float64 run of the candidate, as a number of *model
   states* (parameters + AdamW's two moments, in float64: 24 bytes per
   parameter) beyond that run.
@@ -38,6 +39,7 @@ from equiv.batches import split_batch
 from equiv.checking.check import _SHUFFLE_SEED_OFFSETS
 from equiv.checking.trajectory import run_candidate, run_reference
 from equiv.cost.memory import StorageCounter
+from equiv.cost.steps import synchronize
 from equiv.losses import TokenCrossEntropy
 
 #: width -> about 3 * width**2 parameters: 0.1M, 1M, 4M, 16M; and GPT-2 small's shape (124M).
@@ -65,8 +67,8 @@ class GPT2Shaped(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         length = input_ids.shape[1]
-        hidden = self.wte(input_ids) + self.wpe(torch.arange(length))
-        mask = torch.triu(torch.full((length, length), float("-inf")), 1)
+        hidden = self.wte(input_ids) + self.wpe(torch.arange(length, device=input_ids.device))
+        mask = torch.triu(torch.full((length, length), float("-inf"), device=input_ids.device), 1)
         hidden = self.blocks(hidden, mask=mask, is_causal=True)
         logits: Tensor = self.ln_f(hidden) @ self.wte.weight.T  # tied, as GPT-2
         return logits
@@ -80,9 +82,9 @@ def gpt2_tokens(step: int, batch_size: int, generator: torch.Generator) -> tuple
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _case(size: str) -> equiv.Case:
+def _case(size: str, device: torch.device) -> equiv.Case:
     common: dict[str, Any] = dict(batch_size=8, micro_batch_sizes=(3, 5), optimizer="AdamW",
-                                  optimizer_kwargs={"lr": 1e-3}, steps=2)
+                                  optimizer_kwargs={"lr": 1e-3}, steps=2, device=str(device))
     if size == GPT2_SMALL:
         return equiv.Case(model=GPT2Shaped, data=gpt2_tokens, loss=TokenCrossEntropy(), **common)
     width = WIDTHS[size]
@@ -91,14 +93,18 @@ def _case(size: str) -> equiv.Case:
 
 def _own_steps_seconds(case: equiv.Case) -> float:
     """The candidate's own float32 steps of the case, nothing else."""
+    device = torch.device(case.device)
     bundle = case.build_model()
-    model = bundle.module
+    model = bundle.module.to(device)
     optimizer = case.build_optimizer(model)
     loss = case.build_loss()
-    batches = [split_batch(batch, case.micro_batch_sizes) for batch in case.batches(bundle)]
+    batches = [split_batch((inputs.to(device), targets.to(device)), case.micro_batch_sizes)
+               for inputs, targets in case.batches(bundle)]
+    synchronize(device)
     start = time.perf_counter()
     for micro_batches in batches:
         equiv.accumulator_step(model, optimizer, micro_batches, loss)
+    synchronize(device)  # CUDA: the timer must include the queued kernels
     return time.perf_counter() - start
 
 
@@ -107,6 +113,7 @@ def _bare_runs_seconds(case: equiv.Case) -> float:
     the six floor samples (four float32, two float64) and the candidate in
     float64 and float32, each from a model built once and copied (as a check does)."""
     initial = case.build_model()
+    initial.module.to(torch.device(case.device))  # as a check does: once, not per run
     shuffles = [case.seed + offset for offset in _SHUFFLE_SEED_OFFSETS]
     start = time.perf_counter()
     for dtype in (torch.float64, torch.float32):
@@ -115,6 +122,7 @@ def _bare_runs_seconds(case: equiv.Case) -> float:
         run_reference(case, dtype, normalise_after_backward=True, on_snapshot=_ignore, initial=initial)
         run_candidate(case, equiv.accumulator_step, dtype, on_snapshot=_ignore, initial=initial)
     run_reference(case, torch.float32, permutation_seed=shuffles[1], on_snapshot=_ignore, initial=initial)
+    synchronize(case.device)
     return time.perf_counter() - start
 
 
@@ -126,9 +134,7 @@ def _ignore(step: int, snapshot: Any) -> None:
 def test_check_scaling(benchmark: Any, bench_settings: Any, size: str) -> None:
     if bench_settings.quick and size not in QUICK_SIZES:
         pytest.skip(f"{size} parameters only in a full run (EQUIV_BENCH_QUICK=0)")
-    if bench_settings.device.type != "cpu":
-        pytest.skip("the storage counter measures CPU memory; CUDA checks are timed by the step benchmarks")
-    case = _case(size)
+    case = _case(size, bench_settings.device)
     parameters = sum(p.numel() for p in case.build_model().module.parameters())
 
     with StorageCounter() as bare:
@@ -147,7 +153,7 @@ def test_check_scaling(benchmark: Any, bench_settings: Any, size: str) -> None:
         own_seconds.append(_own_steps_seconds(case))
         bare_seconds.append(_bare_runs_seconds(case))
         start = time.perf_counter()
-        equiv.check(equiv.accumulator_step, case)
+        equiv.check(equiv.accumulator_step, case)  # its verdict is on the host: nothing left queued
         check_seconds.append(time.perf_counter() - start)
 
     _own_steps_seconds(case)  # warm-up: first-call costs are not the step's

@@ -76,8 +76,15 @@ def test_planner_regret(benchmark: Any, bench_settings: Any, workload_name: str)
                 probe_peaks.append(measured.memory.peak_bytes)
                 return measured
 
+            whole_peaks: list[int] = []
+
+            def whole_step(n: int, real: Measurements = real, whole_peaks: list[int] = whole_peaks) -> StepMeasurement:
+                measured = real.whole_step(n)
+                whole_peaks.append(measured.memory.peak_bytes)
+                return measured
+
             plan = search_plan(
-                Measurements(probe=probe, whole_step=real.whole_step),
+                Measurements(probe=probe, whole_step=whole_step),
                 global_batch_size=workload.global_batch_size, memory_budget_bytes=budget, device=str(device),
             )
             fitting = [n for n in candidates if peaks[n] <= budget]
@@ -92,6 +99,8 @@ def test_planner_regret(benchmark: Any, bench_settings: Any, workload_name: str)
                 "regret": regret,
                 "probes": len(probe_peaks),
                 "probes_over_budget": sum(p > budget for p in probe_peaks),
+                "whole_steps": len(whole_peaks),
+                "whole_steps_over_budget": sum(p > budget for p in whole_peaks),
             })
 
     benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)

@@ -24,9 +24,12 @@ T_FIXED, T_SAMPLE, T_UPDATE = 1e-3, 1e-5, 2e-3
 class Curves:
     """Peak bytes and seconds as functions of the micro-batch size m; records every measurement."""
 
-    def __init__(self, forward_backward: Callable[[int], int], optimizer_step: int = 100 * KIB) -> None:
+    def __init__(self, forward_backward: Callable[[int], int], optimizer_step: int = 100 * KIB,
+                 whole_step_seconds: Callable[[int], float] | None = None) -> None:
         self.forward_backward = forward_backward
         self.optimizer_step = optimizer_step
+        #: A whole step's time as a function of N; by default what the probes' line predicts.
+        self.whole_step_seconds = whole_step_seconds or (lambda n: n * T_FIXED + BATCH * T_SAMPLE + T_UPDATE)
         self.probed: list[int] = []
         self.whole_steps: list[int] = []
 
@@ -47,8 +50,8 @@ class Curves:
     def whole_step(self, n: int) -> StepMeasurement:
         self.whole_steps.append(n)
         m = -(-BATCH // n)
-        seconds = n * T_FIXED + BATCH * T_SAMPLE + T_UPDATE
-        return StepMeasurement(n_micro_batches=n, micro_batch_size=m, memory=self.memory(m), step_seconds=[seconds])
+        return StepMeasurement(n_micro_batches=n, micro_batch_size=m, memory=self.memory(m),
+                               step_seconds=[self.whole_step_seconds(n)])
 
     def measurements(self) -> Measurements:
         return Measurements(probe=self.probe, whole_step=self.whole_step)
@@ -66,8 +69,43 @@ def test_linear_memory_recommends_the_fewest_micro_batches_that_fit() -> None:
     # Smallest first, then the largest predicted to fit: never a size over budget.
     assert curves.probed[:3] == [1, 2, 16]
     assert all(curves.forward_backward(m) <= 400 * KIB for m in curves.probed)
-    assert curves.whole_steps == [4]
+    # The pick, then its slower neighbour that fits (N=2 does not): the walk stops there.
+    assert curves.whole_steps == [4, 8]
     assert [row.n_micro_batches for row in result.rows if row.fits] == [4, 8, 16, 32, 64]
+
+
+def test_whole_steps_overrule_a_time_line_that_misranks_neighbouring_n() -> None:
+    # The probes' line says N=1 is fastest; whole steps are fastest at N=4 (say the
+    # micro-batch of 16 fits a cache the larger ones do not).  Everything fits.
+    def u_shaped(n: int) -> float:
+        return 0.010 + 0.002 * abs(n - 4)
+
+    curves = Curves(linear(200 * KIB, 10 * KIB), whole_step_seconds=u_shaped)
+    result = search_plan(curves.measurements(), global_batch_size=BATCH, memory_budget_bytes=10_000 * KIB)
+    assert result.recommended_n == 4
+    # From the line's pick, one neighbour at a time towards the faster side, until both sides are slower.
+    assert curves.whole_steps == [1, 2, 4, 8]
+    measured = {row.n_micro_batches: row.measured_samples_per_s for row in result.rows}
+    assert measured[4] == max(v for v in measured.values() if v is not None)
+
+
+def test_the_walk_never_measures_a_step_predicted_over_budget() -> None:
+    # Faster with fewer micro-batches without end, but N=2 (m=32, 520 KiB) is over the budget.
+    curves = Curves(linear(200 * KIB, 10 * KIB), whole_step_seconds=lambda n: 0.001 * n)
+    result = search_plan(curves.measurements(), global_batch_size=BATCH, memory_budget_bytes=400 * KIB)
+    assert result.recommended_n == 4
+    assert 2 not in curves.whole_steps and 1 not in curves.whole_steps
+
+
+def test_a_size_inside_the_safety_margin_is_probed_not_guessed() -> None:
+    # 200 + 10 m KiB: micro-batch 16 (N=4) peaks at 360 KiB, 1 KiB under the budget,
+    # inside the 5% margin a prediction must keep.  A probe measures it exactly.
+    curves = Curves(linear(200 * KIB, 10 * KIB))
+    result = search_plan(curves.measurements(), global_batch_size=BATCH, memory_budget_bytes=361 * KIB)
+    assert curves.probed == [1, 2, 8, 16]
+    assert all(curves.forward_backward(m) <= 361 * KIB for m in curves.probed)
+    assert result.recommended_n == 4
+    assert next(row for row in result.rows if row.n_micro_batches == 4).probed_peak_bytes == 360 * KIB
 
 
 def test_more_budget_means_fewer_micro_batches() -> None:

@@ -98,8 +98,10 @@ def test_plan_recommends_a_measured_n_within_budget() -> None:
     assert row.measured_peak_bytes is not None and row.measured_peak_bytes <= budget
     # The smallest micro-batches are probed first: nothing larger ran before them.
     assert result.probed_micro_batch_sizes[:2] == [1, 2]
-    # The recommendation is the fastest by the plan's own figures among the N that fit.
-    assert row.predicted_samples_per_s == max(r.predicted_samples_per_s for r in result.rows if r.fits)
+    # The recommendation is the fastest measured whole step among those that fit.
+    assert row.measured_samples_per_s == max(
+        r.measured_samples_per_s for r in result.rows if r.fits and r.measured_samples_per_s is not None
+    )
     # Memory is deterministic on CPU: a probe and the whole step agree where both ran (N >= 2).
     for r in result.rows:
         if r.probed_peak_bytes is not None and r.measured_peak_bytes is not None and r.n_micro_batches >= 2:

@@ -107,6 +107,9 @@ class ReferenceRuns:
         exact = torch.float64
         working = case.working_dtype
         initial = case.build_model()
+        # Every run trains a copy of it: on a GPU, copying it there once (in its own
+        # dtype; each run casts its copy) saves a host-to-device copy of the model per run.
+        initial.module.to(torch.device(case.device))
         truth = TruthTrajectory()
         run_reference(case, exact, on_snapshot=truth.add, initial=initial)
         floors: dict[str, FloorErrors] = {}

@@ -60,10 +60,20 @@ def _max_abs(tensor: Tensor) -> Tensor:
 
 
 def _host_floats(values: list[Tensor]) -> list[float]:
-    """Many 0-d tensors as Python floats, in one device-to-host transfer."""
-    if not values:
-        return []
-    return [float(v) for v in torch.stack([v.to(values[0].device) for v in values]).cpu().tolist()]
+    """Many 0-d tensors as Python floats, in one device-to-host transfer per device.
+
+    Host tensors are read where they are: moving them to the GPU to stack them
+    is a synchronising copy each (Adam's ``step`` counters live on the host)."""
+    out = [0.0] * len(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for position, value in enumerate(values):
+        by_device.setdefault(value.device, []).append(position)
+    for device, positions in by_device.items():
+        stacked = torch.stack([values[p] for p in positions])
+        read = stacked.tolist() if device.type == "cpu" else stacked.cpu().tolist()
+        for position, number in zip(positions, read, strict=True):
+            out[position] = float(number)
+    return out
 
 
 def _float64(tensor: Tensor, device: torch.device | None) -> Tensor:
@@ -192,11 +202,13 @@ class _RunStart:
         device = truth.device
 
         def same(values: dict[str, Tensor], truths: dict[str, Tensor]) -> bool:
-            # torch.equal compares values across dtypes (float32 promoted exactly):
-            # no float64 copy of the whole model per run just to compare it.
-            return values.keys() == truths.keys() and all(
-                torch.equal(value.detach().to(truths[name].device), truths[name]) for name, value in values.items()
-            )
+            # torch.eq compares values across dtypes (float32 promoted exactly):
+            # no float64 copy of the whole model per run just to compare it; and
+            # one host read for the whole model, not one per tensor (a GPU sync each).
+            if values.keys() != truths.keys() or any(v.shape != truths[n].shape for n, v in values.items()):
+                return False
+            equal = [torch.eq(value.detach().to(truths[name].device), truths[name]).all() for name, value in values.items()]
+            return bool(torch.stack(equal).all()) if equal else True
 
         if same(snapshot.params, initial.params) and same(snapshot.buffers, initial.buffers):
             self.params, self.buffers = initial.params, initial.buffers
@@ -272,8 +284,10 @@ class FloorErrors:
         distances = []
         for key in keys:
             difference = self._start.difference(snapshot, key, truth.get(key), device)
-            # A tensor the floor run lacks has no distance.
-            distances.append(_max_abs(difference) if difference is not None else torch.zeros((), dtype=torch.float64))
+            # A tensor the floor run lacks has no distance (a zero made where the
+            # others are: a host-to-GPU copy would be one more synchronisation).
+            distances.append(_max_abs(difference) if difference is not None
+                             else torch.zeros((), dtype=torch.float64, device=device))
         for key, distance in zip(keys, _host_floats(distances), strict=True):
             scaled = distance * factor
             previous = self.errors.get((step, key[0], key[1]))
@@ -396,9 +410,13 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
     agree = torch.eq(abs_diff, 0, out=scratch.get("agree", abs_diff.shape, abs_diff.device, torch.bool))
     rel_diff.masked_fill_(agree, 0.0)
     flat_rel = rel_diff.argmax()
-    mismatched = (abs_diff > row.allowed).sum() if row.max_abs_diff > row.allowed else torch.zeros((), dtype=torch.long)
+    mismatched = (
+        (abs_diff > row.allowed).sum() if row.max_abs_diff > row.allowed
+        else torch.zeros((), dtype=torch.long, device=abs_diff.device)
+    )
+    # All four on the device, read in one transfer (torch.take: no host-side index).
     index_abs, max_rel, index_rel, count = _host_floats(
-        [flat_abs.to(torch.float64), rel_diff.flatten()[flat_rel], flat_rel.to(torch.float64), mismatched.to(torch.float64)]
+        [flat_abs.to(torch.float64), torch.take(rel_diff, flat_rel), flat_rel.to(torch.float64), mismatched.to(torch.float64)]
     )
     return dataclasses.replace(
         row, index=_unravel(int(index_abs), shape), max_rel_diff=max_rel,

@@ -236,7 +236,10 @@ def search_plan(
     2. *Confirm* (:func:`_confirm_phase`): predict every candidate N from the
        fitted lines and take the fastest that fits; run its whole step to
        confirm (measured peak and samples/s); if it does not fit after all,
-       take the next.
+       take the next.  Then measure the pick's neighbouring candidates (those
+       predicted to fit) as whole steps and move to a faster one that fits,
+       while there is one: the recommendation is the fastest *measured* step
+       around the predicted optimum, not the line's guess.
     """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
@@ -298,9 +301,14 @@ class _Budget:
     allowed_bytes: float
 
     def fits(self, m: int, probed: dict[int, Probe], memory_model: MemoryModel) -> bool:
-        """Measured where probed (exact), predicted with the margin elsewhere."""
+        """Measured where probed (exact); known where a larger micro-batch's
+        two-micro-batch window measured within budget (the forward/backward peak
+        grows with the micro-batch, the optimizer step's does not depend on it);
+        predicted with the margin elsewhere."""
         if m in probed:
             return probed[m].memory.peak_bytes <= self.budget_bytes
+        if any(p.window == 2 and size > m and p.memory.peak_bytes <= self.budget_bytes for size, p in probed.items()):
+            return True
         return memory_model.peak_bytes(m) <= self.allowed_bytes
 
 
@@ -328,14 +336,23 @@ def _probe_phase(
         memory_model = _fit_memory(probed)
         fitting = [m for m in sizes if budget.fits(m, probed, memory_model)]
         unprobed = [m for m in fitting if m not in probed]
-        if not unprobed:
-            break
-        if unprobed[-1] > max(probed):
+        if unprobed and unprobed[-1] > max(probed):
             probe(unprobed[-1])  # the largest size predicted to fit: the likely pick
-        else:
+            continue
+        # Sizes the line puts inside the safety margin (at most the budget, but
+        # not the margin below it): a probe measures exactly what the line can
+        # only guess, and a micro-batch there is the fastest that may fit.
+        largest_fitting = max(m for m, p in probed.items() if p.memory.peak_bytes <= budget.budget_bytes)
+        borderline = [m for m in sizes if m not in probed and m > largest_fitting
+                      and memory_model.peak_bytes(m) <= budget.budget_bytes]
+        if borderline:
+            probe(borderline[-1])
+        elif unprobed:
             # One between the small probes and the largest that fits, so the time line spans the range.
             middle = math.sqrt(sizes[1] * max(m for m in probed if m in fitting))
             probe(min(unprobed, key=lambda m: abs(math.log(m / middle))))
+        else:
+            break
     return probed
 
 
@@ -352,14 +369,43 @@ def _confirm_phase(
     memory_model = _fit_memory(probed)
     time_model = fit_micro_steps([p.point for p in probed.values()])
     confirmed: dict[int, StepMeasurement] = {}
+
+    def fits(n: int) -> bool:
+        return confirmed[n].memory.peak_bytes <= budget.budget_bytes
+
     while True:
         feasible = [n for n in candidates if n not in confirmed and budget.fits(size_of[n], probed, memory_model)]
         if not feasible:
             return None, confirmed, memory_model, time_model
         best = max(feasible, key=lambda n: (time_model.samples_per_s(n, global_batch_size), -n))
         confirmed[best] = measure.whole_step(best)
-        if confirmed[best].memory.peak_bytes <= budget.budget_bytes:
-            return best, confirmed, memory_model, time_model
+        if fits(best):
+            break
+    # The time line misranks neighbouring N: it is fitted on two-micro-batch
+    # probes, while a whole step's time also moves with what the line leaves out
+    # (cache effects of the micro-batch size, launch overheads on a GPU).  So the
+    # pick's neighbours among the candidates predicted to fit are measured as
+    # whole steps too, and the search walks to a faster one while there is one:
+    # a step's time is close to unimodal in N, and every step it takes is measured.
+    predicted_fit = [n for n in candidates if budget.fits(size_of[n], probed, memory_model) or n in confirmed]
+    for _ in range(_NEIGHBOUR_STEPS):
+        position = predicted_fit.index(best)
+        neighbours = [predicted_fit[i] for i in (position - 1, position + 1)
+                      if 0 <= i < len(predicted_fit) and predicted_fit[i] not in confirmed]
+        if not neighbours:
+            break
+        for n in neighbours:
+            confirmed[n] = measure.whole_step(n)
+        faster = min((n for n in confirmed if fits(n)), key=lambda n: (confirmed[n].median_step_seconds, n))
+        if faster == best:
+            break
+        best = faster
+    return best, confirmed, memory_model, time_model
+
+
+#: Rounds of the walk from the predicted pick to a measured-faster neighbour
+#: (each measures at most two whole steps; the walk usually stops after one).
+_NEIGHBOUR_STEPS = 3
 
 
 def _micro_batch_size(global_batch_size: int, n: int) -> int:

@@ -40,6 +40,12 @@ GENERATE_COMMANDS = (
     "equiv report benchmarks --json reports/benchmarks.json --scaling-full reports/check_scaling_full.json "
     "--out reports/benchmarks.md"
 )
+#: A GPU run (CI has no GPU: its report is committed from a machine with one).
+GENERATE_COMMANDS_CUDA = (
+    "EQUIV_BENCH_DEVICE=cuda EQUIV_BENCH_QUICK=0 python -m pytest benchmarks --benchmark-only "
+    "--benchmark-json=reports/benchmarks_cuda.json\n"
+    "equiv report benchmarks --json reports/benchmarks_cuda.json --out reports/benchmarks_cuda.md"
+)
 
 
 def load_benchmarks(raw: dict[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -267,7 +273,7 @@ def render_report(
         "Generated; do not edit. Regenerate with:",
         "",
         "```",
-        GENERATE_COMMANDS,
+        GENERATE_COMMANDS_CUDA if str(first["device"]).startswith("cuda") else GENERATE_COMMANDS,
         "```",
         "",
         f"Run of {raw.get('datetime', 'unknown time')[:19]} on {cpu.get('brand_raw', 'unknown CPU')} "
@@ -354,6 +360,9 @@ def _regret_section(raw: dict[str, Any]) -> list[str]:
                 f"goal <= {100 * REGRET_TARGET:g}%": (
                     "met" if row["picked_fits"] and regret is not None and regret <= REGRET_TARGET else "NOT met"),
                 "probes (over budget)": f"{row['probes']} ({row['probes_over_budget']})",
+                # Older runs (before the walk over whole steps) did not count them.
+                "whole steps (over budget)": (
+                    f"{row['whole_steps']} ({row['whole_steps_over_budget']})" if "whole_steps" in row else "-"),
             })
     return [
         "## Planner regret",
@@ -361,6 +370,8 @@ def _regret_section(raw: dict[str, Any]) -> list[str]:
         "Every candidate N measured in the same run (whole step: peak memory, median step time), then "
         "`equiv plan`'s search at budgets between the smallest and the largest peak and above all of them; regret "
         "is the pick's measured step time over the fastest fitting N's, from the exhaustive measurements. "
+        "The search probes two-micro-batch windows, predicts the fastest N that fits, then measures whole steps "
+        "of it and its neighbours and walks to a faster one while there is one (*whole steps*). "
         "Step times on a shared CPU move by several percent between runs, so a regret of a few percent between "
         "two N of near-equal time is within noise; a probe over budget would be an out-of-memory error on a GPU.",
         "",
