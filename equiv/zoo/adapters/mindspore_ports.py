@@ -272,8 +272,9 @@ class MindSporeAccuStepsWithLossScale(_PortedLoop):
     def _mini_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor],
                     loss_fn: Callable[..., Tensor], steps: int) -> None:
         inputs, targets = batch
-        scale = self._scaler.get_scale() if self._scaler is not None else 1.0  # self.scale_sense
-        grads = _gradients(model, loss_fn(model(inputs), targets) * scale)  # sens = scaling_sens_filled
+        loss = loss_fn(model(inputs), targets)
+        # sens = scaling_sens_filled: the gradient of the loss times the current scale (read each micro-step).
+        grads = _gradients(model, self._scaler.scale(loss) if self._scaler is not None else loss)
         overflow = not _all_finite(grads) or self._accu_overflow  # logical_or(accu_overflow != 0, overflow)
         if (self._k + 1) % steps != 0:  # accumulation graph
             torch._foreach_add_(self._accu_grads, grads)  # update_accu_grads
@@ -282,15 +283,14 @@ class MindSporeAccuStepsWithLossScale(_PortedLoop):
             self._accu_overflow = False
             window = list(torch._foreach_add(self._accu_grads, grads))  # _MirrorMiniStepOperator: assign_add, all_reduce
             torch._foreach_zero_(self._accu_grads)  # reset_accu_grads, whether or not the window overflowed
-            self._update(optimizer, model, window, overflow, scale)
+            self._update(optimizer, model, window, overflow)
         self._k += 1
 
-    def _update(self, optimizer: torch.optim.Optimizer, model: nn.Module, grads: list[Tensor], overflow: bool,
-                scale: float) -> None:
+    def _update(self, optimizer: torch.optim.Optimizer, model: nn.Module, grads: list[Tensor], overflow: bool) -> None:
         if self._scaler is None:
-            # A fixed scale_sense: process_loss_scale leaves it; an overflow still skips the step.
+            # A fixed scale_sense of 1.0: process_loss_scale leaves it; an overflow still skips the step.
             if not overflow:
-                _apply(optimizer, model, [g / scale for g in grads])  # _grad_scale: grad * reciprocal(scale)
+                _apply(optimizer, model, grads)
             return
         params = [p for p in model.parameters() if p.requires_grad]
         for param, grad in zip(params, grads, strict=True):
