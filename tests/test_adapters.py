@@ -17,7 +17,14 @@ from equiv.cases.standard import TOY_CASE
 from equiv.checking.trajectory import run_candidate
 from equiv.reporting.peer_runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs, update_gap
 from equiv.reporting.peers import CONFIGURATIONS, EPOCH_RUNS, TRAINER_RUNS, smallest_counterexample
-from equiv.zoo.adapters import MindSporeAccumulator, MindSporeGradientAccumulation, textbook_step, torchtitan_step
+from equiv.zoo.adapters import (
+    MindSporeAccumulator,
+    MindSporeAccuStepsWithLossScale,
+    MindSporeGradAccumulation,
+    MindSporeGradientAccumulation,
+    textbook_step,
+    torchtitan_step,
+)
 from equiv.zoo.bugs import clip_per_micro_batch, unscaled_sum
 
 EVEN = CONFIGURATIONS["equal splits, SGD"]
@@ -25,6 +32,7 @@ ADAM = CONFIGURATIONS["equal splits, Adam"]
 UNEVEN = CONFIGURATIONS["uneven splits 1+4+7"]
 TOKENS = CONFIGURATIONS["token loss, causal LM, equal splits"]
 CLIPPED = CONFIGURATIONS["clipping (active), equal splits"]
+LOSS_SCALED = CONFIGURATIONS["loss scale, overflow in micro-batch 1 of 3"]
 MID_EPOCH = EPOCH_RUNS["mid-epoch windows: 9 micro-batches, N=3"]
 LONG_TAIL = EPOCH_RUNS["tail of a long epoch: 7 micro-batches, N=3 (Lightning #19987)"]
 SHORT_EPOCH = EPOCH_RUNS["epoch shorter than N: 2 micro-batches, N=3, 2 epochs (Lightning #21808)"]
@@ -154,6 +162,58 @@ def test_mindspore_r13_port_leaks_a_partial_window_into_the_next_epoch() -> None
     assert leak.gap is not None and abs(leak.gap.scale - 3.0) < 1e-9 and leak.gap.cosine > 0.999
 
 
+def scales(candidate: object, case: equiv.Case) -> list[float]:
+    """The GradScaler's scale after each step of the candidate's float64 run."""
+    snapshots = run_candidate(case, candidate, torch.float64)  # type: ignore[arg-type]
+    return [float(s.optimizer_state["grad_scaler:scale"]) for s in snapshots]
+
+
+def test_mindspore_r26_grad_accumulation_recuts_the_batch_and_averages_its_slices() -> None:
+    # Model.train's _TrainGradAccuStepCell multiplies by 1 / micro_size: exact on equal slices of a sample mean,
+    # and the window's own split does not matter (1+4+7 is re-cut into 4+4+4).
+    assert equiv.check(MindSporeGradAccumulation(), EVEN)
+    assert equiv.check(MindSporeGradAccumulation(), UNEVEN)
+    # The toy's 3+3+2 re-cut by micro_size=2 into 4+4: the full-batch w = 2.04, where loss / N gives 2.31556.
+    assert abs(toy_w(MindSporeGradAccumulation(2)) - 2.04) < 1e-12
+    # micro_size=3 cannot cut 8 samples: MindSpore's _MicroBatch refuses it.
+    with pytest.raises(equiv.CandidateError, match=r"input\(8\) must be divided by micro size\(3\)"):
+        toy_w(MindSporeGradAccumulation())
+    # Token means of equal-sized slices with unequal token counts: a mean of means.
+    assert classify_step(MindSporeGradAccumulation(), TOKENS).kind_name() == "mean of means"
+
+
+def test_mindspore_loss_scaled_ports_skip_the_overflowing_window_once_but_sum_without_division() -> None:
+    # Step 1's first micro-batch overflows: both ports skip the whole window and halve the scale once,
+    # as the full batch does (1024 -> 512) ...
+    full = [1024.0, 1024.0, 512.0, 512.0]
+    assert scales(equiv.accumulator_step, LOSS_SCALED) == full
+    for port in (MindSporeAccuStepsWithLossScale(), MindSporeGradAccumulation()):
+        assert scales(port, LOSS_SCALED) == full
+        # ... but neither divides by N under loss scaling: SGD's step 0 is 3x the full-batch one.
+        assert abs(first_update_mismatch(port, LOSS_SCALED).max_rel_diff - 2.0) < 1e-6
+        measured = classify_step(port, LOSS_SCALED)
+        assert measured.kind_name() == "sum without division" and measured.gap is not None
+        assert abs(measured.gap.scale - 3.0) < 1e-9
+    # With a fixed scale_sense (no GradScaler) the ORed flag alone decides: a window whose FIRST micro-batch
+    # overflows is skipped (assigning the flag from the last micro-batch would step on NaN), and the next
+    # window, flag reset, steps.
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    window = [(torch.ones(2, 2), torch.ones(2, 1)) for _ in range(3)]
+    overflowing = [(torch.full((2, 2), float("inf")), torch.ones(2, 1)), *window[1:]]
+    port = MindSporeAccuStepsWithLossScale()
+    port(model, optimizer, overflowing, torch.nn.functional.mse_loss)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    port(model, optimizer, window, torch.nn.functional.mse_loss)
+    assert all(bool(torch.isfinite(p).all()) and not torch.equal(p, b)
+               for p, b in zip(model.parameters(), before, strict=True))
+    # Peers without a grad scaler are not asked (not applicable, never a failure).
+    verdict = equiv.check(MindSporeAccumulator(), LOSS_SCALED)
+    assert verdict.status == "not_applicable"
+    assert verdict.not_applicable == ("MindSporeAccumulator() takes no grad_scaler (the case sets loss_scale=1024.0)",)
+
+
 def test_failures_are_named_by_kind() -> None:
     assert classify_step(textbook_step, UNEVEN).kind_name() == "mean of means"
     assert classify_step(unscaled_sum, EVEN).kind_name() == "sum without division"
@@ -176,8 +236,10 @@ def test_stateful_adapters_start_afresh_for_each_run() -> None:
     [
         (lambda: MindSporeGradientAccumulation(0), "mini_steps must be a positive int or None, got 0"),
         (lambda: MindSporeAccumulator(-1), "accumulate_step must be a positive int or None, got -1"),
+        (lambda: MindSporeGradAccumulation(0), "micro_size must be a positive int or None, got 0"),
+        (lambda: MindSporeAccuStepsWithLossScale(0), "accumulation_steps must be a positive int or None, got 0"),
     ],
-    ids=["mini_steps", "accumulate_step"],
+    ids=["mini_steps", "accumulate_step", "micro_size", "accumulation_steps"],
 )
 def test_bad_adapter_arguments_name_the_value(build: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from equiv.batches import split_batch
 from equiv.cases.case import Case
+from equiv.checking.contract import not_applicable_reasons
 from equiv.checking.trajectory import run_candidate, run_reference
 from equiv.losses import Loss
 from equiv.zoo.bugs import clip_per_micro_batch
@@ -163,8 +164,12 @@ def update_gap(step: int, before: Tensor, after: Tensor, full_after: Tensor) -> 
     delta, full = after - before, full_after - before
     full_norm = float(full.norm())
     if full_norm == 0.0:
+        # A skipped step (an overflowing window under loss scaling): no update to measure against, so the
+        # run's movement is measured against the weights themselves; rounding-level drift between two runs
+        # that agreed so far is no step.
         gap = float((delta - full).norm())
-        return UpdateGap(step, 0.0 if gap == 0.0 else math.inf, 1.0 if gap == 0.0 else math.inf, 1.0)
+        same = gap <= _SAME * float(before.norm())
+        return UpdateGap(step, 0.0 if same else math.inf, 1.0 if same else math.inf, 1.0)
     norm = float(delta.norm())
     cosine = float(delta @ full) / (norm * full_norm) if norm > 0 else 0.0
     return UpdateGap(step, float((delta - full).norm()) / full_norm, norm / full_norm, cosine)
@@ -202,16 +207,26 @@ KINDS: tuple[Kind, ...] = (
 
 def _weighted_step(weights: Weighting, n: int | None) -> Callable[..., None]:
     """A contract step whose gradient is ``Σ w_i ∇mean_i`` (clipped once): the
-    exact step with ``_exact``, one kind of failure with the others."""
+    exact step with ``_exact``, one kind of failure with the others.  With a
+    ``grad_scaler`` the window is skipped if any micro-batch overflowed and the
+    scale updated once, as the full-batch step does, so that under loss
+    scaling only the weighting can tell a peer from the kind it reproduces."""
 
     def step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Loss, *,
-             max_grad_norm: float | None = None) -> None:
+             max_grad_norm: float | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
         counts = [float(loss_fn.count(t)) for _, t in micro_batches]
         for weight, (inputs, targets) in zip(weights(counts, n or len(micro_batches)), micro_batches, strict=True):
-            (loss_fn(model(inputs), targets) * weight).backward()
+            loss = loss_fn(model(inputs), targets) * weight
+            (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+        if grad_scaler is not None:
+            grad_scaler.unscale_(optimizer)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
+        if grad_scaler is None:
+            optimizer.step()
+        else:
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
     return step
@@ -282,6 +297,9 @@ def classify_step(candidate: Callable[..., Any], case: Case, *, configured_n: in
         return Measure(gap, WINDOW_BOUNDARY)
     suspects = [(kind, _weighted_step(kind.weights, configured_n)) for kind in KINDS]
     for kind, suspect in [*suspects, (PER_MICRO_BATCH_CLIPPING, clip_per_micro_batch)]:
+        # A suspect that cannot take the case (per-micro-batch clipping under loss scaling) is no suspect.
+        if not_applicable_reasons(suspect, case):
+            continue
         if _first_gap(trajectory, _flat_trajectory(case, suspect)) is None:
             return Measure(gap, kind)
     return Measure(gap)

@@ -34,7 +34,7 @@ from equiv.accumulator import accumulator_step
 from equiv.cases import strategies
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.checking.contract import takes_keyword
+from equiv.checking.contract import CandidateError, takes_keyword
 from equiv.reporting.markdown import markdown_table
 from equiv.reporting.peer_runs import (
     KINDS,
@@ -47,7 +47,15 @@ from equiv.reporting.peer_runs import (
     measure,
     measure_epochs,
 )
-from equiv.zoo.adapters import MindSporeAccumulator, MindSporeGradientAccumulation, textbook_step, torchtitan_step
+from equiv.zoo.adapters import (
+    MindSporeAccumulator,
+    MindSporeAccuStepsWithLossScale,
+    MindSporeGradAccumulation,
+    MindSporeGradientAccumulation,
+    textbook_step,
+    torchtitan_step,
+)
+from equiv.zoo.adapters._state import UnsupportedWindow
 
 __all__ = [
     "CONFIGURATIONS",
@@ -78,6 +86,10 @@ CONFIGURATIONS: dict[str, Case] = {
         batch_size=6, micro_batch_sizes=(2, 2, 2), model="causal_lm", loss="token_cross_entropy",
         optimizer="AdamW", optimizer_kwargs={"lr": 1e-3}, steps=2),
     "clipping (active), equal splits": _EVEN.replace(max_grad_norm=0.01),
+    # Dynamic loss scaling, the first micro-batch of step 1 overflowing: the whole window must be
+    # skipped and the scale backed off once (step 2 runs at the halved scale).  Only a peer that
+    # takes a grad_scaler can be asked; for the others the column is n/a.
+    "loss scale, overflow in micro-batch 1 of 3": _EVEN.replace(loss_scale=2.0**10, overflow_at=(1, 0), steps=3),
 }
 
 
@@ -141,9 +153,19 @@ def peers() -> list[Peer]:
              issues={"window boundary": "k restarts each epoch, grad_sum is kept"},
              epochs=lambda n: MindSporeGradientAccumulation(n), family="MindSpore tutorial ports",
              documented="the tutorial adds gradients of mean losses with no division by mini_steps"),
+        Peer("MindSpore r1.3 parallel-mode loss-scale cell (port)", lambda n: MindSporeAccuStepsWithLossScale(n),
+             "MindSpore r1.3 tutorial, parallel mode: TrainAccuStepsWithLossScaleCell, accu_overflow ORed, Model_ACCU",
+             family="MindSpore tutorial ports",
+             documented="accu_grads summed with sens = the loss scale, no division by grad_accumulation_step"),
         Peer("MindSpore 2.0 Accumulator (port)", lambda n: MindSporeAccumulator(n),
              "MindSpore 2.0 notebook: inner_grads, counter, loss / accumulate_step",
              epochs=lambda n: MindSporeAccumulator(n), family="MindSpore tutorial ports"),
+        Peer("MindSpore r2.6 GradAccumulation (port)", lambda n: MindSporeGradAccumulation(n),
+             "MindSpore v2.6.0: GradAccumulation(net, micro_size), Model.train (_TrainGradAccuStepCell; "
+             "_TrainGradAccuWithLossScaleCell with a loss scale)",
+             family="MindSpore tutorial ports",
+             documented="re-slices the batch into micro_size equal slices; sens 1 / micro_size, but none under "
+                        "loss scaling"),
     ]
     try:
         from equiv.zoo.adapters.accelerate import AccelerateStep, AccelerateVariableSizeStep
@@ -313,13 +335,20 @@ def _search_space(candidate: Callable[..., Any]) -> Any:
 def smallest_counterexample(candidate: Callable[..., Any], *, kind: str | None = None,
                             max_examples: int = 40) -> tuple[Case | None, int]:
     """(the shrunk failing case or None, cases tried) over sample-mean MLP cases
-    the candidate can take; with ``kind``, only failures of that kind."""
+    the candidate can take; with ``kind``, only failures of that kind.  Cases
+    the ported framework refuses (:class:`UnsupportedWindow`) are not counted."""
     tried = 0
 
     def fails(case: Case) -> bool:
         nonlocal tried
+        try:
+            verdict = check(candidate, case)
+        except CandidateError as exc:
+            if isinstance(exc.__cause__, UnsupportedWindow):
+                return False  # the framework refuses this window (not counted): no counterexample
+            raise
         tried += 1
-        if check(candidate, case):
+        if verdict:
             return False
         if kind is None:
             return True
@@ -441,7 +470,9 @@ def peers_report(saved: Path = Path("reports")) -> str:
         markdown_table(pd.DataFrame([{"kind of failure": kind.name, "what it is": kind.means} for kind in _ALL_KINDS])),
         "## One window per call",
         "The candidate contract (`equiv.check`): each window is handed to the implementation on its own, "
-        "N = the window's micro-batch count; both tiers (float64 exact, float32 noise floor).",
+        "N = the window's micro-batch count; both tiers (float64 exact, float32 noise floor). The loss-scale "
+        "column runs a torch GradScaler: the full-batch step skips the overflowing step 1 and halves the scale "
+        "once; it applies only to implementations that take a grad scaler (n/a, with the reason, for the rest).",
         _table(rows, list(CONFIGURATIONS)),
         "Cases: " + "; ".join(f"{name}: `{case!r}`" for name, case in CONFIGURATIONS.items()),
         "## One run spanning all windows",

@@ -7,7 +7,8 @@ driving someone else's code, faithfully, bugs and all:
   equiv's own loop in torchtitan's style (normalised by the window's item count;
   a reference point, not torchtitan's code).
 - :mod:`equiv.zoo.adapters.mindspore_ports`: the MindSpore tutorials' patterns
-  (r1.0/r1.3 ``GradientAccumulation``, 2.0 ``Accumulator``) ported to PyTorch.
+  (r1.0/r1.3 ``GradientAccumulation``, the r1.3 parallel-mode loss-scale cell,
+  2.0 ``Accumulator``, r2.6 ``GradAccumulation``) ported to PyTorch.
 - :mod:`equiv.zoo.adapters.accelerate`: Hugging Face Accelerate (extra ``accelerate``).
 - :mod:`equiv.zoo.adapters.lightning`: PyTorch Lightning's Trainer (extra ``lightning``).
 - :mod:`equiv.zoo.adapters.transformers`: Hugging Face transformers' ``Trainer``
@@ -24,6 +25,18 @@ independent.  The optional frameworks are imported only by their modules.
 """
 
 from equiv.zoo.adapters.loops import textbook_step, torchtitan_step
-from equiv.zoo.adapters.mindspore_ports import MindSporeAccumulator, MindSporeGradientAccumulation
+from equiv.zoo.adapters.mindspore_ports import (
+    MindSporeAccumulator,
+    MindSporeAccuStepsWithLossScale,
+    MindSporeGradAccumulation,
+    MindSporeGradientAccumulation,
+)
 
-__all__ = ["MindSporeAccumulator", "MindSporeGradientAccumulation", "textbook_step", "torchtitan_step"]
+__all__ = [
+    "MindSporeAccuStepsWithLossScale",
+    "MindSporeAccumulator",
+    "MindSporeGradAccumulation",
+    "MindSporeGradientAccumulation",
+    "textbook_step",
+    "torchtitan_step",
+]

@@ -22,6 +22,12 @@ class PerRun:
         return True
 
 
+class UnsupportedWindow(ValueError):
+    """The ported framework refuses this window as its users would see it
+    refused (MindSpore's ``_MicroBatch`` needs a batch divisible by
+    ``micro_size``): a case the adapter cannot take, not a counterexample."""
+
+
 def describe(name: str, **options: Any) -> str:
     shown = ", ".join(f"{key}={value!r}" for key, value in options.items() if value is not None)
     return f"{name}({shown})"

@@ -4,10 +4,15 @@ Ported from MindSpore's public tutorials: the r1.0 / r1.3 single-device
 gradient-accumulation tutorial
 (https://gitee.com/mindspore/docs/blob/r1.0/tutorials/training/source_en/advanced_use/apply_gradient_accumulation.md,
 https://gitee.com/mindspore/docs/blob/r1.3/docs/mindspore/programming_guide/source_zh_cn/apply_gradient_accumulation.md)
-and the MindSpore 2.0 gradient-accumulation notebook
-(https://obs.dualstack.cn-north-4.myhuaweicloud.com/mindspore-website/notebook/modelarts/mindspore_apply_gradient_accumulation.ipynb).
+and its parallel-mode loss-scale cell (same r1.3 page,
+https://www.mindspore.cn/docs/programming_guide/zh-CN/r1.3/apply_gradient_accumulation.html),
+the MindSpore 2.0 gradient-accumulation notebook
+(https://obs.dualstack.cn-north-4.myhuaweicloud.com/mindspore-website/notebook/modelarts/mindspore_apply_gradient_accumulation.ipynb),
+and the r2.6 distributed tutorial's ``mindspore.parallel.nn.GradAccumulation``
+(https://www.mindspore.cn/tutorials/zh-CN/r2.6.0/parallel/distributed_gradient_accumulation.html)
+as MindSpore v2.6.0's own source trains it.
 Their behaviour is kept, bugs and all;
-the docstrings say where the port reads each rule from.
+the docstrings say where the port reads each rule from, and what is inferred.
 """
 
 from __future__ import annotations
@@ -17,9 +22,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from equiv.zoo.adapters._state import PerRun, describe
+from equiv.zoo.adapters._state import PerRun, UnsupportedWindow, describe
 
-__all__ = ["MindSporeAccumulator", "MindSporeGradientAccumulation"]
+__all__ = [
+    "MindSporeAccuStepsWithLossScale",
+    "MindSporeAccumulator",
+    "MindSporeGradAccumulation",
+    "MindSporeGradientAccumulation",
+]
 
 Batches = list[tuple[Tensor, Tensor]]
 
@@ -174,3 +184,211 @@ class MindSporeAccumulator(_PortedLoop):
 
     def __repr__(self) -> str:
         return describe("MindSporeAccumulator", accumulate_step=self.accumulate_step)
+
+
+def _all_finite(grads: list[Tensor]) -> bool:
+    return all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+class MindSporeAccuStepsWithLossScale(_PortedLoop):
+    """r1.3 parallel mode, ``TrainAccuStepsWithLossScaleCell`` driven by the
+    tutorial's ``Model_ACCU``: the overflow flag ORed over the window, the
+    whole window skipped and the loss scale updated once per window.
+
+    Read from the r1.3 tutorial's parallel-mode section
+    (https://www.mindspore.cn/docs/programming_guide/zh-CN/r1.3/apply_gradient_accumulation.html,
+    source https://gitee.com/mindspore/docs/blob/r1.3/docs/mindspore/programming_guide/source_zh_cn/apply_gradient_accumulation.md)::
+
+        scaling_sens_filled = ops.ones_like(loss) * ops.cast(scaling_sens, ops.dtype(loss))
+        grads = self.grad(self.network, weights)(*inputs, scaling_sens_filled)
+        if self.accumulation and self.accumulation_steps > 1:
+            accu_succ = self.hyper_map(update_accu_grads, self.accu_grads, grads)
+        overflow = self.get_overflow_status(status, grads)
+        overflow = self.logical_or(self.not_equal(self.accu_overflow, self.zero), overflow)
+        accu_overflow = self.select(overflow, self.one, self.zero)
+        if self.accumulation:
+            succ = False
+            self.accu_overflow = accu_overflow
+        else:
+            self.accu_overflow = self.zero
+            grads = self.grad_reducer(grads)
+            grads = self.hyper_map(ops.partial(_grad_scale, scaling_sens), grads)
+            ...  # accu_grads reset; overflow = process_loss_scale(overflow)
+            if overflow:
+                succ = False
+            else:
+                succ = self.optimizer(grads)
+
+    and ``Model_ACCU``, which runs the accumulation graph (``accumulation=True``)
+    for ``grad_accumulation_step - 1`` micro-steps, then the update graph
+    (``accumulation=False``) for one.  Here micro-batch ``k`` (counted across
+    windows, as the alternation is) is an update step when
+    ``(k + 1) % accumulation_steps == 0``.
+
+    Inferred, not in the tutorial's Python: the update step's ``grads`` already
+    carry the window's earlier micro-batches.  The tutorial says the names
+    ``accumulation`` and ``accu_grads`` are special because the framework's
+    graph optimisation completes the accumulation; the backward of MindSpore's
+    ``_MirrorMiniStepOperator`` (``mindspore/ops/_grad/grad_comm_ops.py``,
+    https://github.com/mindspore-ai/mindspore/blob/ec9793861f5e2304637c3a363d847f78c9350297/mindspore/ops/_grad/grad_comm_ops.py;
+    read at that commit, not at the r1.3 tag) does ``assign_add(z, dout)``
+    then ``all_reduce(z)``, times ``1 / dev_num`` under ``gradients_mean``:
+    the accumulated gradient plus this one, averaged over devices only.
+    Nothing divides by ``grad_accumulation_step``, and ``sens`` is the loss
+    scale alone: one device sums the window's mean-loss gradients, unscaled by N.
+
+    ``grad_scaler`` stands in for the ``DynamicLossScaleUpdateCell`` passed as
+    ``scale_sense`` (the scale read once per micro-batch, updated once per
+    window by ``process_loss_scale``); None: a fixed ``scale_sense`` Tensor of
+    1.0, never updated, an overflowing window still skipped.  The skip is
+    decided by the ORed flag, not by the summed gradient.  No epoch loop is
+    ported (``Model_ACCU`` sinks the dataset in alternating chunks of N - 1
+    and 1 steps); ``accumulation_steps`` None: the window's micro-batch count.
+    """
+
+    def __init__(self, accumulation_steps: int | None = None) -> None:
+        if accumulation_steps is not None and accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be a positive int or None, got {accumulation_steps!r}")
+        super().__init__()
+        self.accumulation_steps = accumulation_steps
+        self._k = 0
+        self._accu_grads: list[Tensor] = []
+        self._accu_overflow = False
+        self._scaler: torch.amp.GradScaler | None = None
+
+    def _configured_steps(self) -> int | None:
+        return self.accumulation_steps
+
+    def _start(self, model: nn.Module) -> None:
+        self._k = 0
+        self._accu_grads = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
+        self._accu_overflow = False
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                 loss_fn: Callable[..., Tensor], *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        self._scaler = grad_scaler
+        super().__call__(model, optimizer, micro_batches, loss_fn)
+
+    def _mini_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor],
+                    loss_fn: Callable[..., Tensor], steps: int) -> None:
+        inputs, targets = batch
+        loss = loss_fn(model(inputs), targets)
+        # sens = scaling_sens_filled: the gradient of the loss times the current scale (read each micro-step).
+        grads = _gradients(model, self._scaler.scale(loss) if self._scaler is not None else loss)
+        overflow = not _all_finite(grads) or self._accu_overflow  # logical_or(accu_overflow != 0, overflow)
+        if (self._k + 1) % steps != 0:  # accumulation graph
+            torch._foreach_add_(self._accu_grads, grads)  # update_accu_grads
+            self._accu_overflow = overflow
+        else:  # update graph
+            self._accu_overflow = False
+            window = list(torch._foreach_add(self._accu_grads, grads))  # _MirrorMiniStepOperator: assign_add, all_reduce
+            torch._foreach_zero_(self._accu_grads)  # reset_accu_grads, whether or not the window overflowed
+            self._update(optimizer, model, window, overflow)
+        self._k += 1
+
+    def _update(self, optimizer: torch.optim.Optimizer, model: nn.Module, grads: list[Tensor], overflow: bool) -> None:
+        if self._scaler is None:
+            # A fixed scale_sense of 1.0: process_loss_scale leaves it; an overflow still skips the step.
+            if not overflow:
+                _apply(optimizer, model, grads)
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+        if overflow and _all_finite(grads):
+            # The ORed flag decides, as in the cell; GradScaler reads overflow from the gradients,
+            # so it is told through them (an overflowing micro-batch already made them non-finite).
+            first = params[0].grad
+            assert first is not None
+            first.fill_(float("inf"))
+        self._scaler.step(optimizer)  # unscale (_grad_scale); skip if overflow
+        self._scaler.update()  # process_loss_scale: once per window
+        optimizer.zero_grad(set_to_none=True)
+
+    def __repr__(self) -> str:
+        return describe("MindSporeAccuStepsWithLossScale", accumulation_steps=self.accumulation_steps)
+
+
+class MindSporeGradAccumulation:
+    """r2.6 ``mindspore.parallel.nn.GradAccumulation(network, micro_size)``
+    trained with ``Model.train``, as the r2.6 tutorial does
+    (https://www.mindspore.cn/tutorials/zh-CN/r2.6.0/parallel/distributed_gradient_accumulation.html,
+    source https://gitee.com/mindspore/docs/blob/r2.6.0/tutorials/source_zh_cn/parallel/distributed_gradient_accumulation.md)::
+
+        net = GradAccumulation(nn.WithLossCell(net, loss_fn), 4)
+        model = ms.Model(net, optimizer=optimizer)
+
+    Read from MindSpore's v2.6.0 source (the ``v2.6.0`` tag of the GitHub
+    mirror https://github.com/mindspore-ai/mindspore_test):
+
+    - ``GradAccumulation.construct``
+      (https://github.com/mindspore-ai/mindspore_test/blob/v2.6.0/mindspore/python/mindspore/parallel/nn/parallel_cell_wrapper.py):
+      for ``i in range(micro_size)`` the network's output (the slice's MEAN
+      loss) on ``_MicroBatch`` slice ``i``, outputs added: ``ret = add(ret, output)``.
+    - ``_MicroBatch.construct``
+      (https://github.com/mindspore-ai/mindspore_test/blob/v2.6.0/mindspore/python/mindspore/nn/wrap/cell_wrapper.py):
+      slice ``i`` is rows ``(n // micro_size) * i`` to ``(n // micro_size) * (i + 1)``,
+      and ``n % micro_size != 0`` raises ``ValueError`` ("the 0th dimension shape
+      of input(n) must be divided by micro size(m)").  So ``micro_size`` is the
+      NUMBER of slices, whatever the docs' "MicroBatch size" suggests, and the
+      window's own split is not used: the batch is re-cut into equal slices.
+    - ``build_train_network`` (``mindspore/python/mindspore/train/amp.py``):
+      ``_is_grad_accumulation`` matches a cell named ``GradAccumulation`` and
+      wraps the network in ``_TrainGradAccuStepCell(network, optimizer)``, or,
+      with a ``loss_scale_manager`` whose update cell is set, in
+      ``_TrainGradAccuWithLossScaleCell``.
+    - ``_TrainGradAccuStepCell`` (``cell_wrapper.py``): ``sens`` None, so
+      ``self.sens = 1 / micro_size`` (from the first cell with a ``micro_size``)
+      and the optimizer gets ``grad_scale(self.sens, accu_grads)`` = the summed
+      gradient times ``1 / micro_size``: the mean of the equal slices' means.
+    - ``_TrainGradAccuWithLossScaleCell``
+      (https://github.com/mindspore-ai/mindspore_test/blob/v2.6.0/mindspore/python/mindspore/nn/wrap/loss_scale.py):
+      ``sens`` is the loss scale alone and ``grad_scale`` multiplies
+      ``accu_grads`` by ``reciprocal(scale)``; no ``1 / micro_size``: the
+      summed gradient, ``micro_size`` times the mean.  One overflow flag for
+      the whole backward; ``loss_scaling_manager(scale_sense, cond)`` once;
+      ``if not overflow: self.optimizer(grads)``.
+
+    Inferred: ``accu_grads`` holds the sum over the slices of their
+    gradients (the graph pass ``AddVirtualAssignAdd`` that fills it, in C++,
+    was read by name only); here one backward of ``ret`` gives that sum.
+    ``grad_scaler`` stands in for the ``loss_scale_manager`` (None: Model
+    without one).  No state outlives a call, so no epoch loop is ported.
+    ``micro_size`` None: the window's micro-batch count.
+    """
+
+    def __init__(self, micro_size: int | None = None) -> None:
+        if micro_size is not None and micro_size < 1:
+            raise ValueError(f"micro_size must be a positive int or None, got {micro_size!r}")
+        self.micro_size = micro_size
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                 loss_fn: Callable[..., Tensor], *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        micro_size = self.micro_size or len(micro_batches)
+        # The dataset's mini-batch: GradAccumulation sees the whole batch and cuts it itself.
+        inputs = torch.cat([x for x, _ in micro_batches])
+        targets = torch.cat([t for _, t in micro_batches])
+        rows = inputs.shape[0]
+        if rows % micro_size != 0:
+            raise UnsupportedWindow(f"For micro batch initialization, the 0th dimension shape of input({rows}) "
+                                    f"must be divided by micro size({micro_size})")
+        width = rows // micro_size
+        ret: Tensor | None = None
+        for i in range(micro_size):
+            output = loss_fn(model(inputs[width * i:width * (i + 1)]), targets[width * i:width * (i + 1)])
+            ret = output if ret is None else ret + output  # self.add_list[i](ret, output)
+        assert ret is not None
+        if grad_scaler is None:
+            grads = _gradients(model, ret)  # grad_no_sens: sens 1
+            sens = 1 / micro_size  # _TrainGradAccuStepCell: self.sens = 1 / micro_size
+            _apply(optimizer, model, [sens * g for g in grads])  # grad_scale(self.sens, accu_grads)
+            return
+        # _TrainGradAccuWithLossScaleCell: sens = the scale, grads * reciprocal(scale), no 1 / micro_size.
+        optimizer.zero_grad(set_to_none=True)
+        grad_scaler.scale(ret).backward()
+        grad_scaler.step(optimizer)  # if not overflow: self.optimizer(grads)
+        grad_scaler.update()  # loss_scaling_manager(scale_sense, cond), once
+        optimizer.zero_grad(set_to_none=True)
+
+    def __repr__(self) -> str:
+        return describe("MindSporeGradAccumulation", micro_size=self.micro_size)
