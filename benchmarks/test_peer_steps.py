@@ -19,9 +19,25 @@ Each call is one window of exactly N micro-batches, so Accelerate's own
 counter closes a window at the end of every call.  What is timed is cost, not
 equivalence (reports/peers.md judges that).  The ratio reported per peer is
 the median of per-rotation ratios to the native step.  Needs the
-``accelerate`` extra; skipped with a reason otherwise.  Lightning Fabric's
-``no_backward_sync`` is not timed: on one CPU process it is a no-op context,
-so its step is the native loop's.
+``accelerate`` extra; skipped with a reason otherwise.
+
+With the ``lightning`` extra installed (``tox -e bench`` installs it),
+Lightning Fabric's loop is timed in the same rotation, as its
+gradient-accumulation guide writes it
+(https://lightning.ai/docs/fabric/stable/advanced/gradient_accumulation.html)::
+
+    model, optimizer = fabric.setup(model, optimizer)
+    for iteration, (inputs, targets) in enumerate(micro_batches):
+        is_accumulating = iteration + 1 < N
+        with fabric.no_backward_sync(model, enabled=is_accumulating):
+            loss = loss_fn(model(inputs), targets) / N
+            fabric.backward(loss)
+        if not is_accumulating:
+            optimizer.step(); optimizer.zero_grad()
+
+On one process ``no_backward_sync`` skips no communication (there is none),
+so the row measures what Fabric's module, optimizer and backward wrappers
+cost a single-device user.
 """
 
 from __future__ import annotations
@@ -40,6 +56,11 @@ from equiv.cost.workloads import WORKLOADS, Workload, build_workload_model
 
 accelerate = pytest.importorskip("accelerate", reason="the peers' timing needs the accelerate extra (pip install equiv[accelerate])")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402  (after the importorskip)
+
+try:
+    import lightning_fabric
+except ImportError:  # the row is reported as not installed
+    lightning_fabric = None
 
 PEER_SPLITS = (1, 8, 32)
 SEED = 0
@@ -70,6 +91,31 @@ def accelerate_step(workload: Workload, n_micro_batches: int, device: torch.devi
     return step
 
 
+def fabric_step(workload: Workload, n_micro_batches: int, device: torch.device) -> Callable[[], None]:
+    """One optimizer step through Fabric's ``no_backward_sync`` loop, warmed up once."""
+    assert lightning_fabric is not None
+    fabric = lightning_fabric.Fabric(accelerator=device.type, devices=1)
+    model = build_workload_model(workload, seed=SEED)
+    model, optimizer = fabric.setup(model, default_optimizer(model.parameters()))
+    batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(SEED))
+    batch = (batch[0].to(fabric.device), batch[1].to(fabric.device))
+    micro_batches = split_batch(batch, even_sizes(workload.global_batch_size, n_micro_batches))
+
+    def step() -> None:
+        for iteration, (inputs, targets) in enumerate(micro_batches):
+            is_accumulating = iteration + 1 < len(micro_batches)
+            with fabric.no_backward_sync(model, enabled=is_accumulating):
+                loss = workload.loss_sum(model(inputs), targets) / workload.count_items(targets) / len(micro_batches)
+                fabric.backward(loss)
+            if not is_accumulating:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    step()  # warm-up: optimizer state created, every micro-batch shape seen
+    synchronize(device)
+    return step
+
+
 @pytest.mark.parametrize(
     ("workload_name", "n_micro_batches"),
     [pytest.param(w, n, id=f"{w}-N{n}") for w in WORKLOADS for n in PEER_SPLITS],
@@ -82,6 +128,8 @@ def test_peer_step_ratios(benchmark: Any, bench_settings: Any, workload_name: st
         "accumulator": prepare_workload_step(workload, n_micro_batches, "accumulator", device, seed=SEED).step,
         "accelerate": accelerate_step(workload, n_micro_batches, device),
     }
+    if lightning_fabric is not None:
+        steps["fabric"] = fabric_step(workload, n_micro_batches, device)
     seconds: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     rotation = [0]
@@ -100,7 +148,7 @@ def test_peer_step_ratios(benchmark: Any, bench_settings: Any, workload_name: st
     benchmark.pedantic(rotate, rounds=bench_settings.overhead_pairs, iterations=1, warmup_rounds=0)
     ratios = {
         name: [t / native for t, native in zip(seconds[name], seconds["native"], strict=True)]
-        for name in ("accumulator", "accelerate")
+        for name in steps if name != "native"
     }
     benchmark.extra_info.update(
         bench_settings.extra_info(),
@@ -109,6 +157,7 @@ def test_peer_step_ratios(benchmark: Any, bench_settings: Any, workload_name: st
         n_micro_batches=n_micro_batches,
         rotations=len(seconds["native"]),
         accelerate_version=accelerate.__version__,
+        fabric_version=lightning_fabric.__version__ if lightning_fabric is not None else None,
         native_median_s=statistics.median(seconds["native"]),
         **{f"{name}_ratio": statistics.median(values) for name, values in ratios.items()},
         **{f"{name}_ratio_q1": statistics.quantiles(values, n=4)[0] for name, values in ratios.items()},

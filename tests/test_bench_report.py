@@ -173,6 +173,25 @@ def test_peer_rows_get_their_own_table_and_stay_out_of_the_step_tables() -> None
     assert rows[0]["equiv.Accumulator / native"] == "1.010 (0.990-1.020)"
     # Everything before the peers' section is what the step benchmarks alone give.
     assert report[: report.index("## Peers'")].rstrip() == steps_only.rstrip()
+    # Fabric was not installed in that run: no column, and the section says so.
+    assert not any("Fabric" in key for key in rows[0])
+    assert "Lightning Fabric was not installed in this run" in report
+
+
+def test_a_fabric_column_when_fabric_was_timed() -> None:
+    raw = _fixture()
+    raw["benchmarks"].append({
+        "name": "test_peer_step_ratios[mlp-N8]",
+        "extra_info": {"peers": True, "workload": "mlp", "n_micro_batches": 8, "rotations": 6,
+                       "accelerate_version": "1.15.0", "fabric_version": "2.6.6", "native_median_s": 0.1,
+                       **{f"{name}_ratio{q}": value for name in ("accumulator", "accelerate", "fabric")
+                          for q, value in (("", 1.05), ("_q1", 1.0), ("_q3", 1.1))}},
+        "stats": {"median": 0.6},
+    })
+    report = render_report(raw)
+    rows = _table_after(report, "## Peers' steps, timed side by side")
+    assert rows[0]["Lightning Fabric 2.6.6 no_backward_sync / native"] == "1.050 (1.000-1.100)"
+    assert "not installed" not in report[report.index("## Peers'"):]
 
 
 def test_planner_regret_rows_say_whether_the_goal_is_met() -> None:

@@ -397,6 +397,8 @@ def _peers_section(raw: dict[str, Any]) -> list[str]:
             "native step s (median)": f"{info['native_median_s']:.4f}",
             "equiv.Accumulator / native": ratio(info, "accumulator"),
             f"Accelerate {info['accelerate_version']} accumulate() / native": ratio(info, "accelerate"),
+            **({f"Lightning Fabric {info['fabric_version']} no_backward_sync / native": ratio(info, "fabric")}
+               if info.get("fabric_version") else {}),
             "rotations": info["rotations"],
         }
         for info in rows
@@ -404,10 +406,14 @@ def _peers_section(raw: dict[str, Any]) -> list[str]:
     return [
         "## Peers' steps, timed side by side",
         "",
-        "The native loop, `equiv.Accumulator` and Accelerate's `accumulate()` loop (as its gradient-accumulation "
-        "guide writes it) stepped in rotation on three models from the same seed over the same global batch; each "
-        "cell is the median of per-rotation ratios to the native step (interquartile range in brackets). Cost only: "
-        "reports/peers.md says which of them is equivalent.",
+        "The native loop, `equiv.Accumulator`, Accelerate's `accumulate()` loop and (when installed) Lightning "
+        "Fabric's `no_backward_sync` loop, each as its gradient-accumulation guide writes it, stepped in rotation "
+        "on models from the same seed over the same global batch; each cell is the median of per-rotation ratios "
+        "to the native step (interquartile range in brackets). On one process Fabric's `no_backward_sync` has no "
+        "communication to skip: its row is the cost of Fabric's wrappers. Cost only: reports/peers.md says which "
+        "of them is equivalent."
+        + ("" if any(info.get("fabric_version") for info in rows)
+           else " Lightning Fabric was not installed in this run (pip install equiv[lightning]): not timed."),
         "",
         markdown_table(table),
         "",
