@@ -50,7 +50,7 @@ from typing import Any
 import pytest
 import torch
 
-from equiv.batches import even_sizes, split_batch
+from equiv.batches import MicroBatches, even_sizes, split_batch
 from equiv.cost.steps import default_optimizer, prepare_workload_step, synchronize
 from equiv.cost.workloads import WORKLOADS, Workload, build_workload_model
 
@@ -66,6 +66,13 @@ PEER_SPLITS = (1, 8, 32)
 SEED = 0
 
 
+def _micro_batches(workload: Workload, n_micro_batches: int, device: torch.device) -> MicroBatches:
+    """The workload's global batch (same seed for every implementation), on ``device``, in N even pieces."""
+    batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(SEED))
+    batch = (batch[0].to(device), batch[1].to(device))
+    return split_batch(batch, even_sizes(workload.global_batch_size, n_micro_batches))
+
+
 def accelerate_step(workload: Workload, n_micro_batches: int, device: torch.device) -> Callable[[], None]:
     """One optimizer step through ``accelerator.accumulate``, warmed up once."""
     # Accelerate keeps process-global state: a fresh one per benchmark, as a fresh process would have.
@@ -74,9 +81,7 @@ def accelerate_step(workload: Workload, n_micro_batches: int, device: torch.devi
     accelerator = accelerate.Accelerator(gradient_accumulation_steps=n_micro_batches, cpu=device.type == "cpu")
     model = build_workload_model(workload, seed=SEED).to(device)
     model, optimizer = accelerator.prepare(model, default_optimizer(model.parameters()))
-    batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(SEED))
-    batch = (batch[0].to(device), batch[1].to(device))
-    micro_batches = split_batch(batch, even_sizes(workload.global_batch_size, n_micro_batches))
+    micro_batches = _micro_batches(workload, n_micro_batches, device)
 
     def step() -> None:
         for inputs, targets in micro_batches:
@@ -97,9 +102,7 @@ def fabric_step(workload: Workload, n_micro_batches: int, device: torch.device) 
     fabric = lightning_fabric.Fabric(accelerator=device.type, devices=1)
     model = build_workload_model(workload, seed=SEED)
     model, optimizer = fabric.setup(model, default_optimizer(model.parameters()))
-    batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(SEED))
-    batch = (batch[0].to(fabric.device), batch[1].to(fabric.device))
-    micro_batches = split_batch(batch, even_sizes(workload.global_batch_size, n_micro_batches))
+    micro_batches = _micro_batches(workload, n_micro_batches, fabric.device)
 
     def step() -> None:
         for iteration, (inputs, targets) in enumerate(micro_batches):

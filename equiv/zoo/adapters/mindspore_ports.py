@@ -39,11 +39,24 @@ def _gradients(model: nn.Module, loss: Tensor) -> list[Tensor]:
     return list(torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True))
 
 
-def _apply(optimizer: torch.optim.Optimizer, model: nn.Module, grads: list[Tensor]) -> None:
-    """``optimizer(grads)`` in MindSpore: step with the given gradients."""
+def _positive_or_none(name: str, value: int | None) -> int | None:
+    """A tutorial's step count: a positive int, or None for the window's micro-batch count."""
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return value
+
+
+def _set_grads(model: nn.Module, grads: list[Tensor]) -> list[nn.Parameter]:
+    """The trainable parameters, each given (a copy of) its gradient in ``grads``."""
     params = [p for p in model.parameters() if p.requires_grad]
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad.clone()
+    return params
+
+
+def _apply(optimizer: torch.optim.Optimizer, model: nn.Module, grads: list[Tensor]) -> None:
+    """``optimizer(grads)`` in MindSpore: step with the given gradients."""
+    params = _set_grads(model, grads)
     optimizer.step()
     for param in params:
         param.grad = None
@@ -112,10 +125,8 @@ class MindSporeGradientAccumulation(_PortedLoop):
     """
 
     def __init__(self, mini_steps: int | None = None) -> None:
-        if mini_steps is not None and mini_steps < 1:
-            raise ValueError(f"mini_steps must be a positive int or None, got {mini_steps!r}")
         super().__init__()
-        self.mini_steps = mini_steps
+        self.mini_steps = _positive_or_none("mini_steps", mini_steps)
         self._k = 0
         self._grad_sum: list[Tensor] = []
 
@@ -156,9 +167,7 @@ class MindSporeAccumulator(_PortedLoop):
     """
 
     def __init__(self, accumulate_step: int | None = None, clip_norm: float = 1.0) -> None:
-        if accumulate_step is not None and accumulate_step < 1:
-            raise ValueError(f"accumulate_step must be a positive int or None, got {accumulate_step!r}")
-        self.accumulate_step = accumulate_step
+        self.accumulate_step = _positive_or_none("accumulate_step", accumulate_step)
         self.clip_norm = clip_norm  # kept, as in the notebook, and never used
         super().__init__()
         self._counter = 1
@@ -247,10 +256,8 @@ class MindSporeAccuStepsWithLossScale(_PortedLoop):
     """
 
     def __init__(self, accumulation_steps: int | None = None) -> None:
-        if accumulation_steps is not None and accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be a positive int or None, got {accumulation_steps!r}")
         super().__init__()
-        self.accumulation_steps = accumulation_steps
+        self.accumulation_steps = _positive_or_none("accumulation_steps", accumulation_steps)
         self._k = 0
         self._accu_grads: list[Tensor] = []
         self._accu_overflow = False
@@ -292,9 +299,7 @@ class MindSporeAccuStepsWithLossScale(_PortedLoop):
             if not overflow:
                 _apply(optimizer, model, grads)
             return
-        params = [p for p in model.parameters() if p.requires_grad]
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad.clone()
+        params = _set_grads(model, grads)
         if overflow and _all_finite(grads):
             # The ORed flag decides, as in the cell; GradScaler reads overflow from the gradients,
             # so it is told through them (an overflowing micro-batch already made them non-finite).
@@ -358,9 +363,7 @@ class MindSporeGradAccumulation:
     """
 
     def __init__(self, micro_size: int | None = None) -> None:
-        if micro_size is not None and micro_size < 1:
-            raise ValueError(f"micro_size must be a positive int or None, got {micro_size!r}")
-        self.micro_size = micro_size
+        self.micro_size = _positive_or_none("micro_size", micro_size)
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
                  loss_fn: Callable[..., Tensor], *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
