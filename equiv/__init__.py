@@ -19,6 +19,7 @@ from equiv.cases.models import CausalLM, ModelBundle, register_model
 from equiv.checking.check import ReferenceRuns, check
 from equiv.checking.contract import Candidate, CandidateError, ContractError
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
+from equiv.checking.facts import VerdictFacts
 from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.trajectory import NonFiniteLossError, full_batch_step
 from equiv.checking.verdict import EquivalenceError, TensorDiff, Verdict
@@ -56,6 +57,7 @@ __all__ = [
     "TensorDiff",
     "TokenCrossEntropy",
     "Verdict",
+    "VerdictFacts",
     "VerifyResult",
     "WindowResult",
     "__version__",

@@ -110,6 +110,8 @@ def test_verify_api_is_deterministic_for_a_seed() -> None:
     assert one and two
     assert one.examples == two.examples == 5
     assert one.worst_ratio == two.worst_ratio
+    assert one.equivalent_cases == two.equivalent_cases
+    assert sum(one.equivalent_cases.values()) == 5
     assert all(0 <= ratio < 1 for ratio in one.worst_ratio.values())
 
 
@@ -121,18 +123,20 @@ def test_verify_counts_inherent_cases_instead_of_failing_them() -> None:
 
 
 def test_report_tables_of_a_search_are_sorted_and_formatted() -> None:
-    from equiv.reporting.equivalence import bug_zoo_table, worst_ratio_table
+    from equiv.reporting.equivalence import bug_zoo_table, equivalent_cases_table
     from equiv.reporting.markdown import markdown_table, read_markdown_table
 
     found = verify(mean_of_means, max_examples=15, seed=1, families=["mlp"], optimizers=["SGD"])
     rows = read_markdown_table(markdown_table(bug_zoo_table({"mean_of_means": found, "a_bug": found})))
     assert [row["bug"] for row in rows] == ["`a_bug`", "`mean_of_means`"]
     assert all(row["found"] == "yes" and "micro_batch_sizes=(1, 2)" in row["shrunk case"] for row in rows)
-    ratios = worst_ratio_table({"mlp / SGD": 0.01234, "gru / Adam": 0.5})
-    assert list(ratios.columns) == ["model family", "Adam", "SGD"]
-    assert ratios.to_dict("records") == [
-        {"model family": "gru", "Adam": "0.5", "SGD": "-"},
-        {"model family": "mlp", "Adam": "-", "SGD": "0.012"},
+    assert all(row["first divergence"].startswith("step 1, exact, the update of") for row in rows)
+    assert all(row["first divergence"].endswith("of its scale") and "~1e" in row["first divergence"] for row in rows)
+    counts = equivalent_cases_table({"mlp / SGD": 12, "gru / Adam": 3})
+    assert list(counts.columns) == ["model family", "Adam", "SGD"]
+    assert counts.to_dict("records") == [
+        {"model family": "gru", "Adam": "3", "SGD": "-"},
+        {"model family": "mlp", "Adam": "-", "SGD": "12"},
     ]
 
 

@@ -371,7 +371,7 @@ class StepComparer:
                 # Missing state (e.g. the optimizer never stepped) or a reshaped tensor.
                 size = max(numel, 1)
                 row = TensorDiff(step, name, kind, self.tier, dtype_name, math.inf, (), math.inf, (),  # type: ignore[arg-type]
-                                 budget.allowed, budget.explain(), size, size)
+                                 budget.allowed, budget.explain(), size, size, scale)
             else:
                 max_abs = next(floats)
                 if math.isnan(max_abs):  # NaN anywhere is as far from the truth as it gets
@@ -379,7 +379,7 @@ class StepComparer:
                 row = TensorDiff(
                     step=step, name=name, kind=kind, tier=self.tier, dtype=dtype_name,  # type: ignore[arg-type]
                     max_abs_diff=max_abs, index=(), max_rel_diff=math.nan, rel_index=(),
-                    allowed=budget.allowed, explanation=budget.explain(), mismatched=0, numel=numel,
+                    allowed=budget.allowed, explanation=budget.explain(), mismatched=0, numel=numel, scale=scale,
                 )
                 worst_so_far = self._worst_ratio is None or row.ratio > self._worst_ratio
                 if max_abs > budget.allowed or worst_so_far:

@@ -16,6 +16,9 @@ from equiv.cases.case import Case
 __all__ = ["EquivalenceError", "Judgement", "TensorDiff", "Verdict"]
 
 Tier = Literal["exact", "noise"]
+#: Relative errors this close are one tie (ten times the largest move of a
+#: mathematical bug's exact-tier difference measured between CPU kernel sets).
+_SAME_RELATIVE_ERROR = 1e-4
 Status = Literal["equivalent", "not_equivalent", "inherently_non_equivalent", "not_applicable"]
 
 
@@ -66,12 +69,26 @@ class TensorDiff:
     explanation: str
     mismatched: int
     numel: int
+    #: The magnitude the allowance is measured against: the tensor's own (for an
+    #: update at least the largest update anywhere in the model).
+    scale: float = 0.0
 
     @property
     def ratio(self) -> float:
         """Greatest difference over what was allowed (> 1 is a mismatch)."""
         if self.allowed > 0:
             return self.max_abs_diff / self.allowed
+        return 0.0 if self.max_abs_diff == 0 else math.inf
+
+    @property
+    def relative_error(self) -> float:
+        """Greatest difference over the tensor's scale: how far off the tensor is.
+
+        Unlike :attr:`ratio` (whose allowance is sized by rounding noise, and so
+        moves with the CPU's kernels), in the exact tier this is the size of a
+        mathematical difference, the same on every machine to many digits."""
+        if self.scale > 0:
+            return self.max_abs_diff / self.scale
         return 0.0 if self.max_abs_diff == 0 else math.inf
 
     @property
@@ -108,6 +125,7 @@ class TensorDiff:
             "max_rel_diff": self.max_rel_diff,
             "allowed": self.allowed,
             "ratio": self.ratio,
+            "scale": self.scale,
             "mismatched": self.mismatched,
             "numel": self.numel,
         }
@@ -151,14 +169,26 @@ class Verdict(Judgement):
 
     @property
     def first_mismatch(self) -> TensorDiff | None:
-        """The earliest step's worst mismatch (updates before optimizer state)."""
+        """The earliest step's mismatch furthest off (updates before optimizer state).
+
+        Among a step's mismatches: a parameter update before state before
+        buffers (what users act on first), the exact tier first, then the
+        greatest :attr:`~TensorDiff.relative_error`, not the greatest ratio: the
+        allowance is rounding noise that moves with the CPU's kernels, so two
+        tensors far past it can swap places by ratio from one machine to the
+        next, while their relative errors are the mathematics of the bug."""
         if not self.mismatches:
             return None
         first_step = min(d.step for d in self.mismatches)
-        at_step = [d for d in self.mismatches if d.step == first_step]
-        # What users act on first: a parameter update, then state, then buffers.
         kind_rank = {"update": 2, "state": 1, "buffer": 0}
-        return max(at_step, key=lambda d: (kind_rank[d.kind], d.tier == "exact", d.ratio))
+        at_step = [d for d in self.mismatches if d.step == first_step]
+        rank = max((kind_rank[d.kind], d.tier == "exact") for d in at_step)
+        ranked = [d for d in at_step if (kind_rank[d.kind], d.tier == "exact") == rank]
+        # Tensors the bug moves by the same relative amount (weight decay applied
+        # to a frozen layer's weight and bias: lr x decay each) tie up to rounding:
+        # the first in the model's order wins, not whichever rounded up here.
+        furthest = max(d.relative_error for d in ranked)
+        return next(d for d in ranked if d.relative_error >= furthest * (1 - _SAME_RELATIVE_ERROR))
 
     def diverged_tiers(self) -> list[str]:
         return sorted({d.tier for d in self.mismatches})

@@ -20,9 +20,10 @@ from equiv.accumulator import accumulator_step
 from equiv.cases.case import Case
 from equiv.checking.check import check
 from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed, run_on_ranks
+from equiv.checking.facts import Divergence, magnitude, ratio_band
 from equiv.cost.fsdp import POLICIES, FsdpCostRow, FsdpCostSweep
 from equiv.cost.workloads import WORKLOADS
-from equiv.reporting.markdown import format_ratio, markdown_table
+from equiv.reporting.markdown import markdown_table
 from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry
 
 __all__ = ["distributed_section", "fsdp2_chart", "fsdp2_cost_table", "fsdp2_section", "fsdp2_verdict_table"]
@@ -52,9 +53,9 @@ def distributed_section() -> str:
         rows.append({
             "candidate": name,
             "verdict": verdict.status.replace("_", " "),
-            "worst exact / allowed": format_ratio(max(v.worst["exact"].ratio for v in verdict.ranks)),
+            "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
             "all-reduces per step": ", ".join(map(str, sorted(verdict.allreduces_per_step()))),
-            "first divergence": "-" if first is None else f"step {first.step}, {first.tier}, {first.label}",
+            "first divergence": "-" if first is None else Divergence.of(first).describe(),
         })
     verdicts = pd.DataFrame(rows)
 
@@ -83,7 +84,7 @@ def distributed_section() -> str:
                 "overflow in": f"{where} (sample {sample}) of step 1",
                 "candidate": name,
                 "verdict": single.status.replace("_", " "),
-                "worst exact / allowed": format_ratio(single.worst["exact"].ratio),
+                "worst exact / allowed": ratio_band(single.worst["exact"].ratio),
             })
     loss_scale = pd.DataFrame(loss_rows)
 
@@ -112,19 +113,19 @@ def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: Distribu
         for tier in ("exact", "noise"):
             diff = verdict.measured_error(tier)
             if diff is not None and not diff.ok:
-                parts.append(f"{tier}: {diff.max_abs_diff:.2g} in {diff.label} ({format_ratio(diff.ratio)} x allowed)")
+                parts.append(f"{tier}: {diff.label} off by {magnitude(diff.relative_error)} of its scale")
         finding = "measured error " + "; ".join(parts)
     else:
         first = next((v.first_mismatch for v in verdict.ranks if v.first_mismatch), None)
         if first is not None:
-            finding = f"step {first.step}, {first.tier}, {first.label}"
+            finding = Divergence.of(first).describe()
     return {
         "candidate": label,
         "W": str(world_size),
         "what": entry.what or "the reference",
         "expected": entry.expected.replace("_", " "),
         "verdict": verdict.kind.replace("_", " "),
-        "worst exact / allowed": format_ratio(max(v.worst["exact"].ratio for v in verdict.ranks)),
+        "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
         "reduce-scatters per step": ", ".join(map(str, sorted(verdict.reduce_scatters_per_step()))),
         "finding": finding,
     }

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-__all__ = ["format_ratio", "markdown_table", "read_markdown_table"]
+__all__ = ["markdown_table", "read_markdown_table"]
 
 
 def markdown_table(frame: pd.DataFrame) -> str:
     """``frame`` as a GitHub markdown table, cells exactly as given, no index."""
     return str(frame.to_markdown(index=False, disable_numparse=True))
-
-
-def format_ratio(ratio: float) -> str:
-    """A difference-over-allowance ratio, 2 significant digits (stable in diffs)."""
-    return f"{ratio:.2g}"
 
 
 def read_markdown_table(text: str) -> list[dict[str, str]]:
