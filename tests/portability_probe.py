@@ -3,35 +3,59 @@
 ``python tests/portability_probe.py OUT.json`` writes, for the kernels and
 thread count this process runs with (``ATEN_CPU_CAPABILITY``,
 ``OMP_NUM_THREADS``): the capability torch actually picked, its thread count,
-the facts of every pinned verdict, and the markdown of the report's search
+the facts of every pinned verdict, the markdown of the report's search
 sections (the bug zoo searched, the reference searched, the inherent
-non-equivalences), which must be the same whatever the kernels.
+non-equivalences), and what the ``ci`` Hypothesis profile's search of each
+zoo bug (as the quality suites run it) finds and shrinks to: all of which must
+be the same whatever the kernels.
 """
 
 from __future__ import annotations
 
 import json
+import runpy
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from test_pinned_verdicts import facts_of, pinned_rows
-
+from equiv import strategies as eqst
+from equiv.checking.facts import VerdictFacts
+from equiv.checking.verify import verify
 from equiv.reporting.equivalence import search_sections
+from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
+
+HERE = Path(__file__).parent
+
+
+def ci_searches() -> dict[str, Any]:
+    """Each zoo bug searched as properties/test_quality_*.py search it, under the ci profile."""
+    runpy.run_path(str(HERE.parent / "conftest.py"))  # registers the dev / ci / thorough profiles
+    out = {}
+    for name, bug in sorted(BUGS.items()):
+        item_weighted = name in ITEM_WEIGHTED_BUGS
+        result = verify(bug, profile="ci", item_weighted=item_weighted, replay_in_fresh_process=False,
+                        losses=list(eqst.ITEM_WEIGHTED_LOSSES) if item_weighted else None)
+        out[name] = {
+            "found": result.found,
+            "shrunk case": None if result.counterexample is None else result.counterexample.to_dict(),
+            "facts": None if result.verdict is None else VerdictFacts.of(result.verdict).to_dict(),
+        }
+    return out
 
 
 def main(out: str) -> None:
+    sys.path.insert(0, str(HERE))  # run as a script, beside the test module that owns the pins
+    from test_pinned_verdicts import facts_of, pinned_rows
+
     rows = pinned_rows()
-    facts = {f"{row['candidate']} | {row['case_name']}": facts_of(row) for row in rows}
-    sections = search_sections(properties_record=None)
     Path(out).write_text(json.dumps({
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
-        "facts": facts,
-        "search_sections": sections,
+        "facts": {f"{row['candidate']} | {row['case_name']}": facts_of(row) for row in rows},
+        "search_sections": search_sections(properties_record=None),
+        "ci_searches": ci_searches(),
     }, ensure_ascii=False))
 
 
