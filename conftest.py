@@ -1,25 +1,17 @@
 """Hypothesis profiles for every suite, chosen with HYPOTHESIS_PROFILE.
 
-- dev (default outside tox): quick feedback, random, example database on.
-- ci: derandomized, so a CI run is deterministic and reproducible; no
-  database (derandomize implies none; passing both raises).
-- thorough: many examples, for long hunts.
-deadline=None throughout: torch code has warm-up costs that are not bugs.
+The profiles are equiv's own (equiv.checking.profiles: dev, ci, thorough),
+shipped in the package as ``equiv-dev`` / ``equiv-ci`` / ``equiv-thorough``;
+the repository's suites also know them by their short names, so tox's
+``HYPOTHESIS_PROFILE=ci`` loads equiv's ci profile (derandomized, no database).
 """
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-settings.register_profile("dev", max_examples=30, deadline=None)
-settings.register_profile(
-    "ci",
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile("thorough", max_examples=2000, deadline=None, print_blob=True)
+from equiv.checking.profiles import PROFILES
+
+for _name, _kwargs in PROFILES.items():
+    settings.register_profile(_name, **_kwargs)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

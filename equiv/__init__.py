@@ -22,7 +22,7 @@ from equiv.checking.distributed import DistributedCase, DistributedCheckError, D
 from equiv.checking.facts import VerdictFacts
 from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.trajectory import NonFiniteLossError, full_batch_step
-from equiv.checking.verdict import EquivalenceError, TensorDiff, Verdict
+from equiv.checking.verdict import CaseVerdicts, EquivalenceError, TensorDiff, Verdict
 from equiv.checking.verify import VerifyResult, verify
 from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
 from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
@@ -37,6 +37,7 @@ __all__ = [
     "Candidate",
     "CandidateError",
     "Case",
+    "CaseVerdicts",
     "CausalLM",
     "ContractError",
     "CrossEntropy",

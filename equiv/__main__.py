@@ -1,5 +1,5 @@
 """``python -m equiv``: the same as the ``equiv`` command."""
 
-from equiv.cli import main
+from equiv.cli import console
 
-raise SystemExit(main())
+console()

@@ -6,43 +6,77 @@ knows about argparse, stdout/stderr and exit codes.
     equiv plan WORKLOAD|MODULE:FUNC --budget B   recommend N for a memory budget
     equiv report equivalence|peers|benchmarks    write a markdown report
 
-Exit codes: 0 equivalent (or no counterexample, or a plan that fits), 1 a
-mismatch was found (or nothing fits), 2 usage or import error.  Library code
-raises ``ValueError`` and typed errors; this module turns them into codes.
-Progress goes to stderr through the ``equiv`` logger.
+Exit codes, each meaning one thing:
+
+    0  equivalent (or no counterexample, or a plan that fits)
+    1  a counterexample: not equivalent on an applicable case (or nothing fits)
+    2  usage error: bad flags, case, paths or device, checked before any work
+    3  the user's step raised or hung (past --timeout) on a case: no verdict there
+    4  equiv itself failed: a bug in equiv (the traceback is printed)
+
+A counterexample wins over a step that raised elsewhere (1, not 3): it is a
+definite answer.  Library code raises ``ValueError`` and typed errors; this
+module turns them into codes.  Progress goes to stderr through the ``equiv``
+logger.  The ``equiv`` command exits even if the step left a non-daemon
+thread running (:func:`console`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import math
+import os
 import re
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-import hypothesis
 import torch
 from hypothesis.errors import InvalidArgument
 from torch import Tensor, nn
 
 from equiv.batches import Batch
 from equiv.cases import strategies as eqst
-from equiv.cases.case import Case, InvalidCase
+from equiv.cases.case import Case, InvalidCase, check_device
 from equiv.cases.standard import STANDARD_CASES
-from equiv.checking.check import check
+from equiv.checking.check import check_cases
 from equiv.checking.contract import CandidateError, ContractError, check_signature, load_candidate
+from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
+from equiv.checking.profiles import profile_name
+from equiv.checking.trajectory import NonFiniteLossError
+from equiv.checking.verdict import CaseVerdicts
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
 
-__all__ = ["UsageError", "build_parser", "load_target", "main", "parse_bytes"]
+__all__ = [
+    "EXIT_COUNTEREXAMPLE",
+    "EXIT_EQUIVALENT",
+    "EXIT_INTERNAL_ERROR",
+    "EXIT_STEP_FAILED",
+    "EXIT_USAGE",
+    "UsageError",
+    "build_parser",
+    "console",
+    "load_target",
+    "main",
+    "parse_bytes",
+]
 
 log = logging.getLogger("equiv")
+
+EXIT_EQUIVALENT = 0
+EXIT_COUNTEREXAMPLE = 1
+EXIT_USAGE = 2
+EXIT_STEP_FAILED = 3
+EXIT_INTERNAL_ERROR = 4
 
 
 class UsageError(Exception):
@@ -61,7 +95,10 @@ def load_target(spec: str) -> Callable[..., Any]:
 
 def _parse_case(text: str) -> Case:
     if text.startswith("@"):
-        text = Path(text[1:]).read_text()
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise UsageError(f"cannot read the --case file {text[1:]!r}: {exc.strerror or exc}") from None
     try:
         return Case.from_dict(json.loads(text))
     except json.JSONDecodeError as exc:
@@ -70,58 +107,82 @@ def _parse_case(text: str) -> Case:
         raise UsageError(f"--case does not describe a case: {exc}") from None
 
 
+def _output(path: str | Path | None, flag: str) -> Path | None:
+    """An output path checked before any work (a run must not end on a path it cannot write):
+    its folder exists and is writable, and it is not itself a folder."""
+    if path is None:
+        return None
+    out = Path(path)
+    folder = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise UsageError(f"{flag} {str(out)!r} is a folder; give a file path")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {str(out)!r}: the folder {str(folder)!r} does not exist (create it first)")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {str(out)!r}: the folder {str(folder)!r} is not writable")
+    return out
+
+
+def _timeout(seconds: float) -> float | None:
+    if math.isnan(seconds) or seconds < 0:
+        raise UsageError(f"--timeout must be a number of seconds >= 0 (0: no limit), got {seconds:g}")
+    return seconds or None
+
+
 def _names(text: str | None) -> list[str] | None:
     return [name.strip() for name in text.split(",") if name.strip()] if text else None
 
 
 # -------------------------------------------------------------------- check
 def _cmd_check(args: argparse.Namespace) -> int:
+    json_out = _output(args.json, "--json")
+    timeout = _timeout(args.timeout)
     candidate = load_target(args.target)
     cases = {"--case": _parse_case(args.case)} if args.case else STANDARD_CASES
     try:
         check_signature(candidate)
     except ContractError as exc:
         raise UsageError(str(exc)) from None
-    results: list[dict[str, Any]] = []
-    counts = {"equivalent": 0, "not": 0, "not applicable": 0, "inherently non-equivalent": 0}
-    for index, (name, case) in enumerate(cases.items(), 1):
-        log.info("[%d/%d] %s", index, len(cases), name)
-        try:
-            verdict = check(candidate, case)
-        except CandidateError as exc:
-            print(f"ERROR {name}: {exc}")
-            counts["not"] += 1
-            results.append({"case_name": name, "status": "candidate_error", "error": str(exc)})
-            continue
-        results.append({"case_name": name, **verdict.to_dict()})
-        if verdict:
-            counts["equivalent"] += 1
-            print(f"ok    {name}")
-        elif verdict.status == "not_applicable":
-            counts["not applicable"] += 1
-            print(f"n/a   {name}: {'; '.join(verdict.not_applicable)}")
-        elif verdict.status == "inherently_non_equivalent":
-            counts["inherently non-equivalent"] += 1
-            print(f"inh.  {name}: {'; '.join(verdict.inherent)}")
-        else:
-            counts["not"] += 1
-            print(f"FAIL  {name}\n" + "\n".join("      " + line for line in verdict.message().splitlines()))
-    summary = ", ".join(f"{count} {label}" for label, count in counts.items() if count or label in ("equivalent", "not"))
-    print(f"{summary}, of {len(cases)} case(s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    # Only an applicable case that failed fails the command.
-    return 1 if counts["not"] else 0
+
+    def show(name: str, so_far: CaseVerdicts) -> None:
+        log.info("[%d/%d] %s", len(so_far.order), len(cases), name)
+        print(so_far.line(name), flush=True)
+
+    try:
+        verdicts = check_cases(candidate, cases, timeout=timeout, on_case=show)
+    except NonFiniteLossError as exc:
+        raise UsageError(f"the case itself diverges, so nothing can be compared with it: {exc}") from None
+    except CheckTimeout as exc:
+        raise UsageError(f"{exc} (--timeout SECONDS, 0 for none)") from None
+    print(verdicts.summary())
+    if json_out is not None:
+        results = [
+            {"case_name": name, "status": "candidate_error", "error": verdicts.errors[name]} if name in verdicts.errors
+            else {"case_name": name, **verdicts.verdicts[name].to_dict()}
+            for name in verdicts.order
+        ]
+        json_out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    # Only an applicable case that failed fails the command as a counterexample;
+    # a step that raised or hung, with no counterexample elsewhere, is told apart.
+    if verdicts.failed:
+        return EXIT_COUNTEREXAMPLE
+    return EXIT_STEP_FAILED if verdicts.errors else EXIT_EQUIVALENT
 
 
 # ------------------------------------------------------------------- verify
 def _cmd_verify(args: argparse.Namespace) -> int:
+    json_out = _output(args.json, "--json")
+    timeout = _timeout(args.timeout)
+    try:
+        check_device(args.device)
+    except InvalidCase as exc:
+        raise UsageError(f"--device: {exc}") from None
     candidate = load_target(args.target)
     if args.profile is not None:
         try:
-            hypothesis.settings.get_profile(args.profile)
-        except InvalidArgument:
-            raise UsageError(f"unknown Hypothesis profile {args.profile!r} (try dev, ci or thorough)") from None
+            profile_name(args.profile)
+        except InvalidArgument as exc:
+            raise UsageError(str(exc)) from None
     last_shown = [-math.inf]
 
     def show(examples: int, elapsed: float) -> None:
@@ -145,13 +206,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             device=args.device,
             reproduce=args.reproduce,
             progress=show,
+            timeout=timeout,
         )
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(result.message(args.target))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
-    return 1 if result.found else 0
+    if json_out is not None:
+        json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+    if result.kind == "error":
+        return EXIT_STEP_FAILED
+    return EXIT_COUNTEREXAMPLE if result.found else EXIT_EQUIVALENT
 
 
 # --------------------------------------------------------------------- plan
@@ -229,7 +293,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------- report
 def _write(out: Path, text: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     log.info("wrote %s", out)
 
@@ -238,19 +301,25 @@ def _write(out: Path, text: str) -> None:
 def _cmd_report_equivalence(args: argparse.Namespace) -> int:
     from equiv.reporting.equivalence import equivalence_report
 
-    _write(args.out, equivalence_report(searches=not args.no_search))
+    out = _output(args.out, "--out")
+    assert out is not None
+    _write(out, equivalence_report(searches=not args.no_search))
     return 0
 
 
 def _cmd_report_peers(args: argparse.Namespace) -> int:
     from equiv.reporting.peers import peers_report
 
-    _write(args.out, peers_report())
+    out = _output(args.out, "--out")
+    assert out is not None
+    _write(out, peers_report())
     return 0
 
 
 def _cmd_report_benchmarks(args: argparse.Namespace) -> int:
     from equiv.reporting.benchmarks import render_report
+
+    _output(args.out, "--out")
 
     try:
         raw = json.loads(args.json.read_text())
@@ -272,7 +341,11 @@ def _cmd_report_benchmarks(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="equiv", description="Is your gradient accumulation full-batch training?")
+    parser = argparse.ArgumentParser(
+        prog="equiv", description="Is your gradient accumulation full-batch training?",
+        epilog="exit codes: 0 equivalent, 1 counterexample, 2 usage error, 3 the step raised or hung, 4 equiv failed",
+    )
+    parser.add_argument("--version", action="version", version=f"equiv {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     contract = "MODULE:FUNC or path/to/file.py:FUNC following the candidate contract"
 
@@ -280,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     check_parser.add_argument("target", help=contract)
     check_parser.add_argument("--case", help="one case as JSON (Case.to_dict()), or @file.json")
     check_parser.add_argument("--json", help="also write the verdicts as JSON to this path")
+    check_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                              help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
+                                   "a step still running then is reported as hung (exit 3)")
     check_parser.set_defaults(handler=_cmd_check)
 
     verify_parser = commands.add_parser(
@@ -291,8 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("target", help=contract)
     verify_parser.add_argument("--max-examples", type=int, default=None, help="cases to draw (default: the profile's)")
     verify_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
-    verify_parser.add_argument("--profile", default=None, help="Hypothesis profile: dev, ci or thorough")
+    verify_parser.add_argument("--profile", default=None, help="Hypothesis profile: equiv's dev, ci or thorough (shipped in the package), or one you registered")
     verify_parser.add_argument("--json", help="also write the result as JSON to this path")
+    verify_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                               help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
+                                    "a step still running then ends the search (exit 3)")
     verify_parser.add_argument("--families", help=f"comma-separated model families ({','.join(eqst.MODEL_FAMILIES)})")
     verify_parser.add_argument("--optimizers", help=f"comma-separated optimizers ({','.join(eqst.OPTIMIZERS)})")
     verify_parser.add_argument("--losses", help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
@@ -381,7 +460,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args))
     except UsageError as exc:
         print(f"equiv: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except CandidateError as exc:  # a step that raised or hung outside the per-case handling
+        print(f"equiv: the step failed: {exc}", file=sys.stderr)
+        return EXIT_STEP_FAILED
+    except Exception:
+        traceback.print_exc()
+        print(f"equiv: internal error: equiv {_version()} failed on its own (not your step): please report it "
+              f"with the command line: equiv {' '.join(sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
     finally:
         log.removeHandler(handler)
         log.setLevel(previous_level)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("equiv")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def console() -> NoReturn:
+    """The ``equiv`` command: :func:`main`, then exit even if the user's step left
+    non-daemon threads running (Python would wait for them at exit, forever)."""
+    code = main()
+    strays = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if strays:
+        names = ", ".join(repr(t.name) for t in strays)
+        print(f"equiv: the step left {len(strays)} non-daemon thread(s) running ({names}); exiting without "
+              "waiting for them", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -1,14 +1,17 @@
 """Public Hypothesis strategies for accumulation cases: ``equiv.strategies``.
 
 A thin public namespace, as Hypothesis's own ``strategies`` module is; the
-code lives in :mod:`equiv.cases.strategies`.  Use them in your own tests::
+code lives in :mod:`equiv.cases.strategies` (and :func:`cases_for` in
+:mod:`equiv.checking.verify`).  Use them in your own tests, drawing only cases
+your step can take (no clip norm for a step without ``max_grad_norm``, so a
+search never shrinks to a case that says nothing about the step)::
 
     from hypothesis import given
-    from equiv.cases import strategies as eqst
+    import equiv, equiv.testing
 
-    @given(eqst.cases(optimizer_names=["AdamW"]))
+    @given(equiv.strategies.cases_for(my_step, optimizer_names=["AdamW"]))
     def test_my_step(case):
-        equiv.check(my_step, case).assert_ok()
+        equiv.testing.assert_equivalent(my_step, case)
 """
 
 from equiv.cases.strategies import (
@@ -30,6 +33,7 @@ from equiv.cases.strategies import (
     models,
     optimizers,
 )
+from equiv.checking.verify import cases_for
 
 __all__ = [
     "CLIPPING",
@@ -45,6 +49,7 @@ __all__ = [
     "SCHEDULERS",
     "TOKEN_FAMILIES",
     "cases",
+    "cases_for",
     "losses",
     "micro_batch_splits",
     "models",

@@ -128,6 +128,10 @@ def test_main_writes_the_markdown(tmp_path: Path) -> None:
     source = tmp_path / "benchmarks.json"
     source.write_text(json.dumps(_fixture()))
     out = tmp_path / "reports" / "benchmarks.md"
+    # The output's folder must exist: refused up front, not created (a typo must not make folders).
+    assert main(["report", "benchmarks", "--json", str(source), "--out", str(out)]) == 2
+    assert not out.parent.exists()
+    out.parent.mkdir()
     assert main(["report", "benchmarks", "--json", str(source), "--out", str(out)]) == 0
     assert out.read_text() == render_report(_fixture())
 

@@ -22,7 +22,7 @@ from equiv.cli import build_parser
 PACKAGE = Path(equiv.__file__).resolve().parent
 
 #: Lower layers may not import higher ones.  The public facade (equiv,
-#: equiv.strategies, python -m equiv) sits above everything.
+#: equiv.strategies, equiv.testing and the pytest plugin, python -m equiv) sits above everything.
 LAYERS: dict[str, int] = {
     "equiv.batches": 0,
     "equiv.losses": 0,
@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "equiv.reporting": 3,
     "equiv.cli": 4,
     "equiv.strategies": 5,
+    "equiv.testing": 5,
+    "equiv.pytest_plugin": 5,
     "equiv.__main__": 5,
     "equiv": 5,
 }
@@ -76,7 +78,9 @@ GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 
 def test_every_module_is_placed_in_a_layer() -> None:
-    assert {module for module in MODULES if _layer(module) == 5} == {"equiv", "equiv.strategies", "equiv.__main__"}
+    assert {module for module in MODULES if _layer(module) == 5} == {
+        "equiv", "equiv.strategies", "equiv.testing", "equiv.pytest_plugin", "equiv.__main__"
+    }
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -154,5 +158,6 @@ def test_the_public_api_is_exactly_all() -> None:
     public = {name for name in vars(equiv) if not name.startswith("_")} - {
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "collectives", "checking", "cost", "losses", "reporting", "zoo", "cli",
+        "pytest_plugin", "testing",
     }
     assert public == set(equiv.__all__) - {"__version__"}

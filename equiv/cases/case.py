@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model, import_path, import_target
 from equiv.losses import LOSSES, Loss, build_loss
 
-__all__ = ["DATA", "DTYPES", "HEAD_LR_BODY_FACTOR", "PARAM_GROUPS", "Case", "InvalidCase"]
+__all__ = ["DATA", "DTYPES", "HEAD_LR_BODY_FACTOR", "PARAM_GROUPS", "Case", "InvalidCase", "check_device"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -182,10 +182,8 @@ class Case:
             raise InvalidCase(f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim")
         if self.scheduler is not None and not inspect.isclass(getattr(torch.optim.lr_scheduler, self.scheduler, None)):
             raise InvalidCase(f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler")
-        try:
-            torch.device(self.device)
-        except RuntimeError:
-            raise InvalidCase(f"unknown device {self.device!r}; expected e.g. 'cpu' or 'cuda:0'") from None
+        check_device(self.device)
+        _check_optimizer_kwargs(optimizer_class, self.optimizer, self.optimizer_kwargs)
 
     # ----------------------------------------------------------- serialising
     def __repr__(self) -> str:
@@ -386,6 +384,41 @@ class Case:
             raise InvalidCase(
                 f"scheduler {self.scheduler}(**{dict(self.scheduler_kwargs)!r}) rejected: {exc}"
             ) from None
+
+
+def check_device(device: str) -> None:
+    """Raise :class:`InvalidCase` unless ``device`` names a device torch can use here
+    (a CUDA device on a CPU build, or with no GPU visible, is refused up front,
+    not inside the first run)."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise InvalidCase(f"unknown device {device!r}; expected e.g. 'cpu' or 'cuda:0'") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+            raise InvalidCase(f"device {device!r} asked for, but torch {torch.__version__} here has none ({why})")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise InvalidCase(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidCase(f"device {device!r} asked for, but MPS is not available here")
+
+
+def _check_optimizer_kwargs(optimizer_class: Any, name: str, kwargs: Mapping[str, Any]) -> None:
+    """Reject bad optimizer keywords when the case is made (``lr=-1``, a misspelt name),
+    not inside the first run: built once on a dummy 2-D parameter.  An optimizer that
+    cannot be built on one even with its defaults is left to the run."""
+    def build(**options: Any) -> None:
+        optimizer_class([torch.zeros(2, 2, requires_grad=True)], **options)
+
+    try:
+        build(**kwargs)
+    except (TypeError, ValueError) as exc:
+        try:
+            build()
+        except Exception:
+            return  # needs more than a plain parameter (or an lr): the run will say
+        raise InvalidCase(f"optimizer {name}(**{dict(kwargs)!r}) rejected: {exc}") from None
 
 
 def _check_target(field_name: str, value: Any, names: Any) -> None:

@@ -18,28 +18,52 @@ repeat the exact tier).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
 from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
+from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory, compare_trajectories
-from equiv.checking.contract import Candidate, candidate_name, check_signature, not_applicable_reasons
+from equiv.checking.contract import (
+    Candidate,
+    CandidateError,
+    CandidateTimeout,
+    candidate_name,
+    check_signature,
+    not_applicable_reasons,
+)
+from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.tolerances import unit_roundoff
 from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
-from equiv.checking.verdict import TensorDiff, Tier, Verdict
+from equiv.checking.verdict import CaseVerdicts, TensorDiff, Tier, Verdict
 
-__all__ = ["ReferenceRuns", "check"]
+__all__ = ["ReferenceRuns", "check", "check_cases"]
 
 TIERS: tuple[Tier, ...] = ("exact", "noise")
 #: Offsets of the shuffling seeds from the case seed (any fixed values; fixed so reruns agree).
 _SHUFFLE_SEED_OFFSETS = (7919, 104729)
 
 
-def check(candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS) -> Verdict:
+@overload
+def check(
+    candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS, timeout: float | None = DEFAULT_TIMEOUT_S
+) -> Verdict: ...
+@overload
+def check(
+    candidate: Candidate, case: None = None, *, tiers: Sequence[Tier] = TIERS,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> CaseVerdicts: ...
+
+
+def check(
+    candidate: Candidate, case: Case | None = None, *, tiers: Sequence[Tier] = TIERS,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> Verdict | CaseVerdicts:
     """Compare ``candidate`` with one full-batch step per optimizer step of ``case``.
 
     ``candidate`` follows the contract ``step(model, optimizer, micro_batches,
@@ -47,8 +71,29 @@ def check(candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS) ->
     ``scheduler`` keywords).  Raises :class:`~equiv.checking.contract.CandidateError`
     if the candidate raises, naming the case; never raises for a mismatch:
     call ``verdict.assert_ok()`` for that.
+
+    Without a case, checks the standard cases (``equiv check`` does the same)
+    and returns their :class:`~equiv.checking.verdict.CaseVerdicts`: one
+    ``assert_ok()`` for all, a step that raises recorded per case.
+
+    ``timeout``: seconds the check of one case may take (None: no limit).  A
+    step still running then raises :class:`~equiv.checking.contract.CandidateTimeout`
+    (which case, which step, how long); time spent in equiv's own reference runs
+    raises :class:`~equiv.checking.deadline.CheckTimeout`.
     """
     __tracebackhide__ = True
+    if case is None:
+        return check_cases(candidate, STANDARD_CASES, tiers=tiers, timeout=timeout)
+    try:
+        with deadline(timeout):
+            return _check(candidate, case, tiers)
+    except CheckTimeout as exc:  # not inside the candidate (that is a CandidateTimeout): in equiv's own runs
+        raise CheckTimeout(exc.seconds, f"the check of {case!r} took over its limit of {exc.seconds:g} s in "
+                                         "equiv's own runs (the full-batch reference and its floors): give a "
+                                         "longer timeout for a case this large") from None
+
+
+def _check(candidate: Candidate, case: Case, tiers: Sequence[Tier]) -> Verdict:
     if not isinstance(case, Case):
         raise TypeError(f"case must be an equiv.Case, got {type(case).__name__}: {case!r}")
     unknown = [t for t in tiers if t not in TIERS]
@@ -73,6 +118,39 @@ def check(candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS) ->
         if all(d.ok for d in rerun):
             verdict = dataclasses.replace(verdict, precision_only=True)
     return verdict
+
+
+def check_cases(
+    candidate: Candidate,
+    cases: Mapping[str, Case],
+    *,
+    tiers: Sequence[Tier] = TIERS,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    on_case: Callable[[str, CaseVerdicts], None] | None = None,
+) -> CaseVerdicts:
+    """:func:`check` on each named case; a case where the step raises is recorded,
+    not raised.  After a case where the step hangs past ``timeout`` the rest are
+    not run (each would wait as long): recorded as not checked.  ``on_case(name,
+    so_far)`` hears each case as it ends (progress)."""
+    check_signature(candidate)
+    verdicts: dict[str, Verdict] = {}
+    errors: dict[str, str] = {}
+    order: list[str] = []
+    hung: str | None = None
+    for name, case in cases.items():
+        if hung is not None:
+            errors[name] = f"not checked: the step hung on {hung!r}"
+        else:
+            try:
+                verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout)
+            except CandidateError as exc:
+                errors[name] = str(exc)
+                if isinstance(exc, CandidateTimeout):
+                    hung = name
+        order.append(name)
+        if on_case is not None:
+            on_case(name, CaseVerdicts(candidate_name(candidate), dict(verdicts), dict(errors), tuple(order)))
+    return CaseVerdicts(candidate_name(candidate), verdicts, errors, tuple(order))
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ __all__ = [
     "OPTIONAL_KEYWORDS",
     "Candidate",
     "CandidateError",
+    "CandidateTimeout",
     "ContractError",
     "accepted_keywords",
     "candidate_name",
@@ -67,6 +68,12 @@ class CandidateError(RuntimeError):
     def __init__(self, message: str, *, case: Case, step: int, dtype: str) -> None:
         super().__init__(message)
         self.case, self.step, self.dtype = case, step, dtype
+
+
+class CandidateTimeout(CandidateError):
+    """The candidate did not finish a step within the check's time limit (it hangs,
+    or is far slower than the limit allows); the message names the case, the step
+    and how long it ran."""
 
 
 class ContractError(TypeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,14 @@ from torch import Tensor, nn
 from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
-from equiv.checking.contract import CandidateError, accepted_keywords, candidate_name, not_applicable_reasons
+from equiv.checking.contract import (
+    CandidateError,
+    CandidateTimeout,
+    accepted_keywords,
+    candidate_name,
+    not_applicable_reasons,
+)
+from equiv.checking.deadline import CheckTimeout
 from equiv.losses import Loss
 
 __all__ = [
@@ -321,9 +329,19 @@ def run_candidate(
         if on_step is not None:
             on_step(step)
         micro_batches = split_batch(batch, sizes, copy=True)  # copies: a step may write into its inputs
+        started = time.monotonic()
         try:
             with _default_dtype(default_dtype):
                 candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
+        except CheckTimeout as exc:
+            raise CandidateTimeout(
+                f"candidate {candidate_name(candidate)} did not finish step {step} in {dtype_name} within the "
+                f"check's limit of {exc.seconds:g} s (it ran {time.monotonic() - started:.1f} s of it; it hangs, "
+                f"or needs a longer timeout); reproduce with {case!r}",
+                case=case,
+                step=step,
+                dtype=dtype_name,
+            ) from None
         except Exception as exc:
             raise CandidateError(
                 f"candidate {candidate_name(candidate)} raised {type(exc).__name__}: {exc} "

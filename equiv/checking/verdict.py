@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from equiv.cases.case import Case
 
-__all__ = ["EquivalenceError", "Judgement", "TensorDiff", "Verdict"]
+__all__ = ["CaseVerdicts", "EquivalenceError", "Judgement", "TensorDiff", "Verdict"]
 
 Tier = Literal["exact", "noise"]
 #: Relative errors this close are one tie (ten times the largest move of a
@@ -249,3 +249,60 @@ class Verdict(Judgement):
             "mismatches": [d.to_dict() for d in self.mismatches],
             "worst": {tier: d.to_dict() for tier, d in sorted(self.worst.items())},
         }
+
+
+@dataclass(frozen=True, slots=True)
+class CaseVerdicts(Judgement):
+    """One candidate on several named cases (``equiv.check(step)`` runs the standard
+    cases): truthy when no case that applies failed and the step never raised.  A
+    case not applicable to the step, or inherently non-equivalent, is neither a
+    pass nor a failure: it is counted apart."""
+
+    candidate: str
+    #: case name -> its verdict, in the order the cases were checked
+    verdicts: dict[str, Verdict]
+    #: case name -> what the candidate raised on it (no verdict then)
+    errors: dict[str, str] = field(default_factory=dict)
+    #: every case name, in the order checked (verdicts and errors interleaved)
+    order: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return not self.errors and all(v.status != "not_equivalent" for v in self.verdicts.values())
+
+    @property
+    def failed(self) -> dict[str, Verdict]:
+        """The applicable cases that are not equivalent."""
+        return {name: v for name, v in self.verdicts.items() if v.status == "not_equivalent"}
+
+    def counts(self) -> dict[str, int]:
+        """How many cases ended each way (zeros included for equivalent and not)."""
+        labels = {"equivalent": "equivalent", "not_equivalent": "not", "not_applicable": "not applicable",
+                  "inherently_non_equivalent": "inherently non-equivalent"}
+        counts = dict.fromkeys(labels.values(), 0)
+        for verdict in self.verdicts.values():
+            counts[labels[verdict.status]] += 1
+        counts["not"] += len(self.errors)
+        return counts
+
+    def line(self, name: str) -> str:
+        """One case's outcome as ``equiv check`` prints it (failures with the whole message)."""
+        if name in self.errors:
+            return f"ERROR {name}: {self.errors[name]}"
+        verdict = self.verdicts[name]
+        if verdict.status == "equivalent":
+            return f"ok    {name}"
+        if verdict.status == "not_applicable":
+            return f"n/a   {name}: {'; '.join(verdict.not_applicable)}"
+        if verdict.status == "inherently_non_equivalent":
+            return f"inh.  {name}: {'; '.join(verdict.inherent)}"
+        return f"FAIL  {name}\n" + "\n".join("      " + line for line in verdict.message().splitlines())
+
+    def summary(self) -> str:
+        counts = self.counts()
+        shown = ", ".join(f"{n} {label}" for label, n in counts.items() if n or label in ("equivalent", "not"))
+        return f"{shown}, of {len(self.verdicts) + len(self.errors)} case(s)"
+
+    def message(self) -> str:
+        names = self.order or (*self.verdicts, *self.errors)
+        return "\n".join([f"candidate {self.candidate}:", *(self.line(name) for name in names), self.summary()])
+

@@ -28,6 +28,7 @@ from typing import Any
 import hypothesis
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis.errors import DidNotReproduce, Flaky, InvalidArgument, Unsatisfiable
+from hypothesis.strategies import SearchStrategy
 
 from equiv.cases import strategies as eqst
 from equiv.cases.case import Case
@@ -35,15 +36,18 @@ from equiv.checking.check import check
 from equiv.checking.contract import (
     Candidate,
     CandidateError,
+    CandidateTimeout,
     candidate_name,
     candidate_reference,
     check_signature,
     takes_keyword,
 )
+from equiv.checking.deadline import DEFAULT_TIMEOUT_S
+from equiv.checking.profiles import profile_settings
 from equiv.checking.trajectory import NonFiniteLossError
 from equiv.checking.verdict import Verdict
 
-__all__ = ["VerifyResult", "verify"]
+__all__ = ["VerifyResult", "cases_for", "verify"]
 
 #: progress(cases checked so far, seconds elapsed)
 Progress = Callable[[int, float], None]
@@ -198,6 +202,16 @@ class _Found(Exception):
         self.case, self.verdict, self.error = case, verdict, error
 
 
+class _Hung(BaseException):
+    """Raised inside the search when the step hangs past the time limit: a
+    BaseException, so Hypothesis stops at once instead of shrinking (every shrink
+    step would wait out the limit again); carries the finding."""
+
+    def __init__(self, found: _Found) -> None:
+        super().__init__(str(found))
+        self.found = found
+
+
 def _search_flags(search: dict[str, Any]) -> list[str]:
     flags = []
     for key in ("families", "optimizers", "losses"):
@@ -212,6 +226,40 @@ def _search_flags(search: dict[str, Any]) -> list[str]:
     if search.get("device", "cpu") != "cpu":
         flags.append(f"--device {search['device']}")
     return flags
+
+
+def cases_for(candidate: Candidate, **kwargs: Any) -> SearchStrategy[Case]:
+    """Return a strategy for cases that apply to ``candidate``: :func:`equiv.strategies.cases`
+    with ``kwargs``, drawing a clip norm only if the step takes ``max_grad_norm`` and an
+    LR scheduler only if it takes ``scheduler``.
+
+    The route for your own ``@given`` tests: a case the step cannot be told about
+    (a clip norm for a step that cannot clip) says nothing about it, so it is never
+    drawn, and a search never shrinks to one::
+
+        @given(equiv.strategies.cases_for(my_step))
+        def test_my_step(case):
+            equiv.check(my_step, case).assert_ok()
+
+    Defaults: ``clipping`` every mode of :data:`~equiv.strategies.CLIPPING` if the
+    step takes ``max_grad_norm`` (else "none" only), ``schedulers`` all of
+    :data:`~equiv.strategies.SCHEDULERS` (None among them) if it takes ``scheduler`` (else
+    none only).  Asking for a clip mode or a scheduler the step cannot take raises
+    ``InvalidArgument``.  Shrinks as :func:`equiv.strategies.cases` does.
+    """
+    check_signature(candidate)
+    name = candidate_name(candidate)
+    if takes_keyword(candidate, "max_grad_norm"):
+        kwargs.setdefault("clipping", eqst.CLIPPING)
+    elif set(kwargs.setdefault("clipping", ("none",))) != {"none"}:
+        raise InvalidArgument(f"clipping must be ('none',) for {name}, which takes no max_grad_norm, "
+                              f"but was {tuple(kwargs['clipping'])!r}")
+    if takes_keyword(candidate, "scheduler"):
+        kwargs.setdefault("schedulers", tuple(eqst.SCHEDULERS))
+    elif set(kwargs.setdefault("schedulers", (None,))) != {None}:
+        raise InvalidArgument(f"schedulers must be (None,) for {name}, which takes no scheduler, "
+                              f"but was {tuple(kwargs['schedulers'])!r}")
+    return eqst.cases(**kwargs)
 
 
 def verify(
@@ -231,12 +279,13 @@ def verify(
     reproduce: str | None = None,
     progress: Progress | None = None,
     replay_in_fresh_process: bool = True,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> VerifyResult:
     """Search for a case where ``candidate`` is not the full-batch step.
 
-    ``max_examples`` defaults to the profile's (``profile``: a registered
-    Hypothesis profile such as "dev", "ci", "thorough"; default the one
-    loaded).  ``seed`` fixes the search (a derandomized profile is already
+    ``max_examples`` defaults to the profile's (``profile``: equiv's "dev",
+    "ci" or "thorough" (:mod:`equiv.checking.profiles`), or any registered
+    Hypothesis profile; default the one loaded).  ``seed`` fixes the search (a derandomized profile is already
     fixed; otherwise a seed is drawn and reported so the search can be
     replayed).  ``families``, ``optimizers`` and ``losses`` restrict the
     strategies (:func:`equiv.strategies.cases`), as do ``max_batch_size`` and
@@ -258,11 +307,14 @@ def verify(
     float64 run (a "precision" verdict) never stands in for a mathematical
     mismatch: the search goes on, and reports it only when it finds no
     mismatch.  Warnings raised by the checks are shown once per search.
+    ``timeout``: seconds one case's check may take (None: no limit); a step
+    that hangs past it ends the search at once with that case, as an error
+    (not shrunk: each shrink step would wait out the limit again).
     Raises :class:`~equiv.checking.contract.ContractError` for a candidate
     that cannot take ``(model, optimizer, micro_batches, loss_fn)``.
     """
     check_signature(candidate)
-    base = settings.get_profile(profile) if profile is not None else settings()  # settings(): the loaded profile
+    base = profile_settings(profile) if profile is not None else settings()  # settings(): the loaded profile
     profile_name = profile or getattr(settings, "_current_profile", None) or "default"
     if seed is None and not base.derandomize and reproduce is None:
         seed = random.SystemRandom().randrange(2**32)
@@ -276,7 +328,8 @@ def verify(
         "max_batch_size": max_batch_size,
         "max_micro_batches": max_micro_batches,
     }
-    strategy = eqst.cases(
+    strategy = cases_for(
+        candidate,
         families=families,
         optimizer_names=optimizers,
         loss_names=losses,
@@ -285,10 +338,6 @@ def verify(
         allow_dropout=allow_inherent,
         max_batch_size=max_batch_size,
         max_micro_batches=max_micro_batches,
-        # A step can only clip or schedule if it is told to: cases with a clip
-        # norm or a scheduler only for candidates that take those keywords.
-        clipping=eqst.CLIPPING if takes_keyword(candidate, "max_grad_norm") else ("none",),
-        schedulers=tuple(eqst.SCHEDULERS) if takes_keyword(candidate, "scheduler") else (None,),
         devices=(device,),
     )
     chosen_max = base.max_examples if max_examples is None else max_examples
@@ -320,9 +369,12 @@ def verify(
         try:
             check_started = time.perf_counter()
             try:
-                verdict = check(candidate, case)
+                verdict = check(candidate, case, timeout=timeout)
             except NonFiniteLossError:
                 reject()  # the case diverges on its own (too large a learning rate): not a finding
+            except CandidateTimeout as exc:
+                first_failure_at.append(counts["examples"])
+                raise _Hung(_Found(case, None, str(exc))) from None
             except CandidateError as exc:
                 first_failure_at.append(counts["examples"])
                 raise _Found(case, None, str(exc)) from None
@@ -361,6 +413,7 @@ def verify(
     if seed is not None:
         test = hypothesis.seed(seed)(test)
     found: _Found | None = None
+    hung = False
     flaky = False
     blob = None
     try:
@@ -372,6 +425,8 @@ def verify(
         notes = "\n".join(getattr(exc, "__notes__", []))
         match = _BLOB.search(notes)
         blob = match.group(2) if match else None
+    except _Hung as exc:
+        found, hung = exc.found, True  # not shrunk: the case it hung on
     except Flaky as exc:
         # The candidate failed once and passed on replay of the same case: it
         # is not deterministic.  Still a finding; the case is the one that failed.
@@ -396,7 +451,7 @@ def verify(
     elapsed_s = time.perf_counter() - started
     state_across_calls: bool | None = None
     fresh_replay = ""
-    if found is not None and not flaky and replay_in_fresh_process:
+    if found is not None and not flaky and not hung and replay_in_fresh_process:
         state_across_calls, fresh_replay = _replay_alone(candidate, found)
     return VerifyResult(
         candidate=candidate_name(candidate),

@@ -1,0 +1,65 @@
+"""equiv in your own pytest suite.
+
+Three routes, each never failing a test on a case that does not apply to the
+step (a clip norm for a step that cannot clip) and never passing one silently:
+
+- the standard cases as parametrised tests with readable ids: ask for the
+  ``equiv_case`` fixture (equiv's pytest plugin parametrises it), or
+  parametrise with :func:`standard_cases` yourself; a case that does not apply
+  is skipped with the reason::
+
+      def test_my_step(equiv_case):
+          equiv.testing.assert_equivalent(my_step, equiv_case)
+
+- a Hypothesis search that only draws cases the step can take, and so never
+  shrinks to one it cannot (:func:`equiv.strategies.cases_for`)::
+
+      @given(equiv.strategies.cases_for(my_step))
+      def test_my_step_on_drawn_cases(case):
+          equiv.testing.assert_equivalent(my_step, case)
+
+- every standard case in one test: ``equiv.check(my_step).assert_ok()``.
+
+equiv's Hypothesis profiles are shipped in the package: ``pytest
+--hypothesis-profile equiv-ci`` (derandomized) or ``equiv-dev`` /
+``equiv-thorough`` work in any project once equiv is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from equiv.cases.case import Case
+from equiv.cases.standard import STANDARD_CASES
+from equiv.checking.check import check
+from equiv.checking.contract import Candidate
+from equiv.checking.verdict import Verdict
+
+__all__ = ["assert_equivalent", "standard_cases"]
+
+
+def standard_cases() -> list[Any]:
+    """The standard cases as ``pytest.param`` values, each with its name as id:
+    ``@pytest.mark.parametrize("case", equiv.testing.standard_cases())``."""
+    return [pytest.param(case, id=name) for name, case in STANDARD_CASES.items()]
+
+
+def assert_equivalent(candidate: Candidate, case: Case) -> Verdict:
+    """Check ``candidate`` on ``case`` and fail the test unless it is equivalent.
+
+    A case that does not apply to the step, or that no accumulation can match
+    (BatchNorm, dropout), is skipped with the reason: neither a pass nor a
+    failure.  A mismatch raises :class:`equiv.EquivalenceError` with the whole
+    verdict; a step that raises propagates as :class:`equiv.CandidateError`.
+    Returns the verdict of an equivalent step.
+    """
+    __tracebackhide__ = True
+    verdict = check(candidate, case)
+    if verdict.status == "not_applicable":
+        pytest.skip("not applicable: " + "; ".join(verdict.not_applicable))
+    if verdict.status == "inherently_non_equivalent":
+        pytest.skip("inherently not equivalent: " + "; ".join(verdict.inherent))
+    verdict.assert_ok()
+    return verdict

@@ -1,0 +1,156 @@
+"""Exit codes that mean one thing, and a shell that never hangs.
+
+0 equivalent, 1 counterexample, 2 usage error (checked before any work),
+3 the user's step raised or hung, 4 equiv itself failed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import equiv
+from equiv.cli import EXIT_COUNTEREXAMPLE, EXIT_INTERNAL_ERROR, EXIT_STEP_FAILED, EXIT_USAGE, main
+
+STEPS = '''
+import threading, time
+import equiv
+
+def hangs(model, optimizer, micro_batches, loss_fn):
+    while True:
+        time.sleep(1)
+
+def raises(model, optimizer, micro_batches, loss_fn):
+    raise RuntimeError("my step is broken")
+
+def leaves_a_thread(model, optimizer, micro_batches, loss_fn):
+    threading.Thread(target=time.sleep, args=(3600,), name="prefetcher").start()
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
+
+def textbook(model, optimizer, micro_batches, loss_fn):
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) / len(micro_batches)).backward()
+    optimizer.step()
+'''
+TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",
+                 optimizer_kwargs={"lr": 0.02}, steps=1)
+
+
+@pytest.fixture
+def steps(tmp_path: Path) -> Path:
+    path = tmp_path / "exit_steps.py"
+    path.write_text(STEPS)
+    return path
+
+
+def _case_json(case: equiv.Case = TOY) -> str:
+    return json.dumps(case.to_dict())
+
+
+def test_a_hanging_step_ends_the_check_at_the_timeout_with_exit_3(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    assert main(["check", f"{steps}:hangs", "--case", _case_json(), "--timeout", "2"]) == EXIT_STEP_FAILED
+    assert time.monotonic() - started < 30
+    out = capsys.readouterr().out
+    assert "ERROR --case: candidate hangs did not finish step 0 in float64 within the check's limit of 2 s" in out
+
+
+def test_after_a_hang_the_other_standard_cases_are_not_run(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    assert main(["check", f"{steps}:hangs", "--timeout", "1"]) == EXIT_STEP_FAILED
+    assert time.monotonic() - started < 30
+    assert "not checked: the step hung on" in capsys.readouterr().out
+
+
+def test_a_hanging_step_ends_the_search_without_shrinking(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    assert main(["verify", f"{steps}:hangs", "--seed", "0", "--max-examples", "5", "--timeout", "1"]) == EXIT_STEP_FAILED
+    assert time.monotonic() - started < 30
+    assert "did not finish step" in capsys.readouterr().out
+
+
+def test_a_step_that_raises_is_exit_3_not_a_counterexample(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", f"{steps}:raises", "--case", _case_json()]) == EXIT_STEP_FAILED
+    assert "my step is broken" in capsys.readouterr().out
+    assert main(["verify", f"{steps}:raises", "--seed", "0", "--max-examples", "3"]) == EXIT_STEP_FAILED
+
+
+def test_a_counterexample_is_exit_1(steps: Path) -> None:
+    assert main(["check", f"{steps}:textbook", "--case", _case_json()]) == EXIT_COUNTEREXAMPLE
+
+
+def test_the_command_exits_although_the_step_left_a_non_daemon_thread(steps: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "equiv", "check", f"{steps}:leaves_a_thread", "--case", _case_json()],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ok    --case" in done.stdout
+    assert "non-daemon thread(s) running ('prefetcher'" in done.stderr and "exiting without waiting" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["check", "{steps}:textbook", "--case", "@{tmp}/missing.json"], "cannot read the --case file",
+                     id="case-file-missing"),
+        pytest.param(["check", "{steps}:textbook", "--json", "{tmp}/no/such/folder/out.json"], "does not exist",
+                     id="json-folder-missing"),
+        pytest.param(["verify", "{steps}:textbook", "--json", "{tmp}/no/such/folder/out.json"], "does not exist",
+                     id="verify-json-folder-missing"),
+        pytest.param(["report", "peers", "--out", "{tmp}/no/such/folder/peers.md"], "does not exist",
+                     id="report-out-folder-missing"),
+        pytest.param(["check", "{steps}:textbook", "--case", "LR"], "rejected: Invalid learning rate: -1",
+                     id="negative-lr"),
+        pytest.param(["check", "{steps}:textbook", "--case", "DIVERGES"], "the case itself diverges",
+                     id="diverging-case"),
+        pytest.param(["check", "{steps}:textbook", "--timeout", "-1"], "--timeout must be", id="negative-timeout"),
+    ],
+)
+def test_usage_errors_exit_2_before_any_work(
+    steps: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    cases = {
+        "LR": json.dumps({**TOY.to_dict(), "optimizer_kwargs": {"lr": -1}}),
+        "DIVERGES": _case_json(TOY.replace(optimizer_kwargs={"lr": 1e200}, steps=3)),
+    }
+    argv = [cases.get(arg, arg.format(steps=steps, tmp=tmp_path)) for arg in argv]
+    started = time.monotonic()
+    assert main(argv) == EXIT_USAGE
+    assert time.monotonic() - started < 20  # refused up front, not after the run
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here: cuda is a valid device")
+def test_a_cuda_device_on_a_cpu_machine_is_a_usage_error(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", f"{steps}:textbook", "--device", "cuda"]) == EXIT_USAGE
+    assert "--device: device 'cuda' asked for" in capsys.readouterr().err
+    assert main(["check", f"{steps}:textbook", "--case", json.dumps({**TOY.to_dict(), "device": "cuda"})]) == EXIT_USAGE
+
+
+def test_a_failure_of_equiv_itself_is_exit_4_with_the_traceback(
+    steps: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("an equiv bug")
+
+    monkeypatch.setattr("equiv.cli.check_cases", broken)
+    assert main(["check", f"{steps}:textbook"]) == EXIT_INTERNAL_ERROR
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'an equiv bug'" in err
+    assert "internal error" in err and "not your step" in err
+
+
+def test_the_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("equiv ")
