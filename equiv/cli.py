@@ -47,7 +47,14 @@ from equiv.cases import strategies as eqst
 from equiv.cases.case import Case, InvalidCase, check_device
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check_cases
-from equiv.checking.contract import CandidateError, ContractError, check_signature, load_candidate
+from equiv.checking.contract import (
+    CandidateError,
+    ContractError,
+    check_signature,
+    load_candidate,
+    on_sys_path,
+    target_folder,
+)
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.checking.profiles import profile_name
 from equiv.checking.trajectory import NonFiniteLossError
@@ -93,14 +100,14 @@ def load_target(spec: str) -> Callable[..., Any]:
         raise UsageError(str(exc)) from exc
 
 
-def _parse_case(text: str) -> Case:
+def _parse_case(text: str, allow_imports: Sequence[str] = ()) -> Case:
     if text.startswith("@"):
         try:
             text = Path(text[1:]).read_text()
         except OSError as exc:
             raise UsageError(f"cannot read the --case file {text[1:]!r}: {exc.strerror or exc}") from None
     try:
-        return Case.from_dict(json.loads(text))
+        return Case.from_dict(json.loads(text), allow_imports=allow_imports)
     except json.JSONDecodeError as exc:
         raise UsageError(f"--case is not valid JSON ({exc}): {text[:80]!r}") from None
     except (InvalidCase, TypeError, KeyError) as exc:
@@ -135,10 +142,19 @@ def _names(text: str | None) -> list[str] | None:
 
 # -------------------------------------------------------------------- check
 def _cmd_check(args: argparse.Namespace) -> int:
+    # The step's folder stays on sys.path for the whole check: a case's own model, loss or
+    # data beside the step (my_lm.py:LogitsOnly) imports as the step did.
+    with on_sys_path(target_folder(args.target)):
+        return _check_on_path(args)
+
+
+def _check_on_path(args: argparse.Namespace) -> int:
     json_out = _output(args.json, "--json")
     timeout = _timeout(args.timeout)
     candidate = load_target(args.target)
-    cases = {"--case": _parse_case(args.case)} if args.case else STANDARD_CASES
+    # A case's own factories may come from the step's module or those the user names; nothing else runs.
+    allowed = [getattr(candidate, "__module__", None) or "", *args.allow_import]
+    cases = {"--case": _parse_case(args.case, [name for name in allowed if name])} if args.case else STANDARD_CASES
     try:
         check_signature(candidate)
     except ContractError as exc:
@@ -152,6 +168,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         verdicts = check_cases(candidate, cases, timeout=timeout, on_case=show)
     except NonFiniteLossError as exc:
         raise UsageError(f"the case itself diverges, so nothing can be compared with it: {exc}") from None
+    except InvalidCase as exc:
+        raise UsageError(f"the case cannot be run: {exc}") from None
     except CheckTimeout as exc:
         raise UsageError(f"{exc} (--timeout SECONDS, 0 for none)") from None
     print(verdicts.summary())
@@ -353,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     check_parser.add_argument("target", help=contract)
     check_parser.add_argument("--case", help="one case as JSON (Case.to_dict()), or @file.json")
     check_parser.add_argument("--json", help="also write the verdicts as JSON to this path")
+    check_parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
+                              help="a module the --case may import its model, loss or data from, besides the step's "
+                                   "own (repeatable; a case pasted from a log imports nothing else)")
     check_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                               help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
                                    "a step still running then is reported as hung (exit 3)")

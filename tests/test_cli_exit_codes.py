@@ -38,6 +38,14 @@ def textbook(model, optimizer, micro_batches, loss_fn):
     for x, y in micro_batches:
         (loss_fn(model(x), y) / len(micro_batches)).backward()
     optimizer.step()
+
+def tiny():
+    import torch
+    return torch.nn.Linear(4, 2)
+
+def batches(step, batch_size, generator):
+    import torch
+    return torch.randn(batch_size, 4, generator=generator), torch.randn(batch_size, 2, generator=generator)
 '''
 TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",
                  optimizer_kwargs={"lr": 0.02}, steps=1)
@@ -154,3 +162,30 @@ def test_the_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out.startswith("equiv ")
+
+
+def test_a_case_from_json_imports_nothing_the_user_did_not_name(
+    steps: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "PWNED"
+    hostile = {**TOY.to_dict(), "model": "os:system", "model_kwargs": {"command": f"touch {marker}"},
+               "data": "random"}
+    assert main(["check", f"{steps}:textbook", "--case", json.dumps(hostile)]) == EXIT_USAGE
+    assert "would import module 'os', which was not named" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_a_case_naming_factories_beside_the_step_replays_from_the_command_line(
+    steps: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    own = {**TOY.to_dict(), "model": "exit_steps:tiny", "data": "exit_steps:batches", "batch_size": 3,
+           "micro_batch_sizes": [1, 2]}
+    # The step's own module is allowed, and its folder is where the case's imports resolve.
+    assert main(["check", f"{steps}:textbook", "--case", json.dumps(own)]) == EXIT_COUNTEREXAMPLE
+    assert "FAIL  --case" in capsys.readouterr().out
+    other = {**own, "model": "json:loads"}
+    assert main(["check", f"{steps}:textbook", "--case", json.dumps(other)]) == EXIT_USAGE
+    assert "would import module 'json', which was not named" in capsys.readouterr().err
+    # Allowed, it is imported: json.loads is no model factory, a usage error too, but a different one.
+    assert main(["check", f"{steps}:textbook", "--case", json.dumps(other), "--allow-import", "json"]) == EXIT_USAGE
+    assert "the case cannot be run: bad arguments {} for model 'json:loads'" in capsys.readouterr().err

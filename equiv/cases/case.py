@@ -9,7 +9,7 @@ same bits whatever dtype it computes in.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -218,9 +218,23 @@ class Case:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Case:
+    def from_dict(cls, data: Mapping[str, Any], *, allow_imports: bool | Iterable[str] = ()) -> Case:
+        """Rebuild a case from :meth:`to_dict` output (or its JSON).
+
+        A user's own model factory, loss or data is stored as an import path,
+        and importing it runs that module's code.  So a case read back imports
+        only from the modules named in ``allow_imports`` (each with its
+        submodules), or from anywhere with ``allow_imports=True``: a case pasted
+        from someone's log must not run code you did not name.  ``equiv check
+        --case`` allows the step's own module and those given with
+        ``--allow-import``.  Raises :class:`InvalidCase` for a path outside them.
+        """
         values = dict(data)
         values["micro_batch_sizes"] = tuple(values["micro_batch_sizes"])
+        if allow_imports is not True:
+            allowed = [] if allow_imports is False else list(allow_imports)
+            for name in ("model", "loss", "data"):
+                _check_import_allowed(name, values.get(name), allowed)
         return cls(**values)
 
     def replace(self, **changes: Any) -> Case:
@@ -240,7 +254,10 @@ class Case:
         """The model with its initial weights already rounded to the working
         dtype (still stored in float32), so runs in any dtype start equal, and
         its first ``frozen_layers`` layers frozen."""
-        bundle = build_model(self.model, self.seed, **self.model_kwargs)
+        try:
+            bundle = build_model(self.model, self.seed, **self.model_kwargs)
+        except ValueError as exc:  # the case's model cannot be built from its arguments: the case is bad
+            raise InvalidCase(str(exc)) from None
         with torch.no_grad():
             for tensor in [*bundle.module.parameters(), *bundle.module.buffers()]:
                 if tensor.is_floating_point():
@@ -384,6 +401,19 @@ class Case:
             raise InvalidCase(
                 f"scheduler {self.scheduler}(**{dict(self.scheduler_kwargs)!r}) rejected: {exc}"
             ) from None
+
+
+def _check_import_allowed(field_name: str, value: Any, allowed: list[str]) -> None:
+    if not isinstance(value, str) or ":" not in value or value.startswith("<"):
+        return  # a registered name, or a description that the constructor rejects with its own reason
+    module = value.partition(":")[0]
+    if any(module == name or module.startswith(name + ".") for name in allowed):
+        return
+    raise InvalidCase(
+        f"the case's {field_name} {value!r} would import module {module!r}, which was not named: importing runs "
+        f"that module's code, so a case read from JSON imports only from modules you allow (equiv check "
+        f"--allow-import {module}, or Case.from_dict(..., allow_imports=[{module!r}]))"
+    )
 
 
 def check_device(device: str) -> None:

@@ -44,7 +44,9 @@ __all__ = [
     "check_signature",
     "load_candidate",
     "not_applicable_reasons",
+    "on_sys_path",
     "takes_keyword",
+    "target_folder",
 ]
 
 #: Keywords a candidate may take, each passed only to a candidate that names it.
@@ -154,7 +156,7 @@ def not_applicable_reasons(candidate: Callable[..., Any], case: Case) -> tuple[s
 
 
 @contextlib.contextmanager
-def _on_sys_path(directory: str) -> Iterator[None]:
+def on_sys_path(directory: str) -> Iterator[None]:
     """``directory`` first on ``sys.path`` while a target is imported, removed after."""
     sys.path.insert(0, directory)
     try:
@@ -162,6 +164,13 @@ def _on_sys_path(directory: str) -> Iterator[None]:
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(directory)
+
+
+def target_folder(spec: str) -> str:
+    """Where ``spec``'s own imports resolve from: a file target's folder, else the working
+    directory (as ``python -m`` does); a case's factories next to the step resolve there too."""
+    module_part = spec.rpartition(":")[0]
+    return str(Path(module_part).resolve().parent) if module_part.endswith(".py") else str(Path.cwd())
 
 
 def load_candidate(spec: str) -> Callable[..., Any]:
@@ -183,10 +192,10 @@ def load_candidate(spec: str) -> Callable[..., Any]:
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)
-            with _on_sys_path(str(path.resolve().parent)):
+            with on_sys_path(str(path.resolve().parent)):
                 module_spec.loader.exec_module(module)
         else:
-            with _on_sys_path(str(Path.cwd())):
+            with on_sys_path(str(Path.cwd())):
                 module = importlib.import_module(module_part)
     except ValueError:
         raise
