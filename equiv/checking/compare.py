@@ -394,33 +394,57 @@ class StepComparer:
 
 def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch: _Scratch) -> TensorDiff:
     """``row`` with where its greatest differences are, its greatest relative
-    difference and its count of mismatched elements, from the candidate-minus-
-    truth ``difference`` (consumed)."""
+    difference, its count of mismatched elements, and what diagnoses it: the
+    expected and actual value where the difference is greatest, NaN and inf
+    counted apart (with the first one's index), and for an update its size
+    against the full batch's (``<c, t> / <t, t>``) and its cosine; all from the
+    candidate-minus-truth ``difference`` (a scratch buffer the next call reuses)."""
     if difference.numel() == 0:
         return dataclasses.replace(row, index=(), max_rel_diff=0.0, rel_index=())
     shape = tuple(difference.shape)
-    abs_diff = _abs_difference_(difference)
+    device = difference.device
+    abs_diff = torch.abs(difference, out=scratch.get("absolute", difference.shape, device))
+    abs_diff.nan_to_num_(nan=math.inf, posinf=math.inf)
     flat_abs = abs_diff.argmax()
+    zeros = truth is None
     if truth is None:  # state the truth never has, compared with zeros: relative difference inf where not 0
         truth = torch.zeros_like(abs_diff)
     # |diff| / |truth|, 0 where the two agree (0 / 0 included), inf where only
     # the truth is 0.  |diff / truth| is |diff| / |truth| bit for bit: one temporary.
-    rel_diff = torch.div(abs_diff, truth, out=scratch.get("relative", abs_diff.shape, abs_diff.device))
-    rel_diff.abs_().nan_to_num_(nan=math.inf)
-    agree = torch.eq(abs_diff, 0, out=scratch.get("agree", abs_diff.shape, abs_diff.device, torch.bool))
+    rel_diff = torch.div(abs_diff, truth, out=scratch.get("relative", abs_diff.shape, device))
+    rel_diff.abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
+    agree = torch.eq(abs_diff, 0, out=scratch.get("agree", abs_diff.shape, device, torch.bool))
     rel_diff.masked_fill_(agree, 0.0)
     flat_rel = rel_diff.argmax()
     mismatched = (
         (abs_diff > row.allowed).sum() if row.max_abs_diff > row.allowed
-        else torch.zeros((), dtype=torch.long, device=abs_diff.device)
+        else torch.zeros((), dtype=torch.long, device=device)
     )
-    # All four on the device, read in one transfer (torch.take: no host-side index).
-    index_abs, max_rel, index_rel, count = _host_floats(
-        [flat_abs.to(torch.float64), torch.take(rel_diff, flat_rel), flat_rel.to(torch.float64), mismatched.to(torch.float64)]
-    )
+    # NaN and inf apart (the truth is finite: a non-finite difference is the candidate's).
+    nan_count = torch.isnan(difference).sum()
+    inf_count = torch.isinf(difference).sum()
+    not_finite = torch.logical_not(torch.isfinite(difference), out=agree)
+    first_not_finite = not_finite.flatten().to(torch.uint8).argmax()  # the first True (argmax takes the first)
+    # The candidate c = t + d against the truth t: <d, t>, <t, t>, <d, d> give its scale and cosine.
+    flat_difference, flat_truth = difference.flatten(), truth.flatten()
+    products = [torch.dot(flat_difference, flat_truth), torch.dot(flat_truth, flat_truth),
+                torch.dot(flat_difference, flat_difference)]
+    # All on the device, read in one transfer (torch.take: no host-side index).
+    floats = _host_floats([
+        flat_abs.to(torch.float64), torch.take(rel_diff, flat_rel), flat_rel.to(torch.float64),
+        mismatched.to(torch.float64), torch.take(truth, flat_abs), torch.take(difference, flat_abs),
+        nan_count.to(torch.float64), inf_count.to(torch.float64), first_not_finite.to(torch.float64), *products,
+    ])
+    index_abs, max_rel, index_rel, count, expected, signed, nans, infs, first_bad, dt, tt, dd = floats
+    ct, cc = tt + dt, tt + 2 * dt + dd
+    ratio = ct / tt if row.kind == "update" and not zeros and tt > 0 else math.nan
+    cosine = ct / math.sqrt(cc * tt) if row.kind == "update" and not zeros and cc > 0 and tt > 0 else math.nan
     return dataclasses.replace(
         row, index=_unravel(int(index_abs), shape), max_rel_diff=max_rel,
         rel_index=_unravel(int(index_rel), shape), mismatched=int(count),
+        expected=expected, actual=expected + signed, nan_count=int(nans), inf_count=int(infs),
+        first_not_finite=_unravel(int(first_bad), shape) if nans or infs else (),
+        update_ratio=ratio, cosine=cosine,
     )
 
 

@@ -72,6 +72,17 @@ class TensorDiff:
     #: The magnitude the allowance is measured against: the tensor's own (for an
     #: update at least the largest update anywhere in the model).
     scale: float = 0.0
+    # Diagnoses, on the rows a verdict shows (NaN / empty elsewhere):
+    #: the full-batch value and the candidate's where the difference is greatest (at ``index``)
+    expected: float = math.nan
+    actual: float = math.nan
+    #: elements of the candidate that are NaN, or infinite, and where the first one is
+    nan_count: int = 0
+    inf_count: int = 0
+    first_not_finite: tuple[int, ...] = ()
+    #: an update's size along the full batch's, <c, t> / <t, t> (1: the same; 0: no update), and its cosine
+    update_ratio: float = math.nan
+    cosine: float = math.nan
 
     @property
     def ratio(self) -> float:
@@ -103,15 +114,35 @@ class TensorDiff:
     def describe(self) -> str:
         share = 100.0 * self.mismatched / max(self.numel, 1)
         index = self.index if self.index else "()"
-        return "\n".join(
-            [
-                f"Mismatched elements: {self.mismatched} / {self.numel} ({share:.1f}%) in {self.label}",
-                f"Greatest absolute difference: {self.max_abs_diff:.4g} at index {index} "
-                f"(up to {self.allowed:.4g} allowed)",
-                f"Greatest relative difference: {self.max_rel_diff:.4g} at index {self.rel_index or '()'}",
-                f"Allowed = {self.explanation}",
-            ]
-        )
+        lines = [f"Mismatched elements: {self.mismatched} / {self.numel} ({share:.1f}%) in {self.label}"]
+        lines += self.diagnoses()
+        lines += [
+            f"Greatest absolute difference: {self.max_abs_diff:.4g} at index {index} (up to {self.allowed:.4g} allowed)",
+            f"Greatest relative difference: {self.max_rel_diff:.4g} at index {self.rel_index or '()'}",
+            f"Allowed = {self.explanation}",
+        ]
+        return "\n".join(lines)
+
+    def diagnoses(self) -> list[str]:
+        """What the numbers mean, in words: NaN / inf named, a missing update, an
+        update's size and direction against the full batch's, the worst element."""
+        out = []
+        if self.nan_count or self.inf_count:
+            found = " and ".join(f"{n} {what}" for n, what in ((self.nan_count, "NaN"), (self.inf_count, "inf")) if n)
+            out.append(f"Not finite: {found} in {self.label} of the candidate, the first at index "
+                       f"{self.first_not_finite or '()'}")
+        elif not math.isnan(self.expected):
+            what = {"update": "update", "buffer": "change", "state": "value"}[self.kind]
+            out.append(f"At index {self.index or '()'}: full-batch {what} {self.expected:.6g}, "
+                       f"the candidate's {self.actual:.6g}")
+        if self.kind == "update" and not (self.nan_count or self.inf_count) and not math.isnan(self.update_ratio):
+            if self.update_ratio == 0 and math.isnan(self.cosine):
+                out.append("No update: the candidate did not move this parameter (is optimizer.step() called, "
+                           "and is the parameter still the optimizer's?)")
+            elif not math.isnan(self.cosine):
+                out.append(f"The update is {self.update_ratio:.4g} x the full-batch update along it, "
+                           f"cosine {self.cosine:.4f}")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
