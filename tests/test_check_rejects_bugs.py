@@ -81,7 +81,7 @@ def test_mismatch_message_reads_like_assert_close() -> None:
         "allowed)",
         "Greatest relative difference:",
         "Allowed = 32 x full-batch floor",
-        "Reproduce: equiv.check(mean_of_means, Case(batch_size=8, micro_batch_sizes=(1, 7)",
+        "Reproduce: equiv.check(mean_of_means, equiv.Case(batch_size=8, micro_batch_sizes=(1, 7)",
     ]:
         assert expected in message, f"{expected!r} missing from:\n{message}"
     try:

@@ -56,4 +56,12 @@ def test_a_correct_step_shows_no_diagnosis_and_state_rows_have_no_update_ratio()
     state_rows = [d for d in verdict.mismatches if d.kind == "state"]
     assert state_rows and all(math.isnan(d.update_ratio) for d in state_rows)
     assert equiv.check(equiv.accumulator_step, TOY)
-    assert torch.get_default_dtype() == torch.float32
+    assert torch.get_default_dtype() == torch.float32  # the precision re-run put it back
+
+
+def test_the_reproduce_line_runs_as_printed_after_import_equiv() -> None:
+    message = equiv.check(BUGS["mean_of_means"], TOY).message()
+    line = next(text for text in message.splitlines() if text.startswith("Reproduce: ")).removeprefix("Reproduce: ")
+    assert line.startswith("equiv.check(mean_of_means, equiv.Case(")
+    replayed = eval(line, {"equiv": equiv, "mean_of_means": BUGS["mean_of_means"]})
+    assert replayed.message() == message

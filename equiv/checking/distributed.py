@@ -224,7 +224,9 @@ class DistributedVerdict(Judgement):
         extra = "" if self.engine == "ddp" else f", engine={self.engine!r}"
         if self.mp_policy is not None:
             extra += f", mp_policy={self.mp_policy!r}"
-        return f"Reproduce: equiv.check_distributed({self.candidate}, {self.case!r}{extra})"
+        # Every name as `import equiv` reaches it, so the line runs as printed.
+        shards = [list(sizes) for sizes in self.case.rank_micro_batch_sizes]
+        return f"Reproduce: equiv.check_distributed({self.candidate}, equiv.DistributedCase.of(equiv.{self.case.case!r}, {shards!r}){extra})"
 
     def message(self) -> str:
         engine = "DistributedDataParallel" if self.engine == "ddp" else "FSDP2 (fully_shard)"

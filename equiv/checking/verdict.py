@@ -230,7 +230,7 @@ class Verdict(Judgement):
         if self.not_applicable:
             lines.append(f"Not applicable ({head}): the case asks for what the step cannot be told to do:")
             lines += [f"  - {reason}" for reason in self.not_applicable]
-            lines.append(f"Reproduce: equiv.check({self.candidate}, {self.case!r})")
+            lines.append(f"Reproduce: equiv.check({self.candidate}, equiv.{self.case!r})")
             return "\n".join(lines)
         if self.inherent:
             lines.append(f"Inherently not equivalent to full-batch training ({head}):")
@@ -265,7 +265,7 @@ class Verdict(Judgement):
             lines.append(
                 f"Tier {tier} ({worst.dtype}): worst {worst.ratio:.3g} x allowed, {worst.label} at step {worst.step}"
             )
-        lines.append(f"Reproduce: equiv.check({self.candidate}, {self.case!r})")
+        lines.append(f"Reproduce: equiv.check({self.candidate}, equiv.{self.case!r})")
         return "\n".join(lines)
 
 
