@@ -137,3 +137,30 @@ def test_schedulers_step_every_group(recipe: str) -> None:
     optimizer.step()
     scheduler.step()
     assert [group["lr"] for group in optimizer.param_groups] == [lr / 2 for lr in before]
+
+
+def test_torch_objects_and_any_capitalisation_are_accepted_as_the_canonical_names() -> None:
+    case = Case(batch_size=2, micro_batch_sizes=(1, 1), dtype=torch.float64, optimizer=torch.optim.AdamW,
+                optimizer_kwargs={"lr": 1e-3}, scheduler=torch.optim.lr_scheduler.StepLR,
+                scheduler_kwargs={"step_size": 1}, autocast=torch.bfloat16)
+    assert (case.dtype, case.optimizer, case.scheduler, case.autocast) == ("float64", "AdamW", "StepLR", "bfloat16")
+    assert Case(batch_size=2, micro_batch_sizes=(1, 1), optimizer="adamw", loss="MSE", model="MLP") == Case(
+        batch_size=2, micro_batch_sizes=(1, 1), optimizer="AdamW", loss="mse", model="mlp")
+    assert Case.from_dict(case.to_dict()) == case
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"optimizer": "AdamX"}, "unknown optimizer 'AdamX'; expected a class in torch.optim (did you mean 'Adamax'?)"),
+        ({"loss": "crossentropy"}, "(did you mean 'cross_entropy'?)"),
+        ({"model": "mpl"}, "(did you mean 'mlp'?)"),
+        ({"optimizer_kwargs": {"lr": -1}}, "optimizer SGD(**{'lr': -1}) rejected: Invalid learning rate: -1"),
+        ({"optimizer_kwargs": {"lrr": 0.1}}, "unexpected keyword argument 'lrr'"),
+    ],
+    ids=["did-you-mean-optimizer", "did-you-mean-loss", "did-you-mean-model", "negative-lr", "misspelt-kwarg"],
+)
+def test_names_and_optimizer_keywords_are_checked_when_the_case_is_made(changes: dict, message: str) -> None:
+    with pytest.raises(InvalidCase) as raised:
+        Case(batch_size=2, micro_batch_sizes=(1, 1), **changes)
+    assert message in str(raised.value)

@@ -8,6 +8,7 @@ same bits whatever dtype it computes in.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -117,12 +118,40 @@ class Case:
             object.__setattr__(self, "overflow_at", tuple(self.overflow_at))
         for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
             object.__setattr__(self, name, dict(getattr(self, name)))
+        self._accept_torch_spellings()
         if isinstance(self.loss, str) and ":" in self.loss:  # a user's loss class (a replay line), built with no arguments
             try:
                 object.__setattr__(self, "loss", import_target(self.loss)())
             except (ValueError, TypeError) as exc:
                 raise InvalidCase(f"loss {self.loss!r}: {exc}") from None
         self._validate()
+
+    def _accept_torch_spellings(self) -> None:
+        """torch's own objects and any capitalisation, stored as the canonical name:
+        ``dtype=torch.float32``, ``optimizer=torch.optim.AdamW``, ``optimizer="adamw"``,
+        ``scheduler=torch.optim.lr_scheduler.StepLR``, ``autocast=torch.bfloat16``."""
+        for name in ("dtype", "autocast"):
+            value = getattr(self, name)
+            if isinstance(value, torch.dtype):
+                object.__setattr__(self, name, str(value).removeprefix("torch."))
+        namespaces: tuple[tuple[str, Any, str], ...] = (
+            ("optimizer", torch.optim, "torch.optim"), ("scheduler", torch.optim.lr_scheduler, "torch.optim.lr_scheduler"))
+        for name, namespace, label in namespaces:
+            given: Any = getattr(self, name)
+            if inspect.isclass(given):
+                class_name = given.__name__
+                if getattr(namespace, class_name, None) is not given:
+                    raise InvalidCase(f"{name} {given.__module__}.{given.__qualname__} is not a class of {label}; "
+                                      "a case names one of those")
+                object.__setattr__(self, name, class_name)
+        choices = {"dtype": DTYPES, "autocast": ("float16", "bfloat16"), "optimizer": _optimizer_names(),
+                   "scheduler": _scheduler_names(), "loss": LOSSES, "model": MODELS, "param_groups": PARAM_GROUPS}
+        for name, names in choices.items():
+            spelled = getattr(self, name)
+            if isinstance(spelled, str) and ":" not in spelled and spelled not in names:
+                matches = [known for known in names if known.lower() == spelled.lower()]
+                if len(matches) == 1:
+                    object.__setattr__(self, name, matches[0])
 
     def _validate(self) -> None:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -163,10 +192,12 @@ class Case:
         if self.autocast is not None and self.autocast not in ("float16", "bfloat16"):
             raise InvalidCase(f"autocast must be 'float16', 'bfloat16' or None, got {self.autocast!r}")
         if self.dtype not in DTYPES:
-            raise InvalidCase(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
+            raise InvalidCase(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}"
+                              f"{_did_you_mean(self.dtype, DTYPES)}")
         if isinstance(self.loss, str):
             if self.loss not in LOSSES:
-                raise InvalidCase(f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)} or a loss object")
+                raise InvalidCase(f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)} or a loss object"
+                                  f"{_did_you_mean(self.loss, LOSSES)}")
         elif not (callable(self.loss) and callable(getattr(self.loss, "sum", None))
                   and callable(getattr(self.loss, "count", None))):
             raise InvalidCase(
@@ -179,9 +210,11 @@ class Case:
             raise InvalidCase(f"data 'toy_2x' needs model 'scalar_linear', got {self.model!r}")
         optimizer_class = getattr(torch.optim, self.optimizer, None)
         if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise InvalidCase(f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim")
+            raise InvalidCase(f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim"
+                              f"{_did_you_mean(self.optimizer, _optimizer_names())}")
         if self.scheduler is not None and not inspect.isclass(getattr(torch.optim.lr_scheduler, self.scheduler, None)):
-            raise InvalidCase(f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler")
+            raise InvalidCase(f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler"
+                              f"{_did_you_mean(self.scheduler, _scheduler_names())}")
         check_device(self.device)
         _check_optimizer_kwargs(optimizer_class, self.optimizer, self.optimizer_kwargs)
 
@@ -403,6 +436,25 @@ class Case:
             ) from None
 
 
+def _optimizer_names() -> list[str]:
+    return [name for name, value in vars(torch.optim).items()
+            if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer]
+
+
+def _scheduler_names() -> list[str]:
+    return [name for name, value in vars(torch.optim.lr_scheduler).items()
+            if inspect.isclass(value) and not name.startswith("_")]
+
+
+def _did_you_mean(value: Any, names: Iterable[str]) -> str:
+    """" (did you mean 'AdamW'?)" for a near miss among ``names``, else ""."""
+    if not isinstance(value, str):
+        return ""
+    by_lower = {name.lower(): name for name in names}
+    close = difflib.get_close_matches(value.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
 def _check_import_allowed(field_name: str, value: Any, allowed: list[str]) -> None:
     if not isinstance(value, str) or ":" not in value or value.startswith("<"):
         return  # a registered name, or a description that the constructor rejects with its own reason
@@ -468,7 +520,7 @@ def _check_target(field_name: str, value: Any, names: Any) -> None:
         return
     if value not in names:
         raise InvalidCase(f"unknown {field_name} {value!r}; expected one of {sorted(names)}, "
-                          "a callable or an import path 'module:attribute'")
+                          f"a callable or an import path 'module:attribute'{_did_you_mean(value, names)}")
 
 
 def _reference(value: Any) -> str:
