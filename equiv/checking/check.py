@@ -18,6 +18,7 @@ repeat the exact tier).
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
@@ -135,6 +136,7 @@ def check_cases(
     check_signature(candidate)
     verdicts: dict[str, Verdict] = {}
     errors: dict[str, str] = {}
+    tracebacks: dict[str, str] = {}
     order: list[str] = []
     hung: str | None = None
     for name, case in cases.items():
@@ -145,12 +147,15 @@ def check_cases(
                 verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout)
             except CandidateError as exc:
                 errors[name] = str(exc)
+                if exc.__cause__ is not None:
+                    tracebacks[name] = "".join(traceback.format_exception(exc.__cause__))
                 if isinstance(exc, CandidateTimeout):
                     hung = name
         order.append(name)
         if on_case is not None:
-            on_case(name, CaseVerdicts(candidate_name(candidate), dict(verdicts), dict(errors), tuple(order)))
-    return CaseVerdicts(candidate_name(candidate), verdicts, errors, tuple(order))
+            on_case(name, CaseVerdicts(candidate_name(candidate), dict(verdicts), dict(errors), tuple(order),
+                                       dict(tracebacks)))
+    return CaseVerdicts(candidate_name(candidate), verdicts, errors, tuple(order), tracebacks)
 
 
 @dataclass(frozen=True)

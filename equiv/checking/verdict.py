@@ -296,6 +296,8 @@ class CaseVerdicts(Judgement):
     errors: dict[str, str] = field(default_factory=dict)
     #: every case name, in the order checked (verdicts and errors interleaved)
     order: tuple[str, ...] = ()
+    #: case name -> the step's own traceback, where it raised
+    tracebacks: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return not self.errors and all(v.status != "not_equivalent" for v in self.verdicts.values())
