@@ -108,8 +108,10 @@ def _check(candidate: Candidate, case: Case, tiers: Sequence[Tier]) -> Verdict:
 
     references = ReferenceRuns.of(case, tiers)
     # Each candidate run is compared step by step as it runs; nothing of it is kept.
-    diffs = [diff for tier in references.tiers for diff in references.run_and_compare(tier, case, candidate)]
-    verdict = references.judge(name, diffs)
+    notes: list[str] = []
+    diffs = [diff for tier in references.tiers
+             for diff in references.run_and_compare(tier, case, candidate, notes=notes)]
+    verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(notes)))
     if verdict.mismatches and all(d.tier == "exact" for d in verdict.mismatches):
         # Exact tier only: a mathematical mismatch that hides under float32 noise
         # (an unscaled sum under Adam), or the full-batch step computed partly in
@@ -238,12 +240,15 @@ class ReferenceRuns:
         return cls(case=case, truth=truth, floors=floors, initial=initial)
 
     def run_and_compare(
-        self, tier: Tier, case: Case, candidate: Candidate, *, default_dtype: torch.dtype | None = None
+        self, tier: Tier, case: Case, candidate: Candidate, *, default_dtype: torch.dtype | None = None,
+        notes: list[str] | None = None,
     ) -> list[TensorDiff]:
-        """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced."""
+        """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced;
+        what the step did to the model besides training it goes to ``notes``."""
         comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier])
         run_candidate(
-            case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype, initial=self.initial
+            case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype, initial=self.initial,
+            on_note=None if notes is None else notes.append,
         )
         return comparer.diffs
 

@@ -180,6 +180,8 @@ class Verdict(Judgement):
     #: The mismatches are float32 roundoff inside the float64 run: with torch's
     #: default dtype set to float64 the candidate matched (see equiv.check).
     precision_only: bool = False
+    #: What the step did to the model besides training it (a parameter replaced, a dtype changed).
+    notes: tuple[str, ...] = ()
 
     @property
     def status(self) -> Status:
@@ -248,6 +250,7 @@ class Verdict(Judgement):
                 )
             elif not self.inherent:
                 lines.append(f"Not equivalent to full-batch training ({head}).")
+            lines += [f"Note: {note}" for note in self.notes]  # what the step did besides training
             lines.append(
                 f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):"
             )
