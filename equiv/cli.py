@@ -163,6 +163,8 @@ def _check_on_path(args: argparse.Namespace) -> int:
     def show(name: str, so_far: CaseVerdicts) -> None:
         log.info("[%d/%d] %s", len(so_far.order), len(cases), name)
         print(so_far.line(name), flush=True)
+        if args.tb and name in so_far.tracebacks:
+            print("      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "), flush=True)
 
     try:
         verdicts = check_cases(candidate, cases, timeout=timeout, on_case=show)
@@ -229,6 +231,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(result.message(args.target))
+    if args.tb and result.error_traceback:
+        print("The step's traceback:\n" + result.error_traceback.rstrip())
     if json_out is not None:
         json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
     if result.kind == "error":
@@ -374,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     check_parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
                               help="a module the --case may import its model, loss or data from, besides the step's "
                                    "own (repeatable; a case pasted from a log imports nothing else)")
+    check_parser.add_argument("--tb", action="store_true",
+                              help="where the step raised, also print its own traceback")
     check_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                               help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
                                    "a step still running then is reported as hung (exit 3)")
@@ -390,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
     verify_parser.add_argument("--profile", default=None, help="Hypothesis profile: equiv's dev, ci or thorough (shipped in the package), or one you registered")
     verify_parser.add_argument("--json", help="also write the result as JSON to this path")
+    verify_parser.add_argument("--tb", action="store_true",
+                               help="where the step raised, also print its own traceback")
     verify_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                                help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
                                     "a step still running then ends the search (exit 3)")

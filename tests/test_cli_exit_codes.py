@@ -189,3 +189,13 @@ def test_a_case_naming_factories_beside_the_step_replays_from_the_command_line(
     # Allowed, it is imported: json.loads is no model factory, a usage error too, but a different one.
     assert main(["check", f"{steps}:textbook", "--case", json.dumps(other), "--allow-import", "json"]) == EXIT_USAGE
     assert "the case cannot be run: bad arguments {} for model 'json:loads'" in capsys.readouterr().err
+
+
+def test_tb_shows_the_step_s_own_traceback(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", f"{steps}:raises", "--case", _case_json(), "--tb"]) == EXIT_STEP_FAILED
+    out = capsys.readouterr().out
+    assert "Traceback (most recent call last)" in out and 'raise RuntimeError("my step is broken")' in out
+    assert main(["verify", f"{steps}:raises", "--seed", "0", "--max-examples", "3", "--tb"]) == EXIT_STEP_FAILED
+    assert "The step's traceback:" in capsys.readouterr().out
+    assert main(["check", f"{steps}:raises", "--case", _case_json()]) == EXIT_STEP_FAILED
+    assert "Traceback" not in capsys.readouterr().out

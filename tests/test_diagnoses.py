@@ -65,3 +65,22 @@ def test_the_reproduce_line_runs_as_printed_after_import_equiv() -> None:
     assert line.startswith("equiv.check(mean_of_means, equiv.Case(")
     replayed = eval(line, {"equiv": equiv, "mean_of_means": BUGS["mean_of_means"]})
     assert replayed.message() == message
+
+
+def replaces_a_parameter(model, optimizer, micro_batches, loss_fn):  # type: ignore[no-untyped-def]
+    model.weight = torch.nn.Parameter(model.weight.detach().clone())
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
+
+
+def casts_to_half(model, optimizer, micro_batches, loss_fn):  # type: ignore[no-untyped-def]
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
+    model.to(torch.float16)
+
+
+def test_a_replaced_parameter_and_a_dtype_change_are_named() -> None:
+    replaced = equiv.check(replaces_a_parameter, TOY)
+    assert "Note: the step replaced parameter 'weight' with a new tensor: the optimizer no longer holds it" in (
+        replaced.message())
+    cast = equiv.check(casts_to_half, TOY)
+    assert "Note: the step changed the dtype of 'weight' from float64 to float16" in cast.message()
+    assert not equiv.check(equiv.accumulator_step, TOY).notes

@@ -83,6 +83,18 @@ def test_the_printed_blob_replays_the_shrunk_case(steps_file, capsys) -> None:
     assert replayed.counterexample == result.counterexample
 
 
+def test_the_printed_reproduce_line_replays_quietly_and_names_the_original_search(steps_file, capsys) -> None:
+    assert main(["verify", f"{steps_file}:bad", *FAST]) == 1
+    printed = capsys.readouterr().out
+    search = next(line for line in printed.splitlines() if "this search:" in line).split("this search: ")[1]
+    draw = next(line for line in printed.splitlines() if "shrunk draw:" in line).split("shrunk draw: ")[1]
+    assert "--seed 1 --max-examples 15" in draw
+    assert main(draw.split()[1:]) == 1
+    replayed = capsys.readouterr().out
+    assert "Falsifying example" not in replayed  # Hypothesis's own dump of its internals
+    assert f"this search: {search}" in replayed  # the original search, not the profile's defaults
+
+
 def test_verify_reports_a_candidate_that_raises_with_its_own_exit_code(steps_file, capsys) -> None:
     # 3: the step raised (not 1, a counterexample): CI can tell a broken step from a mismatch.
     assert main(["verify", f"{steps_file}:crashes", *FAST]) == 3

@@ -18,6 +18,7 @@ repeat the exact tier).
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
@@ -107,8 +108,10 @@ def _check(candidate: Candidate, case: Case, tiers: Sequence[Tier]) -> Verdict:
 
     references = ReferenceRuns.of(case, tiers)
     # Each candidate run is compared step by step as it runs; nothing of it is kept.
-    diffs = [diff for tier in references.tiers for diff in references.run_and_compare(tier, case, candidate)]
-    verdict = references.judge(name, diffs)
+    notes: list[str] = []
+    diffs = [diff for tier in references.tiers
+             for diff in references.run_and_compare(tier, case, candidate, notes=notes)]
+    verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(notes)))
     if verdict.mismatches and all(d.tier == "exact" for d in verdict.mismatches):
         # Exact tier only: a mathematical mismatch that hides under float32 noise
         # (an unscaled sum under Adam), or the full-batch step computed partly in
@@ -135,6 +138,7 @@ def check_cases(
     check_signature(candidate)
     verdicts: dict[str, Verdict] = {}
     errors: dict[str, str] = {}
+    tracebacks: dict[str, str] = {}
     order: list[str] = []
     hung: str | None = None
     for name, case in cases.items():
@@ -145,12 +149,15 @@ def check_cases(
                 verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout)
             except CandidateError as exc:
                 errors[name] = str(exc)
+                if exc.__cause__ is not None:
+                    tracebacks[name] = "".join(traceback.format_exception(exc.__cause__))
                 if isinstance(exc, CandidateTimeout):
                     hung = name
         order.append(name)
         if on_case is not None:
-            on_case(name, CaseVerdicts(candidate_name(candidate), dict(verdicts), dict(errors), tuple(order)))
-    return CaseVerdicts(candidate_name(candidate), verdicts, errors, tuple(order))
+            on_case(name, CaseVerdicts(candidate_name(candidate), dict(verdicts), dict(errors), tuple(order),
+                                       dict(tracebacks)))
+    return CaseVerdicts(candidate_name(candidate), verdicts, errors, tuple(order), tracebacks)
 
 
 @dataclass(frozen=True)
@@ -233,12 +240,15 @@ class ReferenceRuns:
         return cls(case=case, truth=truth, floors=floors, initial=initial)
 
     def run_and_compare(
-        self, tier: Tier, case: Case, candidate: Candidate, *, default_dtype: torch.dtype | None = None
+        self, tier: Tier, case: Case, candidate: Candidate, *, default_dtype: torch.dtype | None = None,
+        notes: list[str] | None = None,
     ) -> list[TensorDiff]:
-        """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced."""
+        """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced;
+        what the step did to the model besides training it goes to ``notes``."""
         comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier])
         run_candidate(
-            case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype, initial=self.initial
+            case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype, initial=self.initial,
+            on_note=None if notes is None else notes.append,
         )
         return comparer.diffs
 

@@ -156,6 +156,7 @@ def _run(
     batch_slice: slice | None = None,
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
     initial: ModelBundle | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> list[Snapshot]:
     """Snapshots before the first step and after each step, computing in ``dtype``.
 
@@ -204,8 +205,26 @@ def _run(
                 inputs, targets = inputs[batch_slice], targets[batch_slice]
             batch = (_to(inputs, device, dtype), _to(targets, device, dtype))
             run_step(stepped_model, optimizer, batch, extras, step)
+            if on_note is not None:
+                for note in _what_the_step_changed(model, optimizer, dtype):
+                    on_note(note)
             record(step + 1)
     return snapshots
+
+
+def _what_the_step_changed(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> list[str]:
+    """What a step did to the model besides training it, in words: a parameter the
+    optimizer no longer holds (replaced by a new tensor), or one cast to another dtype."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    notes = []
+    for name, param in model.named_parameters():
+        if id(param) not in held:
+            notes.append(f"the step replaced parameter '{name}' with a new tensor: the optimizer no longer holds it, "
+                         "so no optimizer step can update it")
+        if param.dtype != dtype:
+            notes.append(f"the step changed the dtype of '{name}' from {str(dtype).removeprefix('torch.')} to "
+                         f"{str(param.dtype).removeprefix('torch.')}")
+    return notes
 
 
 class _Autocast(nn.Module):
@@ -310,6 +329,7 @@ def run_candidate(
     default_dtype: torch.dtype | None = None,
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
     initial: ModelBundle | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
@@ -352,5 +372,6 @@ def run_candidate(
             ) from exc
 
     return _run(
-        case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice, on_snapshot=on_snapshot, initial=initial
+        case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice, on_snapshot=on_snapshot, initial=initial,
+        on_note=on_note,
     )

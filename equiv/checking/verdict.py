@@ -180,6 +180,8 @@ class Verdict(Judgement):
     #: The mismatches are float32 roundoff inside the float64 run: with torch's
     #: default dtype set to float64 the candidate matched (see equiv.check).
     precision_only: bool = False
+    #: What the step did to the model besides training it (a parameter replaced, a dtype changed).
+    notes: tuple[str, ...] = ()
 
     @property
     def status(self) -> Status:
@@ -248,6 +250,7 @@ class Verdict(Judgement):
                 )
             elif not self.inherent:
                 lines.append(f"Not equivalent to full-batch training ({head}).")
+            lines += [f"Note: {note}" for note in self.notes]  # what the step did besides training
             lines.append(
                 f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):"
             )
@@ -296,6 +299,8 @@ class CaseVerdicts(Judgement):
     errors: dict[str, str] = field(default_factory=dict)
     #: every case name, in the order checked (verdicts and errors interleaved)
     order: tuple[str, ...] = ()
+    #: case name -> the step's own traceback, where it raised
+    tracebacks: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return not self.errors and all(v.status != "not_equivalent" for v in self.verdicts.values())

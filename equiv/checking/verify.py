@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from typing import Any
 import hypothesis
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis.errors import DidNotReproduce, Flaky, InvalidArgument, Unsatisfiable
+from hypothesis.reporting import with_reporter
 from hypothesis.strategies import SearchStrategy
 
 from equiv.cases import strategies as eqst
@@ -97,6 +99,8 @@ class VerifyResult:
     equivalent_cases: dict[str, int] = field(default_factory=dict)
     #: The filters the search ran with (for replay and reports).
     search: dict[str, Any] = field(default_factory=dict)
+    #: The step's own traceback when it raised (None otherwise).
+    error_traceback: str | None = None
 
     @property
     def found(self) -> bool:
@@ -127,8 +131,9 @@ class VerifyResult:
         lines.append(f"  this search: equiv verify {target} {how} --max-examples {self.max_examples}"
                      + "".join(f" {flag}" for flag in _search_flags(self.search)))
         if self.blob is not None and alone_reproduces:
-            lines.append(f"  shrunk draw: equiv verify {target} --reproduce {self.blob}"
-                         + "".join(f" {flag}" for flag in _search_flags(self.search)))
+            # The search's own flags ride along, so a replayed draw prints the same "this search" line.
+            lines.append(f"  shrunk draw: equiv verify {target} --reproduce {self.blob} {how} "
+                         f"--max-examples {self.max_examples}" + "".join(f" {flag}" for flag in _search_flags(self.search)))
         return "\n".join(lines)
 
     @property
@@ -197,9 +202,15 @@ class VerifyResult:
 class _Found(Exception):
     """Raised inside the search to make Hypothesis shrink; carries the finding."""
 
-    def __init__(self, case: Case, verdict: Verdict | None, error: str | None) -> None:
+    def __init__(self, case: Case, verdict: Verdict | None, error: str | None, error_traceback: str | None = None) -> None:
         super().__init__(error or (verdict.message() if verdict is not None else repr(case)))
-        self.case, self.verdict, self.error = case, verdict, error
+        self.case, self.verdict, self.error, self.error_traceback = case, verdict, error, error_traceback
+
+
+def _step_traceback(error: BaseException) -> str | None:
+    """The user's step's own traceback behind a CandidateError (shown with ``--tb``)."""
+    cause = error.__cause__
+    return "".join(traceback.format_exception(cause)) if cause is not None else None
 
 
 class _Hung(BaseException):
@@ -374,10 +385,10 @@ def verify(
                 reject()  # the case diverges on its own (too large a learning rate): not a finding
             except CandidateTimeout as exc:
                 first_failure_at.append(counts["examples"])
-                raise _Hung(_Found(case, None, str(exc))) from None
+                raise _Hung(_Found(case, None, str(exc), _step_traceback(exc))) from None
             except CandidateError as exc:
                 first_failure_at.append(counts["examples"])
-                raise _Found(case, None, str(exc)) from None
+                raise _Found(case, None, str(exc), _step_traceback(exc)) from None
             finally:
                 checking[0] += time.perf_counter() - check_started
             if verdict.status == "not_applicable":
@@ -417,7 +428,9 @@ def verify(
     flaky = False
     blob = None
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        # Hypothesis's own report ("Falsifying example: search_once(case=...)") is not printed:
+        # the result says what was found, in equiv's terms.
+        with warnings.catch_warnings(record=True) as caught, with_reporter(lambda value: None):
             warnings.simplefilter("always")
             test()
     except _Found as exc:
@@ -460,10 +473,11 @@ def verify(
         counterexample=None if found is None else found.case,
         verdict=None if found is None else found.verdict,
         error=None if found is None else found.error,
+        error_traceback=None if found is None else found.error_traceback,
         seed=seed,
         profile=profile_name,
         max_examples=chosen_max,
-        blob=blob,
+        blob=blob if blob is not None or found is None else reproduce,
         elapsed_s=elapsed_s,
         checking_s=checking[0],
         flaky=flaky,
