@@ -9,6 +9,7 @@ same bits whatever dtype it computes in.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -436,11 +437,13 @@ class Case:
             ) from None
 
 
+@functools.cache
 def _optimizer_names() -> list[str]:
     return [name for name, value in vars(torch.optim).items()
             if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer]
 
 
+@functools.cache
 def _scheduler_names() -> list[str]:
     return [name for name, value in vars(torch.optim.lr_scheduler).items()
             if inspect.isclass(value) and not name.startswith("_")]

@@ -18,7 +18,6 @@ repeat the exact tier).
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
@@ -149,8 +148,8 @@ def check_cases(
                 verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout)
             except CandidateError as exc:
                 errors[name] = str(exc)
-                if exc.__cause__ is not None:
-                    tracebacks[name] = "".join(traceback.format_exception(exc.__cause__))
+                if exc.step_traceback is not None:
+                    tracebacks[name] = exc.step_traceback
                 if isinstance(exc, CandidateTimeout):
                     hung = name
         order.append(name)

@@ -421,14 +421,18 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
         else torch.zeros((), dtype=torch.long, device=device)
     )
     # NaN and inf apart (the truth is finite: a non-finite difference is the candidate's).
-    nan_count = torch.isnan(difference).sum()
-    inf_count = torch.isinf(difference).sum()
     not_finite = torch.logical_not(torch.isfinite(difference), out=agree)
+    nan_count = torch.isnan(difference).sum()
+    inf_count = not_finite.sum() - nan_count
     first_not_finite = not_finite.flatten().to(torch.uint8).argmax()  # the first True (argmax takes the first)
-    # The candidate c = t + d against the truth t: <d, t>, <t, t>, <d, d> give its scale and cosine.
-    flat_difference, flat_truth = difference.flatten(), truth.flatten()
-    products = [torch.dot(flat_difference, flat_truth), torch.dot(flat_truth, flat_truth),
-                torch.dot(flat_difference, flat_difference)]
+    # An update c = t + d against the truth t: <d, t>, <t, t>, <d, d> give its scale and cosine.
+    is_update = row.kind == "update" and not zeros
+    if is_update:
+        flat_difference, flat_truth = difference.flatten(), truth.flatten()
+        products = [torch.dot(flat_difference, flat_truth), torch.dot(flat_truth, flat_truth),
+                    torch.dot(flat_difference, flat_difference)]
+    else:
+        products = [torch.zeros((), dtype=torch.float64, device=device)] * 3
     # All on the device, read in one transfer (torch.take: no host-side index).
     floats = _host_floats([
         flat_abs.to(torch.float64), torch.take(rel_diff, flat_rel), flat_rel.to(torch.float64),
@@ -437,8 +441,8 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
     ])
     index_abs, max_rel, index_rel, count, expected, signed, nans, infs, first_bad, dt, tt, dd = floats
     ct, cc = tt + dt, tt + 2 * dt + dd
-    ratio = ct / tt if row.kind == "update" and not zeros and tt > 0 else math.nan
-    cosine = ct / math.sqrt(cc * tt) if row.kind == "update" and not zeros and cc > 0 and tt > 0 else math.nan
+    ratio = ct / tt if is_update and tt > 0 else math.nan
+    cosine = ct / math.sqrt(cc * tt) if is_update and cc > 0 and tt > 0 else math.nan
     return dataclasses.replace(
         row, index=_unravel(int(index_abs), shape), max_rel_diff=max_rel,
         rel_index=_unravel(int(index_rel), shape), mismatched=int(count),

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,6 +71,12 @@ class CandidateError(RuntimeError):
     def __init__(self, message: str, *, case: Case, step: int, dtype: str) -> None:
         super().__init__(message)
         self.case, self.step, self.dtype = case, step, dtype
+
+    @property
+    def step_traceback(self) -> str | None:
+        """The step's own traceback (what it raised), for ``--tb``; None for a hang."""
+        cause = self.__cause__
+        return "".join(traceback.format_exception(cause)) if cause is not None else None
 
 
 class CandidateTimeout(CandidateError):

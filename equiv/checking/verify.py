@@ -19,7 +19,6 @@ import re
 import subprocess
 import sys
 import time
-import traceback
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
@@ -207,11 +206,6 @@ class _Found(Exception):
         self.case, self.verdict, self.error, self.error_traceback = case, verdict, error, error_traceback
 
 
-def _step_traceback(error: BaseException) -> str | None:
-    """The user's step's own traceback behind a CandidateError (shown with ``--tb``)."""
-    cause = error.__cause__
-    return "".join(traceback.format_exception(cause)) if cause is not None else None
-
 
 class _Hung(BaseException):
     """Raised inside the search when the step hangs past the time limit: a
@@ -385,10 +379,10 @@ def verify(
                 reject()  # the case diverges on its own (too large a learning rate): not a finding
             except CandidateTimeout as exc:
                 first_failure_at.append(counts["examples"])
-                raise _Hung(_Found(case, None, str(exc), _step_traceback(exc))) from None
+                raise _Hung(_Found(case, None, str(exc), exc.step_traceback)) from None
             except CandidateError as exc:
                 first_failure_at.append(counts["examples"])
-                raise _Found(case, None, str(exc), _step_traceback(exc)) from None
+                raise _Found(case, None, str(exc), exc.step_traceback) from None
             finally:
                 checking[0] += time.perf_counter() - check_started
             if verdict.status == "not_applicable":
