@@ -21,12 +21,14 @@ from equiv.checking.contract import Candidate, CandidateError, ContractError
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
 from equiv.checking.facts import VerdictFacts
 from equiv.checking.inherent import inherent_non_equivalences
+from equiv.checking.search_space import SearchSpace
 from equiv.checking.trajectory import NonFiniteLossError, full_batch_step
 from equiv.checking.verdict import CaseVerdicts, EquivalenceError, TensorDiff, Verdict
 from equiv.checking.verify import VerifyResult, verify
 from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
 from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
 from equiv.losses import MSE, CrossEntropy, Loss, TokenCrossEntropy, loss_sum_and_count
+from equiv.outcomes import Outcome
 
 #: The one place the version is written (pyproject.toml reads it from here).
 __version__ = "0.1.0"
@@ -50,9 +52,11 @@ __all__ = [
     "ModelBundle",
     "NonFiniteLossError",
     "NothingFitsError",
+    "Outcome",
     "Plan",
     "PlanRow",
     "ReferenceRuns",
+    "SearchSpace",
     "StepMemory",
     "StorageCounter",
     "TensorDiff",

@@ -35,6 +35,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -47,21 +48,17 @@ from equiv.cases import strategies as eqst
 from equiv.cases.case import Case, InvalidCase, check_device
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check_cases
-from equiv.checking.contract import (
-    CandidateError,
-    ContractError,
-    check_signature,
-    load_candidate,
-    on_sys_path,
-    target_folder,
-)
+from equiv.checking.contract import CandidateError, ContractError, bind, load_candidate
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.checking.profiles import profile_name
+from equiv.checking.search_space import SearchSpace
 from equiv.checking.trajectory import NonFiniteLossError
 from equiv.checking.verdict import CaseVerdicts
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
+from equiv.names import on_sys_path, target_folder
+from equiv.outcomes import Outcome
 
 __all__ = [
     "EXIT_COUNTEREXAMPLE",
@@ -136,8 +133,9 @@ def _timeout(seconds: float) -> float | None:
     return seconds or None
 
 
-def _names(text: str | None) -> list[str] | None:
-    return [name.strip() for name in text.split(",") if name.strip()] if text else None
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list flag (``--families mlp,conv1d``)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 # -------------------------------------------------------------------- check
@@ -156,7 +154,7 @@ def _check_on_path(args: argparse.Namespace) -> int:
     allowed = [getattr(candidate, "__module__", None) or "", *args.allow_import]
     cases = {"--case": _parse_case(args.case, [name for name in allowed if name])} if args.case else STANDARD_CASES
     try:
-        check_signature(candidate)
+        step = bind(candidate)
     except ContractError as exc:
         raise UsageError(str(exc)) from None
 
@@ -167,7 +165,7 @@ def _check_on_path(args: argparse.Namespace) -> int:
             print("      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "), flush=True)
 
     try:
-        verdicts = check_cases(candidate, cases, timeout=timeout, on_case=show)
+        verdicts = check_cases(step, cases, timeout=timeout, on_case=show)
     except NonFiniteLossError as exc:
         raise UsageError(f"the case itself diverges, so nothing can be compared with it: {exc}") from None
     except InvalidCase as exc:
@@ -177,7 +175,7 @@ def _check_on_path(args: argparse.Namespace) -> int:
     print(verdicts.summary())
     if json_out is not None:
         results = [
-            {"case_name": name, "status": "candidate_error", "error": verdicts.errors[name]} if name in verdicts.errors
+            {"case_name": name, "status": Outcome.STEP_ERROR, "error": verdicts.errors[name]} if name in verdicts.errors
             else {"case_name": name, **verdicts.verdicts[name].to_dict()}
             for name in verdicts.order
         ]
@@ -211,19 +209,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             log.info("%d cases checked", examples)
 
     try:
+        # The search-space flags are named after SearchSpace's fields: one type, no renaming.
+        space = SearchSpace(**{item.name: getattr(args, item.name) for item in fields(SearchSpace)})
         result = verify(
             candidate,
+            space,
             max_examples=args.max_examples,
             seed=args.seed,
             profile=args.profile,
-            families=_names(args.families),
-            optimizers=_names(args.optimizers),
-            losses=_names(args.losses),
-            item_weighted=args.item_weighted,
-            allow_inherent=args.allow_inherent,
-            max_batch_size=args.max_batch_size,
-            max_micro_batches=args.max_micro_batches,
-            device=args.device,
             reproduce=args.reproduce,
             progress=show,
             timeout=timeout,
@@ -235,7 +228,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print("The step's traceback:\n" + result.error_traceback.rstrip())
     if json_out is not None:
         json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
-    if result.kind == "error":
+    if result.kind is Outcome.STEP_ERROR:
         return EXIT_STEP_FAILED
     return EXIT_COUNTEREXAMPLE if result.found else EXIT_EQUIVALENT
 
@@ -401,16 +394,20 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                                help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
                                     "a step still running then ends the search (exit 3)")
-    verify_parser.add_argument("--families", help=f"comma-separated model families ({','.join(eqst.MODEL_FAMILIES)})")
-    verify_parser.add_argument("--optimizers", help=f"comma-separated optimizers ({','.join(eqst.OPTIMIZERS)})")
-    verify_parser.add_argument("--losses", help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
-    verify_parser.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
-    verify_parser.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
-    verify_parser.add_argument("--max-batch-size", type=int, default=None,
-                               help="largest batch drawn (default: its micro-batch count plus up to 8 samples)")
-    verify_parser.add_argument("--max-micro-batches", type=int, default=None,
-                               help="most micro-batches per window drawn (default 32)")
-    verify_parser.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
+    space = verify_parser.add_argument_group("what cases are drawn from (equiv.checking.search_space.SearchSpace)")
+    space.add_argument("--families", type=_names, default=(),
+                       help=f"comma-separated model families ({','.join(eqst.MODEL_FAMILIES)})")
+    space.add_argument("--optimizers", type=_names, default=(),
+                       help=f"comma-separated optimizers ({','.join(eqst.OPTIMIZERS)})")
+    space.add_argument("--losses", type=_names, default=(),
+                       help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
+    space.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
+    space.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
+    space.add_argument("--max-batch-size", type=int, default=None,
+                       help="largest batch drawn (default: its micro-batch count plus up to 8 samples)")
+    space.add_argument("--max-micro-batches", type=int, default=None,
+                       help="most micro-batches per window drawn (default 32)")
+    space.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
     verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
     verify_parser.set_defaults(handler=_cmd_verify)

@@ -2,7 +2,7 @@
 
 A thin public namespace, as Hypothesis's own ``strategies`` module is; the
 code lives in :mod:`equiv.cases.strategies` (and :func:`cases_for` in
-:mod:`equiv.checking.verify`).  Use them in your own tests, drawing only cases
+:mod:`equiv.checking.search_space`).  Use them in your own tests, drawing only cases
 your step can take (no clip norm for a step without ``max_grad_norm``, so a
 search never shrinks to a case that says nothing about the step)::
 
@@ -33,7 +33,7 @@ from equiv.cases.strategies import (
     models,
     optimizers,
 )
-from equiv.checking.verify import cases_for
+from equiv.checking.search_space import cases_for
 
 __all__ = [
     "CLIPPING",

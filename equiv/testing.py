@@ -36,6 +36,7 @@ from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check
 from equiv.checking.contract import Candidate
 from equiv.checking.verdict import Verdict
+from equiv.outcomes import Outcome
 
 __all__ = ["assert_equivalent", "standard_cases"]
 
@@ -57,9 +58,9 @@ def assert_equivalent(candidate: Candidate, case: Case) -> Verdict:
     """
     __tracebackhide__ = True
     verdict = check(candidate, case)
-    if verdict.status == "not_applicable":
+    if verdict.status is Outcome.NOT_APPLICABLE:
         pytest.skip("not applicable: " + "; ".join(verdict.not_applicable))
-    if verdict.status == "inherently_non_equivalent":
+    if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
         pytest.skip("inherently not equivalent: " + "; ".join(verdict.inherent))
     verdict.assert_ok()
     return verdict

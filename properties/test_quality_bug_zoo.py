@@ -15,6 +15,7 @@ from hypothesis import given, note, settings
 
 import equiv
 from equiv import strategies as eqst
+from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import VerifyResult, verify
 from equiv.zoo.bugs import BLIND_SPOT_BUGS, BUGS, ITEM_WEIGHTED_BUGS
 
@@ -53,8 +54,8 @@ def search(name: str) -> VerifyResult:
     # Token bugs are exact for sample losses by design: search the token loss only.  No fresh-process
     # replay (a torch import, seconds per search): these bugs keep no state, each test replays its
     # shrunk case in process, and test_quality_blind_spots.py tests the fresh replay on a step that does.
-    return verify(BUGS[name], item_weighted=item_weighted,
-                  losses=list(eqst.ITEM_WEIGHTED_LOSSES) if item_weighted else None, replay_in_fresh_process=False)
+    return verify(BUGS[name], SearchSpace(losses=eqst.ITEM_WEIGHTED_LOSSES if item_weighted else ()),
+                  replay_in_fresh_process=False)
 
 
 def test_the_zoo_holds_at_least_10_kinds_of_bug_each_with_a_shrink_claim() -> None:
@@ -80,7 +81,7 @@ def test_search_finds_no_counterexample_for_the_reference() -> None:
     # float64 allowance by rounding alone under a targeted search (see
     # test_reference_accumulator.without_group_norm); the claims there cover conv.
     families = [f for f in (*eqst.MODEL_FAMILIES, *eqst.TOKEN_FAMILIES) if not f.startswith("conv")]
-    result = verify(equiv.accumulator_step, item_weighted=True, families=families)
+    result = verify(equiv.accumulator_step, SearchSpace(item_weighted=True, families=families))
     assert not result.found, result.message()
     assert result.examples > 0
 

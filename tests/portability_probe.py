@@ -21,6 +21,7 @@ import torch
 
 from equiv import strategies as eqst
 from equiv.checking.facts import VerdictFacts
+from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
 from equiv.reporting.equivalence import search_sections
 from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
@@ -33,8 +34,8 @@ def ci_searches() -> dict[str, Any]:
     out = {}
     for name, bug in sorted(BUGS.items()):
         item_weighted = name in ITEM_WEIGHTED_BUGS
-        result = verify(bug, profile="ci", item_weighted=item_weighted, replay_in_fresh_process=False,
-                        losses=list(eqst.ITEM_WEIGHTED_LOSSES) if item_weighted else None)
+        result = verify(bug, SearchSpace(losses=eqst.ITEM_WEIGHTED_LOSSES if item_weighted else ()), profile="ci",
+                        replay_in_fresh_process=False)
         out[name] = {
             "found": result.found,
             "shrunk case": None if result.counterexample is None else result.counterexample.to_dict(),

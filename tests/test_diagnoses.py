@@ -84,3 +84,34 @@ def test_a_replaced_parameter_and_a_dtype_change_are_named() -> None:
     cast = equiv.check(casts_to_half, TOY)
     assert "Note: the step changed the dtype of 'weight' from float64 to float16" in cast.message()
     assert not equiv.check(equiv.accumulator_step, TOY).notes
+
+
+def steps_twice(model, optimizer, micro_batches, loss_fn):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    total = sum(len(targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        (loss_fn(model(inputs), targets) * len(targets) / total).backward()
+    optimizer.step()
+    optimizer.step()  # again, on the same gradients
+
+
+def test_an_optimizer_stepped_twice_is_named_as_a_whole_multiple() -> None:
+    for optimizer, kwargs in (("SGD", {"lr": 0.02}), ("Adam", {"lr": 1e-3})):
+        message = equiv.check(steps_twice, TOY.replace(optimizer=optimizer, optimizer_kwargs=kwargs)).message()
+        assert "Likely: 2 x the full-batch update in its direction: optimizer.step() called 2 times" in message, message
+        assert "(this window has 3 micro-batches)" in message
+    adam = equiv.check(steps_twice, TOY.replace(optimizer="Adam", optimizer_kwargs={"lr": 1e-3})).message()
+    assert "Optimizer steps counted (weight:step): the candidate's 2, the full batch's 1 after step 1" in adam
+
+
+def test_a_sum_never_divided_and_a_mean_divided_again_name_the_micro_batch_count() -> None:
+    even = TOY.replace(micro_batch_sizes=(4, 4))
+    summed = equiv.check(BUGS["unscaled_sum"], even).message()
+    assert "Likely: 2 x the full-batch update in its direction" in summed
+    assert "the loss summed over the window's 2 micro-batches and never divided by 2" in summed
+    halved = equiv.check(BUGS["divides_twice"], even).message()
+    assert "Likely: 1/2 of the full-batch update in its direction: the window's micro-batch count" in halved
+
+
+def test_a_mean_of_uneven_means_is_not_called_a_multiple() -> None:
+    assert "Likely:" not in equiv.check(BUGS["mean_of_means"], TOY).message()

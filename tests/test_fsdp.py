@@ -99,7 +99,10 @@ def test_each_fsdp2_zoo_entry_is_found(name: str) -> None:
         assert noise.max_rel_diff > 1e-4 and noise.max_abs_diff > 1e3 * noise.allowed
         assert "the policy's bfloat16 gradient reduction" in verdict.message()
         assert "Measured error, noise tier (float32)" in verdict.message()
-        assert "mp_policy=MixedPrecisionPolicy(" in verdict.message()
+        # The Reproduce line runs as printed: its imports, then a policy torch reaches by name.
+        line = next(text for text in verdict.message().splitlines() if text.startswith("Reproduce: "))
+        assert line.startswith("Reproduce: import torch, equiv; equiv.check_distributed(")
+        assert "mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)" in line
     else:
         first = verdict.ranks[0].first_mismatch
         assert first is not None and first.step == 1 and first.tier == "exact"

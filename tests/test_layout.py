@@ -28,6 +28,8 @@ LAYERS: dict[str, int] = {
     "equiv.losses": 0,
     "equiv.accumulator": 0,
     "equiv.collectives": 0,
+    "equiv.names": 0,
+    "equiv.outcomes": 0,
     "equiv.cases": 1,
     "equiv.zoo": 1,
     "equiv.checking": 2,
@@ -160,6 +162,6 @@ def test_the_public_api_is_exactly_all() -> None:
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "collectives", "checking", "cost", "losses", "reporting", "zoo", "cli",
-        "pytest_plugin", "testing",
+        "pytest_plugin", "testing", "names", "outcomes",
     }
     assert public == set(equiv.__all__) - {"__version__"}

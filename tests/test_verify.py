@@ -4,8 +4,10 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis.errors import InvalidArgument
 
 import equiv
+from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
 from equiv.cli import main
 from equiv.zoo.bugs import mean_of_means
@@ -77,9 +79,9 @@ def test_verify_exits_1_with_the_shrunk_counterexample_and_how_to_replay(steps_f
 
 
 def test_the_printed_blob_replays_the_shrunk_case(steps_file, capsys) -> None:
-    result = verify(mean_of_means, max_examples=15, seed=1, families=["mlp"], optimizers=["SGD", "Adam"])
+    result = verify(mean_of_means, SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")), max_examples=15, seed=1)
     assert result.blob is not None
-    replayed = verify(mean_of_means, reproduce=result.blob, families=["mlp"], optimizers=["SGD", "Adam"])
+    replayed = verify(mean_of_means, SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")), reproduce=result.blob)
     assert replayed.counterexample == result.counterexample
 
 
@@ -118,8 +120,8 @@ def test_verify_exits_2_on_usage_errors(steps_file, capsys, target, extra, messa
 
 
 def test_verify_api_is_deterministic_for_a_seed() -> None:
-    one = verify(equiv.accumulator_step, max_examples=5, seed=3, families=["mlp"])
-    two = verify(equiv.accumulator_step, max_examples=5, seed=3, families=["mlp"])
+    one = verify(equiv.accumulator_step, SearchSpace(families=("mlp",)), max_examples=5, seed=3)
+    two = verify(equiv.accumulator_step, SearchSpace(families=("mlp",)), max_examples=5, seed=3)
     assert one and two
     assert one.examples == two.examples == 5
     assert one.worst_ratio == two.worst_ratio
@@ -129,7 +131,7 @@ def test_verify_api_is_deterministic_for_a_seed() -> None:
 
 
 def test_verify_counts_inherent_cases_instead_of_failing_them() -> None:
-    result = verify(equiv.accumulator_step, max_examples=20, seed=0, families=["mlp"], allow_inherent=True)
+    result = verify(equiv.accumulator_step, SearchSpace(families=("mlp",), allow_inherent=True), max_examples=20, seed=0)
     assert result
     assert result.inherent_cases > 0
     assert any("BatchNorm" in reason or "Dropout" in reason for reason in result.inherent_reasons)
@@ -139,7 +141,7 @@ def test_report_tables_of_a_search_are_sorted_and_formatted() -> None:
     from equiv.reporting.equivalence import bug_zoo_table, equivalent_cases_table
     from equiv.reporting.markdown import markdown_table, read_markdown_table
 
-    found = verify(mean_of_means, max_examples=15, seed=1, families=["mlp"], optimizers=["SGD"])
+    found = verify(mean_of_means, SearchSpace(families=("mlp",), optimizers=("SGD",)), max_examples=15, seed=1)
     rows = read_markdown_table(markdown_table(bug_zoo_table({"mean_of_means": found, "a_bug": found})))
     assert [row["bug"] for row in rows] == ["`a_bug`", "`mean_of_means`"]
     assert all(row["found"] == "yes" and "micro_batch_sizes=(1, 2)" in row["shrunk case"] for row in rows)
@@ -157,7 +159,7 @@ def test_a_step_without_a_clip_keyword_is_not_searched_with_clipping() -> None:
     def no_clip(model, optimizer, micro_batches, loss_fn):
         equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
 
-    result = verify(no_clip, max_examples=20, seed=2, families=["mlp"])
+    result = verify(no_clip, SearchSpace(families=("mlp",)), max_examples=20, seed=2)
     assert result, result.message()
 
 
@@ -170,7 +172,7 @@ def test_a_step_that_fails_only_once_is_reported_as_flaky() -> None:
             raise RuntimeError("first call")
         equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
 
-    result = verify(fails_on_its_first_step, max_examples=10, seed=0, families=["mlp"])
+    result = verify(fails_on_its_first_step, SearchSpace(families=("mlp",)), max_examples=10, seed=0)
     assert result.found and result.flaky
     assert "fails_on_its_first_step raised RuntimeError: first call" in result.error
     assert "not deterministic" in result.message()
@@ -190,8 +192,8 @@ def test_a_step_that_keeps_state_across_calls_is_told_so_with_a_replay_that_repr
 def test_a_float32_computation_inside_the_float64_run_is_a_precision_finding(steps_file: Path) -> None:
     from equiv.checking.contract import load_candidate
 
-    result = verify(load_candidate(f"{steps_file}:float32_weights"), max_examples=20, seed=1, families=["mlp"],
-                    optimizers=["SGD", "Adam"], replay_in_fresh_process=False)
+    result = verify(load_candidate(f"{steps_file}:float32_weights"), SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")),
+                    max_examples=20, seed=1, replay_in_fresh_process=False)
     assert result.kind == "precision", result.message()
     assert result.verdict is not None and {d.tier for d in result.verdict.mismatches} == {"exact"}
     assert result.message().startswith("precision finding after")
@@ -219,7 +221,7 @@ def test_a_blob_that_does_not_reproduce_is_a_usage_error_without_a_traceback(
 
 
 def test_a_valid_blob_of_another_step_does_not_reproduce(steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    found = verify(mean_of_means, max_examples=15, seed=1, families=["mlp"], optimizers=["SGD", "Adam"],
+    found = verify(mean_of_means, SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")), max_examples=15, seed=1,
                    replay_in_fresh_process=False)
     assert found.blob is not None
     assert main(["verify", f"{steps_file}:good", "--reproduce", found.blob, "--families", "mlp",
@@ -236,7 +238,7 @@ def test_torch_warnings_are_shown_once_per_search() -> None:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = verify(warns, max_examples=5, seed=0, families=["mlp"])
+        result = verify(warns, SearchSpace(families=("mlp",)), max_examples=5, seed=0)
     assert result.examples >= 5
     mine = [w for w in caught if "the same warning every call" in str(w.message)]
     assert len(mine) == 1 and "shown once" in str(mine[0].message)
@@ -271,6 +273,24 @@ def test_a_bad_search_bound_is_a_usage_error(
 
 def test_a_search_bound_alone_keeps_the_other_default() -> None:
     # A batch bound below the default 32 micro-batches caps the count; no error.
-    result = verify(equiv.accumulator_step, max_examples=5, seed=0, families=["mlp"], max_batch_size=6)
+    result = verify(equiv.accumulator_step, SearchSpace(families=("mlp",), max_batch_size=6), max_examples=5, seed=0)
     assert result, result.message()
-    assert result.search["max_batch_size"] == 6 and result.search["max_micro_batches"] is None
+    assert result.search.max_batch_size == 6 and result.search.max_micro_batches is None
+
+
+def test_a_search_space_is_its_own_flags_and_json() -> None:
+    from dataclasses import fields
+
+    from equiv.cli import build_parser
+
+    space = SearchSpace(families=("mlp", "gru"), optimizers=("AdamW",), losses=("token_cross_entropy",),
+                        item_weighted=True, allow_inherent=True, max_batch_size=9, max_micro_batches=4)
+    flags = " ".join(space.flags()).split()
+    args = build_parser().parse_args(["verify", "x.py:step", *flags])
+    assert SearchSpace(**{item.name: getattr(args, item.name) for item in fields(SearchSpace)}) == space
+    assert SearchSpace.from_dict(space.to_dict()) == space
+    assert SearchSpace().flags() == []
+    with pytest.raises(InvalidArgument, match="families must be a sequence of names, got the string 'mlp'"):
+        SearchSpace(families="mlp")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"unknown search settings \['family'\]"):
+        SearchSpace.from_dict({"family": ["mlp"]})

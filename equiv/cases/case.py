@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model, import_path, import_target
+from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model
 from equiv.losses import LOSSES, Loss, build_loss
+from equiv.names import reference, resolve
 
 __all__ = ["DATA", "DTYPES", "HEAD_LR_BODY_FACTOR", "PARAM_GROUPS", "Case", "InvalidCase", "check_device"]
 
@@ -122,7 +123,7 @@ class Case:
         self._accept_torch_spellings()
         if isinstance(self.loss, str) and ":" in self.loss:  # a user's loss class (a replay line), built with no arguments
             try:
-                object.__setattr__(self, "loss", import_target(self.loss)())
+                object.__setattr__(self, "loss", resolve(self.loss)())
             except (ValueError, TypeError) as exc:
                 raise InvalidCase(f"loss {self.loss!r}: {exc}") from None
         self._validate()
@@ -339,7 +340,7 @@ class Case:
         return out
 
     def _user_batch(self, step: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        factory = import_target(self.data) if isinstance(self.data, str) else self.data
+        factory = resolve(self.data) if isinstance(self.data, str) else self.data
         batch = factory(step, self.batch_size, generator)
         if not (isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
             raise InvalidCase(f"data {_reference(self.data)!r} returned {type(batch).__name__} at step {step}; "
@@ -515,7 +516,7 @@ def _check_target(field_name: str, value: Any, names: Any) -> None:
                           f"'module:attribute', got {type(value).__name__}: {value!r}")
     if ":" in value:
         try:
-            target = import_target(value)
+            target = resolve(value)
         except ValueError as exc:
             raise InvalidCase(f"{field_name}: {exc}") from None
         if not callable(target):
@@ -531,7 +532,7 @@ def _reference(value: Any) -> str:
     a description saying it cannot be imported (so no replay pretends to work)."""
     if isinstance(value, str):
         return value
-    path = import_path(value)
+    path = reference(value)
     if path is not None:
         return path
     name = getattr(value, "__qualname__", type(value).__name__)
@@ -550,7 +551,7 @@ def _loss_reference(loss: Any) -> str:
         rebuilt = (vars(fresh) == vars(loss)) if hasattr(loss, "__dict__") else repr(fresh) == repr(loss)
     if rebuilt and isinstance(getattr(cls, "name", None), str) and LOSSES.get(cls.name) is cls:
         return cls.name
-    path = import_path(cls)
+    path = reference(cls)
     if rebuilt and path is not None:
         return path
     shown = repr(loss) if type(loss).__repr__ is not object.__repr__ else f"a {cls.__qualname__}"

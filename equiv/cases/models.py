@@ -9,7 +9,6 @@ the module, how to draw a batch of its inputs, and the per-sample output shape
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MODELS", "CausalLM", "ModelBundle", "ModelFactory", "build_model", "import_path", "import_target", "register_model"]
+from equiv.names import resolve
+
+__all__ = ["MODELS", "CausalLM", "ModelBundle", "ModelFactory", "build_model", "register_model"]
 
 #: Draws a batch of ``batch_size`` inputs from a seeded CPU generator.
 InputMaker = Callable[[int, torch.Generator], Tensor]
@@ -47,36 +48,6 @@ def register_model(name: str) -> Callable[[Callable[..., ModelBundle]], Callable
     return register
 
 
-def import_target(path: str) -> Any:
-    """The object an import path ``"package.module:attribute"`` names.
-
-    How a case names a user's own model factory, loss or data without a
-    registry entry, so that its ``repr`` still replays in another process.
-    """
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"{path!r} is not an import path; expected 'package.module:attribute'")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import {path!r}: {exc}") from None
-    return target
-
-
-def import_path(target: Any) -> str | None:
-    """``"module:qualname"`` of a module-level function or class, if importing it gives it back."""
-    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
-    if not module or not qualname or "<" in qualname or module == "__main__":
-        return None
-    path = f"{module}:{qualname}"
-    try:
-        return path if import_target(path) is target else None
-    except ValueError:
-        return None
-
-
 ModelFactory = Callable[..., "ModelBundle | nn.Module"]
 
 
@@ -92,7 +63,7 @@ def build_model(model: str | ModelFactory, seed: int, **kwargs: Any) -> ModelBun
     if callable(model):
         builder, label = model, getattr(model, "__qualname__", repr(model))
     elif ":" in model:
-        builder, label = import_target(model), model
+        builder, label = resolve(model), model
     else:
         try:
             builder, label = MODELS[model], model

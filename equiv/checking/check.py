@@ -28,14 +28,7 @@ from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory, compare_trajectories
-from equiv.checking.contract import (
-    Candidate,
-    CandidateError,
-    CandidateTimeout,
-    candidate_name,
-    check_signature,
-    not_applicable_reasons,
-)
+from equiv.checking.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.tolerances import unit_roundoff
@@ -86,22 +79,21 @@ def check(
         return check_cases(candidate, STANDARD_CASES, tiers=tiers, timeout=timeout)
     try:
         with deadline(timeout):
-            return _check(candidate, case, tiers)
+            return _check(bind(candidate), case, tiers)
     except CheckTimeout as exc:  # not inside the candidate (that is a CandidateTimeout): in equiv's own runs
         raise CheckTimeout(exc.seconds, f"the check of {case!r} took over its limit of {exc.seconds:g} s in "
                                          "equiv's own runs (the full-batch reference and its floors): give a "
                                          "longer timeout for a case this large") from None
 
 
-def _check(candidate: Candidate, case: Case, tiers: Sequence[Tier]) -> Verdict:
+def _check(candidate: BoundCandidate, case: Case, tiers: Sequence[Tier]) -> Verdict:
     if not isinstance(case, Case):
         raise TypeError(f"case must be an equiv.Case, got {type(case).__name__}: {case!r}")
     unknown = [t for t in tiers if t not in TIERS]
     if unknown or not tiers:
         raise ValueError(f"tiers must be a non-empty subset of {TIERS}, got {tuple(tiers)!r}")
-    check_signature(candidate)
-    name = candidate_name(candidate)
-    reasons = not_applicable_reasons(candidate, case)
+    name = candidate.name
+    reasons = candidate.not_applicable_reasons(case)
     if reasons:
         return Verdict(case=case, candidate=name, mismatches=(), not_applicable=reasons)
 
@@ -134,7 +126,7 @@ def check_cases(
     not raised.  After a case where the step hangs past ``timeout`` the rest are
     not run (each would wait as long): recorded as not checked.  ``on_case(name,
     so_far)`` hears each case as it ends (progress)."""
-    check_signature(candidate)
+    candidate = bind(candidate)
     verdicts: dict[str, Verdict] = {}
     errors: dict[str, str] = {}
     tracebacks: dict[str, str] = {}
@@ -154,9 +146,9 @@ def check_cases(
                     hung = name
         order.append(name)
         if on_case is not None:
-            on_case(name, CaseVerdicts(candidate_name(candidate), dict(verdicts), dict(errors), tuple(order),
+            on_case(name, CaseVerdicts(candidate.name, dict(verdicts), dict(errors), tuple(order),
                                        dict(tracebacks)))
-    return CaseVerdicts(candidate_name(candidate), verdicts, errors, tuple(order), tracebacks)
+    return CaseVerdicts(candidate.name, verdicts, errors, tuple(order), tracebacks)
 
 
 @dataclass(frozen=True)
@@ -239,7 +231,7 @@ class ReferenceRuns:
         return cls(case=case, truth=truth, floors=floors, initial=initial)
 
     def run_and_compare(
-        self, tier: Tier, case: Case, candidate: Candidate, *, default_dtype: torch.dtype | None = None,
+        self, tier: Tier, case: Case, candidate: Candidate | BoundCandidate, *, default_dtype: torch.dtype | None = None,
         notes: list[str] | None = None,
     ) -> list[TensorDiff]:
         """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced;

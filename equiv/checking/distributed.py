@@ -61,10 +61,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.check import TIERS, ReferenceRuns
-from equiv.checking.contract import Candidate, candidate_name, check_signature, not_applicable_reasons
+from equiv.checking.contract import Candidate, bind
 from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
 from equiv.collectives import CollectiveCounts, CountingReduceScatter
+from equiv.outcomes import Outcome
 
 __all__ = [
     "ENGINES",
@@ -143,6 +144,18 @@ class CommStats:
     bytes_per_step: tuple[int, ...]
 
 
+def _policy_source(policy: MixedPrecisionPolicy) -> str:
+    """``policy`` as Python that runs after ``import torch, equiv`` (its repr names
+    ``MixedPrecisionPolicy`` bare): its fields that differ from the defaults."""
+    default = MixedPrecisionPolicy()
+    fields = ", ".join(
+        f"{item.name}={getattr(policy, item.name)!r}"
+        for item in dataclasses.fields(policy)
+        if getattr(policy, item.name) != getattr(default, item.name)
+    )
+    return f"torch.distributed.fsdp.MixedPrecisionPolicy({fields})"
+
+
 @dataclass(frozen=True)
 class DistributedVerdict(Judgement):
     """Truthy only when every rank matches the single-process full-batch step."""
@@ -167,18 +180,20 @@ class DistributedVerdict(Judgement):
         return all(self.ranks)
 
     @property
-    def status(self) -> str:
+    def status(self) -> Outcome:
         statuses = {v.status for v in self.ranks}
-        for status in ("not_applicable", "inherently_non_equivalent", "not_equivalent"):
+        for status in (Outcome.NOT_APPLICABLE, Outcome.INHERENTLY_NON_EQUIVALENT, Outcome.NOT_EQUIVALENT):
             if status in statuses:
                 return status
-        return "equivalent"
+        return Outcome.EQUIVALENT
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Outcome:
         """The status, with a precision finding (the mismatch is the mixed-precision
         policy's: 16-bit reduction or accumulation) told apart from a mathematical one."""
-        return "precision" if self.status == "not_equivalent" and self.precision_note else self.status
+        if self.status is Outcome.NOT_EQUIVALENT and self.precision_note:
+            return Outcome.PRECISION
+        return self.status
 
     @property
     def collective(self) -> str:
@@ -222,11 +237,15 @@ class DistributedVerdict(Judgement):
 
     def _reproduce(self) -> str:
         extra = "" if self.engine == "ddp" else f", engine={self.engine!r}"
+        imports = "equiv"
         if self.mp_policy is not None:
-            extra += f", mp_policy={self.mp_policy!r}"
-        # Every name as `import equiv` reaches it, so the line runs as printed.
+            extra += f", mp_policy={_policy_source(self.mp_policy)}"
+            imports = "torch, equiv"
+        # Every name as the imports reach it, so the line runs as printed.
         shards = [list(sizes) for sizes in self.case.rank_micro_batch_sizes]
-        return f"Reproduce: equiv.check_distributed({self.candidate}, equiv.DistributedCase.of(equiv.{self.case.case!r}, {shards!r}){extra})"
+        call = (f"equiv.check_distributed({self.candidate}, "
+                f"equiv.DistributedCase.of(equiv.{self.case.case!r}, {shards!r}){extra})")
+        return f"Reproduce: {call}" if imports == "equiv" else f"Reproduce: import {imports}; {call}"
 
     def message(self) -> str:
         engine = "DistributedDataParallel" if self.engine == "ddp" else "FSDP2 (fully_shard)"
@@ -234,7 +253,7 @@ class DistributedVerdict(Judgement):
             f"{self.case.world_size} ranks under {engine}, micro-batches per rank "
             f"{[list(s) for s in self.case.rank_micro_batch_sizes]}"
         ]
-        if self.kind == "precision":
+        if self.kind is Outcome.PRECISION:
             lines.append(f"Precision ({self.candidate} under {self.mp_policy!r}): {self.precision_note}")
             for failing_tier in sorted({d.tier for v in self.ranks for d in v.mismatches}):
                 diff = self.measured_error(failing_tier)
@@ -588,17 +607,17 @@ def check_distributed(
         )
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    bound = bind(candidate)
     try:
         pickle.dumps(candidate)
     except Exception as exc:
         raise TypeError(
-            f"candidate {candidate_name(candidate)} cannot be sent to spawned ranks ({exc}); "
+            f"candidate {bound.name} cannot be sent to spawned ranks ({exc}); "
             "define it at module level in an importable module"
         ) from None
-    check_signature(candidate)
-    name = candidate_name(candidate)
+    name = bound.name
     fsdp = engine == "fsdp2"
-    reasons = not_applicable_reasons(candidate, dcase.case)
+    reasons = bound.not_applicable_reasons(dcase.case)
     if reasons:  # nothing to run: every rank says why the case does not apply
         verdict = Verdict(case=dcase.case, candidate=name, mismatches=(), not_applicable=reasons)
         return DistributedVerdict(case=dcase, candidate=name, ranks=(verdict,) * dcase.world_size,

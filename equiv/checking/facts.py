@@ -33,7 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from equiv.checking.verdict import Status, TensorDiff, Verdict
+from equiv.checking.verdict import TensorDiff, Verdict
+from equiv.outcomes import Outcome
 
 __all__ = ["Divergence", "VerdictFacts", "magnitude", "ratio_band"]
 
@@ -89,9 +90,9 @@ class VerdictFacts:
     """The part of a :class:`~equiv.checking.verdict.Verdict` that every CPU,
     GPU and thread count agrees on (module docstring): what to pin and report."""
 
-    status: Status
+    status: Outcome
     #: the status, with "precision" told apart from a mathematical mismatch
-    kind: str
+    kind: Outcome
     #: tier -> :func:`ratio_band` of its worst tensor
     tiers: dict[str, str]
     first_divergence: Divergence | None

@@ -23,13 +23,7 @@ from torch import Tensor, nn
 from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
-from equiv.checking.contract import (
-    CandidateError,
-    CandidateTimeout,
-    accepted_keywords,
-    candidate_name,
-    not_applicable_reasons,
-)
+from equiv.checking.contract import BoundCandidate, CandidateError, CandidateTimeout, bind
 from equiv.checking.deadline import CheckTimeout
 from equiv.losses import Loss
 
@@ -282,13 +276,13 @@ def run_reference(
     return _run(case, dtype, run_step, permutation_seed, on_snapshot=on_snapshot, initial=initial)
 
 
-def _keywords_for(candidate: Callable[..., Any], case: Case) -> Callable[[RunExtras], dict[str, Any]]:
+def _keywords_for(candidate: BoundCandidate, case: Case) -> Callable[[RunExtras], dict[str, Any]]:
     """The optional keywords to pass at each step: those the candidate accepts
-    (:func:`~equiv.checking.contract.accepted_keywords`) and the case sets."""
-    reasons = not_applicable_reasons(candidate, case)
+    (:attr:`~equiv.checking.contract.BoundCandidate.keywords`) and the case sets."""
+    reasons = candidate.not_applicable_reasons(case)
     if reasons:  # check() reports such a case as not applicable before running anything
         raise ValueError(f"the case does not apply to the candidate: {'; '.join(reasons)}")
-    accepted = accepted_keywords(candidate)
+    accepted = candidate.keywords
 
     def keywords(extras: RunExtras) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -319,7 +313,7 @@ def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
 
 def run_candidate(
     case: Case,
-    candidate: Callable[..., Any],
+    candidate: Callable[..., Any] | BoundCandidate,
     dtype: torch.dtype,
     *,
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
@@ -341,6 +335,7 @@ def run_candidate(
     (how :func:`equiv.check` tells a precision finding from a mismatch).
     """
     loss_fn = case.build_loss()
+    candidate = bind(candidate)
     keywords = _keywords_for(candidate, case)
     dtype_name = str(dtype).removeprefix("torch.")
     sizes = case.micro_batch_sizes if micro_batch_sizes is None else tuple(micro_batch_sizes)
@@ -355,7 +350,7 @@ def run_candidate(
                 candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
         except CheckTimeout as exc:
             raise CandidateTimeout(
-                f"candidate {candidate_name(candidate)} did not finish step {step} in {dtype_name} within the "
+                f"candidate {candidate.name} did not finish step {step} in {dtype_name} within the "
                 f"check's limit of {exc.seconds:g} s (it ran {time.monotonic() - started:.1f} s of it; it hangs, "
                 f"or needs a longer timeout); reproduce with {case!r}",
                 case=case,
@@ -364,7 +359,7 @@ def run_candidate(
             ) from None
         except Exception as exc:
             raise CandidateError(
-                f"candidate {candidate_name(candidate)} raised {type(exc).__name__}: {exc} "
+                f"candidate {candidate.name} raised {type(exc).__name__}: {exc} "
                 f"at step {step} in {dtype_name}; reproduce with {case!r}",
                 case=case,
                 step=step,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from equiv.cases.case import Case
+from equiv.outcomes import Outcome
 
 __all__ = ["CaseVerdicts", "EquivalenceError", "Judgement", "TensorDiff", "Verdict"]
 
@@ -19,7 +20,6 @@ Tier = Literal["exact", "noise"]
 #: Relative errors this close are one tie (ten times the largest move of a
 #: mathematical bug's exact-tier difference measured between CPU kernel sets).
 _SAME_RELATIVE_ERROR = 1e-4
-Status = Literal["equivalent", "not_equivalent", "inherently_non_equivalent", "not_applicable"]
 
 
 class EquivalenceError(AssertionError):
@@ -50,6 +50,33 @@ class Judgement:
         __tracebackhide__ = True
         if not self:
             raise EquivalenceError(self.message(), self)
+
+
+#: An update this close to the full batch's direction, and to a whole multiple
+#: (or fraction) of its size, is named as that multiple.  Stepping twice with the
+#: same gradient, or summing k micro-batch means, is exact to rounding under SGD
+#: and Adam alike; a mean of uneven means is not a whole multiple.
+_SAME_DIRECTION = 0.9999
+_WHOLE = 0.005
+_LARGEST_MULTIPLE = 64
+
+
+def _multiple_causes(ratio: float, cosine: float, micro_batches: int | None) -> list[str]:
+    """A "Likely:" line when the update is k x or 1/k of the full batch's, in its direction."""
+    if not cosine > _SAME_DIRECTION or not ratio > 0:
+        return []
+    window = f" (this window has {micro_batches} micro-batches)" if micro_batches else ""
+    for k in range(2, _LARGEST_MULTIPLE + 1):
+        if abs(ratio - k) <= _WHOLE * k:
+            summed = (f"the loss summed over the window's {k} micro-batches and never divided by {k}"
+                      if k == micro_batches else f"the loss counted {k} times (summed and not divided by {k})")
+            return [f"Likely: {k} x the full-batch update in its direction: optimizer.step() called {k} times "
+                    f"in the window, or {summed}{window}"]
+        if abs(ratio - 1 / k) <= _WHOLE / k:
+            again = (f"the window's micro-batch count: a mean loss divided by {k} again"
+                     if k == micro_batches else f"a loss or gradient divided by {k} once too often")
+            return [f"Likely: 1/{k} of the full-batch update in its direction: {again}{window}"]
+    return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +138,13 @@ class TensorDiff:
         what = {"update": "the update of", "buffer": "the buffer", "state": "the optimizer state"}[self.kind]
         return f"{what} '{self.name}'"
 
-    def describe(self) -> str:
+    def describe(self, micro_batches: int | None = None) -> str:
+        """The mismatch as ``assert_close`` would show it, with :meth:`diagnoses`
+        (``micro_batches``: the window's count, when known, to name a multiple of it)."""
         share = 100.0 * self.mismatched / max(self.numel, 1)
         index = self.index if self.index else "()"
         lines = [f"Mismatched elements: {self.mismatched} / {self.numel} ({share:.1f}%) in {self.label}"]
-        lines += self.diagnoses()
+        lines += self.diagnoses(micro_batches)
         lines += [
             f"Greatest absolute difference: {self.max_abs_diff:.4g} at index {index} (up to {self.allowed:.4g} allowed)",
             f"Greatest relative difference: {self.max_rel_diff:.4g} at index {self.rel_index or '()'}",
@@ -123,9 +152,10 @@ class TensorDiff:
         ]
         return "\n".join(lines)
 
-    def diagnoses(self) -> list[str]:
+    def diagnoses(self, micro_batches: int | None = None) -> list[str]:
         """What the numbers mean, in words: NaN / inf named, a missing update, an
-        update's size and direction against the full batch's, the worst element."""
+        update's size and direction against the full batch's (a whole multiple or
+        fraction of it named with its likely causes), the worst element."""
         out = []
         if self.nan_count or self.inf_count:
             found = " and ".join(f"{n} {what}" for n, what in ((self.nan_count, "NaN"), (self.inf_count, "inf")) if n)
@@ -142,6 +172,7 @@ class TensorDiff:
             elif not math.isnan(self.cosine):
                 out.append(f"The update is {self.update_ratio:.4g} x the full-batch update along it, "
                            f"cosine {self.cosine:.4f}")
+                out += _multiple_causes(self.update_ratio, self.cosine, micro_batches)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,21 +215,24 @@ class Verdict(Judgement):
     notes: tuple[str, ...] = ()
 
     @property
-    def status(self) -> Status:
+    def status(self) -> Outcome:
+        """EQUIVALENT, NOT_EQUIVALENT, INHERENTLY_NON_EQUIVALENT or NOT_APPLICABLE."""
         if self.not_applicable:
-            return "not_applicable"
+            return Outcome.NOT_APPLICABLE
         if self.inherent:
-            return "inherently_non_equivalent"
-        return "not_equivalent" if self.mismatches else "equivalent"
+            return Outcome.INHERENTLY_NON_EQUIVALENT
+        return Outcome.NOT_EQUIVALENT if self.mismatches else Outcome.EQUIVALENT
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Outcome:
         """What kind of result: the status, with a precision finding told apart
-        from a mathematical mismatch ("precision")."""
-        return "precision" if self.status == "not_equivalent" and self.precision_only else self.status
+        from a mathematical mismatch (PRECISION)."""
+        if self.status is Outcome.NOT_EQUIVALENT and self.precision_only:
+            return Outcome.PRECISION
+        return self.status
 
     def __bool__(self) -> bool:
-        return self.status == "equivalent"
+        return self.status is Outcome.EQUIVALENT
 
     @property
     def first_mismatch(self) -> TensorDiff | None:
@@ -254,7 +288,8 @@ class Verdict(Judgement):
             lines.append(
                 f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):"
             )
-            lines.append(first.describe())
+            lines.append(first.describe(len(self.case.micro_batch_sizes)))
+            lines += self._step_count_diagnosis(first.step)
             kind_order = {"update": 0, "state": 1, "buffer": 2}
             others = sorted(
                 {(kind_order[d.kind], d.label, d.tier) for d in self.mismatches if d.step == first.step}
@@ -271,6 +306,18 @@ class Verdict(Judgement):
         lines.append(f"Reproduce: equiv.check({self.candidate}, equiv.{self.case!r})")
         return "\n".join(lines)
 
+
+    def _step_count_diagnosis(self, step: int) -> list[str]:
+        """An optimizer's own step counter (Adam's ``step`` state) says outright how
+        many times ``optimizer.step()`` ran: named when it differs from the full batch's."""
+        for diff in self.mismatches:
+            counted_twice = (diff.step == step and diff.kind == "state" and diff.name.endswith(":step")
+                             and diff.expected > 0 and diff.actual != diff.expected)
+            if counted_twice:
+                return [f"Optimizer steps counted ({diff.name}): the candidate's {diff.actual:g}, the full batch's "
+                        f"{diff.expected:g} after step {step}: optimizer.step() runs "
+                        f"{diff.actual / diff.expected:g} x per window"]
+        return []
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -303,12 +350,12 @@ class CaseVerdicts(Judgement):
     tracebacks: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return not self.errors and all(v.status != "not_equivalent" for v in self.verdicts.values())
+        return not self.errors and all(v.status is not Outcome.NOT_EQUIVALENT for v in self.verdicts.values())
 
     @property
     def failed(self) -> dict[str, Verdict]:
         """The applicable cases that are not equivalent."""
-        return {name: v for name, v in self.verdicts.items() if v.status == "not_equivalent"}
+        return {name: v for name, v in self.verdicts.items() if v.status is Outcome.NOT_EQUIVALENT}
 
     def counts(self) -> dict[str, int]:
         """How many cases ended each way (zeros included for equivalent and not)."""
@@ -325,11 +372,11 @@ class CaseVerdicts(Judgement):
         if name in self.errors:
             return f"ERROR {name}: {self.errors[name]}"
         verdict = self.verdicts[name]
-        if verdict.status == "equivalent":
+        if verdict.status is Outcome.EQUIVALENT:
             return f"ok    {name}"
-        if verdict.status == "not_applicable":
+        if verdict.status is Outcome.NOT_APPLICABLE:
             return f"n/a   {name}: {'; '.join(verdict.not_applicable)}"
-        if verdict.status == "inherently_non_equivalent":
+        if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
             return f"inh.  {name}: {'; '.join(verdict.inherent)}"
         return f"FAIL  {name}\n" + "\n".join("      " + line for line in verdict.message().splitlines())
 

@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,26 +29,18 @@ import hypothesis
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis.errors import DidNotReproduce, Flaky, InvalidArgument, Unsatisfiable
 from hypothesis.reporting import with_reporter
-from hypothesis.strategies import SearchStrategy
 
-from equiv.cases import strategies as eqst
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.checking.contract import (
-    Candidate,
-    CandidateError,
-    CandidateTimeout,
-    candidate_name,
-    candidate_reference,
-    check_signature,
-    takes_keyword,
-)
+from equiv.checking.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S
 from equiv.checking.profiles import profile_settings
+from equiv.checking.search_space import SearchSpace
 from equiv.checking.trajectory import NonFiniteLossError
 from equiv.checking.verdict import Verdict
+from equiv.outcomes import Outcome
 
-__all__ = ["VerifyResult", "cases_for", "verify"]
+__all__ = ["VerifyResult", "verify"]
 
 #: progress(cases checked so far, seconds elapsed)
 Progress = Callable[[int, float], None]
@@ -96,8 +88,8 @@ class VerifyResult:
     worst_ratio: dict[str, float] = field(default_factory=dict)
     #: "model / optimizer" -> how many drawn cases were equivalent (the same on every machine).
     equivalent_cases: dict[str, int] = field(default_factory=dict)
-    #: The filters the search ran with (for replay and reports).
-    search: dict[str, Any] = field(default_factory=dict)
+    #: What the search drew from (for replay and reports).
+    search: SearchSpace = field(default_factory=SearchSpace)
     #: The step's own traceback when it raised (None otherwise).
     error_traceback: str | None = None
 
@@ -106,14 +98,16 @@ class VerifyResult:
         return self.counterexample is not None
 
     @property
-    def kind(self) -> str | None:
-        """None (nothing found), "error" (the candidate raised), "precision" (float32
-        roundoff inside the float64 run only) or "mismatch" (mathematically different)."""
+    def kind(self) -> Outcome | None:
+        """None (nothing found), STEP_ERROR (the candidate raised or hung), PRECISION
+        (float32 roundoff inside the float64 run only) or NOT_EQUIVALENT (mathematically different)."""
         if not self.found:
             return None
         if self.error is not None:
-            return "error"
-        return "precision" if self.verdict is not None and self.verdict.kind == "precision" else "mismatch"
+            return Outcome.STEP_ERROR
+        if self.verdict is not None and self.verdict.kind is Outcome.PRECISION:
+            return Outcome.PRECISION
+        return Outcome.NOT_EQUIVALENT
 
     def __bool__(self) -> bool:
         return not self.found
@@ -128,11 +122,11 @@ class VerifyResult:
             lines.append(f"  this case:   equiv check {target} --case '{case_json}'")
         how = f"--seed {self.seed}" if self.seed is not None else f"--profile {self.profile}"
         lines.append(f"  this search: equiv verify {target} {how} --max-examples {self.max_examples}"
-                     + "".join(f" {flag}" for flag in _search_flags(self.search)))
+                     + "".join(f" {flag}" for flag in self.search.flags()))
         if self.blob is not None and alone_reproduces:
             # The search's own flags ride along, so a replayed draw prints the same "this search" line.
             lines.append(f"  shrunk draw: equiv verify {target} --reproduce {self.blob} {how} "
-                         f"--max-examples {self.max_examples}" + "".join(f" {flag}" for flag in _search_flags(self.search)))
+                         f"--max-examples {self.max_examples}" + "".join(f" {flag}" for flag in self.search.flags()))
         return "\n".join(lines)
 
     @property
@@ -150,7 +144,7 @@ class VerifyResult:
                 text += "".join(f"\n  - {reason}" for reason in self.inherent_reasons)
             return text
         assert self.counterexample is not None
-        if self.kind == "precision":
+        if self.kind is Outcome.PRECISION:
             head = (f"precision finding after {self.first_failure_at} case(s) (no mathematical mismatch found; "
                     f"not shrunk):\n  {self.counterexample!r}")
         else:
@@ -194,7 +188,7 @@ class VerifyResult:
             "inherent_reasons": list(self.inherent_reasons),
             "worst_ratio": dict(sorted(self.worst_ratio.items())),
             "equivalent_cases": dict(sorted(self.equivalent_cases.items())),
-            "search": self.search,
+            "search": self.search.to_dict(),
         }
 
 
@@ -217,70 +211,13 @@ class _Hung(BaseException):
         self.found = found
 
 
-def _search_flags(search: dict[str, Any]) -> list[str]:
-    flags = []
-    for key in ("families", "optimizers", "losses"):
-        if search.get(key):
-            flags.append(f"--{key} {','.join(search[key])}")
-    for key in ("item_weighted", "allow_inherent"):
-        if search.get(key):
-            flags.append(f"--{key.replace('_', '-')}")
-    for key in ("max_batch_size", "max_micro_batches"):
-        if search.get(key) is not None:
-            flags.append(f"--{key.replace('_', '-')} {search[key]}")
-    if search.get("device", "cpu") != "cpu":
-        flags.append(f"--device {search['device']}")
-    return flags
-
-
-def cases_for(candidate: Candidate, **kwargs: Any) -> SearchStrategy[Case]:
-    """Return a strategy for cases that apply to ``candidate``: :func:`equiv.strategies.cases`
-    with ``kwargs``, drawing a clip norm only if the step takes ``max_grad_norm`` and an
-    LR scheduler only if it takes ``scheduler``.
-
-    The route for your own ``@given`` tests: a case the step cannot be told about
-    (a clip norm for a step that cannot clip) says nothing about it, so it is never
-    drawn, and a search never shrinks to one::
-
-        @given(equiv.strategies.cases_for(my_step))
-        def test_my_step(case):
-            equiv.check(my_step, case).assert_ok()
-
-    Defaults: ``clipping`` every mode of :data:`~equiv.strategies.CLIPPING` if the
-    step takes ``max_grad_norm`` (else "none" only), ``schedulers`` all of
-    :data:`~equiv.strategies.SCHEDULERS` (None among them) if it takes ``scheduler`` (else
-    none only).  Asking for a clip mode or a scheduler the step cannot take raises
-    ``InvalidArgument``.  Shrinks as :func:`equiv.strategies.cases` does.
-    """
-    check_signature(candidate)
-    name = candidate_name(candidate)
-    if takes_keyword(candidate, "max_grad_norm"):
-        kwargs.setdefault("clipping", eqst.CLIPPING)
-    elif set(kwargs.setdefault("clipping", ("none",))) != {"none"}:
-        raise InvalidArgument(f"clipping must be ('none',) for {name}, which takes no max_grad_norm, "
-                              f"but was {tuple(kwargs['clipping'])!r}")
-    if takes_keyword(candidate, "scheduler"):
-        kwargs.setdefault("schedulers", tuple(eqst.SCHEDULERS))
-    elif set(kwargs.setdefault("schedulers", (None,))) != {None}:
-        raise InvalidArgument(f"schedulers must be (None,) for {name}, which takes no scheduler, "
-                              f"but was {tuple(kwargs['schedulers'])!r}")
-    return eqst.cases(**kwargs)
-
-
 def verify(
-    candidate: Candidate,
+    candidate: Candidate | BoundCandidate,
+    space: SearchSpace | None = None,
     *,
     max_examples: int | None = None,
     seed: int | None = None,
     profile: str | None = None,
-    families: Sequence[str] | None = None,
-    optimizers: Sequence[str] | None = None,
-    losses: Sequence[str] | None = None,
-    item_weighted: bool = False,
-    allow_inherent: bool = False,
-    max_batch_size: int | None = None,
-    max_micro_batches: int | None = None,
-    device: str = "cpu",
     reproduce: str | None = None,
     progress: Progress | None = None,
     replay_in_fresh_process: bool = True,
@@ -292,15 +229,13 @@ def verify(
     "ci" or "thorough" (:mod:`equiv.checking.profiles`), or any registered
     Hypothesis profile; default the one loaded).  ``seed`` fixes the search (a derandomized profile is already
     fixed; otherwise a seed is drawn and reported so the search can be
-    replayed).  ``families``, ``optimizers`` and ``losses`` restrict the
-    strategies (:func:`equiv.strategies.cases`), as do ``max_batch_size`` and
-    ``max_micro_batches`` (None: the strategy's defaults, up to 32 micro-batches; a bound
-    below 1, or more micro-batches than samples, raises ``InvalidArgument``); ``item_weighted=True`` adds
-    the token-level loss; ``allow_inherent=True`` adds BatchNorm and dropout
-    models, whose cases are counted and skipped, not failed.  Cases clip
-    (none / inactive / active) only if the candidate takes ``max_grad_norm``
-    and step an LR scheduler only if it takes ``scheduler``.  ``device``
-    (default "cpu") is where the runs happen.  ``reproduce``
+    replayed).  ``space`` is what cases are drawn from (:class:`SearchSpace`:
+    model families, optimizers, losses, bounds on the batch and the micro-batch
+    count, the device; default: everything the strategy draws, on the CPU, with
+    sample-mean losses, no BatchNorm or dropout).  Cases clip (none / inactive /
+    active) only if the candidate takes ``max_grad_norm`` and step an LR
+    scheduler only if it takes ``scheduler``.  A bound below 1, or more
+    micro-batches than samples, raises ``InvalidArgument``.  ``reproduce``
     replays a blob printed by an earlier search (a ``ValueError`` says so
     when it no longer reproduces a failure).  ``progress`` is called after
     every check with (checks so far, seconds elapsed).
@@ -318,33 +253,13 @@ def verify(
     Raises :class:`~equiv.checking.contract.ContractError` for a candidate
     that cannot take ``(model, optimizer, micro_batches, loss_fn)``.
     """
-    check_signature(candidate)
+    candidate = bind(candidate)
+    space = SearchSpace() if space is None else space
+    strategy = space.strategy(candidate)
     base = profile_settings(profile) if profile is not None else settings()  # settings(): the loaded profile
     profile_name = profile or getattr(settings, "_current_profile", None) or "default"
     if seed is None and not base.derandomize and reproduce is None:
         seed = random.SystemRandom().randrange(2**32)
-    search = {
-        "families": list(families or []),
-        "optimizers": list(optimizers or []),
-        "losses": list(losses or []),
-        "item_weighted": item_weighted,
-        "allow_inherent": allow_inherent,
-        "device": device,
-        "max_batch_size": max_batch_size,
-        "max_micro_batches": max_micro_batches,
-    }
-    strategy = cases_for(
-        candidate,
-        families=families,
-        optimizer_names=optimizers,
-        loss_names=losses,
-        item_weighted=item_weighted or any(loss in eqst.ITEM_WEIGHTED_LOSSES for loss in losses or ()),
-        allow_batchnorm=allow_inherent,
-        allow_dropout=allow_inherent,
-        max_batch_size=max_batch_size,
-        max_micro_batches=max_micro_batches,
-        devices=(device,),
-    )
     chosen_max = base.max_examples if max_examples is None else max_examples
     run_settings = settings(
         base,
@@ -385,14 +300,14 @@ def verify(
                 raise _Found(case, None, str(exc), exc.step_traceback) from None
             finally:
                 checking[0] += time.perf_counter() - check_started
-            if verdict.status == "not_applicable":
+            if verdict.status is Outcome.NOT_APPLICABLE:
                 reject()  # the strategy only draws what the candidate can take; never a finding
-            if verdict.status == "inherently_non_equivalent":
+            if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
                 counts["inherent"] += 1
                 inherent_reasons.update(dict.fromkeys(verdict.inherent))
                 return
             ratio = max((d.ratio for d in verdict.worst.values()), default=0.0)
-            if verdict.kind == "precision":
+            if verdict.kind is Outcome.PRECISION:
                 # Not raised: the shrinker must not trade a mathematical mismatch for this class.
                 precision_findings.append((counts["examples"], case, verdict))
                 return
@@ -447,7 +362,7 @@ def verify(
         if reproduce is None:
             raise
         raise ValueError(
-            f"the blob {reproduce[:24]}... does not reproduce a failure of {candidate_name(candidate)} "
+            f"the blob {reproduce[:24]}... does not reproduce a failure of {candidate.name} "
             f"({type(exc).__name__}: {exc}); it only replays with the search flags and equiv version that "
             "printed it"
         ) from None
@@ -461,7 +376,7 @@ def verify(
     if found is not None and not flaky and not hung and replay_in_fresh_process:
         state_across_calls, fresh_replay = _replay_alone(candidate, found)
     return VerifyResult(
-        candidate=candidate_name(candidate),
+        candidate=candidate.name,
         examples=counts["examples"],
         first_failure_at=first_failure_at[0] if first_failure_at else None,
         counterexample=None if found is None else found.case,
@@ -481,7 +396,7 @@ def verify(
         inherent_reasons=tuple(inherent_reasons),
         worst_ratio=worst_ratio,
         equivalent_cases=equivalent_cases,
-        search=search,
+        search=space,
     )
 
 
@@ -511,9 +426,9 @@ except CandidateError as exc:
 """
 
 
-def _replay_alone(candidate: Candidate, found: _Found) -> tuple[bool | None, str]:
+def _replay_alone(candidate: BoundCandidate, found: _Found) -> tuple[bool | None, str]:
     """Replay the found case in a fresh process: (state kept across calls?, what happened)."""
-    reference = candidate_reference(candidate)
+    reference = candidate.reference
     if reference is None:
         return None, "not replayed alone: the candidate has no importable name (a lambda or a local function)"
     command = [sys.executable, "-c", _REPLAY, reference, json.dumps(found.case.to_dict())]
@@ -526,6 +441,6 @@ def _replay_alone(candidate: Candidate, found: _Found) -> tuple[bool | None, str
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return None, f"not replayed alone: the fresh process failed ({last})"
     outcome = json.loads(lines[-1])
-    if outcome.get("status") == "equivalent":
+    if outcome.get("status") == Outcome.EQUIVALENT:
         return True, f"the case alone, in a fresh process ({reference}): equivalent"
     return False, f"the case alone, in a fresh process ({reference}): {outcome.get('status') or 'raised'}"

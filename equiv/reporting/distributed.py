@@ -23,6 +23,7 @@ from equiv.checking.distributed import DistributedCase, DistributedVerdict, chec
 from equiv.checking.facts import Divergence, magnitude, ratio_band
 from equiv.cost.fsdp import POLICIES, FsdpCostRow, FsdpCostSweep
 from equiv.cost.workloads import WORKLOADS
+from equiv.outcomes import Outcome
 from equiv.reporting.markdown import markdown_table
 from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry
 
@@ -108,7 +109,7 @@ def distributed_section() -> str:
 # ---------------------------------------------------------------------- FSDP2
 def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: DistributedVerdict) -> dict[str, str]:
     finding = "-"
-    if verdict.kind == "precision":
+    if verdict.kind is Outcome.PRECISION:
         parts = []
         for tier in ("exact", "noise"):
             diff = verdict.measured_error(tier)
@@ -135,7 +136,7 @@ def fsdp2_verdict_table(world_sizes: Sequence[int] = (2, 3)) -> pd.DataFrame:
     """The reference at each world size and the FSDP2 zoo at W=2, each checked
     with ``check_distributed(..., engine="fsdp2")`` on uneven shards."""
     runs: list[tuple[str, int, Fsdp2Entry]] = [
-        ("accumulator_step", w, Fsdp2Entry(accumulator_step, expected="equivalent")) for w in world_sizes
+        ("accumulator_step", w, Fsdp2Entry(accumulator_step, expected=Outcome.EQUIVALENT)) for w in world_sizes
     ]
     runs += [(name, 2, entry) for name, entry in FSDP2_BUGS.items()]
     rows = []

@@ -28,6 +28,7 @@ from equiv.cases.standard import STANDARD_CASES
 from equiv.cases.strategies import ITEM_WEIGHTED_LOSSES
 from equiv.checking.check import check
 from equiv.checking.facts import Divergence, VerdictFacts
+from equiv.checking.search_space import SearchSpace
 from equiv.checking.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
 from equiv.checking.verdict import Verdict
 from equiv.checking.verify import VerifyResult, verify
@@ -185,15 +186,14 @@ def search_sections(*, properties_record: Path | None = PROPERTIES_RECORD) -> li
     nothing but pass / fail, so the same code gives the same report on every
     machine; timings are left out for the same reason.
     """
-    reference = verify(accumulator_step, max_examples=REFERENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED, item_weighted=True)
+    reference = verify(accumulator_step, SearchSpace(item_weighted=True), max_examples=REFERENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED)
     log.info("searched the reference: %d cases", reference.examples)
     bugs = {}
     for name, bug in BUGS.items():
         item_weighted = name in ITEM_WEIGHTED_BUGS
         # No fresh-process replay of the shrunk case: the table shows nothing it decides.
-        bugs[name] = verify(bug, max_examples=BUG_SEARCH_EXAMPLES, seed=SEARCH_SEED, item_weighted=item_weighted,
-                            losses=list(ITEM_WEIGHTED_LOSSES) if item_weighted else None,
-                            replay_in_fresh_process=False)
+        bugs[name] = verify(bug, SearchSpace(losses=ITEM_WEIGHTED_LOSSES if item_weighted else ()),
+                            max_examples=BUG_SEARCH_EXAMPLES, seed=SEARCH_SEED, replay_in_fresh_process=False)
         log.info("searched %s: %s", name, "found" if bugs[name].found else "NOT found")
     found = sum(result.found for result in bugs.values())
     verdict_of_search = (

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from equiv.batches import split_batch
 from equiv.cases.case import Case
-from equiv.checking.contract import not_applicable_reasons
+from equiv.checking.contract import bind
 from equiv.checking.trajectory import run_candidate, run_reference
 from equiv.losses import Loss
 from equiv.zoo.bugs import clip_per_micro_batch
@@ -298,7 +298,7 @@ def classify_step(candidate: Callable[..., Any], case: Case, *, configured_n: in
     suspects = [(kind, _weighted_step(kind.weights, configured_n)) for kind in KINDS]
     for kind, suspect in [*suspects, (PER_MICRO_BATCH_CLIPPING, clip_per_micro_batch)]:
         # A suspect that cannot take the case (per-micro-batch clipping under loss scaling) is no suspect.
-        if not_applicable_reasons(suspect, case):
+        if bind(suspect).not_applicable_reasons(case):
             continue
         if _first_gap(trajectory, _flat_trajectory(case, suspect)) is None:
             return Measure(gap, kind)

@@ -34,7 +34,8 @@ from equiv.accumulator import accumulator_step
 from equiv.cases import strategies
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.checking.contract import CandidateError, takes_keyword
+from equiv.checking.contract import CandidateError, bind
+from equiv.outcomes import Outcome
 from equiv.reporting.markdown import markdown_table
 from equiv.reporting.peer_runs import (
     KINDS,
@@ -307,7 +308,7 @@ def _window_cell(peer: Peer, column: str, case: Case) -> tuple[str, str | None]:
     verdict = check(candidate, case)
     if verdict:
         return "equivalent", None
-    if verdict.status == "not_applicable":
+    if verdict.status is Outcome.NOT_APPLICABLE:
         return f"n/a: {'; '.join(verdict.not_applicable)}", None
     measure = classify_step(peer.build(None), case)
     if measure.gap is None:
@@ -327,7 +328,7 @@ def _epoch_cell(peer: Peer, run: EpochRun) -> str:
 
 def _search_space(candidate: Callable[..., Any]) -> Any:
     # Only cases the candidate can take: no clipping case for a step that cannot clip.
-    clipping = strategies.CLIPPING if takes_keyword(candidate, "max_grad_norm") else ("none",)
+    clipping = strategies.CLIPPING if bind(candidate).takes("max_grad_norm") else ("none",)
     return strategies.cases(max_batch_size=8, families=["mlp"], optimizer_names=["SGD", "Adam"],
                             loss_names=["mse"], dtypes=["float32"], max_steps=2, clipping=clipping)
 

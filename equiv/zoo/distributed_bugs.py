@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from equiv.accumulator import Accumulator, accumulator_step
 from equiv.losses import item_count, loss_sum_and_count
+from equiv.outcomes import Outcome
 
 __all__ = [
     "DISTRIBUTED_BUGS",
@@ -222,9 +223,9 @@ class Fsdp2Entry:
     candidate: Callable[..., Any]
     #: The ``fully_shard`` MixedPrecisionPolicy (None: full precision).
     mp_policy: MixedPrecisionPolicy | None = None
-    #: "not_equivalent", "precision" (mathematically right, off by the policy's
-    #: 16-bit arithmetic) or "equivalent" (right, at a cost).
-    expected: Literal["not_equivalent", "precision", "equivalent"] = "not_equivalent"
+    #: NOT_EQUIVALENT, PRECISION (mathematically right, off by the policy's
+    #: 16-bit arithmetic) or EQUIVALENT (right, at a cost).
+    expected: Outcome = Outcome.NOT_EQUIVALENT
     #: One line for reports.
     what: str = ""
 
@@ -242,10 +243,10 @@ FSDP2_BUGS: dict[str, Fsdp2Entry] = {
     # FSDP2 then also accumulates the unsharded gradients between micro-batches
     # in bfloat16 (what trl #2175 reported against FSDP1's mixed precision).
     "bfloat16_reduce": Fsdp2Entry(
-        accumulator_step, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), expected="precision",
+        accumulator_step, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), expected=Outcome.PRECISION,
         what="accumulator_step under MixedPrecisionPolicy(reduce_dtype=bfloat16)"),
     "sync_every_micro_batch": Fsdp2Entry(
-        sync_every_micro_batch, expected="equivalent", what="equivalent, N reduce-scatters per unit per window"),
+        sync_every_micro_batch, expected=Outcome.EQUIVALENT, what="equivalent, N reduce-scatters per unit per window"),
 }
 
 #: name -> candidate, for suites and reports.
