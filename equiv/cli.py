@@ -165,7 +165,8 @@ def _check_on_path(args: argparse.Namespace) -> int:
             print("      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "), flush=True)
 
     try:
-        verdicts = check_cases(step, cases, timeout=timeout, on_case=show)
+        verdicts = check_cases(step, cases, timeout=timeout, on_case=show, train_dtype=args.train_dtype,
+                               strict=args.strict_precision)
     except NonFiniteLossError as exc:
         raise UsageError(f"the case itself diverges, so nothing can be compared with it: {exc}") from None
     except InvalidCase as exc:
@@ -218,6 +219,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             seed=args.seed,
             profile=args.profile,
             reproduce=args.reproduce,
+            train_dtype=args.train_dtype,
+            strict=args.strict_precision,
             progress=show,
             timeout=timeout,
         )
@@ -355,6 +358,15 @@ def _cmd_report_benchmarks(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------- parser
+def _precision_flags(parser: argparse.ArgumentParser) -> None:
+    """When a float32-sized difference inside the float64 run fails (it passes with a note otherwise)."""
+    parser.add_argument("--train-dtype", choices=["float64", "float32", "bfloat16", "float16"], default=None,
+                        help="the dtype you train in (default: float32 or lower); with float64, float32-sized "
+                             "differences inside the float64 run fail as a precision finding")
+    parser.add_argument("--strict-precision", action="store_true",
+                        help="fail float32-sized differences inside the float64 run whatever you train in")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="equiv", description="Is your gradient accumulation full-batch training?",
@@ -376,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     check_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                               help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
                                    "a step still running then is reported as hung (exit 3)")
+    _precision_flags(check_parser)
     check_parser.set_defaults(handler=_cmd_check)
 
     verify_parser = commands.add_parser(
@@ -410,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     space.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
     verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
+    _precision_flags(verify_parser)
     verify_parser.set_defaults(handler=_cmd_verify)
 
     plan_parser = commands.add_parser(

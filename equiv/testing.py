@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
@@ -47,17 +48,19 @@ def standard_cases() -> list[Any]:
     return [pytest.param(case, id=name) for name, case in STANDARD_CASES.items()]
 
 
-def assert_equivalent(candidate: Candidate, case: Case) -> Verdict:
+def assert_equivalent(candidate: Candidate, case: Case, *, train_dtype: torch.dtype | str | None = None,
+                      strict: bool = False) -> Verdict:
     """Check ``candidate`` on ``case`` and fail the test unless it is equivalent.
 
     A case that does not apply to the step, or that no accumulation can match
     (BatchNorm, dropout), is skipped with the reason: neither a pass nor a
     failure.  A mismatch raises :class:`equiv.EquivalenceError` with the whole
     verdict; a step that raises propagates as :class:`equiv.CandidateError`.
-    Returns the verdict of an equivalent step.
+    Returns the verdict of an equivalent step.  ``train_dtype`` / ``strict``: as in
+    :func:`equiv.check` (a precision note passes unless you train in float64).
     """
     __tracebackhide__ = True
-    verdict = check(candidate, case)
+    verdict = check(candidate, case, train_dtype=train_dtype, strict=strict)
     if verdict.status is Outcome.NOT_APPLICABLE:
         pytest.skip("not applicable: " + "; ".join(verdict.not_applicable))
     if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:

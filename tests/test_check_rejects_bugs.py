@@ -39,9 +39,13 @@ def test_unscaled_sum_with_adam_is_caught_in_the_float64_tier() -> None:
     assert any(d.kind == "state" and d.name.endswith(":exp_avg") for d in verdict.mismatches)
 
 
-def test_unscaled_sum_under_active_clipping_shows_only_in_the_exact_tier() -> None:
-    verdict = equiv.check(zoo.unscaled_sum, case(max_grad_norm=1e-3))
-    assert not verdict
+def test_unscaled_sum_under_active_clipping_shows_only_in_the_exact_tier_below_float32_rounding() -> None:
+    # The clip normalises the N x sum away but for its epsilon: float32 training cannot see it,
+    # so it passes with a precision note, and fails only in strict precision, in the exact tier only.
+    passing = equiv.check(zoo.unscaled_sum, case(max_grad_norm=1e-3))
+    assert passing and passing.precision is not None and passing.precision.cause == "float32_sized"
+    verdict = equiv.check(zoo.unscaled_sum, case(max_grad_norm=1e-3), strict=True)
+    assert not verdict and verdict.kind == "precision"
     assert verdict.diverged_tiers() == ["exact"]
     assert verdict.worst["noise"].ratio < 1
 

@@ -180,8 +180,20 @@ def test_models_with_inherent_layers_build(spec: tuple[str, dict]) -> None:
 @settings(max_examples=50)
 def test_every_drawn_optimizer_is_accepted_by_torch(spec: tuple[str, dict]) -> None:
     name, kwargs = spec
-    case = equiv.Case(batch_size=2, micro_batch_sizes=(1, 1), optimizer=name, optimizer_kwargs=kwargs)
+    # A matrix-only optimizer (Muon) is drawn with a bias-free MLP; on biases it is a clear InvalidCase.
+    model_kwargs = {"bias": False} if name in eqst.MATRIX_ONLY_OPTIMIZERS else {}
+    case = equiv.Case(batch_size=2, micro_batch_sizes=(1, 1), optimizer=name, optimizer_kwargs=kwargs,
+                      model_kwargs=model_kwargs)
     case.build_optimizer(case.build_model().module)
+    if model_kwargs:
+        with pytest.raises(equiv.InvalidCase, match=name):
+            case.replace(model_kwargs={}).build_optimizer(case.replace(model_kwargs={}).build_model().module)
+
+
+@given(eqst.cases(optimizer_names=["Muon"], families=["mlp"], max_micro_batches=4))
+@settings(max_examples=10, deadline=None)
+def test_a_matrix_only_optimizer_is_drawn_with_matrices_only(case: equiv.Case) -> None:
+    assert all(p.dim() == 2 for p in case.build_model().module.parameters())
 
 
 def test_every_optimizer_and_family_can_be_drawn() -> None:

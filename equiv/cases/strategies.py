@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_MAX_MICRO_BATCHES",
     "FEW_MICRO_BATCHES",
     "ITEM_WEIGHTED_LOSSES",
+    "MATRIX_ONLY_OPTIMIZERS",
     "MODEL_FAMILIES",
     "OPTIMIZERS",
     "PARAM_GROUPS",
@@ -64,8 +65,11 @@ TOKEN_FAMILIES: tuple[str, ...] = ("token_mlp", "attention")
 #: judge, simplest first (see :func:`optimizers` for the ones left out and why).
 OPTIMIZERS: tuple[str, ...] = (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
-    "ASGD", "Adafactor", "Rprop",
+    "ASGD", "Adafactor", "Rprop", "Muon",
 )
+#: Optimizers that take 2-D weights only (Muon orthogonalises each weight matrix):
+#: drawn with a bias-free, norm-free MLP, every parameter a matrix.
+MATRIX_ONLY_OPTIMIZERS: frozenset[str] = frozenset({"Muon"})
 #: Clipping regimes: no clipping, a norm the gradient never reaches, one it always exceeds.
 CLIPPING: tuple[str, ...] = ("none", "inactive", "active")
 #: Most cases have up to this many micro-batches (fewer more likely); about one
@@ -379,6 +383,12 @@ def _optimizer_kwargs(name: str) -> st.SearchStrategy[dict[str, Any]]:
             "lr": _log_uniform(1e-4, 1e-1), "etas": st.sampled_from([(0.5, 1.2), (0.3, 1.5)]),
             "step_sizes": st.sampled_from([(1e-6, 50.0), (1e-4, 1.0)]),
         }),
+        # Nesterov or not, the RMS-matching lr adjustment or the default, decoupled decay.
+        "Muon": lambda: st.fixed_dictionaries({
+            "lr": _log_uniform(1e-3, 1e-1), "momentum": st.sampled_from([0.95, 0.0]), "nesterov": st.booleans(),
+            "weight_decay": st.sampled_from([0.0, 0.1]),
+            "adjust_lr_fn": st.sampled_from([None, "match_rms_adamw"]),
+        }),
     }
     return table[name]()
 
@@ -396,15 +406,18 @@ def optimizers(*, names: Sequence[str] | None = None) -> st.SearchStrategy[Spec]
     adaptive optimizers' invariance to the gradient's scale), betas with no
     momentum.  Shrinks toward SGD without momentum.
 
-    Left out of ``torch.optim``: ``LBFGS`` (a closure re-evaluates the loss
-    several times per step: not one update from the accumulated gradient),
-    ``SparseAdam`` (sparse gradients only) and ``Muon``.  Muon orthogonalises
-    each update with a Newton-Schulz iteration that runs in bfloat16 whatever
-    the parameters' dtype, so the float64 exact tier has no float64 truth to
-    hold a candidate to (its floor would be bfloat16 noise, hiding the bugs
-    that tier is there for); and it takes 2-D weights only, the rest going to
-    a second optimizer (AdamW), which one ``torch.optim.Optimizer`` handed to
-    a candidate cannot be without a wrapper of our own.  Rprop and Adafactor
+    ``Muon`` orthogonalises each update with a Newton-Schulz iteration that
+    runs in bfloat16 whatever the parameters' dtype, so even the float64
+    truth carries bfloat16 rounding.  Its floor models that rounding as it is:
+    the exact tier's direct float64 samples (the batch shuffled, normalised
+    after backward) go through the same bfloat16 iteration and land a
+    bfloat16 flip away from the truth, so a correct accumulation (another
+    float64 rounding order, flipping as many) passes, while orthogonalising
+    each micro-batch (stepping per micro-batch) is O(1) off.  It takes 2-D
+    weights only (:data:`MATRIX_ONLY_OPTIMIZERS`): drawn with a bias-free,
+    norm-free MLP.  Left out of ``torch.optim``: ``LBFGS`` (a closure
+    re-evaluates the loss several times per step: not one update from the
+    accumulated gradient) and ``SparseAdam`` (sparse gradients only).  Rprop and Adafactor
     take sign-like first steps (Adafactor's on vectors: ``g / |g|``), like
     Adam's: measured with the reference accumulator over 500 drawn cases each
     (all families, token losses, schedulers, up to 32 micro-batches) their
@@ -596,7 +609,14 @@ def cases(
         model, model_kwargs = draw(model_strategies[loss, many])
         frozen = draw(frozen_strategy)
         optimizer, optimizer_kwargs = draw(optimizer_strategy)
+        if optimizer in MATRIX_ONLY_OPTIMIZERS:
+            # Every parameter a matrix: an MLP without biases or norms (a function of the
+            # draw, so shrinking the optimizer back to SGD gives the drawn model back).
+            assume(model == "mlp")
+            model_kwargs = {**model_kwargs, "bias": False, "norm": "none"}
         groups = draw(groups_strategy)
+        # "no_decay" splits off biases and norm weights, which a matrix-only model has none of.
+        assume(not (optimizer in MATRIX_ONLY_OPTIMIZERS and groups == "no_decay"))
         scheduler = draw(st.sampled_from(chosen_schedulers))
         steps = draw(st.integers(min_steps, max_steps))
         dtype = draw(st.sampled_from(chosen_dtypes))

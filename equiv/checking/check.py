@@ -31,9 +31,9 @@ from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory, c
 from equiv.checking.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.checking.inherent import inherent_non_equivalences
-from equiv.checking.tolerances import unit_roundoff
+from equiv.checking.tolerances import ROUNDOFF_UNITS_PER_STEP, unit_roundoff
 from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
-from equiv.checking.verdict import CaseVerdicts, TensorDiff, Tier, Verdict
+from equiv.checking.verdict import CaseVerdicts, PrecisionFinding, TensorDiff, Tier, Verdict
 
 __all__ = ["ReferenceRuns", "check", "check_cases"]
 
@@ -44,18 +44,19 @@ _SHUFFLE_SEED_OFFSETS = (7919, 104729)
 
 @overload
 def check(
-    candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS, timeout: float | None = DEFAULT_TIMEOUT_S
+    candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS, timeout: float | None = DEFAULT_TIMEOUT_S,
+    train_dtype: torch.dtype | str | None = None, strict: bool = False,
 ) -> Verdict: ...
 @overload
 def check(
     candidate: Candidate, case: None = None, *, tiers: Sequence[Tier] = TIERS,
-    timeout: float | None = DEFAULT_TIMEOUT_S,
+    timeout: float | None = DEFAULT_TIMEOUT_S, train_dtype: torch.dtype | str | None = None, strict: bool = False,
 ) -> CaseVerdicts: ...
 
 
 def check(
     candidate: Candidate, case: Case | None = None, *, tiers: Sequence[Tier] = TIERS,
-    timeout: float | None = DEFAULT_TIMEOUT_S,
+    timeout: float | None = DEFAULT_TIMEOUT_S, train_dtype: torch.dtype | str | None = None, strict: bool = False,
 ) -> Verdict | CaseVerdicts:
     """Compare ``candidate`` with one full-batch step per optimizer step of ``case``.
 
@@ -73,20 +74,30 @@ def check(
     step still running then raises :class:`~equiv.checking.contract.CandidateTimeout`
     (which case, which step, how long); time spent in equiv's own reference runs
     raises :class:`~equiv.checking.deadline.CheckTimeout`.
+
+    Precision: differences that are float32-sized, only inside the float64 run,
+    with every lower-precision run matching (a tensor made in torch's default
+    dtype, float32 arithmetic written into the step) cannot cost a user who
+    trains in float32, bfloat16 or float16 anything: the verdict passes with a
+    precision note (:attr:`Verdict.precision_note`: what, where, how large, why).
+    It fails, as class PRECISION, when the user trains in float64
+    (``train_dtype=torch.float64``) or asks for ``strict=True``.
     """
     __tracebackhide__ = True
+    fails_because = precision_fails_because(train_dtype, strict)
     if case is None:
-        return check_cases(candidate, STANDARD_CASES, tiers=tiers, timeout=timeout)
+        return check_cases(candidate, STANDARD_CASES, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
+                           strict=strict)
     try:
         with deadline(timeout):
-            return _check(bind(candidate), case, tiers)
+            return _check(bind(candidate), case, tiers, fails_because)
     except CheckTimeout as exc:  # not inside the candidate (that is a CandidateTimeout): in equiv's own runs
         raise CheckTimeout(exc.seconds, f"the check of {case!r} took over its limit of {exc.seconds:g} s in "
                                          "equiv's own runs (the full-batch reference and its floors): give a "
                                          "longer timeout for a case this large") from None
 
 
-def _check(candidate: BoundCandidate, case: Case, tiers: Sequence[Tier]) -> Verdict:
+def _check(candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_because: str) -> Verdict:
     if not isinstance(case, Case):
         raise TypeError(f"case must be an equiv.Case, got {type(case).__name__}: {case!r}")
     unknown = [t for t in tiers if t not in TIERS]
@@ -103,15 +114,64 @@ def _check(candidate: BoundCandidate, case: Case, tiers: Sequence[Tier]) -> Verd
     diffs = [diff for tier in references.tiers
              for diff in references.run_and_compare(tier, case, candidate, notes=notes)]
     verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(notes)))
-    if verdict.mismatches and all(d.tier == "exact" for d in verdict.mismatches):
-        # Exact tier only: a mathematical mismatch that hides under float32 noise
-        # (an unscaled sum under Adam), or the full-batch step computed partly in
-        # float32 inside the float64 run (a tensor made without a dtype).  Only
-        # the second goes away when torch's default dtype is float64 too.
-        rerun = references.run_and_compare("exact", case, candidate, default_dtype=torch.float64)
-        if all(d.ok for d in rerun):
-            verdict = dataclasses.replace(verdict, precision_only=True)
-    return verdict
+    finding = _precision_finding(references, case, candidate, verdict, fails_because)
+    return verdict if finding is None else dataclasses.replace(verdict, precision=finding)
+
+
+#: Training dtypes a user may declare, by name.
+_TRAIN_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}
+
+
+def precision_fails_because(train_dtype: torch.dtype | str | None, strict: bool) -> str:
+    """Why a precision finding fails for this user ("" when it passes): they train in
+    float64, or asked for strict precision.  Raises ``ValueError`` for a dtype that is
+    not one of float64, float32, bfloat16, float16 (or None: float32 or lower)."""
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False, got {strict!r}")
+    if isinstance(train_dtype, str):
+        name = train_dtype.removeprefix("torch.").lower()
+        if name not in _TRAIN_DTYPES:
+            raise ValueError(f"train_dtype must be one of {sorted(_TRAIN_DTYPES)} (or a torch dtype), "
+                             f"got {train_dtype!r}")
+        train_dtype = _TRAIN_DTYPES[name]
+    if train_dtype is not None and train_dtype not in _TRAIN_DTYPES.values():
+        raise ValueError(f"train_dtype must be one of {sorted(_TRAIN_DTYPES)} (or a torch dtype), got {train_dtype!r}")
+    if strict:
+        return "strict precision was asked for"
+    if train_dtype == torch.float64:
+        return "you train in float64"
+    return ""
+
+
+def _precision_finding(
+    references: ReferenceRuns, case: Case, candidate: BoundCandidate, verdict: Verdict, fails_because: str,
+) -> PrecisionFinding | None:
+    """Whether ``verdict``'s mismatches are a precision finding, and why.
+
+    Only when every mismatch is in a float64 run and every run in a lower
+    precision matched (a user training in float32 or below cannot see it), and
+    either torch's default dtype explains it (re-run with the default set to
+    float64, it matches: a tensor made without a dtype), or every mismatch is
+    float32-sized: within the roundoff term of the float32 tier's allowance
+    (ROUNDOFF_UNITS_PER_STEP x steps x u(float32) x scale), a difference a
+    float32 check passes whatever its floor (explicit float32 arithmetic in the
+    step).  A mathematical mismatch larger than float32 rounding is never one."""
+    if not verdict.mismatches or verdict.inherent:
+        return None
+    float64_tiers = {tier for tier in references.tiers if references.dtype(tier) == torch.float64}
+    if any(d.tier not in float64_tiers for d in verdict.mismatches):
+        return None
+    failing = sorted({d.tier for d in verdict.mismatches})
+    rerun = [d for tier in failing for d in references.run_and_compare(tier, case, candidate,
+                                                                      default_dtype=torch.float64)]
+    if all(d.ok for d in rerun):
+        return PrecisionFinding("default_dtype", fails_because)
+    float32_sized = all(
+        d.max_abs_diff <= ROUNDOFF_UNITS_PER_STEP * d.step * unit_roundoff(torch.float32) * d.scale
+        for d in verdict.mismatches
+    )
+    return PrecisionFinding("float32_sized", fails_because) if float32_sized else None
 
 
 def check_cases(
@@ -121,6 +181,8 @@ def check_cases(
     tiers: Sequence[Tier] = TIERS,
     timeout: float | None = DEFAULT_TIMEOUT_S,
     on_case: Callable[[str, CaseVerdicts], None] | None = None,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
 ) -> CaseVerdicts:
     """:func:`check` on each named case; a case where the step raises is recorded,
     not raised.  After a case where the step hangs past ``timeout`` the rest are
@@ -137,7 +199,8 @@ def check_cases(
             errors[name] = f"not checked: the step hung on {hung!r}"
         else:
             try:
-                verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout)
+                verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
+                                       strict=strict)
             except CandidateError as exc:
                 errors[name] = str(exc)
                 if exc.step_traceback is not None:

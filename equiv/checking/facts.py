@@ -21,7 +21,12 @@ What is the same everywhere, and what :class:`VerdictFacts` holds:
 - for a failing verdict its first divergence: step, tier, tensor (chosen by
   relative error, see :attr:`~equiv.checking.verdict.Verdict.first_mismatch`),
   and its relative error as an order of magnitude (:func:`magnitude`: a decade
-  is 4000x wider than the largest move measured).
+  is 4000x wider than the largest move measured);
+- whether it is a precision finding and why (``default_dtype``: it matches with
+  torch's default dtype set to float64, a yes/no; ``float32_sized``: every
+  float64-run difference within the float32 tier's roundoff term, a
+  mathematical quantity, stable to the 4e-5 above; on the committed data the
+  closest is 17% from that edge).
 
 Reports show these, tests pin these; the digits stay in the messages a user
 reads on their own machine.
@@ -96,6 +101,8 @@ class VerdictFacts:
     #: tier -> :func:`ratio_band` of its worst tensor
     tiers: dict[str, str]
     first_divergence: Divergence | None
+    #: why the differences are a precision finding ("default_dtype", "float32_sized"), or None
+    precision: str | None = None
 
     @classmethod
     def of(cls, verdict: Verdict) -> VerdictFacts:
@@ -105,6 +112,7 @@ class VerdictFacts:
             kind=verdict.kind,
             tiers={tier: ratio_band(diff.ratio) for tier, diff in sorted(verdict.worst.items())},
             first_divergence=None if first is None else Divergence.of(first),
+            precision=None if verdict.precision is None else verdict.precision.cause,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,4 +121,5 @@ class VerdictFacts:
             "kind": self.kind,
             "tiers": dict(self.tiers),
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
+            "precision": self.precision,
         }

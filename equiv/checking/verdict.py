@@ -14,7 +14,7 @@ from typing import Any, Literal
 from equiv.cases.case import Case
 from equiv.outcomes import Outcome
 
-__all__ = ["CaseVerdicts", "EquivalenceError", "Judgement", "TensorDiff", "Verdict"]
+__all__ = ["CaseVerdicts", "EquivalenceError", "Judgement", "PrecisionFinding", "TensorDiff", "Verdict"]
 
 Tier = Literal["exact", "noise"]
 #: Relative errors this close are one tie (ten times the largest move of a
@@ -193,6 +193,55 @@ class TensorDiff:
         }
 
 
+#: Why a float64 run's differences are float32-sized (see :class:`PrecisionFinding`).
+PrecisionCause = Literal["default_dtype", "float32_sized"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionFinding:
+    """The only differences are float32-sized, inside a float64 run, and every run in a
+    lower precision matched: mathematically the full-batch step as far as float32,
+    bfloat16 or float16 training can tell.  Whether that fails depends on the precision
+    the user trains in (:func:`equiv.check`'s ``train_dtype`` and ``strict``)."""
+
+    #: "default_dtype": a tensor made without a dtype is float32 (torch's default):
+    #: with the default set to float64 the step matches.  "float32_sized": the
+    #: default dtype is not why: float32 written into the step (``dtype=torch.float32``,
+    #: ``.float()``), or a difference smaller than float32 rounding can show.
+    cause: PrecisionCause
+    #: Why it fails ("you train in float64", "strict precision"), or "" when it passes.
+    fails_because: str = ""
+
+    @property
+    def fails(self) -> bool:
+        return bool(self.fails_because)
+
+    def describe(self, largest: TensorDiff) -> str:
+        """What, where, how large, why, and when it would matter."""
+        where = f"{largest.label} at step {largest.step}"
+        size = (f"up to {largest.relative_error:.2g} of its scale ({where}); float32 rounds at "
+                f"{FLOAT32_UNIT_ROUNDOFF:.2g}")
+        if self.cause == "default_dtype":
+            why = ("a tensor made without a dtype is float32, torch's default (e.g. torch.zeros(1), "
+                   "torch.tensor(1 / n), 1.0 / a tensor of counts): with the default dtype set to float64 the "
+                   "step matches the full batch")
+        else:
+            why = ("not torch's default dtype (setting it to float64 leaves the difference): float32 arithmetic "
+                   "written into the step (dtype=torch.float32, .float()), or a difference smaller than float32 "
+                   "rounding can show")
+        if self.fails:
+            effect = f"it fails because {self.fails_because}: in float64 training this costs that much precision"
+        else:
+            effect = ("harmless in float32, bfloat16 or float16 training, where the same step matched; it costs "
+                      "precision only in float64 training (equiv check --train-dtype float64, or --strict-precision, "
+                      "fails it)")
+        return f"float32-sized differences inside the float64 run, {size}. Cause: {why}. Effect: {effect}."
+
+
+#: float32's unit roundoff: the size of one float32 rounding, relative.
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict(Judgement):
     """Truthy only when the candidate is equivalent to full-batch training."""
@@ -208,9 +257,9 @@ class Verdict(Judgement):
     #: Why the case does not apply to the candidate (it needs a keyword the
     #: candidate does not take); nothing was run.  Neither a pass nor a failure.
     not_applicable: tuple[str, ...] = ()
-    #: The mismatches are float32 roundoff inside the float64 run: with torch's
-    #: default dtype set to float64 the candidate matched (see equiv.check).
-    precision_only: bool = False
+    #: The mismatches are float32-sized, inside float64 runs only (see equiv.check):
+    #: a precision note (passing) or, for float64 training or strict precision, a failure.
+    precision: PrecisionFinding | None = None
     #: What the step did to the model besides training it (a parameter replaced, a dtype changed).
     notes: tuple[str, ...] = ()
 
@@ -221,15 +270,30 @@ class Verdict(Judgement):
             return Outcome.NOT_APPLICABLE
         if self.inherent:
             return Outcome.INHERENTLY_NON_EQUIVALENT
-        return Outcome.NOT_EQUIVALENT if self.mismatches else Outcome.EQUIVALENT
+        if not self.mismatches or (self.precision is not None and not self.precision.fails):
+            return Outcome.EQUIVALENT
+        return Outcome.NOT_EQUIVALENT
 
     @property
     def kind(self) -> Outcome:
-        """What kind of result: the status, with a precision finding told apart
-        from a mathematical mismatch (PRECISION)."""
-        if self.status is Outcome.NOT_EQUIVALENT and self.precision_only:
+        """What kind of result: the status, with a failing precision finding told
+        apart from a mathematical mismatch (PRECISION)."""
+        if self.status is Outcome.NOT_EQUIVALENT and self.precision is not None:
             return Outcome.PRECISION
         return self.status
+
+    @property
+    def precision_only(self) -> bool:
+        """The differences are float32-sized inside float64 runs only (passing or not)."""
+        return self.precision is not None
+
+    @property
+    def precision_note(self) -> str | None:
+        """The precision finding in words (what, where, how large, why, when it matters), or None."""
+        if self.precision is None or not self.mismatches:
+            return None
+        largest = max(self.mismatches, key=lambda d: d.relative_error)
+        return self.precision.describe(largest)
 
     def __bool__(self) -> bool:
         return self.status is Outcome.EQUIVALENT
@@ -272,16 +336,17 @@ class Verdict(Judgement):
             lines.append(f"Inherently not equivalent to full-batch training ({head}):")
             lines += [f"  - {reason}" for reason in self.inherent]
         first = self.first_mismatch
-        if first is None:
+        if first is not None and self.status is Outcome.EQUIVALENT:  # a passing precision finding
+            lines.append(f"Equivalent to full-batch training ({head}) in float32 and lower precision, "
+                         "with a precision note.")
+            lines.append(f"Precision note: {self.precision_note}")
+            lines += [f"Note: {note}" for note in self.notes]
+        elif first is None:
             if not self.inherent:
                 lines.append(f"Equivalent to full-batch training ({head}) in every step and tier.")
         else:
-            if self.precision_only and not self.inherent:
-                lines.append(
-                    f"Precision ({head}): differences at float32 roundoff inside the float64 run. Mathematically "
-                    "the full-batch step, computed partly in float32: with torch's default dtype set to float64 "
-                    "it matches (a tensor made without a dtype, e.g. an int / int division, is float32)."
-                )
+            if self.precision is not None and not self.inherent:
+                lines.append(f"Precision ({head}): {self.precision_note}")
             elif not self.inherent:
                 lines.append(f"Not equivalent to full-batch training ({head}).")
             lines += [f"Note: {note}" for note in self.notes]  # what the step did besides training
@@ -303,9 +368,14 @@ class Verdict(Judgement):
             lines.append(
                 f"Tier {tier} ({worst.dtype}): worst {worst.ratio:.3g} x allowed, {worst.label} at step {worst.step}"
             )
-        lines.append(f"Reproduce: equiv.check({self.candidate}, equiv.{self.case!r})")
+        lines.append(f"Reproduce: equiv.check({self.candidate}, equiv.{self.case!r}{self._precision_flags()})")
         return "\n".join(lines)
 
+    def _precision_flags(self) -> str:
+        """The keywords that make a failing precision finding fail again when replayed."""
+        if self.precision is None or not self.precision.fails:
+            return ""
+        return ", strict=True" if "strict" in self.precision.fails_because else ", train_dtype='float64'"
 
     def _step_count_diagnosis(self, step: int) -> list[str]:
         """An optimizer's own step counter (Adam's ``step`` state) says outright how
@@ -329,6 +399,9 @@ class Verdict(Judgement):
             "not_applicable": list(self.not_applicable),
             "mismatches": [d.to_dict() for d in self.mismatches],
             "worst": {tier: d.to_dict() for tier, d in sorted(self.worst.items())},
+            "precision": None if self.precision is None else {
+                "cause": self.precision.cause, "fails_because": self.precision.fails_because,
+                "note": self.precision_note},
         }
 
 
@@ -373,6 +446,8 @@ class CaseVerdicts(Judgement):
             return f"ERROR {name}: {self.errors[name]}"
         verdict = self.verdicts[name]
         if verdict.status is Outcome.EQUIVALENT:
+            if verdict.precision_note is not None:
+                return f"ok    {name} (with a precision note, below)"
             return f"ok    {name}"
         if verdict.status is Outcome.NOT_APPLICABLE:
             return f"n/a   {name}: {'; '.join(verdict.not_applicable)}"
@@ -383,7 +458,13 @@ class CaseVerdicts(Judgement):
     def summary(self) -> str:
         counts = self.counts()
         shown = ", ".join(f"{n} {label}" for label, n in counts.items() if n or label in ("equivalent", "not"))
-        return f"{shown}, of {len(self.verdicts) + len(self.errors)} case(s)"
+        text = f"{shown}, of {len(self.verdicts) + len(self.errors)} case(s)"
+        noted = [name for name, v in self.verdicts.items() if v.status is Outcome.EQUIVALENT and v.precision_note]
+        if noted:
+            # One note for all: the same cause shows on every case it touches.
+            text += (f"\nPrecision note ({len(noted)} equivalent case(s), e.g. {noted[0]!r}): "
+                     f"{self.verdicts[noted[0]].precision_note}")
+        return text
 
     def message(self) -> str:
         names = self.order or (*self.verdicts, *self.errors)

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis
+import torch
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis.errors import DidNotReproduce, Flaky, InvalidArgument, Unsatisfiable
 from hypothesis.reporting import with_reporter
 
 from equiv.cases.case import Case
-from equiv.checking.check import check
+from equiv.checking.check import check, precision_fails_because
 from equiv.checking.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S
 from equiv.checking.profiles import profile_settings
@@ -92,6 +93,13 @@ class VerifyResult:
     search: SearchSpace = field(default_factory=SearchSpace)
     #: The step's own traceback when it raised (None otherwise).
     error_traceback: str | None = None
+    #: Equivalent cases that passed with a precision note (float32-sized differences
+    #: inside the float64 run only), and the first one's note.
+    precision_notes: int = 0
+    precision_note: str | None = None
+    #: The precision the search judged for (the --train-dtype / --strict-precision it ran with).
+    train_dtype: str | None = None
+    strict: bool = False
 
     @property
     def found(self) -> bool:
@@ -117,16 +125,18 @@ class VerifyResult:
         alone (state kept across calls), only the whole search reproduces it."""
         lines = []
         alone_reproduces = not self.state_across_calls
+        precision = (f" --train-dtype {self.train_dtype}" if self.train_dtype else "") + (
+            " --strict-precision" if self.strict else "")
         if self.counterexample is not None and alone_reproduces:
             case_json = json.dumps(self.counterexample.to_dict(), sort_keys=True)
-            lines.append(f"  this case:   equiv check {target} --case '{case_json}'")
+            lines.append(f"  this case:   equiv check {target} --case '{case_json}'{precision}")
         how = f"--seed {self.seed}" if self.seed is not None else f"--profile {self.profile}"
         lines.append(f"  this search: equiv verify {target} {how} --max-examples {self.max_examples}"
-                     + "".join(f" {flag}" for flag in self.search.flags()))
+                     + "".join(f" {flag}" for flag in self.search.flags()) + precision)
         if self.blob is not None and alone_reproduces:
             # The search's own flags ride along, so a replayed draw prints the same "this search" line.
             lines.append(f"  shrunk draw: equiv verify {target} --reproduce {self.blob} {how} "
-                         f"--max-examples {self.max_examples}" + "".join(f" {flag}" for flag in self.search.flags()))
+                         f"--max-examples {self.max_examples}" + "".join(f" {flag}" for flag in self.search.flags()) + precision)
         return "\n".join(lines)
 
     @property
@@ -139,6 +149,9 @@ class VerifyResult:
                   f"{100 * outside:.0f}% outside the checks")
         if not self.found:
             text = f"no counterexample in {self.examples} cases ({timing}; candidate {self.candidate})"
+            if self.precision_notes:
+                text += (f"\n{self.precision_notes} of them with a precision note (passing unless you train in "
+                         f"float64: --train-dtype float64 or --strict-precision), e.g.: {self.precision_note}")
             if self.inherent_cases:
                 text += f"\n{self.inherent_cases} case(s) inherently non-equivalent, skipped:"
                 text += "".join(f"\n  - {reason}" for reason in self.inherent_reasons)
@@ -184,6 +197,8 @@ class VerifyResult:
             "fresh_replay": self.fresh_replay,
             "elapsed_s": self.elapsed_s,
             "checking_s": self.checking_s,
+            "precision_notes": self.precision_notes,
+            "precision_note": self.precision_note,
             "inherent_cases": self.inherent_cases,
             "inherent_reasons": list(self.inherent_reasons),
             "worst_ratio": dict(sorted(self.worst_ratio.items())),
@@ -222,6 +237,8 @@ def verify(
     progress: Progress | None = None,
     replay_in_fresh_process: bool = True,
     timeout: float | None = DEFAULT_TIMEOUT_S,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
 ) -> VerifyResult:
     """Search for a case where ``candidate`` is not the full-batch step.
 
@@ -250,10 +267,15 @@ def verify(
     ``timeout``: seconds one case's check may take (None: no limit); a step
     that hangs past it ends the search at once with that case, as an error
     (not shrunk: each shrink step would wait out the limit again).
+    ``train_dtype`` and ``strict``: as in :func:`equiv.check`; a case with only a
+    precision note (float32-sized differences in the float64 run) passes and is
+    counted (``precision_notes``) unless the user trains in float64 or asks for
+    strict precision.
     Raises :class:`~equiv.checking.contract.ContractError` for a candidate
     that cannot take ``(model, optimizer, micro_batches, loss_fn)``.
     """
     candidate = bind(candidate)
+    precision_fails_because(train_dtype, strict)  # a bad value is refused before the search starts
     space = SearchSpace() if space is None else space
     strategy = space.strategy(candidate)
     base = profile_settings(profile) if profile is not None else settings()  # settings(): the loaded profile
@@ -283,13 +305,14 @@ def verify(
     worst_ratio: dict[str, float] = {}
     equivalent_cases: dict[str, int] = {}
     precision_findings: list[tuple[int, Case, Verdict]] = []
+    precision_notes: list[str] = []
 
     def search_once(case: Case) -> None:
         counts["examples"] += 1
         try:
             check_started = time.perf_counter()
             try:
-                verdict = check(candidate, case, timeout=timeout)
+                verdict = check(candidate, case, timeout=timeout, train_dtype=train_dtype, strict=strict)
             except NonFiniteLossError:
                 reject()  # the case diverges on its own (too large a learning rate): not a finding
             except CandidateTimeout as exc:
@@ -314,6 +337,8 @@ def verify(
             if not verdict:
                 first_failure_at.append(counts["examples"])
                 raise _Found(case, verdict, None)
+            if verdict.precision_note is not None:
+                precision_notes.append(verdict.precision_note)
             key = f"{case.model} / {case.optimizer}"
             worst_ratio[key] = max(worst_ratio.get(key, 0.0), ratio)
             equivalent_cases[key] = equivalent_cases.get(key, 0) + 1
@@ -397,6 +422,10 @@ def verify(
         worst_ratio=worst_ratio,
         equivalent_cases=equivalent_cases,
         search=space,
+        train_dtype=None if train_dtype is None else str(train_dtype).removeprefix("torch."),
+        strict=strict,
+        precision_notes=len(precision_notes),
+        precision_note=precision_notes[0] if precision_notes else None,
     )
 
 
@@ -414,7 +443,7 @@ def _warn_once(caught: list[warnings.WarningMessage]) -> None:
 _REPLAY = """
 import json, sys
 from equiv.cases.case import Case
-from equiv.checking.check import check
+from equiv.checking.check import check, precision_fails_because
 from equiv.checking.contract import CandidateError, load_candidate
 candidate = load_candidate(sys.argv[1])
 try:

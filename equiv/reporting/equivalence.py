@@ -79,7 +79,8 @@ def equivalence_table(results: Iterable[tuple[str, str, Verdict]]) -> pd.DataFra
         rows.append({
             "case": case_name,
             "candidate": candidate_name,
-            "verdict": facts.kind.replace("_", " "),
+            "verdict": facts.kind.replace("_", " ") + (
+                f" (precision note: {facts.precision.replace('_', ' ')})" if facts.precision else ""),
             "worst exact / allowed": facts.tiers.get("exact", "-"),
             "worst noise / allowed": facts.tiers.get("noise", "-"),
             "first divergence": "-" if first is None else first.describe(),

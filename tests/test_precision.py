@@ -1,0 +1,149 @@
+"""A verdict in the user's precision: float32-sized differences inside the float64 run pass with a note.
+
+Two correct loops people run make a float32 number inside equiv's float64 run:
+a fine-tuning recipe that scales the summed gradient by ``1.0 / num_tokens`` (a
+tensor of counts, so the quotient is in torch's default dtype), and a clip
+coefficient computed with ``dtype=torch.float32``.  In float32, bfloat16 or
+float16 training each is as exact as the full batch, so they pass, with a note
+saying what, where, how large and why; they fail (class "precision") only for a
+user who trains in float64 or asks for strict precision.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import equiv
+from equiv.cases.standard import STANDARD_CASES
+from equiv.checking.search_space import SearchSpace
+from equiv.cli import main
+from equiv.outcomes import Outcome
+from equiv.zoo.bugs import mean_of_means
+
+STEPS = '''
+import torch
+
+
+def token_scale(model, optimizer, micro_batches, loss_fn):
+    """Summed losses, the summed gradient scaled by 1.0 / num_tokens (a default-dtype tensor)."""
+    optimizer.zero_grad()
+    num_tokens = torch.tensor(0)
+    for inputs, targets in micro_batches:
+        loss_fn.sum(model(inputs), targets).backward()
+        num_tokens += loss_fn.count(targets)
+    scale = 1.0 / num_tokens
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(scale)
+    optimizer.step()
+
+
+def float32_clip(model, optimizer, micro_batches, loss_fn, max_grad_norm=None):
+    """Correctly weighted; the clip coefficient computed in float32 on purpose."""
+    optimizer.zero_grad()
+    total = sum(len(targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        (loss_fn(model(inputs), targets) * len(targets) / total).backward()
+    if max_grad_norm is not None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.to(torch.float32)) for g in grads]))
+        coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+    optimizer.step()
+'''
+
+SGD = STANDARD_CASES["SGD momentum, uneven 1+5+10"]
+CLIPPED = STANDARD_CASES["SGD, active clipping 3+5"]
+
+
+@pytest.fixture(scope="module")
+def steps_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("precision") / "real_loops.py"
+    path.write_text(STEPS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def steps(steps_file: Path) -> dict[str, object]:
+    from equiv.checking.contract import load_candidate
+
+    return {name: load_candidate(f"{steps_file}:{name}") for name in ("token_scale", "float32_clip")}
+
+
+def test_a_default_dtype_constant_passes_with_a_note_that_says_what_where_how_large_and_why(
+        steps: dict[str, object]) -> None:
+    verdict = equiv.check(steps["token_scale"], SGD)  # type: ignore[arg-type]
+    assert verdict and verdict.status is Outcome.EQUIVALENT, verdict.message()
+    assert verdict.precision is not None and verdict.precision.cause == "default_dtype"
+    note = verdict.precision_note or ""
+    assert "float32-sized differences inside the float64 run" in note
+    assert "float32 rounds at 6e-08" in note and "at step" in note
+    assert "with the default dtype set to float64 the step matches" in note
+    assert "harmless in float32, bfloat16 or float16 training" in note
+    assert verdict.message().startswith("Equivalent to full-batch training (candidate token_scale) in float32")
+    verdict.assert_ok()
+
+
+@pytest.mark.parametrize(("train_dtype", "strict", "why"), [
+    (torch.float64, False, "you train in float64"),
+    ("float64", False, "you train in float64"),
+    (None, True, "strict precision was asked for"),
+])
+def test_it_fails_as_precision_for_float64_training_or_strict(
+        steps: dict[str, object], train_dtype: object, strict: bool, why: str) -> None:
+    verdict = equiv.check(steps["token_scale"], SGD, train_dtype=train_dtype, strict=strict)  # type: ignore[arg-type]
+    assert not verdict and verdict.kind is Outcome.PRECISION
+    assert f"it fails because {why}" in verdict.message()
+    # The replay line carries what made it fail, so it fails again as printed.
+    assert ("strict=True" if strict else "train_dtype='float64'") in verdict.message().splitlines()[-1]
+
+
+def test_float32_or_lower_training_is_the_default(steps: dict[str, object]) -> None:
+    for train_dtype in ("float32", torch.bfloat16, "float16"):
+        assert equiv.check(steps["token_scale"], SGD, train_dtype=train_dtype)  # type: ignore[arg-type]
+
+
+def test_explicit_float32_arithmetic_is_named_as_such(steps: dict[str, object]) -> None:
+    verdict = equiv.check(steps["float32_clip"], CLIPPED)  # type: ignore[arg-type]
+    assert verdict and verdict.precision is not None and verdict.precision.cause == "float32_sized"
+    assert "not torch's default dtype (setting it to float64 leaves the difference)" in (verdict.precision_note or "")
+    assert not equiv.check(steps["float32_clip"], CLIPPED, strict=True)  # type: ignore[arg-type]
+
+
+def test_a_real_bug_is_never_a_precision_note() -> None:
+    # Mean of micro-batch means: far past float32 rounding, in every tier.
+    verdict = equiv.check(mean_of_means, SGD)
+    assert verdict.status is Outcome.NOT_EQUIVALENT and verdict.precision is None
+
+
+def test_bad_precision_settings_are_refused_by_name(steps: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=r"train_dtype must be one of .* got 'float8'"):
+        equiv.check(steps["token_scale"], SGD, train_dtype="float8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="strict must be True or False, got 'yes'"):
+        equiv.check(steps["token_scale"], SGD, strict="yes")  # type: ignore[arg-type]
+
+
+def test_the_standard_cases_and_the_search_pass_a_correct_real_loop(
+        steps: dict[str, object], steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    verdicts = equiv.check(steps["token_scale"])  # type: ignore[arg-type]
+    assert verdicts, verdicts.message()
+    assert "Precision note (" in verdicts.summary()
+    result = equiv.verify(steps["token_scale"], SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")),  # type: ignore[arg-type]
+                          max_examples=15, seed=1, replay_in_fresh_process=False)
+    assert result and result.precision_notes > 0 and "with a precision note" in result.message()
+    strict = equiv.verify(steps["token_scale"], SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")),  # type: ignore[arg-type]
+                          max_examples=15, seed=1, replay_in_fresh_process=False, train_dtype="float64")
+    assert strict.kind is Outcome.PRECISION
+    assert "--train-dtype float64" in strict.replay_hint()
+    # From the shell: exit 0 for float32 training, 1 for float64.
+    case = ["--case", json.dumps(SGD.to_dict())]
+    target = f"{steps_file}:token_scale"
+    assert main(["check", target, *case]) == 0
+    assert main(["check", target, *case, "--train-dtype", "float64"]) == 1
+    assert main(["check", target, *case, "--strict-precision"]) == 1
+    capsys.readouterr()
