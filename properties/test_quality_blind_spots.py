@@ -40,7 +40,12 @@ SHRUNK: dict[str, Callable[[equiv.Case], bool]] = {
     # Two groups and a clip norm the gradient exceeds.
     "clips_first_group_only": lambda c: c.param_groups in PARAM_GROUPS and c.max_grad_norm is not None
     and c.max_grad_norm <= 1e-2,
-    "zero_grads_for_frozen": lambda c: c.frozen_layers >= 1,
+    "zero_grads_for_frozen": lambda c: c.frozen_layers != 0,
+    # A group parked at lr = 0 (still requiring grad) and a clip norm the gradient exceeds.
+    "clips_only_trained_groups": lambda c: c.param_groups == "parked" and c.max_grad_norm is not None
+    and c.max_grad_norm <= 1e-2,
+    # A frozen layer with a trainable one below it: a layer index, not a frozen bottom.
+    "no_grad_through_frozen": lambda c: isinstance(c.frozen_layers, tuple),
     # Coupled decay counted once per micro-batch: two micro-batches are enough.
     "decay_per_micro_batch": lambda c: coupled_decay(c) and len(c.micro_batch_sizes) == 2,
 }
@@ -72,8 +77,10 @@ def without_setting(name: str, case: equiv.Case) -> equiv.Case:
         return case.replace(micro_batch_sizes=[*sizes[:7], sum(sizes[7:])])
     if name == "clips_first_group_only":
         return case.replace(param_groups=None)
-    if name == "zero_grads_for_frozen":
+    if name in ("zero_grads_for_frozen", "no_grad_through_frozen"):
         return case.replace(frozen_layers=0)
+    if name == "clips_only_trained_groups":
+        return case.replace(param_groups=None)
     return case.replace(micro_batch_sizes=[case.batch_size])  # decay_per_micro_batch: one micro-batch
 
 
@@ -118,11 +125,13 @@ def correct_loop(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
 
 
 # Every unusual shape at once, so each example covers them all: more than 8
-# micro-batches, two groups, a frozen first layer, every optimizer (decay
-# drawn for each), schedulers, token losses.  (The default search of the
-# reference, in test_quality_bug_zoo.py, covers them mixed with the rest.)
+# micro-batches, two groups (one of them parked at lr = 0), frozen layers
+# anywhere, every optimizer (decay drawn for each), schedulers, token losses.
+# (The default search of the reference, in test_quality_bug_zoo.py, covers
+# them mixed with the rest.)
 UNUSUAL = eqst.cases(min_micro_batches=eqst.FEW_MICRO_BATCHES + 1, param_groups=list(PARAM_GROUPS),
-                     frozen_layers=[1], schedulers=list(eqst.SCHEDULERS), item_weighted=True)
+                     frozen_layers=[f for f in eqst.FROZEN_LAYERS if f != 0], schedulers=list(eqst.SCHEDULERS),
+                     item_weighted=True)
 
 
 @given(UNUSUAL)
@@ -145,3 +154,24 @@ def test_correct_steps_under_coupled_weight_decay_are_never_flagged(case: equiv.
         verdict = equiv.check(step, case)
         note(verdict.message())
         verdict.assert_ok()
+
+
+# Muon: its Newton-Schulz iteration rounds in bfloat16 even in the float64 run; the
+# floor samples round the same way, so correct steps pass both tiers ...
+@given(eqst.cases(optimizer_names=["Muon"], families=["mlp"]))
+@settings(max_examples=20)
+def test_correct_steps_under_muon_are_never_flagged(case: equiv.Case) -> None:
+    for step in (equiv.accumulator_step, correct_loop):
+        verdict = equiv.check(step, case)
+        note(verdict.message())
+        verdict.assert_ok()
+
+
+# ... and orthogonalising each micro-batch's gradient (a step per micro-batch) is found and shrunk.
+def test_per_micro_batch_orthogonalisation_under_muon_is_found() -> None:
+    from equiv.checking.search_space import SearchSpace
+
+    result = verify(BUGS["step_per_micro_batch"], SearchSpace(optimizers=("Muon",)), replay_in_fresh_process=False)
+    assert result.found and result.verdict is not None and result.verdict.status == "not_equivalent"
+    case = result.counterexample
+    assert case is not None and case.optimizer == "Muon" and len(case.micro_batch_sizes) == 2, case

@@ -20,13 +20,16 @@ def case(**changes) -> Case:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"frozen_layers": -1}, "frozen_layers must be an int >= 0 (layers to freeze), got -1"),
-        ({"frozen_layers": True}, "frozen_layers must be an int >= 0 (layers to freeze), got True"),
-        ({"frozen_layers": 1.0}, "frozen_layers must be an int >= 0 (layers to freeze), got 1.0"),
-        ({"param_groups": "layerwise"}, "unknown param_groups 'layerwise'; expected None or one of ['head_lr', 'no_decay']"),
+        ({"frozen_layers": (1, 1)}, "non-empty tuple of distinct layer indices, got (1, 1)"),
+        ({"frozen_layers": True}, "frozen_layers must be an int (k: the first k layers, -k: all but the last k) "
+                                  "or a non-empty tuple of distinct layer indices, got True"),
+        ({"frozen_layers": 1.0}, "frozen_layers must be an int (k: the first k layers, -k: all but the last k) "
+                                 "or a non-empty tuple of distinct layer indices, got 1.0"),
+        ({"param_groups": "layerwise"},
+         "unknown param_groups 'layerwise'; expected None or one of ['head_lr', 'no_decay', 'parked']"),
         ({"param_groups": ""}, "unknown param_groups ''"),
     ],
-    ids=["frozen-negative", "frozen-bool", "frozen-float", "groups-unknown", "groups-empty-name"],
+    ids=["frozen-repeated", "frozen-bool", "frozen-float", "groups-unknown", "groups-empty-name"],
 )
 def test_bad_new_fields_are_rejected_naming_the_value(changes: dict, message: str) -> None:
     with pytest.raises(InvalidCase) as raised:
@@ -164,3 +167,19 @@ def test_names_and_optimizer_keywords_are_checked_when_the_case_is_made(changes:
     with pytest.raises(InvalidCase) as raised:
         Case(batch_size=2, micro_batch_sizes=(1, 1), **changes)
     assert message in str(raised.value)
+
+
+def test_frozen_layers_anywhere_and_their_bad_values() -> None:
+    three = {"batch_size": 2, "micro_batch_sizes": (1, 1), "model_kwargs": {"hidden": (8, 8)}}
+    trains = {spec: [p.requires_grad for n, p in Case(**three, frozen_layers=spec).build_model().module.named_parameters()
+                     if n.endswith("weight")]
+              for spec in (1, -1, (1,), (-1,), (0, 2))}
+    assert trains == {1: [False, True, True], -1: [False, False, True], (1,): [True, False, True],
+                      (-1,): [True, True, False], (0, 2): [False, True, False]}
+    assert Case.from_dict(Case(**three, frozen_layers=(1,)).to_dict()).frozen_layers == (1,)
+    with pytest.raises(InvalidCase, match=r"names layer\(s\) \[5\] of model 'mlp', which has 3 layers"):
+        Case(**three, frozen_layers=(5,)).build_model()
+    with pytest.raises(InvalidCase, match="would freeze every layer"):
+        Case(**three, frozen_layers=(0, 1, 2)).build_model()
+    with pytest.raises(InvalidCase, match="all but the last 3.* freezes nothing"):
+        Case(**three, frozen_layers=-3).build_model()

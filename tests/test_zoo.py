@@ -43,6 +43,9 @@ CLAIMS = {
     "clips_first_group_only": (case(**CLIPPED), case(param_groups="no_decay", **CLIPPED)),
     "zero_grads_for_frozen": (case(**DECAY), case(frozen_layers=1, **DECAY)),
     "decay_per_micro_batch": (case(micro_batch_sizes=(6,), **DECAY), case(**DECAY)),
+    "clips_only_trained_groups": (case(param_groups="parked"), case(param_groups="parked", **CLIPPED)),
+    # A frozen bottom is right to run without grad; a frozen middle layer cuts the one below off.
+    "no_grad_through_frozen": (case(frozen_layers=1), case(frozen_layers=(1,))),
 }
 
 #: More cases each blind-spot bug gets right: its mistake needs its setting and nothing else.
@@ -60,6 +63,9 @@ ALSO_EXACT = [
     pytest.param("decay_per_micro_batch", case(optimizer="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}),
                  id="decoupled-decay-left-to-the-optimizer"),
     pytest.param("decay_per_micro_batch", case(**EIGHT, **SCHEDULED), id="no-decay-many-pieces"),
+    pytest.param("clips_only_trained_groups", case(param_groups="no_decay", **CLIPPED),
+                 id="every-group-trains-clipped"),
+    pytest.param("no_grad_through_frozen", case(frozen_layers=-1, **CLIPPED), id="frozen-base-trainable-head"),
     pytest.param("decay_per_micro_batch", case(micro_batch_sizes=(6,), optimizer="Adam", param_groups="no_decay",
                                                optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}),
                  id="one-piece-adam-two-groups"),

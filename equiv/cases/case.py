@@ -48,9 +48,13 @@ DataFactory = Callable[[int, int, torch.Generator], tuple[Tensor, Tensor]]
 #: - "head_lr": the last layer (the head) at the case's ``lr``, every other layer
 #:   at ``HEAD_LR_BODY_FACTOR`` times it (fine-tuning with discriminative
 #:   learning rates); one weight decay.
+#: - "parked": the first layer in a group at ``lr = 0`` whose parameters still
+#:   require grad (a layer parked by the schedule, or warmed up later): no update,
+#:   but its gradient still counts in the full-batch gradient norm that clipping uses.
 PARAM_GROUPS: dict[str, str] = {
     "no_decay": "biases and norm weights without weight decay",
     "head_lr": "the head at lr, the body at a tenth of it",
+    "parked": "the first layer at lr = 0, still requiring grad; the rest at lr",
 }
 #: The body's lr under the "head_lr" recipe, as a factor of the case's lr.
 HEAD_LR_BODY_FACTOR = 0.1
@@ -76,10 +80,13 @@ class Case:
     #: ``ModelBundle``, called with ``model_kwargs`` under the case's seed.
     model: str | ModelFactory = "mlp"
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    #: Freeze (``requires_grad=False``) the first this many layers (modules that
-    #: own parameters, in order) when the model is built, as fine-tuning does.
+    #: Freeze (``requires_grad=False``) layers (modules that own parameters, in
+    #: order) when the model is built, as fine-tuning does: an int k >= 0, the
+    #: first k (a frozen bottom); an int -k, all but the last k (a frozen base
+    #: with a trainable head); or a tuple of layer indices, negative from the end
+    #: (``(1,)`` a middle layer with trainable layers below it, ``(-1,)`` the head).
     #: They stay in the optimizer, with no gradient: the full batch never moves them.
-    frozen_layers: int = 0
+    frozen_layers: int | tuple[int, ...] = 0
     optimizer: str = "SGD"
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.1})
     #: A recipe of :data:`PARAM_GROUPS` splitting the parameters into optimizer
@@ -118,6 +125,8 @@ class Case:
         object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
         if self.overflow_at is not None:
             object.__setattr__(self, "overflow_at", tuple(self.overflow_at))
+        if isinstance(self.frozen_layers, list):
+            object.__setattr__(self, "frozen_layers", tuple(self.frozen_layers))
         for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
             object.__setattr__(self, name, dict(getattr(self, name)))
         self._accept_torch_spellings()
@@ -171,8 +180,13 @@ class Case:
             raise InvalidCase(
                 f"micro_batch_sizes {sizes} add up to {sum(sizes)}, but batch_size is {self.batch_size}"
             )
-        if isinstance(self.frozen_layers, bool) or not isinstance(self.frozen_layers, int) or self.frozen_layers < 0:
-            raise InvalidCase(f"frozen_layers must be an int >= 0 (layers to freeze), got {self.frozen_layers!r}")
+        frozen = self.frozen_layers
+        valid_int = isinstance(frozen, int) and not isinstance(frozen, bool)
+        valid_tuple = (isinstance(frozen, tuple) and len(frozen) > 0 and len(set(frozen)) == len(frozen)
+                       and all(isinstance(i, int) and not isinstance(i, bool) for i in frozen))
+        if not (valid_int or valid_tuple):
+            raise InvalidCase(f"frozen_layers must be an int (k: the first k layers, -k: all but the last k) or a "
+                              f"non-empty tuple of distinct layer indices, got {frozen!r}")
         if self.param_groups is not None and self.param_groups not in PARAM_GROUPS:
             raise InvalidCase(
                 f"unknown param_groups {self.param_groups!r}; expected None or one of {sorted(PARAM_GROUPS)}"
@@ -245,6 +259,8 @@ class Case:
         for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
             out[name] = dict(out[name])
         out["micro_batch_sizes"] = list(self.micro_batch_sizes)
+        if isinstance(self.frozen_layers, tuple):
+            out["frozen_layers"] = list(self.frozen_layers)
         if self.overflow_at is not None:
             out["overflow_at"] = list(self.overflow_at)
         out["model"] = _reference(self.model)
@@ -302,15 +318,31 @@ class Case:
             # module with children of its own (MultiheadAttention's out_proj)
             # freezes only what it owns, and each child counts as its own layer.
             layers = [m for m in bundle.module.modules() if next(m.parameters(recurse=False), None) is not None]
-            if self.frozen_layers >= len(layers):
-                raise InvalidCase(
-                    f"frozen_layers={self.frozen_layers} would freeze every layer of model {_reference(self.model)!r} "
-                    f"({len(layers)} with parameters); at least one must train"
-                )
-            for layer in layers[: self.frozen_layers]:
-                for param in layer.parameters(recurse=False):
+            for index in self._frozen_indices(len(layers)):
+                for param in layers[index].parameters(recurse=False):
                     param.requires_grad_(False)
         return bundle
+
+    def _frozen_indices(self, count: int) -> list[int]:
+        """Which of ``count`` layers ``frozen_layers`` freezes; at least one must train."""
+        frozen = self.frozen_layers
+        if isinstance(frozen, tuple):
+            outside = [i for i in frozen if not -count <= i < count]
+            if outside:
+                raise InvalidCase(f"frozen_layers={frozen} names layer(s) {outside} of model "
+                                  f"{_reference(self.model)!r}, which has {count} layers with parameters")
+            indices = sorted({i % count for i in frozen})
+        elif frozen < 0 and -frozen >= count:
+            raise InvalidCase(f"frozen_layers={frozen} (all but the last {-frozen}) freezes nothing in model "
+                              f"{_reference(self.model)!r}, which has {count} layers with parameters")
+        else:
+            indices = list(range(frozen)) if frozen >= 0 else list(range(count + frozen))
+        if len(set(indices) & set(range(count))) >= count:
+            raise InvalidCase(
+                f"frozen_layers={frozen} would freeze every layer of model {_reference(self.model)!r} "
+                f"({count} with parameters); at least one must train"
+            )
+        return [i for i in indices if i < count]
 
     def batches(self, bundle: ModelBundle) -> list[tuple[Tensor, Tensor]]:
         """One full batch per step, float inputs and targets already rounded to
@@ -401,17 +433,24 @@ class Case:
             if "weight_decay" in accepts:  # an optimizer without decay (Rprop) gets two plain groups
                 no_decay["weight_decay"] = 0.0
             groups = [{"params": [p for _, p in named if p.dim() >= 2]}, no_decay]
-        else:  # "head_lr"
+        else:  # "head_lr", "parked": groups by learning rate
             if "lr" not in accepts:
-                raise InvalidCase(f"param_groups 'head_lr' needs an optimizer with an lr; {self.optimizer} has none")
+                raise InvalidCase(f"param_groups {self.param_groups!r} needs an optimizer with an lr; "
+                                  f"{self.optimizer} has none")
             lr = self.optimizer_kwargs.get("lr", accepts["lr"].default)
             if not isinstance(lr, (int, float)) or isinstance(lr, bool):
-                raise InvalidCase(f"param_groups 'head_lr' needs a numeric lr for {self.optimizer}, got {lr!r}")
-            # The head is the module owning the last parameter (its name minus the last part).
-            head_owner = named[-1][0].rpartition(".")[0] if named else ""
-            head = [p for name, p in named if name.rpartition(".")[0] == head_owner]
-            body = [p for name, p in named if name.rpartition(".")[0] != head_owner]
-            groups = [{"params": body, "lr": HEAD_LR_BODY_FACTOR * lr}, {"params": head}]
+                raise InvalidCase(f"param_groups {self.param_groups!r} needs a numeric lr for {self.optimizer}, "
+                                  f"got {lr!r}")
+            # A layer is the module owning a parameter (its name minus the last part):
+            # the head owns the last parameter, the first layer the first.
+            owner_at = -1 if self.param_groups == "head_lr" else 0
+            owner = named[owner_at][0].rpartition(".")[0] if named else ""
+            own = [p for name, p in named if name.rpartition(".")[0] == owner]
+            rest = [p for name, p in named if name.rpartition(".")[0] != owner]
+            if self.param_groups == "head_lr":
+                groups = [{"params": rest, "lr": HEAD_LR_BODY_FACTOR * lr}, {"params": own}]
+            else:
+                groups = [{"params": own, "lr": 0.0}, {"params": rest}]
         empty = [index for index, group in enumerate(groups) if not group["params"]]
         if empty:
             raise InvalidCase(

@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_MAX_EXTRA_SAMPLES",
     "DEFAULT_MAX_MICRO_BATCHES",
     "FEW_MICRO_BATCHES",
+    "FROZEN_LAYERS",
     "ITEM_WEIGHTED_LOSSES",
     "MATRIX_ONLY_OPTIMIZERS",
     "MODEL_FAMILIES",
@@ -104,6 +105,11 @@ def _count_table(low: int, top: int) -> tuple[int, ...]:
     many = [FEW_MICRO_BATCHES + 1 + round((n - FEW_MICRO_BATCHES - 1) * (top - FEW_MICRO_BATCHES - 1) / span)
             for n in _MANY_COUNTS] if top > FEW_MICRO_BATCHES else []
     return tuple(min(max(n, low), top) for n in (*_FEW_COUNTS, *many))
+
+
+#: Which layers a case may freeze (:attr:`equiv.Case.frozen_layers`): none, the first,
+#: all but the head, the second (a middle layer, or the head of a 2-layer model), the head.
+FROZEN_LAYERS: tuple[int | tuple[int, ...], ...] = (0, 1, -1, (1,), (-1,))
 
 
 #: LR schedulers a case may step once per optimizer step (None: no scheduler).
@@ -458,7 +464,7 @@ def cases(
     clipping: Sequence[str] = CLIPPING,
     schedulers: Sequence[str | None] = (None,),
     param_groups: Sequence[str | None] = (None, *PARAM_GROUPS),
-    frozen_layers: Sequence[int] = (0, 1),
+    frozen_layers: Sequence[int | tuple[int, ...]] = FROZEN_LAYERS,
     # Not bfloat16 by default: Adam's first update is lr * sign(g), and the sign
     # of a near-zero gradient is bfloat16 noise, so a correct step can differ
     # by a whole lr from the full batch (1.33 x allowed; reported).  Ask for it.
@@ -492,8 +498,9 @@ def cases(
     norm far below the gradient's); no LR scheduler (``schedulers`` lists
     names of :data:`SCHEDULERS`, None for none); ``param_groups``: one group
     (None) or a recipe of :data:`PARAM_GROUPS`, each equally often; the
-    first layer frozen in one case in three (``frozen_layers``: the counts to
-    draw from, among 0 and 1); working dtypes float32 and float64 (bfloat16
+    layers frozen in half the cases, as fine-tuning freezes them (``frozen_layers``:
+    the choices to draw from, among :data:`FROZEN_LAYERS`: the bottom, the base under
+    a trainable head, a middle layer with trainable layers below it, the head); working dtypes float32 and float64 (bfloat16
     only when listed; the float64 tier runs for every case); device "cpu";
     seeds 0..``max_seed``.
 
@@ -543,10 +550,11 @@ def cases(
     chosen_clipping = _check_names("clipping", clipping, CLIPPING)
     chosen_schedulers = _check_names("schedulers", schedulers, tuple(SCHEDULERS))
     chosen_groups = _check_names("param_groups", param_groups, (None, *PARAM_GROUPS))
-    # Every family has 2 layers or more, so freezing the first always leaves one to train.
-    chosen_frozen = sorted(set(_check_names("frozen_layers", frozen_layers, (0, 1))))
-    if any(isinstance(count, bool) for count in chosen_frozen):
-        raise InvalidArgument(f"frozen_layers must list ints among [0, 1] but was {frozen_layers!r}")
+    # Every family has 2 layers or more, so each choice leaves one to train.
+    if isinstance(frozen_layers, Sequence) and any(isinstance(choice, bool) for choice in frozen_layers):
+        raise InvalidArgument(f"frozen_layers must list choices among {list(FROZEN_LAYERS)} but was {frozen_layers!r}")
+    chosen_frozen = [choice for choice in FROZEN_LAYERS
+                     if choice in _check_names("frozen_layers", frozen_layers, FROZEN_LAYERS)]
     chosen_dtypes = _check_names("dtypes", dtypes, tuple(DTYPES))
     if isinstance(devices, str) or not devices:
         raise InvalidArgument(f"devices must be a non-empty sequence of device names but was {devices!r}")
@@ -576,11 +584,15 @@ def cases(
         top_count, extra_samples = min(max_micro_batches, max_batch_size), max_batch_size - low_batch
     counts = st.sampled_from(_count_table(min_micro_batches, top_count))
     # One group (None) first, so it is what a case shrinks to; each recipe as
-    # often (two in three cases have two groups by default: a search meets
-    # groups with active clipping in about one case in nine).
+    # often (three in four cases have two groups by default: a search meets
+    # groups with active clipping in about one case in four).
     groups_strategy = st.sampled_from(sorted(chosen_groups, key=lambda g: g is not None))
-    # Nothing frozen in two cases in three when both are allowed (and what a case shrinks to).
-    frozen_strategy = st.sampled_from((0, 0, 1) if chosen_frozen == [0, 1] else chosen_frozen)
+    # Nothing frozen in half the cases when that is allowed (and what a case shrinks to);
+    # each placement as often: the bottom, the base under a trainable head, a middle layer
+    # with trainable layers below it, the head.
+    placements = [choice for choice in chosen_frozen if choice != 0]
+    nothing: list[int | tuple[int, ...]] = [0] * len(placements)
+    frozen_strategy = st.sampled_from(nothing + placements if 0 in chosen_frozen else chosen_frozen)
 
     @st.composite
     def draw_case(draw: st.DrawFn) -> Case:

@@ -23,6 +23,7 @@ __all__ = [
     "caches_item_count",
     "clip_per_micro_batch",
     "clips_first_group_only",
+    "clips_only_trained_groups",
     "counts_padding_tokens",
     "decay_per_micro_batch",
     "divides_twice",
@@ -32,6 +33,7 @@ __all__ = [
     "leaks_gradients",
     "low_precision_buffer",
     "mean_of_means",
+    "no_grad_through_frozen",
     "sample_weighted_token_loss",
     "scheduler_per_micro_batch",
     "step_per_micro_batch",
@@ -283,6 +285,55 @@ def clips_first_group_only(model: nn.Module, optimizer: torch.optim.Optimizer, m
         scheduler.step()
 
 
+def clips_only_trained_groups(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                              loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                              scheduler: Any | None = None) -> None:
+    """Clips by the norm of the groups that train (``lr > 0``), skipping a group
+    parked at ``lr = 0`` whose parameters still require grad: their gradients
+    still count in the full batch's global norm (``clip_grad_norm_(model.parameters())``),
+    so every other gradient is clipped by too small a norm.  Exact with no parked
+    group or no active clip; code that builds the clip list from "the parameters
+    being optimised" (a layer warmed up later, a frozen-by-lr embedding)."""
+    optimizer.zero_grad(set_to_none=True)
+    _item_weighted_backward(model, micro_batches, loss_fn)
+    if max_grad_norm is not None:
+        trained = [p for group in optimizer.param_groups if group["lr"] > 0 for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+
+
+def no_grad_through_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                           scheduler: Any | None = None) -> None:
+    """Runs the layers whose parameters are all frozen under ``torch.no_grad()``
+    to save activation memory, layer by layer through an ``nn.Sequential``: right
+    for a frozen bottom (nothing below needs a gradient), but a frozen layer with
+    trainable layers below it cuts their gradient off, so they never train.
+    Exact when only the first layers are frozen (or none); models that are not
+    an ``nn.Sequential`` run whole."""
+    total = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
+    optimizer.zero_grad(set_to_none=True)
+    for inputs, targets in micro_batches:
+        if isinstance(model, nn.Sequential):
+            hidden = inputs
+            for layer in model:
+                params = list(layer.parameters())
+                if params and not any(p.requires_grad for p in params):
+                    with torch.no_grad():
+                        hidden = layer(hidden)
+                else:
+                    hidden = layer(hidden)
+            output = hidden
+        else:
+            output = model(inputs)
+        loss_sum, _ = loss_sum_and_count(loss_fn, output, targets)
+        if loss_sum.requires_grad:  # everything below the head frozen and run without grad: nothing to do
+            (loss_sum / total).backward()
+    _step_once(model, optimizer, max_grad_norm, scheduler)
+
+
 def zero_grads_for_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                           scheduler: Any | None = None) -> None:
@@ -411,6 +462,8 @@ BUGS: dict[str, Callable[..., Any]] = {
     "clips_first_group_only": clips_first_group_only,
     "zero_grads_for_frozen": zero_grads_for_frozen,
     "decay_per_micro_batch": decay_per_micro_batch,
+    "clips_only_trained_groups": clips_only_trained_groups,
+    "no_grad_through_frozen": no_grad_through_frozen,
 }
 
 #: The bugs that only an item-weighted (token) loss exposes: exact for sample-mean losses.
@@ -418,7 +471,10 @@ ITEM_WEIGHTED_BUGS: frozenset[str] = frozenset({"sample_weighted_token_loss", "c
 
 #: The bugs that only a setting the search could not draw before exposes, each
 #: exact without it: more than 8 micro-batches, two parameter groups (with
-#: active clipping), frozen layers, coupled weight decay over several micro-batches.
+#: active clipping), a group parked at lr = 0 under active clipping, frozen
+#: layers (a middle one, for no_grad_through_frozen), coupled weight decay over
+#: several micro-batches.
 BLIND_SPOT_BUGS: frozenset[str] = frozenset(
-    {"eight_slot_buffer", "clips_first_group_only", "zero_grads_for_frozen", "decay_per_micro_batch"}
+    {"eight_slot_buffer", "clips_first_group_only", "zero_grads_for_frozen", "decay_per_micro_batch",
+     "clips_only_trained_groups", "no_grad_through_frozen"}
 )
