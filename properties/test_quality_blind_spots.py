@@ -124,6 +124,14 @@ def correct_loop(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
         scheduler.step()
 
 
+def assert_correct_steps_pass(case: equiv.Case) -> None:
+    """The reference accumulator and a hand-written correct loop, both equivalent on ``case``."""
+    for step in (equiv.accumulator_step, correct_loop):
+        verdict = equiv.check(step, case)
+        note(verdict.message())
+        verdict.assert_ok()
+
+
 # Every unusual shape at once, so each example covers them all: more than 8
 # micro-batches, two groups (one of them parked at lr = 0), frozen layers
 # anywhere, every optimizer (decay drawn for each), schedulers, token losses.
@@ -137,10 +145,7 @@ UNUSUAL = eqst.cases(min_micro_batches=eqst.FEW_MICRO_BATCHES + 1, param_groups=
 @given(UNUSUAL)
 @settings(max_examples=20)
 def test_correct_steps_of_every_unusual_shape_are_never_flagged(case: equiv.Case) -> None:
-    for step in (equiv.accumulator_step, correct_loop):
-        verdict = equiv.check(step, case)
-        note(verdict.message())
-        verdict.assert_ok()
+    assert_correct_steps_pass(case)
 
 
 # Two micro-batches or more under coupled weight decay: where decay_per_micro_batch fails.
@@ -150,10 +155,7 @@ COUPLED_DECAY = eqst.cases(min_micro_batches=2, optimizer_names=list(COUPLED)).f
 @given(COUPLED_DECAY)
 @settings(max_examples=10)
 def test_correct_steps_under_coupled_weight_decay_are_never_flagged(case: equiv.Case) -> None:
-    for step in (equiv.accumulator_step, correct_loop):
-        verdict = equiv.check(step, case)
-        note(verdict.message())
-        verdict.assert_ok()
+    assert_correct_steps_pass(case)
 
 
 # Muon: its Newton-Schulz iteration rounds in bfloat16 even in the float64 run; the
@@ -161,10 +163,7 @@ def test_correct_steps_under_coupled_weight_decay_are_never_flagged(case: equiv.
 @given(eqst.cases(optimizer_names=["Muon"], families=["mlp"]))
 @settings(max_examples=20)
 def test_correct_steps_under_muon_are_never_flagged(case: equiv.Case) -> None:
-    for step in (equiv.accumulator_step, correct_loop):
-        verdict = equiv.check(step, case)
-        note(verdict.message())
-        verdict.assert_ok()
+    assert_correct_steps_pass(case)
 
 
 # ... and orthogonalising each micro-batch's gradient (a step per micro-batch) is found and shrunk.

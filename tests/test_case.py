@@ -181,5 +181,5 @@ def test_frozen_layers_anywhere_and_their_bad_values() -> None:
         Case(**three, frozen_layers=(5,)).build_model()
     with pytest.raises(InvalidCase, match="would freeze every layer"):
         Case(**three, frozen_layers=(0, 1, 2)).build_model()
-    with pytest.raises(InvalidCase, match="all but the last 3.* freezes nothing"):
+    with pytest.raises(InvalidCase, match=r"all but the last 3.* freezes nothing"):
         Case(**three, frozen_layers=-3).build_model()
