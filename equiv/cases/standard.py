@@ -3,7 +3,8 @@
 Each one targets a way accumulation goes wrong (uneven splits, item-weighted
 losses, clipping, adaptive optimizers, leaks across steps, an LR scheduler,
 coupled weight decay, parameter groups, frozen layers, more than 8
-micro-batches); ``equiv check`` runs them and the equivalence report
+micro-batches, a composite LR schedule, dynamic loss scaling with growth and
+with an overflowing window); ``equiv check`` runs them and the equivalence report
 tabulates them.
 """
 
@@ -81,5 +82,29 @@ STANDARD_CASES: dict[str, Case] = {
     "SGD momentum, 16 micro-batches 15 x 2 + 3": Case(
         batch_size=33, micro_batch_sizes=(2,) * 15 + (3,), model_kwargs={"hidden": (8,)},
         optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, steps=2,
+    ),
+    # The LLM recipe's schedule: linear warm-up, then cosine decay (a composite).
+    "AdamW, warm-up then cosine (SequentialLR) 1+4": Case(
+        batch_size=5, micro_batch_sizes=(1, 4), model_kwargs=_MLP,
+        optimizer="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
+        scheduler="SequentialLR", steps=3,
+        scheduler_kwargs={"schedulers": [["LinearLR", {"start_factor": 0.25, "total_iters": 1}],
+                                         ["CosineAnnealingLR", {"T_max": 2}]], "milestones": [1]},
+    ),
+    # Dynamic loss scaling (for steps that take a grad_scaler; not applicable to
+    # the others).  Clean windows, the scale doubling after each, and a clip
+    # norm the unscaled gradient exceeds: unscaling (once) must come first.
+    "SGD momentum, loss scale 2**10 growing, clipped 2+3": Case(
+        batch_size=5, micro_batch_sizes=(2, 3), model_kwargs=_MLP,
+        optimizer="SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, max_grad_norm=0.05,
+        loss_scale=2.0**10, scale_growth_interval=1, steps=3,
+    ),
+    # Window 1 of 3 overflows in its middle micro-batch: skipped whole, the
+    # scale backed off once, the scheduler not stepped for it.
+    "Adam, loss scale 2**8, window 1 of 3 overflows, cosine 1+2+3": Case(
+        batch_size=6, micro_batch_sizes=(1, 2, 3), model_kwargs=_MLP,
+        optimizer="Adam", optimizer_kwargs={"lr": 1e-2},
+        scheduler="CosineAnnealingLR", scheduler_kwargs={"T_max": 3},
+        loss_scale=2.0**8, overflow_at=(1, 2), steps=3,
     ),
 }

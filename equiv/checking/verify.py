@@ -235,8 +235,8 @@ def _search_flags(search: dict[str, Any]) -> list[str]:
 
 def cases_for(candidate: Candidate, **kwargs: Any) -> SearchStrategy[Case]:
     """Return a strategy for cases that apply to ``candidate``: :func:`equiv.strategies.cases`
-    with ``kwargs``, drawing a clip norm only if the step takes ``max_grad_norm`` and an
-    LR scheduler only if it takes ``scheduler``.
+    with ``kwargs``, drawing a clip norm only if the step takes ``max_grad_norm``, an
+    LR scheduler only if it takes ``scheduler`` and a loss scale only if it takes ``grad_scaler``.
 
     The route for your own ``@given`` tests: a case the step cannot be told about
     (a clip norm for a step that cannot clip) says nothing about it, so it is never
@@ -249,7 +249,9 @@ def cases_for(candidate: Candidate, **kwargs: Any) -> SearchStrategy[Case]:
     Defaults: ``clipping`` every mode of :data:`~equiv.strategies.CLIPPING` if the
     step takes ``max_grad_norm`` (else "none" only), ``schedulers`` all of
     :data:`~equiv.strategies.SCHEDULERS` (None among them) if it takes ``scheduler`` (else
-    none only).  Asking for a clip mode or a scheduler the step cannot take raises
+    none only), ``loss_scaling`` every regime of :data:`~equiv.strategies.LOSS_SCALING` if it
+    takes ``grad_scaler`` (else "none" only).  Asking for a clip mode, a scheduler or a
+    loss scale the step cannot take raises
     ``InvalidArgument``.  Shrinks as :func:`equiv.strategies.cases` does.
     """
     check_signature(candidate)
@@ -264,6 +266,11 @@ def cases_for(candidate: Candidate, **kwargs: Any) -> SearchStrategy[Case]:
     elif set(kwargs.setdefault("schedulers", (None,))) != {None}:
         raise InvalidArgument(f"schedulers must be (None,) for {name}, which takes no scheduler, "
                               f"but was {tuple(kwargs['schedulers'])!r}")
+    if takes_keyword(candidate, "grad_scaler"):
+        kwargs.setdefault("loss_scaling", eqst.LOSS_SCALING)
+    elif set(kwargs.setdefault("loss_scaling", ("none",))) != {"none"}:
+        raise InvalidArgument(f"loss_scaling must be ('none',) for {name}, which takes no grad_scaler, "
+                              f"but was {tuple(kwargs['loss_scaling'])!r}")
     return eqst.cases(**kwargs)
 
 
