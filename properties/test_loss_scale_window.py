@@ -32,6 +32,10 @@ def overflowing_cases(draw: st.DrawFn) -> equiv.Case:
         # sooner than the full batch's mean (pinned in tests/test_loss_scaling.py).
         loss_scale=2.0 ** draw(st.integers(0, 4 if autocast == "float16" else 16)),
         overflow_at=(draw(st.integers(0, steps - 1)), draw(st.integers(0, batch_size - 1))),
+        # The scale growing after clean windows (interval 1 or 2) as well as
+        # backing off; not under float16 autocast, where a grown scale could
+        # reach the natural overflow above.
+        scale_growth_interval=draw(st.sampled_from([None, 1, 2])) if autocast != "float16" else None,
         autocast=autocast,
         seed=draw(st.integers(0, 1000)),
     )

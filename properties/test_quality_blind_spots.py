@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import given, note, settings
+from search_claims import assert_found_and_shrunk
 from torch import nn
 
 import equiv
@@ -57,18 +58,9 @@ def test_every_blind_spot_bug_has_a_shrink_claim() -> None:
 
 @pytest.mark.parametrize("name", sorted(BLIND_SPOT_BUGS))
 def test_default_search_finds_and_shrinks_a_counterexample_to(name: str) -> None:
-    # The default search: nothing restricted, so the setting must come from the strategies' own draws.
-    # No fresh-process replay (a torch import, seconds per search): these bugs keep no state, the
-    # shrunk case is replayed in process below, and the replay is the state-across-calls test's subject.
-    result = verify(BUGS[name], replay_in_fresh_process=False)
-    assert result.found, f"no counterexample to {name} in {result.examples} cases"
-    assert result.verdict is not None, result.message()  # a mismatch, not a crash
-    assert result.verdict.status == "not_equivalent"
-    case = result.counterexample
-    assert SHRUNK[name](case), f"{name} shrank to {case!r}"
-    # The shrunk case replays, and without its setting the bug is exact again.
-    assert not equiv.check(BUGS[name], case)
-    equiv.check(BUGS[name], without_setting(name, case)).assert_ok()
+    # The default search: nothing restricted, so the setting must come from the strategies' own draws
+    # (the fresh-process replay is the state-across-calls test's subject).
+    assert_found_and_shrunk(name, BUGS[name], SHRUNK[name], without=lambda case: without_setting(name, case))
 
 
 def without_setting(name: str, case: equiv.Case) -> equiv.Case:

@@ -11,8 +11,9 @@ from equiv.cli import main
 STEPS = '''
 import equiv
 
-def reference(model, optimizer, micro_batches, loss_fn, max_grad_norm=None, scheduler=None):
-    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn, max_grad_norm=max_grad_norm, scheduler=scheduler)
+def reference(model, optimizer, micro_batches, loss_fn, max_grad_norm=None, scheduler=None, grad_scaler=None):
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn, max_grad_norm=max_grad_norm, scheduler=scheduler,
+                           grad_scaler=grad_scaler)
 
 def weighted(model, optimizer, micro_batches, loss_fn):
     """Correct, and takes no max_grad_norm: the clipping case does not apply to it."""

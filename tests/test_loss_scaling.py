@@ -1,10 +1,14 @@
 """Dynamic loss scaling across a window: one overflow skips the whole window."""
 
+import json
 import re
 
 import pytest
+import torch
 
 import equiv
+from equiv.checking.compare import LOSS_SCALE_KEY
+from equiv.checking.trajectory import run_reference
 from equiv.zoo import bugs as zoo
 from equiv.zoo.distributed_bugs import overflow_checked_on_last_micro_batch
 
@@ -73,8 +77,14 @@ def test_scaled_case_is_not_applicable_to_a_candidate_without_the_scaler() -> No
         ({"overflow_at": [0, 6]}, "overflow_at=(0, 6) is outside steps 0..2 x samples 0..5"),
         ({"loss_scale": -1.0, "overflow_at": None}, "loss_scale must be positive or None, got -1.0"),
         ({"autocast": "float8"}, "autocast must be 'float16', 'bfloat16' or None, got 'float8'"),
+        ({"scale_growth_interval": 0}, "scale_growth_interval must be a positive int (clean windows before the "
+                                       "scale doubles) or None, got 0"),
+        ({"scale_growth_interval": True}, "scale_growth_interval must be a positive int"),
+        ({"loss_scale": None, "overflow_at": None, "scale_growth_interval": 2},
+         "scale_growth_interval=2 needs loss_scale"),
     ],
-    ids=["no_scaler", "step_out_of_range", "sample_out_of_range", "negative_scale", "bad_autocast"],
+    ids=["no_scaler", "step_out_of_range", "sample_out_of_range", "negative_scale", "bad_autocast",
+         "growth_zero", "growth_bool", "growth_without_scale"],
 )
 def test_bad_loss_scale_fields_name_the_value(changes: dict[str, object], message: str) -> None:
     with pytest.raises(equiv.InvalidCase, match=re.escape(message)):
@@ -85,3 +95,34 @@ def test_overflow_needs_float_inputs() -> None:
     case = SCALED.replace(model="token_mlp", model_kwargs={}, loss="token_cross_entropy")
     with pytest.raises(equiv.InvalidCase, match="overflow_at needs float inputs"):
         equiv.check(equiv.accumulator_step, case)
+
+
+def scales(case: equiv.Case) -> list[float]:
+    """The full-batch run's loss scale before the first step and after each."""
+    return [float(snapshot.optimizer_state[LOSS_SCALE_KEY]) for snapshot in run_reference(case, torch.float64)]
+
+
+def test_a_growth_interval_grows_the_scale_within_the_case_and_an_overflow_backs_it_off_once() -> None:
+    # Interval 1: doubles after every clean window; window 1 overflows: halved once, not per micro-batch.
+    assert scales(SCALED.replace(scale_growth_interval=1)) == [256.0, 512.0, 256.0, 512.0]
+    # Interval 2: the count of clean windows restarts after the overflow, so no growth within 3 steps.
+    assert scales(SCALED.replace(scale_growth_interval=2)) == [256.0, 256.0, 128.0, 128.0]
+    # torch's default interval (2000) is never reached by a case.
+    assert scales(SCALED.replace(overflow_at=None)) == [256.0] * 4
+
+
+@pytest.mark.parametrize("interval", [1, 2])
+def test_reference_is_exact_while_the_scale_grows(interval: int) -> None:
+    for overflow_at in (None, (0, 3), (2, 5)):
+        equiv.check(equiv.accumulator_step, SCALED.replace(scale_growth_interval=interval, overflow_at=overflow_at,
+                                                           max_grad_norm=0.05)).assert_ok()
+
+
+def test_growth_interval_round_trips_through_json_and_repr() -> None:
+    case = SCALED.replace(scale_growth_interval=2)
+    # (JSON turns model_kwargs' tuples into lists: compare what it stores.)
+    read_back = equiv.Case.from_dict(json.loads(json.dumps(case.to_dict())))
+    assert read_back.scale_growth_interval == 2 and read_back.to_dict() == json.loads(json.dumps(case.to_dict()))
+    assert "scale_growth_interval=2" in repr(case) and "scale_growth_interval" not in repr(SCALED)
+    built = case.build_grad_scaler()
+    assert built is not None and built.get_growth_interval() == 2

@@ -1,6 +1,6 @@
 """A verdict in the user's precision: float32-sized differences inside the float64 run pass with a note.
 
-Two correct loops people run make a float32 number inside equiv's float64 run:
+Two correct loops people run (:mod:`equiv.zoo.correct`) make a float32 number inside equiv's float64 run:
 a fine-tuning recipe that scales the summed gradient by ``1.0 / num_tokens`` (a
 tensor of counts, so the quotient is in torch's default dtype), and a clip
 coefficient computed with ``dtype=torch.float32``.  In float32, bfloat16 or
@@ -12,7 +12,6 @@ user who trains in float64 or asks for strict precision.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,56 +22,19 @@ from equiv.checking.search_space import SearchSpace
 from equiv.cli import main
 from equiv.outcomes import Outcome
 from equiv.zoo.bugs import mean_of_means
-
-STEPS = '''
-import torch
-
-
-def token_scale(model, optimizer, micro_batches, loss_fn):
-    """Summed losses, the summed gradient scaled by 1.0 / num_tokens (a default-dtype tensor)."""
-    optimizer.zero_grad()
-    num_tokens = torch.tensor(0)
-    for inputs, targets in micro_batches:
-        loss_fn.sum(model(inputs), targets).backward()
-        num_tokens += loss_fn.count(targets)
-    scale = 1.0 / num_tokens
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad.mul_(scale)
-    optimizer.step()
-
-
-def float32_clip(model, optimizer, micro_batches, loss_fn, max_grad_norm=None):
-    """Correctly weighted; the clip coefficient computed in float32 on purpose."""
-    optimizer.zero_grad()
-    total = sum(len(targets) for _, targets in micro_batches)
-    for inputs, targets in micro_batches:
-        (loss_fn(model(inputs), targets) * len(targets) / total).backward()
-    if max_grad_norm is not None:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.to(torch.float32)) for g in grads]))
-        coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
-    optimizer.step()
-'''
+from equiv.zoo.correct import CORRECT_STEPS
 
 SGD = STANDARD_CASES["SGD momentum, uneven 1+5+10"]
 CLIPPED = STANDARD_CASES["SGD, active clipping 3+5"]
 
 
-@pytest.fixture(scope="module")
-def steps_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("precision") / "real_loops.py"
-    path.write_text(STEPS)
-    return path
+#: The zoo's correct real-world loops, by the names these tests use.
+STEPS = {"token_scale": CORRECT_STEPS["scales_by_inverse_item_count"], "float32_clip": CORRECT_STEPS["clips_in_float32"]}
 
 
-@pytest.fixture(scope="module")
-def steps(steps_file: Path) -> dict[str, object]:
-    from equiv.checking.contract import load_candidate
-
-    return {name: load_candidate(f"{steps_file}:{name}") for name in ("token_scale", "float32_clip")}
+@pytest.fixture
+def steps() -> dict[str, object]:
+    return dict(STEPS)
 
 
 def test_a_default_dtype_constant_passes_with_a_note_that_says_what_where_how_large_and_why(
@@ -85,7 +47,7 @@ def test_a_default_dtype_constant_passes_with_a_note_that_says_what_where_how_la
     assert "float32 rounds at 6e-08" in note and "at step" in note
     assert "with the default dtype set to float64 the step matches" in note
     assert "harmless in float32, bfloat16 or float16 training" in note
-    assert verdict.message().startswith("Equivalent to full-batch training (candidate token_scale) in float32")
+    assert verdict.message().startswith("Equivalent to full-batch training (candidate scales_by_inverse_item_count) in float32")
     verdict.assert_ok()
 
 
@@ -129,7 +91,7 @@ def test_bad_precision_settings_are_refused_by_name(steps: dict[str, object]) ->
 
 
 def test_the_standard_cases_and_the_search_pass_a_correct_real_loop(
-        steps: dict[str, object], steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        steps: dict[str, object], capsys: pytest.CaptureFixture[str]) -> None:
     verdicts = equiv.check(steps["token_scale"])  # type: ignore[arg-type]
     assert verdicts, verdicts.message()
     assert "Precision note (" in verdicts.summary()
@@ -142,7 +104,7 @@ def test_the_standard_cases_and_the_search_pass_a_correct_real_loop(
     assert "--train-dtype float64" in strict.replay_hint()
     # From the shell: exit 0 for float32 training, 1 for float64.
     case = ["--case", json.dumps(SGD.to_dict())]
-    target = f"{steps_file}:token_scale"
+    target = "equiv.zoo.correct:scales_by_inverse_item_count"
     assert main(["check", target, *case]) == 0
     assert main(["check", target, *case, "--train-dtype", "float64"]) == 1
     assert main(["check", target, *case, "--strict-precision"]) == 1

@@ -7,7 +7,8 @@ Each test runs a fresh pytest in a temporary folder outside the repository
 from __future__ import annotations
 
 import pytest
-from hypothesis.errors import InvalidArgument
+from hypothesis import find, settings
+from hypothesis.errors import InvalidArgument, NoSuchExample
 
 import equiv
 from equiv.cases.standard import STANDARD_CASES
@@ -125,3 +126,30 @@ def test_cases_for_refuses_a_clip_mode_the_step_cannot_take() -> None:
         equiv.strategies.cases_for(no_clip, clipping=("active",))
     with pytest.raises(InvalidArgument, match="takes no scheduler"):
         equiv.strategies.cases_for(no_clip, schedulers=("StepLR",))
+    with pytest.raises(InvalidArgument, match=r"loss_scaling must be \('none',\) for .*takes no grad_scaler"):
+        equiv.strategies.cases_for(no_clip, loss_scaling=("overflow",))
+
+
+def test_cases_for_draws_loss_scales_and_overflows_only_for_a_step_that_takes_a_grad_scaler() -> None:
+    def scaled(model, optimizer, micro_batches, loss_fn, *, grad_scaler=None):  # type: ignore[no-untyped-def]
+        pass
+
+    def plain(model, optimizer, micro_batches, loss_fn):  # type: ignore[no-untyped-def]
+        pass
+
+    overflowing = find(equiv.strategies.cases_for(scaled), lambda c: c.overflow_at is not None)
+    assert overflowing.loss_scale is not None
+    assert find(equiv.strategies.cases_for(scaled), lambda c: True).loss_scale is None  # what a search shrinks to
+    with pytest.raises(NoSuchExample):
+        find(equiv.strategies.cases_for(plain), lambda c: c.loss_scale is not None, settings=settings(max_examples=200))
+
+
+def test_a_keyword_the_step_requires_is_always_drawn_and_a_case_without_it_does_not_apply() -> None:
+    def needs_a_scaler(model, optimizer, micro_batches, loss_fn, *, grad_scaler):  # type: ignore[no-untyped-def]
+        raise AssertionError("never called on a case without a loss scale")
+
+    drawn = find(equiv.strategies.cases_for(needs_a_scaler), lambda case: True)
+    assert drawn.loss_scale is not None
+    verdict = equiv.check(needs_a_scaler, equiv.Case(batch_size=2, micro_batch_sizes=(1, 1)))
+    assert verdict.status == "not_applicable"
+    assert "requires grad_scaler (no default), and the case sets no loss_scale" in verdict.message()

@@ -48,6 +48,8 @@ INVALID = [
     pytest.param(eqst.cases, (), {"clipping": ["sometimes"]}, "clipping has unknown", id="cases-clipping"),
     pytest.param(eqst.cases, (), {"schedulers": ["CosineWarmRestartsX"]}, "schedulers has unknown",
                  id="cases-scheduler"),
+    pytest.param(eqst.cases, (), {"loss_scaling": ["static"]}, "loss_scaling has unknown ['static']",
+                 id="cases-loss-scaling"),
     pytest.param(eqst.cases, (), {"loss_names": ["token_cross_entropy"], "families": ["mlp"]},
                  "needs a model family among", id="cases-token-loss-without-token-model"),
     pytest.param(eqst.cases, (), {"optimizer_names": []}, "optimizer_names must name at least one",
@@ -207,3 +209,25 @@ def test_clipping_regimes_map_to_norms() -> None:
     assert find(eqst.cases(clipping=["none"]), lambda c: True).max_grad_norm is None
     assert find(eqst.cases(clipping=["inactive"]), lambda c: True).max_grad_norm == 1e6
     assert find(eqst.cases(clipping=["active"]), lambda c: True).max_grad_norm <= 1e-2
+
+
+def test_loss_scaling_regimes_map_to_case_fields_and_shrink_to_none() -> None:
+    none = find(eqst.cases(), lambda c: True)
+    assert (none.loss_scale, none.overflow_at, none.scale_growth_interval) == (None, None, None)
+    # Simplest first: no loss scale, then a scale without overflow, then the first window's first sample.
+    assert find(eqst.cases(loss_scaling=list(reversed(eqst.LOSS_SCALING))), lambda c: True).loss_scale is None
+    dynamic = find(eqst.cases(loss_scaling=["dynamic"]), lambda c: True)
+    assert (dynamic.loss_scale, dynamic.overflow_at, dynamic.scale_growth_interval) == (2.0, None, None)
+    assert find(eqst.cases(loss_scaling=["overflow"]), lambda c: True).overflow_at == (0, 0)
+    assert find(eqst.cases(loss_scaling=["dynamic"]), lambda c: c.scale_growth_interval == 1).loss_scale == 2.0
+    big = find(eqst.cases(loss_scaling=["dynamic"]), lambda c: c.loss_scale >= 2.0**16).loss_scale
+    assert big == 2.0**16  # powers of two only: unscaling is exact
+
+
+@given(eqst.cases(loss_scaling=["overflow"], item_weighted=True))
+@settings(max_examples=25)
+def test_an_overflow_is_drawn_only_where_inputs_can_hold_inf(case: equiv.Case) -> None:
+    assert case.overflow_at is not None and case.model not in ("attention", "token_mlp")
+    step, sample = case.overflow_at
+    inputs, _ = case.batches(case.build_model())[step]
+    assert inputs[sample].isinf().all() and inputs.isinf().sum() == inputs[sample].numel()

@@ -22,7 +22,16 @@ from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model
 from equiv.losses import LOSSES, Loss, build_loss
 from equiv.names import reference, resolve
 
-__all__ = ["DATA", "DTYPES", "HEAD_LR_BODY_FACTOR", "PARAM_GROUPS", "Case", "InvalidCase", "check_device"]
+__all__ = [
+    "COMPOSITE_SCHEDULERS",
+    "DATA",
+    "DTYPES",
+    "HEAD_LR_BODY_FACTOR",
+    "PARAM_GROUPS",
+    "Case",
+    "InvalidCase",
+    "check_device",
+]
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -58,6 +67,13 @@ PARAM_GROUPS: dict[str, str] = {
 }
 #: The body's lr under the "head_lr" recipe, as a factor of the case's lr.
 HEAD_LR_BODY_FACTOR = 0.1
+
+#: LR schedulers made of other schedulers.  Their ``schedulers`` keyword lists
+#: ``[name, kwargs]`` pairs (plain values, so a case stays JSON), each built on
+#: the case's optimizer before the composite is: ``scheduler="SequentialLR",
+#: scheduler_kwargs={"schedulers": [["LinearLR", {...}], ["CosineAnnealingLR",
+#: {...}]], "milestones": [2]}`` (warm-up, then cosine decay).
+COMPOSITE_SCHEDULERS: tuple[str, ...] = ("ChainedScheduler", "SequentialLR")
 
 
 class InvalidCase(ValueError):
@@ -108,6 +124,11 @@ class Case:
     #: (step, sample): that sample's inputs are +inf at that step, so the window
     #: overflows and its update must be skipped (needs ``loss_scale``).
     overflow_at: tuple[int, int] | None = None
+    #: GradScaler's ``growth_interval``: the scale doubles after this many clean
+    #: windows in a row (needs ``loss_scale``).  None: torch's default of 2000,
+    #: which no case of a few steps reaches; 1 or 2 make growth happen within a
+    #: case, so a step that updates the scale at the wrong time shows.
+    scale_growth_interval: int | None = None
     #: Mixed precision as in PyTorch's AMP recipe: parameters stay in ``dtype``
     #: and the forward runs under ``torch.autocast`` to this dtype ("float16" or
     #: "bfloat16").  float64 runs are never lowered, so the truth stays exact.
@@ -130,6 +151,7 @@ class Case:
         for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
             object.__setattr__(self, name, dict(getattr(self, name)))
         self._accept_torch_spellings()
+        self._normalise_scheduler_parts()
         if isinstance(self.loss, str) and ":" in self.loss:  # a user's loss class (a replay line), built with no arguments
             try:
                 object.__setattr__(self, "loss", resolve(self.loss)())
@@ -163,6 +185,31 @@ class Case:
                 matches = [known for known in names if known.lower() == spelled.lower()]
                 if len(matches) == 1:
                     object.__setattr__(self, name, matches[0])
+
+    def _normalise_scheduler_parts(self) -> None:
+        """A composite scheduler's parts as ``[name, dict]`` lists (tuples, a
+        torch class or other mappings accepted), so equal cases compare equal
+        whether built in code or read back from JSON; malformed parts raise
+        :class:`InvalidCase` naming the bad entry."""
+        if self.scheduler not in COMPOSITE_SCHEDULERS:
+            return
+        parts = self.scheduler_kwargs.get("schedulers")
+        if isinstance(parts, (str, bytes)) or not isinstance(parts, (list, tuple)) or not parts:
+            raise InvalidCase(f"scheduler {self.scheduler} needs scheduler_kwargs['schedulers']: a non-empty list of "
+                              f"[name, kwargs] pairs (e.g. [['LinearLR', {{'total_iters': 2}}]]), got {parts!r}")
+        normalised = []
+        for index, part in enumerate(parts):
+            if not (isinstance(part, (list, tuple)) and len(part) == 2 and isinstance(part[1], Mapping)):
+                raise InvalidCase(f"scheduler {self.scheduler}: part {index} of scheduler_kwargs['schedulers'] must "
+                                  f"be a [name, kwargs] pair, got {part!r}")
+            name = part[0].__name__ if inspect.isclass(part[0]) else part[0]
+            if name in COMPOSITE_SCHEDULERS or not (isinstance(name, str) and name in _scheduler_names()):
+                raise InvalidCase(f"scheduler {self.scheduler}: part {index} names {name!r}; expected a scheduler "
+                                  f"class of torch.optim.lr_scheduler other than {' or '.join(COMPOSITE_SCHEDULERS)}"
+                                  f"{_did_you_mean(name, _scheduler_names())}")
+            normalised.append([name, dict(part[1])])
+        # scheduler_kwargs is this case's own dict (copied in __post_init__).
+        object.__setattr__(self, "scheduler_kwargs", {**self.scheduler_kwargs, "schedulers": normalised})
 
     def _validate(self) -> None:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -205,6 +252,14 @@ class Case:
             if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
                 raise InvalidCase(f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
                                   f"x samples 0..{self.batch_size - 1}")
+        if self.scale_growth_interval is not None:
+            interval = self.scale_growth_interval
+            if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+                raise InvalidCase(f"scale_growth_interval must be a positive int (clean windows before the scale "
+                                  f"doubles) or None, got {interval!r}")
+            if self.loss_scale is None:
+                raise InvalidCase(f"scale_growth_interval={interval} needs loss_scale: without loss scaling there "
+                                  "is no scale to grow")
         if self.autocast is not None and self.autocast not in ("float16", "bfloat16"):
             raise InvalidCase(f"autocast must be 'float16', 'bfloat16' or None, got {self.autocast!r}")
         if self.dtype not in DTYPES:
@@ -463,18 +518,27 @@ class Case:
     def build_grad_scaler(self) -> torch.amp.GradScaler | None:
         if self.loss_scale is None:
             return None
-        return torch.amp.GradScaler(torch.device(self.device).type, init_scale=self.loss_scale)
+        # None: torch's own default interval.
+        growth: dict[str, Any] = {} if self.scale_growth_interval is None else {
+            "growth_interval": self.scale_growth_interval}
+        return torch.amp.GradScaler(torch.device(self.device).type, init_scale=self.loss_scale, **growth)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any | None:
         if self.scheduler is None:
             return None
-        scheduler_class = getattr(torch.optim.lr_scheduler, self.scheduler)
-        try:
-            return scheduler_class(optimizer, **self.scheduler_kwargs)
-        except (TypeError, ValueError) as exc:
-            raise InvalidCase(
-                f"scheduler {self.scheduler}(**{dict(self.scheduler_kwargs)!r}) rejected: {exc}"
-            ) from None
+        kwargs = dict(self.scheduler_kwargs)
+        if self.scheduler in COMPOSITE_SCHEDULERS:
+            # The parts first, each on the optimizer, in order (as a training script builds them).
+            kwargs["schedulers"] = [_build_scheduler(name, part, optimizer) for name, part in kwargs["schedulers"]]
+        return _build_scheduler(self.scheduler, kwargs, optimizer)
+
+
+def _build_scheduler(name: str, kwargs: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> Any:
+    # By keyword: every scheduler names it "optimizer", and ChainedScheduler takes its parts first.
+    try:
+        return getattr(torch.optim.lr_scheduler, name)(optimizer=optimizer, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise InvalidCase(f"scheduler {name}(**{dict(kwargs)!r}) rejected: {exc}") from None
 
 
 @functools.cache

@@ -38,6 +38,7 @@ __all__ = [
     "FEW_MICRO_BATCHES",
     "FROZEN_LAYERS",
     "ITEM_WEIGHTED_LOSSES",
+    "LOSS_SCALING",
     "MATRIX_ONLY_OPTIMIZERS",
     "MODEL_FAMILIES",
     "OPTIMIZERS",
@@ -112,13 +113,43 @@ def _count_table(low: int, top: int) -> tuple[int, ...]:
 FROZEN_LAYERS: tuple[int | tuple[int, ...], ...] = (0, 1, -1, (1,), (-1,))
 
 
-#: LR schedulers a case may step once per optimizer step (None: no scheduler).
+#: LR schedulers a case may step once per optimizer step (None: no scheduler),
+#: simplest first, so a search shrinks to no scheduler, then to StepLR.  Each
+#: changes the lr at every one of a case's 2..3 steps (so a step stepped too
+#: often, too early or on a skipped window shows): step decays, milestones,
+#: warm-up, cosine (with restarts, the per-epoch schedule of SGDR stepped per
+#: window), and the composites people chain (warm-up then cosine: SequentialLR;
+#: warm-up times decay: ChainedScheduler).  Left out: ReduceLROnPlateau, whose
+#: step(metrics) needs a loss the contract does not define (the window's mean?
+#: a validation loss?), so no reference could drive it the way a step does;
+#: OneCycleLR and CyclicLR, which set absolute learning rates (max_lr,
+#: base_lr) over the drawn optimizer's lr and cycle momentum, which not every
+#: optimizer has; LambdaLR and MultiplicativeLR, whose lambdas a case cannot
+#: hold as plain values.
 SCHEDULERS: dict[str | None, dict[str, Any]] = {
     None: {},
     "StepLR": {"step_size": 1, "gamma": 0.5},
     "ExponentialLR": {"gamma": 0.7},
+    "MultiStepLR": {"milestones": [1, 2], "gamma": 0.3},
     "LinearLR": {"start_factor": 0.25, "total_iters": 3},
+    "CosineAnnealingLR": {"T_max": 3, "eta_min": 0.0},
+    "CosineAnnealingWarmRestarts": {"T_0": 2},
+    "ChainedScheduler": {"schedulers": [["LinearLR", {"start_factor": 0.25, "total_iters": 2}],
+                                        ["ExponentialLR", {"gamma": 0.7}]]},
+    "SequentialLR": {"schedulers": [["LinearLR", {"start_factor": 0.25, "total_iters": 1}],
+                                    ["CosineAnnealingLR", {"T_max": 2}]], "milestones": [1]},
 }
+
+#: Dynamic loss scaling regimes (torch.amp.GradScaler), for steps that take a
+#: ``grad_scaler``: none; "dynamic", a power-of-two scale (exact: unscaling
+#: only moves exponents) that may grow after clean windows; "overflow", the
+#: same with one sample's inputs +inf in one window, which must skip that
+#: whole window and back the scale off once.  Simplest first: a search shrinks
+#: to no loss scale, then to no overflow.
+LOSS_SCALING: tuple[str, ...] = ("none", "dynamic", "overflow")
+#: Model families whose inputs are integer tokens: no +inf can be put in them,
+#: so no "overflow" case is drawn with one.
+_TOKEN_INPUT_FAMILIES = frozenset({"attention", "token_mlp"})
 
 
 # ------------------------------------------------------------------ checks
@@ -463,6 +494,7 @@ def cases(
     max_steps: int = 3,
     clipping: Sequence[str] = CLIPPING,
     schedulers: Sequence[str | None] = (None,),
+    loss_scaling: Sequence[str] = ("none",),
     param_groups: Sequence[str | None] = (None, *PARAM_GROUPS),
     frozen_layers: Sequence[int | tuple[int, ...]] = FROZEN_LAYERS,
     # Not bfloat16 by default: Adam's first update is lr * sign(g), and the sign
@@ -496,7 +528,12 @@ def cases(
     dropout; 2..3 steps (at least 2, so leaks across steps show);
     ``clipping`` among "none", "inactive" (a norm of 1e6) and "active" (a
     norm far below the gradient's); no LR scheduler (``schedulers`` lists
-    names of :data:`SCHEDULERS`, None for none); ``param_groups``: one group
+    names of :data:`SCHEDULERS`, None for none); no loss scaling
+    (``loss_scaling`` lists regimes of :data:`LOSS_SCALING`: "dynamic" draws
+    a power-of-two ``loss_scale`` from 2 to 2**16 and a
+    ``scale_growth_interval`` of None, 1 or 2 clean windows, "overflow" also
+    an ``overflow_at`` window and sample, never in a model whose inputs are
+    tokens); ``param_groups``: one group
     (None) or a recipe of :data:`PARAM_GROUPS`, each equally often; the
     layers frozen in half the cases, as fine-tuning freezes them (``frozen_layers``:
     the choices to draw from, among :data:`FROZEN_LAYERS`: the bottom, the base under
@@ -505,7 +542,9 @@ def cases(
     seeds 0..``max_seed``.
 
     Shrinks toward a batch of 1 or 2 in few pieces, a small model, SGD, MSE,
-    one parameter group, nothing frozen, two steps, seed 0: the micro-batch
+    one parameter group, nothing frozen, two steps, no scheduler, no loss
+    scale (then no overflow, no growth, the overflow in the first window's
+    first sample), seed 0: the micro-batch
     count is one choice, and no other choice changes meaning with it, so a
     case found with 32 micro-batches still shrinks to 2 when 2 show the
     difference.
@@ -549,6 +588,8 @@ def cases(
         "optimizer_names", optimizer_names, OPTIMIZERS)
     chosen_clipping = _check_names("clipping", clipping, CLIPPING)
     chosen_schedulers = _check_names("schedulers", schedulers, tuple(SCHEDULERS))
+    # In LOSS_SCALING's order whatever the order given, so "none" is what a case shrinks to.
+    chosen_scaling = sorted(_check_names("loss_scaling", loss_scaling, LOSS_SCALING), key=LOSS_SCALING.index)
     chosen_groups = _check_names("param_groups", param_groups, (None, *PARAM_GROUPS))
     # Every family has 2 layers or more, so each choice leaves one to train.
     if isinstance(frozen_layers, Sequence) and any(isinstance(choice, bool) for choice in frozen_layers):
@@ -634,6 +675,17 @@ def cases(
         dtype = draw(st.sampled_from(chosen_dtypes))
         device = draw(st.sampled_from(list(devices)))
         seed = draw(st.integers(0, max_seed))
+        # Before the cut (whose number of choices follows the count), so that
+        # lowering the count leaves these choices where they were.
+        scaling = draw(st.sampled_from(chosen_scaling))
+        scaled: dict[str, Any] = {}
+        if scaling != "none":
+            scaled["loss_scale"] = 2.0 ** draw(st.integers(1, 16))
+            scaled["scale_growth_interval"] = draw(st.sampled_from([None, 1, 2]))
+        if scaling == "overflow":
+            # +inf in one sample's inputs: a token model has none to set.
+            assume(model not in _TOKEN_INPUT_FAMILIES)
+            scaled["overflow_at"] = (draw(st.integers(0, steps - 1)), draw(st.integers(0, batch_size - 1)))
         sizes = _cut_into(draw, batch_size, count)
         if many and even:
             sizes = tuple(even_sizes(batch_size, count))
@@ -654,6 +706,7 @@ def cases(
             max_grad_norm=max_grad_norm,
             scheduler=scheduler,
             scheduler_kwargs=dict(SCHEDULERS[scheduler]),
+            **scaled,
             dtype=dtype,
             device=device,
             seed=seed,

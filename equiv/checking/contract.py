@@ -108,6 +108,9 @@ class BoundCandidate:
     #: names, or all of them when it takes ``**kwargs`` (none when its signature
     #: cannot be read, as for a builtin).
     keywords: frozenset[str]
+    #: Of those, the ones the signature requires (no default): a case that sets
+    #: nothing for one cannot be run, so it does not apply.
+    required: frozenset[str] = frozenset()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.step(*args, **kwargs)
@@ -129,6 +132,8 @@ class BoundCandidate:
             value = getattr(case, field_name)
             if value is not None and keyword not in self.keywords:
                 reasons.append(f"{self.name} takes no {keyword} (the case sets {field_name}={value!r})")
+            if value is None and keyword in self.required:
+                reasons.append(f"{self.name} requires {keyword} (no default), and the case sets no {field_name}")
         return tuple(reasons)
 
     @property
@@ -173,7 +178,7 @@ def bind(candidate: Callable[..., Any] | BoundCandidate) -> BoundCandidate:
         keywords = frozenset(OPTIONAL_KEYWORDS)
     else:
         keywords = frozenset(keyword for keyword in OPTIONAL_KEYWORDS if keyword in signature.parameters)
-    return BoundCandidate(candidate, name, keywords)
+    return BoundCandidate(candidate, name, keywords, frozenset(required_keywords))
 
 
 def load_candidate(spec: str) -> Callable[..., Any]:

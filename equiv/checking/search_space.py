@@ -99,8 +99,8 @@ class SearchSpace:
 
 def cases_for(candidate: Candidate | BoundCandidate, **kwargs: Any) -> SearchStrategy[Case]:
     """Return a strategy for cases that apply to ``candidate``: :func:`equiv.strategies.cases`
-    with ``kwargs``, drawing a clip norm only if the step takes ``max_grad_norm`` and an
-    LR scheduler only if it takes ``scheduler``.
+    with ``kwargs``, drawing a clip norm only if the step takes ``max_grad_norm``, an
+    LR scheduler only if it takes ``scheduler`` and a loss scale only if it takes ``grad_scaler``.
 
     The route for your own ``@given`` tests: a case the step cannot be told about
     (a clip norm for a step that cannot clip) says nothing about it, so it is never
@@ -113,20 +113,26 @@ def cases_for(candidate: Candidate | BoundCandidate, **kwargs: Any) -> SearchStr
     Defaults: ``clipping`` every mode of :data:`~equiv.strategies.CLIPPING` if the
     step takes ``max_grad_norm`` (else "none" only), ``schedulers`` all of
     :data:`~equiv.strategies.SCHEDULERS` (None among them) if it takes ``scheduler`` (else
-    none only).  Asking for a clip mode or a scheduler the step cannot take raises
-    ``InvalidArgument``.  Shrinks as :func:`equiv.strategies.cases` does.
+    none only), ``loss_scaling`` every regime of :data:`~equiv.strategies.LOSS_SCALING` if it
+    takes ``grad_scaler`` (else "none" only).  Asking for a clip mode, a scheduler or a
+    loss scale the step cannot take raises ``InvalidArgument``.  Shrinks as
+    :func:`equiv.strategies.cases` does.
     """
     bound = bind(candidate)
     _default_or_refuse(bound, kwargs, "clipping", "max_grad_norm", tuple(eqst.CLIPPING), ("none",))
     _default_or_refuse(bound, kwargs, "schedulers", "scheduler", tuple(eqst.SCHEDULERS), (None,))
+    _default_or_refuse(bound, kwargs, "loss_scaling", "grad_scaler", eqst.LOSS_SCALING, ("none",))
     return eqst.cases(**kwargs)
 
 
 def _default_or_refuse(bound: BoundCandidate, kwargs: dict[str, Any], option: str, keyword: str,
                        every: Sequence[Any], only_off: tuple[Any]) -> None:
-    """``kwargs[option]`` defaults to ``every`` choice for a step that takes ``keyword``;
+    """``kwargs[option]`` defaults to ``every`` choice for a step that takes ``keyword``
+    (all but "off" for a step that requires it: a case without it cannot call the step);
     for one that does not, only the "off" choice is drawn and anything else is refused."""
-    if bound.takes(keyword):
+    if keyword in bound.required:
+        kwargs.setdefault(option, tuple(choice for choice in every if choice not in only_off))
+    elif bound.takes(keyword):
         kwargs.setdefault(option, every)
     elif set(kwargs.setdefault(option, only_off)) != set(only_off):
         raise InvalidArgument(f"{option} must be {only_off!r} for {bound.name}, which takes no {keyword}, "

@@ -328,7 +328,7 @@ class Verdict(Judgement):
         head = f"candidate {self.candidate}"
         lines: list[str] = []
         if self.not_applicable:
-            lines.append(f"Not applicable ({head}): the case asks for what the step cannot be told to do:")
+            lines.append(f"Not applicable ({head}): the case and the step's keywords do not fit:")
             lines += [f"  - {reason}" for reason in self.not_applicable]
             lines.append(f"Reproduce: equiv.check({self.candidate}, equiv.{self.case!r})")
             return "\n".join(lines)

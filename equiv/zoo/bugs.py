@@ -18,10 +18,12 @@ from equiv.losses import item_count, loss_sum_and_count
 __all__ = [
     "BLIND_SPOT_BUGS",
     "BUGS",
+    "GRAD_SCALER_BUGS",
     "ITEM_WEIGHTED_BUGS",
     "STATE_ACROSS_CALLS_BUGS",
     "caches_item_count",
     "clip_per_micro_batch",
+    "clips_before_unscaling",
     "clips_first_group_only",
     "clips_only_trained_groups",
     "counts_padding_tokens",
@@ -36,8 +38,11 @@ __all__ = [
     "no_grad_through_frozen",
     "sample_weighted_token_loss",
     "scheduler_per_micro_batch",
+    "scheduler_steps_on_skipped_window",
+    "skips_overflowing_micro_batch",
     "step_per_micro_batch",
     "unscaled_sum",
+    "unscales_twice",
     "zero_grad_inside_loop",
     "zero_grads_for_frozen",
 ]
@@ -408,6 +413,125 @@ def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mi
 
 
 # --------------------------------------------------------------------------
+# Dynamic loss scaling (torch.amp.GradScaler) across a window, each bug against
+# the rules of PyTorch's AMP examples (docs/source/notes/amp_examples.rst:
+# "Gradient accumulation", "Working with unscaled gradients"): scale every
+# micro-batch's loss, unscale once after the window's last backward, clip the
+# unscaled gradient, skip the whole window if any micro-batch overflowed and
+# update the scale once per window.  Each takes a ``grad_scaler`` and is exact
+# without the setting that exposes it (so, without a grad_scaler, it is the
+# correct item-weighted step).
+
+
+def _scaled_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor],
+                     grad_scaler: torch.amp.GradScaler | None) -> None:
+    """Each micro-batch's summed loss over the window's item count, scaled if a scaler is given."""
+    total = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+        loss = loss_sum / total
+        (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+
+
+def _scaled_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None,
+                 scheduler: Any | None, grad_scaler: torch.amp.GradScaler | None, unscale: bool = True,
+                 scheduler_on_skip: bool = False) -> None:
+    """The window's end as the AMP examples write it: unscale, clip, step (skipped
+    on an overflow), update once, and step the scheduler only if the optimizer
+    stepped.  ``unscale=False``: clip before GradScaler has unscaled (its step()
+    unscales afterwards); ``scheduler_on_skip``: step the scheduler regardless."""
+    if grad_scaler is None:
+        _step_once(model, optimizer, max_grad_norm, scheduler)
+        return
+    if unscale:
+        grad_scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    scale_before = grad_scaler.get_scale()
+    grad_scaler.step(optimizer)
+    grad_scaler.update()
+    # GradScaler lowers the scale exactly when it found inf/nan and skipped the step.
+    stepped = grad_scaler.get_scale() >= scale_before
+    if scheduler is not None and (stepped or scheduler_on_skip):
+        scheduler.step()
+
+
+def unscales_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                   scheduler: Any | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    """Unscales the gradients by hand (``p.grad /= scaler.get_scale()``, to clip
+    or log the true gradient) and then lets ``grad_scaler.step`` unscale them
+    again, which it does whenever ``unscale_`` was not called: the update is
+    the gradient over scale squared.  The AMP examples allow one unscale per
+    step ("unscale_ should only be called once per optimizer per step()");
+    dividing by hand is the way round that check.  Exact without a grad_scaler."""
+    optimizer.zero_grad(set_to_none=True)
+    _scaled_backward(model, micro_batches, loss_fn, grad_scaler)
+    if grad_scaler is not None:
+        with torch.no_grad():
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            torch._foreach_div_(grads, grad_scaler.get_scale())
+    _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler,
+                 unscale=False)
+
+
+def clips_before_unscaling(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                           scheduler: Any | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    """Clips the SCALED gradient (no ``grad_scaler.unscale_(optimizer)`` before
+    ``clip_grad_norm_``), so the clip norm is compared with scale x the norm
+    and the update, unscaled by ``step()`` afterwards, is clipped to
+    ``max_grad_norm / scale`` (the AMP examples' "Gradient clipping" says to
+    unscale first).  Exact without clipping or without a grad_scaler."""
+    optimizer.zero_grad(set_to_none=True)
+    _scaled_backward(model, micro_batches, loss_fn, grad_scaler)
+    _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler,
+                 unscale=False)
+
+
+def skips_overflowing_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                                  scheduler: Any | None = None,
+                                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    """Checks each micro-batch's gradient for inf/nan as it comes and drops the
+    micro-batch that overflowed ("skip the bad batch"), then steps on the rest:
+    overflow is judged per micro-batch instead of over the window, so a window
+    the full batch skips is stepped, and the scale is never backed off (the
+    scaler never sees the inf).  Exact when nothing overflows."""
+    optimizer.zero_grad(set_to_none=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
+    sums: list[Tensor | None] = [None] * len(params)
+    for inputs, targets in micro_batches:
+        loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+        loss = loss_sum / total
+        grads = torch.autograd.grad(grad_scaler.scale(loss) if grad_scaler is not None else loss, params,
+                                    allow_unused=True)
+        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+            continue  # BUG: the window should be skipped as a whole, and the scaler told
+        sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, grads, strict=True)]
+    if all(grad is None for grad in sums):
+        return  # every micro-batch dropped: nothing to step on (and GradScaler.step() needs a gradient)
+    for param, grad in zip(params, sums, strict=True):
+        param.grad = grad
+    _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler)
+
+
+def scheduler_steps_on_skipped_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
+                                      scheduler: Any | None = None,
+                                      grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    """Steps the LR scheduler after every window, also one that GradScaler
+    skipped for an overflow (torch warns "Detected call of lr_scheduler.step()
+    before optimizer.step()" only on the first): the schedule runs one step
+    ahead of the updates from then on.  Exact when no window overflows."""
+    optimizer.zero_grad(set_to_none=True)
+    _scaled_backward(model, micro_batches, loss_fn, grad_scaler)
+    _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler,
+                 scheduler_on_skip=True)
+
+
+# --------------------------------------------------------------------------
 # A bug whose verdict depends on the calls before it: kept out of BUGS, whose
 # verdicts are pinned per case and tabulated (they would depend on which test
 # or report section ran first in the process).
@@ -464,6 +588,10 @@ BUGS: dict[str, Callable[..., Any]] = {
     "decay_per_micro_batch": decay_per_micro_batch,
     "clips_only_trained_groups": clips_only_trained_groups,
     "no_grad_through_frozen": no_grad_through_frozen,
+    "unscales_twice": unscales_twice,
+    "clips_before_unscaling": clips_before_unscaling,
+    "skips_overflowing_micro_batch": skips_overflowing_micro_batch,
+    "scheduler_steps_on_skipped_window": scheduler_steps_on_skipped_window,
 }
 
 #: The bugs that only an item-weighted (token) loss exposes: exact for sample-mean losses.
@@ -477,4 +605,11 @@ ITEM_WEIGHTED_BUGS: frozenset[str] = frozenset({"sample_weighted_token_loss", "c
 BLIND_SPOT_BUGS: frozenset[str] = frozenset(
     {"eight_slot_buffer", "clips_first_group_only", "zero_grads_for_frozen", "decay_per_micro_batch",
      "clips_only_trained_groups", "no_grad_through_frozen"}
+)
+
+#: The bugs that only dynamic loss scaling exposes (a step given a
+#: ``grad_scaler``), each exact without its setting: a loss scale at all, one
+#: with active clipping, a window that overflows (with a scheduler).
+GRAD_SCALER_BUGS: frozenset[str] = frozenset(
+    {"unscales_twice", "clips_before_unscaling", "skips_overflowing_micro_batch", "scheduler_steps_on_skipped_window"}
 )
