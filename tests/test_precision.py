@@ -109,3 +109,10 @@ def test_the_standard_cases_and_the_search_pass_a_correct_real_loop(
     assert main(["check", target, *case, "--train-dtype", "float64"]) == 1
     assert main(["check", target, *case, "--strict-precision"]) == 1
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT_STEPS))
+def test_every_correct_real_loop_passes_every_standard_case(name: str) -> None:
+    verdicts = equiv.check(CORRECT_STEPS[name])
+    assert verdicts, verdicts.message()
+    assert verdicts.counts()["equivalent"] >= len(STANDARD_CASES) // 2
