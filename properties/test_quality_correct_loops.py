@@ -16,7 +16,7 @@ from equiv.outcomes import Outcome
 from equiv.zoo.correct import CORRECT_STEPS, FLOAT32_ON_THE_GRADIENT
 
 #: Enough cases to meet clipping, token losses and several optimizers, in seconds.
-EXAMPLES = 60
+EXAMPLES = 30
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT_STEPS))
@@ -30,8 +30,8 @@ def test_the_default_search_passes_a_correct_real_loop(name: str) -> None:
         assert result.precision_notes == 0, result.precision_note
 
 
-@pytest.mark.parametrize("name", sorted(FLOAT32_ON_THE_GRADIENT))
-def test_for_float64_training_it_is_a_precision_finding_not_a_mismatch(name: str) -> None:
-    result = verify(CORRECT_STEPS[name], SearchSpace(item_weighted=True), max_examples=EXAMPLES, seed=0,
-                    replay_in_fresh_process=False, train_dtype="float64")
+def test_for_float64_training_it_is_a_precision_finding_not_a_mismatch() -> None:
+    # One step is enough here: tests/test_precision.py holds both to it case by case.
+    result = verify(CORRECT_STEPS["scales_by_inverse_item_count"], SearchSpace(item_weighted=True),
+                    max_examples=EXAMPLES, seed=0, replay_in_fresh_process=False, train_dtype="float64")
     assert result.kind is Outcome.PRECISION, result.message()

@@ -478,17 +478,19 @@ def _scaling_intro() -> list[str]:
         "",
         "`equiv.check(accumulator_step, case)` on a three-layer MLP (and, in a full run, a GPT-2-small-shaped "
         "causal LM brought in with `Case(model=..., data=..., loss=...)`), AdamW, batch 8 split 3 + 5, 2 steps, "
-        "against the candidate's own two float32 steps and against the nine bare runs a check is made of (the "
-        "float64 truth, 6 floor samples, the candidate in float64 and float32, nothing compared), all timed in "
+        "against the candidate's own two float32 steps and against the bare runs a check is made of (the "
+        "float64 truth and the candidate in float64 and float32, plus the 6 floor samples where a tier needs "
+        "them: a tensor past the floor-free roundoff term; nothing compared), all timed in "
         "the same rounds; and its peak of live tensor storages against one bare float64 run, in model states "
         "(parameters + AdamW's two moments in float64, 24 bytes per parameter) beyond that run. *bare runs / own "
         "steps* is the part no comparison can remove (float64 costs 2-3x float32 on a CPU); *check / bare runs* "
         "is what comparing adds.",
         "",
-        "Why the time target is missed: the nine runs alone cost about 10-17x the candidate's own steps on a CPU "
-        "(four in float64), so at most about 1.5x is left for everything else. The runs are the verdict: the "
-        "floor samples set each tensor's allowance, and dropping any would change verdicts that "
-        "tests/data/pinned_verdicts.json pins. The memory target is met at every size.",
+        "The runs are the verdict: a correct step whose every difference is within the floor-free roundoff term "
+        "passes whatever the floor, so its check runs no floor sample; a failing or borderline one runs them "
+        "(they set each tensor's allowance) and the candidate again, with the verdict every floor would give "
+        "(tests/data/pinned_verdicts.json). float64 costs 2-3x float32 on a CPU, so the truth and the float64 "
+        "candidate alone are several times the candidate's own float32 steps.",
         "",
     ]
 
