@@ -1,22 +1,36 @@
 """Floors run only when the verdict needs them, and the verdict is the one every floor would give.
 
-The allowance is FLOOR_FACTOR x floor + a roundoff term, so a difference within
-the roundoff term passes whatever the floor.  ``equiv.check`` compares each tier
-with no floor first and runs a tier's floor samples (and the candidate again)
-only when a tensor is past that term.
+The allowance is FLOOR_FACTOR x floor + a roundoff term, and the floor is the
+greatest distance of any floor sample from the truth: more samples only raise
+it.  ``equiv.check`` compares each tier with no floor first, runs a tier's floor
+samples one at a time while a tensor is past its allowance (re-judging the
+candidate's kept differences, not running it again), and runs the candidate once
+more only to detail a failure.  The truth and floors of a case are kept for the
+next candidate checked on it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+from torch import nn
 
 import equiv
 from equiv.cases.standard import STANDARD_CASES
-from equiv.checking.check import ReferenceRuns
+from equiv.checking.check import ReferenceRuns, clear_reference_cache
 from equiv.zoo.bugs import BUGS
 
 CASES = ["SGD momentum, uneven 1+5+10", "Adam, uneven 1+2", "SGD, active clipping 3+5",
          "Adam, token loss with padding 2+3"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_references() -> Iterator[None]:
+    """Every test starts with no kept truth (another test's floors would hide what runs)."""
+    clear_reference_cache()
+    yield
+    clear_reference_cache()
 
 
 def eager(candidate: object, case: equiv.Case) -> equiv.Verdict:
@@ -39,8 +53,110 @@ def test_a_correct_step_within_the_roundoff_term_runs_no_floor(case_name: str, m
     case = STANDARD_CASES[case_name]
     assert eager(equiv.accumulator_step, case)
 
-    def no_floors(self: ReferenceRuns, tiers: object = None) -> ReferenceRuns:
+    def no_floors(self: ReferenceRuns, tier: str) -> bool:
         raise AssertionError("a floor ran for a correct step within the roundoff term")
 
-    monkeypatch.setattr(ReferenceRuns, "with_floors", no_floors)
+    monkeypatch.setattr(ReferenceRuns, "run_floor_sample", no_floors)
     assert equiv.check(equiv.accumulator_step, case)
+
+
+#: A float32 case whose correct float32 run is past the roundoff term alone (Adam's
+#: m / sqrt(v) amplifies float32 rounding): its noise tier needs floor samples.
+NEEDS_FLOORS = equiv.Case(batch_size=8, micro_batch_sizes=(3, 5), optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
+                          model_kwargs={"in_features": 64, "hidden": (64, 64), "out_features": 64})
+
+
+def test_a_correct_step_that_needs_floors_stops_at_the_sample_that_settles_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    full = eager(equiv.accumulator_step, NEEDS_FLOORS)
+    assert full
+    clear_reference_cache()
+    ran: list[str] = []
+    original = ReferenceRuns.run_floor_sample
+
+    def counted(self: ReferenceRuns, tier: str) -> bool:
+        ran.append(tier)
+        return original(self, tier)
+
+    monkeypatch.setattr(ReferenceRuns, "run_floor_sample", counted)
+    lazy = equiv.check(equiv.accumulator_step, NEEDS_FLOORS)
+    assert lazy.status == full.status
+    assert 0 < len(ran) < len(ReferenceRuns.truth_of(NEEDS_FLOORS).samples)
+    # Fewer samples, a smaller allowance: the worst ratio shown is an upper bound of every sample's.
+    for tier, worst in full.worst.items():
+        assert lazy.worst[tier].ratio >= worst.ratio
+        assert lazy.worst[tier].max_abs_diff == worst.max_abs_diff or lazy.worst[tier].ratio > worst.ratio
+
+
+@pytest.mark.parametrize("case_name", CASES)
+def test_a_verdict_without_details_is_the_same_verdict(case_name: str) -> None:
+    case = STANDARD_CASES[case_name]
+    full = equiv.check(BUGS["mean_of_means"], case)
+    quick = equiv.check(BUGS["mean_of_means"], case, details=False)
+    assert quick.status == full.status and quick.kind == full.kind
+    assert [(d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in quick.mismatches] == [
+        (d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in full.mismatches]
+    assert quick.first_mismatch is not None and full.first_mismatch is not None
+    assert (quick.first_mismatch.step, quick.first_mismatch.name) == (full.first_mismatch.step, full.first_mismatch.name)
+    assert full.first_mismatch.index and not quick.first_mismatch.index  # where: only in the full verdict
+
+
+def count_truths(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The cases whose float64 truth runs from now on, one entry per run."""
+    truths: list[object] = []
+    original = ReferenceRuns.truth_of.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[ReferenceRuns], *args: object, **kwargs: object) -> ReferenceRuns:
+        truths.append(args[0])
+        return original(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(ReferenceRuns, "truth_of", classmethod(counted))
+    return truths
+
+
+def test_candidates_checked_on_one_case_share_its_truth_and_floors(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = STANDARD_CASES[CASES[0]]
+    truths = count_truths(monkeypatch)
+    first = [equiv.check(step, case) for step in (BUGS["mean_of_means"], equiv.accumulator_step, BUGS["unscaled_sum"])]
+    assert len(truths) == 1
+    clear_reference_cache()
+    again = [equiv.check(step, case) for step in (BUGS["mean_of_means"], equiv.accumulator_step, BUGS["unscaled_sum"])]
+    assert [v.to_dict() for v in again] == [v.to_dict() for v in first]  # kept or not, the same verdicts
+
+
+def test_a_case_holding_your_own_objects_gets_fresh_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+    def data(step: int, batch_size: int, generator: object) -> object:
+        import torch
+        return torch.randn(batch_size, 3, generator=generator), torch.randn(batch_size, 2, generator=generator)
+
+    case = equiv.Case(batch_size=4, micro_batch_sizes=(1, 3), model=model, data=data)
+    truths = count_truths(monkeypatch)
+    assert equiv.check(equiv.accumulator_step, case) and equiv.check(equiv.accumulator_step, case)
+    assert len(truths) == 2  # a factory may change between two checks: nothing kept
+
+
+def test_under_float16_loss_scaling_every_floor_runs_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float16 floor run may overflow where the float64 truth does not (its skip
+    decisions are part of the verdict): every sample runs before the candidate."""
+    case = equiv.Case(batch_size=4, micro_batch_sizes=(1, 3), autocast="float16", loss_scale=2.0**8)
+    order: list[str] = []
+    original_floors, original_run = ReferenceRuns.with_floors, ReferenceRuns.compare_run
+
+    def floors(self: ReferenceRuns, tiers: object = None) -> ReferenceRuns:
+        order.append("floors")
+        return original_floors(self, tiers)  # type: ignore[arg-type]
+
+    def run(self: ReferenceRuns, *args: object, **kwargs: object) -> object:
+        order.append("candidate")
+        return original_run(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ReferenceRuns, "with_floors", floors)
+    monkeypatch.setattr(ReferenceRuns, "compare_run", run)
+    equiv.check(equiv.accumulator_step, case)
+    assert order[0] == "floors"
+    # float32 (3.4e38 at most) with a scale far below it: lazy like any other case.
+    order.clear()
+    equiv.check(equiv.accumulator_step, equiv.Case(batch_size=4, micro_batch_sizes=(1, 3), loss_scale=2.0**16))
+    assert order[0] == "candidate"

@@ -18,6 +18,8 @@ repeat the exact tier).
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
@@ -35,7 +37,7 @@ from equiv.checking.tolerances import ROUNDOFF_UNITS_PER_STEP, unit_roundoff
 from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
 from equiv.checking.verdict import CaseVerdicts, PrecisionFinding, TensorDiff, Tier, Verdict
 
-__all__ = ["ReferenceRuns", "check", "check_cases"]
+__all__ = ["FloorSample", "ReferenceRuns", "check", "check_cases", "floor_samples", "reference_runs"]
 
 TIERS: tuple[Tier, ...] = ("exact", "noise")
 #: Offsets of the shuffling seeds from the case seed (any fixed values; fixed so reruns agree).
@@ -45,18 +47,20 @@ _SHUFFLE_SEED_OFFSETS = (7919, 104729)
 @overload
 def check(
     candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS, timeout: float | None = DEFAULT_TIMEOUT_S,
-    train_dtype: torch.dtype | str | None = None, strict: bool = False,
+    train_dtype: torch.dtype | str | None = None, strict: bool = False, details: bool = True,
 ) -> Verdict: ...
 @overload
 def check(
     candidate: Candidate, case: None = None, *, tiers: Sequence[Tier] = TIERS,
     timeout: float | None = DEFAULT_TIMEOUT_S, train_dtype: torch.dtype | str | None = None, strict: bool = False,
+    details: bool = True,
 ) -> CaseVerdicts: ...
 
 
 def check(
     candidate: Candidate, case: Case | None = None, *, tiers: Sequence[Tier] = TIERS,
     timeout: float | None = DEFAULT_TIMEOUT_S, train_dtype: torch.dtype | str | None = None, strict: bool = False,
+    details: bool = True,
 ) -> Verdict | CaseVerdicts:
     """Compare ``candidate`` with one full-batch step per optimizer step of ``case``.
 
@@ -82,22 +86,30 @@ def check(
     precision note (:attr:`Verdict.precision_note`: what, where, how large, why).
     It fails, as class PRECISION, when the user trains in float64
     (``train_dtype=torch.float64``) or asks for ``strict=True``.
+
+    ``details=False``: a failing verdict without where in each tensor the
+    differences are (index, relative difference, mismatched count, expected
+    and actual values), which costs running the candidate again; its status,
+    first divergence, differences and allowances are the same.  For a search,
+    which needs pass or fail for every case and the details of one.
     """
     __tracebackhide__ = True
     fails_because = precision_fails_because(train_dtype, strict)
     if case is None:
         return check_cases(candidate, STANDARD_CASES, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
-                           strict=strict)
+                           strict=strict, details=details)
     try:
         with deadline(timeout):
-            return _check(bind(candidate), case, tiers, fails_because)
+            return _check(bind(candidate), case, tiers, fails_because, details)
     except CheckTimeout as exc:  # not inside the candidate (that is a CandidateTimeout): in equiv's own runs
         raise CheckTimeout(exc.seconds, f"the check of {case!r} took over its limit of {exc.seconds:g} s in "
                                          "equiv's own runs (the full-batch reference and its floors): give a "
                                          "longer timeout for a case this large") from None
 
 
-def _check(candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_because: str) -> Verdict:
+def _check(
+    candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_because: str, details: bool = True,
+) -> Verdict:
     if not isinstance(case, Case):
         raise TypeError(f"case must be an equiv.Case, got {type(case).__name__}: {case!r}")
     unknown = [t for t in tiers if t not in TIERS]
@@ -108,26 +120,115 @@ def _check(candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_b
     if reasons:
         return Verdict(case=case, candidate=name, mismatches=(), not_applicable=reasons)
 
-    # Floors only where the verdict needs them.  The allowance is FLOOR_FACTOR x floor
-    # + a roundoff term, so a difference within the roundoff term alone passes whatever
-    # the floor: each tier is first compared with no floor, and only a tier with a
-    # tensor past that term runs its floor samples and the candidate again (the same
-    # verdict as with every floor run first; measured, 99 of 102 correct cases need no
-    # floor).  Under loss scaling the floor runs' own skip decisions are part of the
-    # verdict (a natural overflow), so they always run.
-    lazy = case.loss_scale is None
-    references = ReferenceRuns.truth_of(case, tiers) if lazy else ReferenceRuns.of(case, tiers)
+    references = reference_runs(case, tiers)
+    if _natural_overflow_possible(case):
+        # Under loss scaling in float16 arithmetic a floor run may overflow where the
+        # float64 truth does not (a natural overflow, see ReferenceRuns.judge): its
+        # skip decisions are part of every verdict, so every floor runs first.
+        references.with_floors()
     # Each candidate run is compared step by step as it runs; nothing of it is kept.
     notes: list[str] = []
-    by_tier = {tier: references.run_and_compare(tier, case, candidate, notes=notes) for tier in references.tiers}
-    undecided = [tier for tier, tier_diffs in by_tier.items() if not all(d.ok for d in tier_diffs)]
-    if lazy and undecided:
-        references = references.with_floors(undecided)
-        by_tier |= {tier: references.run_and_compare(tier, case, candidate, notes=notes) for tier in undecided}
+    by_tier = {tier: _judge_tier(references, tier, case, candidate, notes, details) for tier in references.tiers}
     diffs = [diff for tier in references.tiers for diff in by_tier[tier]]
     verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(notes)))
     finding = _precision_finding(references, case, candidate, verdict, fails_because)
     return verdict if finding is None else dataclasses.replace(verdict, precision=finding)
+
+
+def _judge_tier(
+    references: ReferenceRuns, tier: Tier, case: Case, candidate: BoundCandidate, notes: list[str],
+    details: bool = True,
+) -> list[TensorDiff]:
+    """Every tensor's row of ``candidate`` in ``tier``, running floor samples only
+    while the verdict depends on them.
+
+    The allowance is FLOOR_FACTOR x floor + a roundoff term, and the floor is
+    the greatest distance from the truth of any floor sample: more samples can
+    only raise it.  So a tier that passes against the samples run so far (none
+    at first: the roundoff term alone) passes against all of them, and is done;
+    its worst ratio is then an upper bound of the one every sample would give.
+    The candidate runs once, its greatest differences kept (a float per tensor
+    and step); each further sample re-judges them without running it again.
+    Only a tier still past its allowance with every sample in is run once more,
+    to detail the rows a failing verdict shows (unless ``details`` is False):
+    the same verdict as with every floor run first, number for number
+    (tests/test_lazy_floors.py).
+    """
+    if references.floors_complete(tier):
+        return references.run_and_compare(tier, case, candidate, notes=notes, final=details)
+    comparer = references.compare_run(tier, case, candidate, notes=notes, final=False)
+    rows = comparer.diffs
+    while not all(row.ok for row in rows):
+        if not references.run_floor_sample(tier):  # every sample in, still past
+            return references.run_and_compare(tier, case, candidate, notes=notes) if details else rows
+        rows = comparer.rejudged(references.floors[tier])
+    return rows
+
+
+def _natural_overflow_possible(case: Case) -> bool:
+    """Whether a floor run may overflow where the float64 truth does not: under loss
+    scaling in float16 arithmetic (65504 at most), or with a scale so large that a
+    float32 or bfloat16 run (3.4e38 = 2**128 at most) could reach it: beyond
+    2**40 however it grows (doubling at most once per step), where a gradient of
+    2**88 would do.  A forced overflow (``overflow_at``) overflows every run alike."""
+    if case.loss_scale is None:
+        return False
+    return "float16" in (case.dtype, case.autocast) or case.loss_scale * 2.0**case.steps > _LARGEST_SAFE_SCALE
+
+
+#: The loss scale below which no float32 or bfloat16 run of a sane case overflows on its own.
+_LARGEST_SAFE_SCALE = 2.0**40
+
+
+#: Bytes of truth trajectories kept for reuse (the most recently used first out of it
+#: is the least recently used): the truths of many small cases, never a large model's.
+REFERENCE_CACHE_BYTES = 256 * 2**20
+_reference_cache: OrderedDict[tuple[str, tuple[Tier, ...]], tuple[ReferenceRuns, int]] = OrderedDict()
+
+
+def reference_runs(case: Case, tiers: Sequence[Tier] = TIERS) -> ReferenceRuns:
+    """The references of ``case`` (its truth, floors as they get run), shared by every
+    candidate checked on it: the zoo, the reports, ``equiv check`` on several steps
+    and a search that meets a case again (its replay of the case it found) run the
+    truth and each floor sample of a case once.
+
+    Kept while they fit in :data:`REFERENCE_CACHE_BYTES`, least recently used out
+    first, and only for a case made of names and numbers: one that holds your own
+    model factory, data or loss (objects that may change between two checks)
+    gets fresh references every time.  Verdicts are the same either way: a
+    case's runs are deterministic, and floors only grow as samples are added.
+    """
+    key = _cache_key(case, tiers)
+    if key is None:
+        return ReferenceRuns.truth_of(case, tiers)
+    hit = _reference_cache.get(key)
+    if hit is not None:
+        _reference_cache.move_to_end(key)
+        return hit[0]
+    references = ReferenceRuns.truth_of(case, tiers)
+    size = references.truth.nbytes()
+    if size <= REFERENCE_CACHE_BYTES:
+        _reference_cache[key] = (references, size)
+        while sum(size for _, size in _reference_cache.values()) > REFERENCE_CACHE_BYTES:
+            _reference_cache.popitem(last=False)
+    return references
+
+
+def clear_reference_cache() -> None:
+    """Forget every kept reference (e.g. to time or test a check from scratch)."""
+    _reference_cache.clear()
+
+
+def _cache_key(case: Case, tiers: Sequence[Tier]) -> tuple[str, tuple[Tier, ...]] | None:
+    """The case as JSON text when it is names and numbers only (None otherwise)."""
+    objects = [case.model, case.data, case.loss]
+    if not all(isinstance(value, str) and ":" not in value for value in objects):
+        return None  # a user's object, or an import path to one: it may change between checks
+    try:
+        text = json.dumps(case.to_dict(), sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError):
+        return None  # keyword values that are not plain data
+    return text, tuple(tiers)
 
 
 #: Training dtypes a user may declare, by name.
@@ -195,6 +296,7 @@ def check_cases(
     on_case: Callable[[str, CaseVerdicts], None] | None = None,
     train_dtype: torch.dtype | str | None = None,
     strict: bool = False,
+    details: bool = True,
 ) -> CaseVerdicts:
     """:func:`check` on each named case; a case where the step raises is recorded,
     not raised.  After a case where the step hangs past ``timeout`` the rest are
@@ -212,7 +314,7 @@ def check_cases(
         else:
             try:
                 verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
-                                       strict=strict)
+                                       strict=strict, details=details)
             except CandidateError as exc:
                 errors[name] = str(exc)
                 if exc.step_traceback is not None:
@@ -227,35 +329,88 @@ def check_cases(
 
 
 @dataclass(frozen=True)
-class ReferenceRuns:
-    """The float64 truth and, per tier, how far the floor samples land from it.
+class FloorSample:
+    """One full-batch run of the case rounded another way (the same mathematics):
+    in ``dtype``, on a batch shuffled with ``permutation_seed`` (None: in order),
+    or normalised after backward; and, per tier whose floor it measures, the
+    factor its distance from the truth is scaled by."""
 
-    Computed once, streaming: the truth's trajectory is kept (every candidate
-    is compared with it), each floor run only leaves its per-step, per-tensor
+    dtype: torch.dtype
+    permutation_seed: int | None = None
+    normalise_after_backward: bool = False
+    feeds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def floor_samples(case: Case, tiers: Sequence[Tier]) -> tuple[FloorSample, ...]:
+    """The floor samples of ``case`` for ``tiers``, in the order they run.
+
+    Several samples, because the ratio of two roundoff errors is heavy-tailed
+    (see :mod:`equiv.checking.tolerances`): each precision runs the batch in
+    order, normalised after backward (the accumulator's own rounding pattern),
+    and shuffled twice.  Rounding error grows linearly with the unit roundoff,
+    so float32 runs' errors scaled by u(float64)/u(float32) estimate the float64
+    floor, besides two direct float64 samples (normalised after backward, and
+    shuffled; none in order: that is the truth).  Cheapest first (a float32
+    sample feeds both tiers when the case trains in float32), as a passing
+    tier stops at the first sample that settles it.
+    """
+    exact, working, float32 = torch.float64, case.working_dtype, torch.float32
+    shuffles = [case.seed + offset for offset in _SHUFFLE_SEED_OFFSETS]
+    ways = [(None, False), (None, True), (shuffles[0], False), (shuffles[1], False)]
+    float32_feeds = {"exact": unit_roundoff(exact) / unit_roundoff(float32)} if "exact" in tiers else {}
+    noise = "noise" in tiers and working != exact
+    if noise and working == float32:
+        float32_feeds["noise"] = 1.0
+    first: list[FloorSample] = []
+    rest: list[FloorSample] = []
+    for position, (seed, after) in enumerate(ways):
+        into = first if position < 2 else rest
+        if float32_feeds:
+            into.append(FloorSample(float32, seed, after, float32_feeds))
+        if noise and working != float32:
+            into.append(FloorSample(working, seed, after, {"noise": 1.0}))
+    if "exact" in tiers:
+        first.append(FloorSample(exact, None, True, {"exact": 1.0}))
+        rest.append(FloorSample(exact, shuffles[0], False, {"exact": 1.0}))
+    return (*first, *rest)
+
+
+@dataclass(eq=False)
+class ReferenceRuns:
+    """The float64 truth of a case and, per tier, how far its floor samples land from it.
+
+    Computed streaming: the truth's trajectory is kept (every candidate is
+    compared with it), each floor sample only leaves its per-step, per-tensor
     distance from the truth (:class:`~equiv.checking.compare.FloorErrors`).
-    A candidate is then judged step by step as it runs
-    (:meth:`run_and_compare`), or from a whole trajectory run elsewhere, e.g.
-    one per rank of a distributed run (:meth:`compare`, :meth:`verdict`).
-    :meth:`of` runs every floor; :meth:`truth_of` runs the truth only, and
-    :meth:`with_floors` the floors of the tiers a verdict turns out to need
-    (a tier without floors is compared with the roundoff term alone).
+    Floor samples run on demand and stay: :meth:`run_floor_sample` one more
+    for a tier, :meth:`with_floors` every one (:meth:`of`: the truth and every
+    floor at once; :meth:`truth_of`: the truth alone).  A tier with no sample
+    run yet is judged with the roundoff term alone.
+
+    A candidate is judged step by step as it runs (:meth:`run_and_compare`),
+    or from a whole trajectory run elsewhere, e.g. one per rank of a
+    distributed run (:meth:`compare`, :meth:`verdict`).  The same references
+    serve every candidate checked on the case (:func:`reference_runs` keeps
+    recent ones).
     """
 
     case: Case
     #: the float64 full-batch run, in compared form (updates since step 0, state)
     truth: TruthTrajectory
-    #: tier -> the floor samples' distances from the truth
+    #: tier -> the distances from the truth of the floor samples run so far
     floors: dict[str, FloorErrors]
     #: the case's model before any step, built once; every run trains a copy
     initial: ModelBundle | None = None
-
-    #: The tiers this case is judged in, whether or not their floors have run yet
-    #: (a float64 case has no noise tier: its working dtype is the exact tier's).
+    #: The tiers this case is judged in (a float64 case has no noise tier: its
+    #: working dtype is the exact tier's).
     tier_names: tuple[Tier, ...] = ()
+    #: the case's floor samples, and the positions of those already run
+    samples: tuple[FloorSample, ...] = ()
+    samples_run: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def tiers(self) -> list[Tier]:
-        return list(self.tier_names or self.floors)  # type: ignore[arg-type]
+        return list(self.tier_names)
 
     def dtype(self, tier: str) -> torch.dtype:
         return torch.float64 if tier == "exact" else self.case.working_dtype
@@ -267,7 +422,7 @@ class ReferenceRuns:
 
     @classmethod
     def truth_of(cls, case: Case, tiers: Sequence[Tier] = TIERS) -> ReferenceRuns:
-        """The float64 truth only; floors run later, for the tiers that need them (:meth:`with_floors`)."""
+        """The float64 truth only; floor samples run when asked for."""
         initial = case.build_model()
         # Every run trains a copy of it: on a GPU, copying it there once (in its own
         # dtype; each run casts its copy) saves a host-to-device copy of the model per run.
@@ -275,65 +430,65 @@ class ReferenceRuns:
         truth = TruthTrajectory()
         run_reference(case, torch.float64, on_snapshot=truth.add, initial=initial)
         names = tuple(t for t in TIERS if t in tiers and (t == "exact" or case.working_dtype != torch.float64))
-        return cls(case=case, truth=truth, floors={}, initial=initial, tier_names=names)
+        return cls(case=case, truth=truth, floors={tier: FloorErrors(truth) for tier in names}, initial=initial,
+                   tier_names=names, samples=floor_samples(case, names))
+
+    def _pending(self, tier: str) -> list[int]:
+        return [i for i, sample in enumerate(self.samples) if tier in sample.feeds and i not in self.samples_run]
+
+    def floors_complete(self, tier: str) -> bool:
+        """Whether every floor sample of ``tier`` has run."""
+        return not self._pending(tier)
+
+    def run_floor_sample(self, tier: str) -> bool:
+        """Run ``tier``'s next floor sample (feeding every tier it measures);
+        False when every one has run."""
+        pending = self._pending(tier)
+        if not pending:
+            return False
+        position = pending[0]
+        sample = self.samples[position]
+        feeds = [(self.floors[t], factor) for t, factor in sample.feeds.items() if t in self.floors]
+
+        def feed(step: int, snapshot: Snapshot) -> None:
+            for floor_errors, factor in feeds:
+                floor_errors.add(step, snapshot, factor)
+
+        run_reference(self.case, sample.dtype, permutation_seed=sample.permutation_seed,
+                      normalise_after_backward=sample.normalise_after_backward, on_snapshot=feed,
+                      initial=self.initial)
+        self.samples_run.add(position)
+        return True
 
     def with_floors(self, tiers: Sequence[Tier] | None = None) -> ReferenceRuns:
-        """These references with the floors of ``tiers`` (None: every tier) run too."""
-        case, initial, exact, working = self.case, self.initial, torch.float64, self.case.working_dtype
-        wanted = [t for t in (self.tier_names if tiers is None else tiers)
-                  if t in self.tier_names and t not in self.floors]
-        floors: dict[str, FloorErrors] = {tier: FloorErrors(self.truth) for tier in wanted}
-        # Floor samples: the full-batch run in order, on shuffled batches, and
-        # normalised after backward (the same mathematics rounded other ways).
-        # Several samples, because the ratio of two roundoff errors is
-        # heavy-tailed (see equiv.checking.tolerances).
-        shuffles = [case.seed + offset for offset in _SHUFFLE_SEED_OFFSETS]
-
-        def run_floor_samples(dtype: torch.dtype, feeds: list[tuple[FloorErrors, float]]) -> None:
-            def feed(step: int, snapshot: Snapshot) -> None:
-                for floor_errors, factor in feeds:
-                    floor_errors.add(step, snapshot, factor)
-
-            run_reference(case, dtype, on_snapshot=feed, initial=initial)
-            for seed in shuffles:
-                run_reference(case, dtype, permutation_seed=seed, on_snapshot=feed, initial=initial)
-            run_reference(case, dtype, normalise_after_backward=True, on_snapshot=feed, initial=initial)
-
-        # Rounding error grows linearly with the unit roundoff, so float32 runs'
-        # errors scaled by u(float64)/u(float32) estimate the float64 floor.
-        float32_to_64 = unit_roundoff(exact) / unit_roundoff(torch.float32)
-        float32_feeds = [(floors["exact"], float32_to_64)] if "exact" in floors else []
-        if "noise" in floors and working == torch.float32:
-            float32_feeds.append((floors["noise"], 1.0))
-        if float32_feeds:
-            run_floor_samples(torch.float32, float32_feeds)
-        if "exact" in floors:
-            # Direct float64 samples: the run on a shuffled batch (none for
-            # batches of one sample, whose shuffle is the identity), and the run
-            # normalised after backward, the accumulator's own rounding pattern.
-            def feed_exact(step: int, snapshot: Snapshot) -> None:
-                floors["exact"].add(step, snapshot, 1.0)
-
-            run_reference(case, exact, permutation_seed=shuffles[0], on_snapshot=feed_exact, initial=initial)
-            run_reference(case, exact, normalise_after_backward=True, on_snapshot=feed_exact, initial=initial)
-        if "noise" in floors and working != torch.float32:
-            run_floor_samples(working, [(floors["noise"], 1.0)])
-        return dataclasses.replace(self, floors={**self.floors, **floors})
+        """These references with every floor sample of ``tiers`` (None: every tier) run."""
+        for tier in self.tier_names if tiers is None else tiers:
+            while tier in self.tier_names and self.run_floor_sample(tier):
+                pass
+        return self
 
     def run_and_compare(
         self, tier: Tier, case: Case, candidate: Candidate | BoundCandidate, *, default_dtype: torch.dtype | None = None,
-        notes: list[str] | None = None,
+        notes: list[str] | None = None, final: bool = True,
     ) -> list[TensorDiff]:
-        """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced;
-        what the step did to the model besides training it goes to ``notes``."""
-        # A tier whose floors have not run is compared with no floor: only the roundoff term allowed.
-        floors = self.floors.get(tier) or FloorErrors(self.truth)
-        comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=floors)
+        """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced
+        against the floors run so far; what the step did to the model besides
+        training it goes to ``notes``.  ``final=False``: no row detailed."""
+        return self.compare_run(tier, case, candidate, default_dtype=default_dtype, notes=notes, final=final).diffs
+
+    def compare_run(
+        self, tier: Tier, case: Case, candidate: Candidate | BoundCandidate, *, default_dtype: torch.dtype | None = None,
+        notes: list[str] | None = None, final: bool = True,
+    ) -> StepComparer:
+        """:meth:`run_and_compare`, returning the comparer: with ``final=False`` its
+        rows stay undetailed and can be re-judged as more floor samples run
+        (:meth:`~equiv.checking.compare.StepComparer.rejudged`)."""
+        comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier], details=final)
         run_candidate(
             case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype, initial=self.initial,
             on_note=None if notes is None else notes.append,
         )
-        return comparer.diffs
+        return comparer
 
     def compare(self, tier: Tier, candidate: list[Snapshot]) -> list[TensorDiff]:
         """Judge a whole candidate trajectory (e.g. one rank's)."""

@@ -180,6 +180,13 @@ class TruthTrajectory:
         self.scales.append(dict(zip(compared, floats[: len(compared)], strict=True)))
         self.global_update.append(max(floats[len(compared) :], default=0.0))
 
+    def nbytes(self) -> int:
+        """Bytes of the tensors held (the start and every compared tensor)."""
+        held = [*self.compared]
+        if self.initial is not None:
+            held.append({("", n): t for n, t in [*self.initial.params.items(), *self.initial.buffers.items()]})
+        return sum(t.numel() * t.element_size() for tensors in held for t in tensors.values())
+
     def names(self, step: int, kind: str) -> list[str]:
         return [name for k, name in self.compared[step] if k == kind]
 
@@ -290,9 +297,11 @@ class FloorErrors:
                              else torch.zeros((), dtype=torch.float64, device=device))
         for key, distance in zip(keys, _host_floats(distances), strict=True):
             scaled = distance * factor
-            previous = self.errors.get((step, key[0], key[1]))
-            # Same semantics as max() over the runs in order (NaN-safe the same way).
-            if previous is None or scaled > previous:
+            previous = self.errors.get((step, key[0], key[1]), 0.0)
+            # The greatest over the samples, whatever order they run in; a sample that
+            # left the finite numbers measures no rounding and is passed over (an
+            # infinite or NaN floor would allow anything).
+            if math.isfinite(scaled) and scaled > previous:
                 self.errors[(step, key[0], key[1])] = scaled
 
     def floor(self, step: int, key: Key) -> float:
@@ -313,13 +322,17 @@ class StepComparer:
     greatest relative difference and the count of mismatched elements take
     several more passes (an argmax is ~8 times a max on the CPU), so they are
     computed only for the rows a verdict shows: the tensors that exceed their
-    allowance, and each tensor that is the tier's worst so far (a verdict's
-    ``worst`` is the first row of greatest ratio).  Other rows carry
-    ``index=()``, ``rel_index=()`` and ``max_rel_diff=nan``.
+    allowance, and, once per step, the step's worst tensor when it is the
+    tier's worst so far (a verdict's ``worst`` is the first row of greatest
+    ratio).  Other rows carry ``index=()``, ``rel_index=()`` and
+    ``max_rel_diff=nan``.
+
+    With ``details=False`` no row is detailed: a pass whose floors may still
+    grow (see :meth:`rejudged`), whose rows are final only if they all pass.
     """
 
-    def __init__(self, *, tier: Tier, dtype: torch.dtype, floors: FloorErrors) -> None:
-        self.tier, self.dtype, self.floors = tier, dtype, floors
+    def __init__(self, *, tier: Tier, dtype: torch.dtype, floors: FloorErrors, details: bool = True) -> None:
+        self.tier, self.dtype, self.floors, self.details = tier, dtype, floors, details
         self.diffs: list[TensorDiff] = []
         self._start: _RunStart | None = None
         self._scratch = _Scratch()
@@ -331,6 +344,18 @@ class StepComparer:
             return
         assert self._start is not None, "a run's snapshots must start at step 0"
         self.diffs.extend(self.compare(step, snapshot, self._start))
+
+    def rejudged(self, floors: FloorErrors) -> list[TensorDiff]:
+        """:attr:`diffs` judged against other floors of the same truth (more floor
+        samples run since): each row's allowance again, from the greatest
+        difference already measured; no row detailed."""
+        assert not self.details, "a detailed row's mismatched count belongs to its own allowance"
+        rows = []
+        for row in self.diffs:
+            budget = allowance(floor=floors.floor(row.step, (row.kind, row.name)), dtype=self.dtype, scale=row.scale,
+                               steps=row.step)
+            rows.append(dataclasses.replace(row, allowed=budget.allowed, explanation=budget.explain()))
+        return rows
 
     def compare(self, step: int, candidate: Snapshot, start: _RunStart) -> list[TensorDiff]:
         truth = self.floors.truth
@@ -381,14 +406,22 @@ class StepComparer:
                     max_abs_diff=max_abs, index=(), max_rel_diff=math.nan, rel_index=(),
                     allowed=budget.allowed, explanation=budget.explain(), mismatched=0, numel=numel, scale=scale,
                 )
-                worst_so_far = self._worst_ratio is None or row.ratio > self._worst_ratio
-                if max_abs > budget.allowed or worst_so_far:
-                    again = difference(key)
-                    assert again is not None
-                    row = _detailed(row, again, truth_value, self._scratch)
-            if self._worst_ratio is None or row.ratio > self._worst_ratio:
-                self._worst_ratio = row.ratio
             out.append(row)
+        if not self.details:
+            return out
+        # Details for the rows a verdict shows: every row past its allowance, and the
+        # step's worst (the first of greatest ratio) when it beats the tier's worst so far.
+        worst = max(range(len(out)), key=lambda i: out[i].ratio, default=None)
+        for position, row in enumerate(out):
+            new_worst = position == worst and (self._worst_ratio is None or row.ratio > self._worst_ratio)
+            missing = math.isinf(row.max_abs_diff) and row.mismatched > 0  # nothing to detail
+            if missing or (row.ok and not new_worst):
+                continue
+            again = difference(keys[position])
+            assert again is not None
+            out[position] = _detailed(row, again, compared.get(keys[position]), self._scratch)
+        if worst is not None and (self._worst_ratio is None or out[worst].ratio > self._worst_ratio):
+            self._worst_ratio = out[worst].ratio
         return out
 
 

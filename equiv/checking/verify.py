@@ -217,6 +217,20 @@ class _Found(Exception):
 
 
 
+def _in_full(candidate: BoundCandidate, found: _Found, **check_options: Any) -> _Found:
+    """The found case with its verdict in full (where in each tensor).  Its truth
+    and floors are kept from the search, so this runs the candidate alone; a
+    candidate that does not fail the same way again keeps the search's verdict."""
+    assert found.verdict is not None
+    try:
+        verdict = check(candidate, found.case, **check_options)
+    except CandidateError:
+        return found
+    if verdict.kind is not found.verdict.kind:
+        return found
+    return _Found(found.case, verdict, found.error, found.error_traceback)
+
+
 class _Hung(BaseException):
     """Raised inside the search when the step hangs past the time limit: a
     BaseException, so Hypothesis stops at once instead of shrinking (every shrink
@@ -313,7 +327,10 @@ def verify(
         try:
             check_started = time.perf_counter()
             try:
-                verdict = check(candidate, case, timeout=timeout, train_dtype=train_dtype, strict=strict)
+                # Pass or fail is all a search needs of every case; the details of
+                # the one it finds are filled in once, at the end.
+                verdict = check(candidate, case, timeout=timeout, train_dtype=train_dtype, strict=strict,
+                                details=False)
             except NonFiniteLossError:
                 reject()  # the case diverges on its own (too large a learning rate): not a finding
             except CandidateTimeout as exc:
@@ -397,6 +414,8 @@ def verify(
     if found is None and precision_findings:
         at, case, verdict = precision_findings[0]
         found, first_failure_at[:] = _Found(case, verdict, None), [at]
+    if found is not None and found.verdict is not None and not flaky:
+        found = _in_full(candidate, found, timeout=timeout, train_dtype=train_dtype, strict=strict)
     elapsed_s = time.perf_counter() - started
     state_across_calls: bool | None = None
     fresh_replay = ""
