@@ -143,20 +143,26 @@ def test_json_without_equiv_benchmarks_is_refused() -> None:
 
 def test_checker_scaling_rows_get_their_own_table_with_targets() -> None:
     raw = _fixture()
-    for parameters, ratio, growth in ((100_000, 40.0, 4.4), (1_000_000, 12.0, 3.5)):
+    rows_in = ((100_000, "passing", 40.0, 143.0), (1_000_000, "passing", 7.5, 96.0), (1_000_000, "failing", 20.0, 99.0))
+    for parameters, verdict, ratio, bytes_per_parameter in rows_in:
         raw["benchmarks"].append({
-            "name": f"test_check_scaling[{parameters}]",
-            "extra_info": {"scaling": True, "parameters": parameters, "check_median_s": 1.0,
+            "name": f"test_check_scaling[{verdict}-{parameters}]",
+            "extra_info": {"scaling": True, "parameters": parameters, "verdict": verdict, "check_median_s": 1.0,
                            "own_steps_median_s": 1.0 / ratio, "time_ratio": ratio,
-                           "check_bytes_per_parameter": 143.0, "growth_model_states": growth},
+                           "check_bytes_per_parameter": bytes_per_parameter,
+                           "runs": ["full batch float64", "candidate float64", "candidate float32",
+                                    "full batch float32"]},
             "stats": {"median": 1.0},
         })
     report = render_report(raw)
     rows = _table_after(report, "## What a check costs as the model grows")
-    assert [row["parameters"] for row in rows] == ["0.10M", "1.00M"]
-    assert [row["check / own steps"] for row in rows] == ["40x", "12x"]
-    assert [row["time target <= 15x"] for row in rows] == ["NOT met", "met"]
-    assert [row["memory target <= 4"] for row in rows] == ["NOT met", "met"]
+    assert [row["parameters"] for row in rows] == ["0.10M", "1.00M", "1.00M"]
+    assert [row["candidate"] for row in rows] == ["passing", "passing", "failing"]
+    assert [row["check / own steps"] for row in rows] == ["40.0x", "7.5x", "20.0x"]
+    # The time targets hold from 1M parameters on: 8x passing, 15x failing.
+    assert [row["time target (>= 1M)"] for row in rows] == ["-", "met (<= 8x)", "NOT met (<= 15x: 1.33x over)"]
+    assert [row["memory target <= 100 B/param"] for row in rows] == ["NOT met", "met", "met"]
+    assert rows[0]["runs made"] == "truth + 1 floor + 2 candidate"
     assert "## What a check costs" not in render_report(_fixture())  # no scaling rows, no section
 
 
@@ -223,7 +229,7 @@ def test_a_committed_full_scaling_run_is_shown_beside_this_runs_sizes() -> None:
         "name": "test_check_scaling[124M GPT-2]",
         "extra_info": {"scaling": True, "size": "124M GPT-2", "parameters": 124_439_808, "check_median_s": 160.8,
                        "own_steps_median_s": 9.59, "time_ratio": 16.8, "bare_runs_ratio": 14.9,
-                       "check_over_bare_runs": 1.13, "check_bytes_per_parameter": 110.0, "growth_model_states": 2.93,
+                       "check_over_bare_runs": 1.13, "check_bytes_per_parameter": 110.0, "verdict": "passing",
                        "load_average_1min": 2.43, "torch_version": "2.13.0+cpu", "threads": 1},
         "stats": {"median": 160.8},
     }]}
@@ -232,4 +238,5 @@ def test_a_committed_full_scaling_run_is_shown_beside_this_runs_sizes() -> None:
     rows = _table_after(report, "committed as reports/check_scaling_full.json")
     assert len(rows) == 1 and rows[0]["model"] == "124M GPT-2"
     assert rows[0]["bare runs / own steps"] == "14.9x" and rows[0]["check / bare runs"] == "1.13x"
-    assert rows[0]["time target <= 15x"] == "NOT met" and rows[0]["memory target <= 4"] == "met"
+    assert rows[0]["time target (>= 1M)"] == "NOT met (<= 8x: 2.10x over)"
+    assert rows[0]["memory target <= 100 B/param"] == "NOT met"

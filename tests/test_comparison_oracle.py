@@ -5,7 +5,9 @@ kernels (equiv.checking.facts), so the regression value the old hashes had
 ("a refactor does not change the numbers") is kept here instead, where it is
 sound: the streaming comparison of ``equiv.check`` and a deliberately naive
 one (every run kept whole as float64 copies, every distance a plain
-``(p_k - p_0) - (t_k - t_0)``, floors the running maximum over the floor runs)
+``p_k - t_k``: the difference of the two updates ``(p_k - p_0) - (t_k - t_0)``,
+every run starting at the truth's weights, in one subtraction; floors the
+running maximum over the floor runs)
 are computed in the same process, on the same kernels, and must agree
 exactly: every tensor's greatest difference, scale and allowance.  A change
 to how a check measures (its runs, floors, scales or arithmetic) fails here on
@@ -29,6 +31,14 @@ from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
 from equiv.zoo.bugs import BUGS
 
 Key = tuple[str, str]
+
+
+def _values(snapshot: Snapshot) -> dict[Key, torch.Tensor]:
+    """A snapshot keyed as compared, every tensor as its value (distances: p_k - t_k)."""
+    out: dict[Key, torch.Tensor] = {("update", n): v for n, v in snapshot.params.items()}
+    out |= {("buffer", n): v for n, v in snapshot.buffers.items()}
+    out |= {("state", n): v for n, v in snapshot.optimizer_state.items()}
+    return out
 
 
 def _compared(snapshot: Snapshot, start: Snapshot) -> dict[Key, torch.Tensor]:
@@ -58,6 +68,7 @@ class Oracle:
         self.initial = case.build_model()
         truth = run_reference(case, torch.float64, initial=self.initial)
         self.truth = [_compared(s, truth[0]) for s in truth]
+        self.truth_values = [_values(s) for s in truth]
         self.scales: list[dict[Key, float]] = [{}]
         self.global_update = [0.0]
         for snapshot, compared in zip(truth[1:], self.truth[1:], strict=True):
@@ -89,12 +100,12 @@ class Oracle:
         floors: dict[tuple[int, Key], float] = {}
         for run, factor in runs:
             for step in range(1, len(run)):
-                compared = _compared(run[step], run[0])
-                truth = self.truth[step]
-                for key in [*truth, *(k for k in compared if k[0] == "state" and k not in truth)]:
-                    distance = _distance(compared, truth, key)
+                values, truth = _values(run[step]), self.truth_values[step]
+                for key in [*truth, *(k for k in values if k[0] == "state" and k not in truth)]:
+                    distance = _distance(values, truth, key)
                     scaled = (0.0 if distance is None else distance) * factor
-                    if (step, key) not in floors or scaled > floors[(step, key)]:
+                    # A sample that left the finite numbers measures no rounding: passed over.
+                    if math.isfinite(scaled) and scaled > floors.get((step, key), 0.0):
                         floors[(step, key)] = scaled
         return floors
 
@@ -109,7 +120,7 @@ class Oracle:
             keys = [k for k in truth if k[0] == "update"] + [k for k in truth if k[0] == "buffer"]
             keys += [("state", n) for n in state]
             for key in keys:
-                distance = _distance(compared, truth, key)
+                distance = _distance(_values(run[step]), self.truth_values[step], key)
                 scale = self.scales[step].get(key, 0.0)
                 if key[0] == "update":
                     scale = max(scale, self.global_update[step])

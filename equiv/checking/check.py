@@ -457,6 +457,8 @@ class ReferenceRuns:
         run_reference(self.case, sample.dtype, permutation_seed=sample.permutation_seed,
                       normalise_after_backward=sample.normalise_after_backward, on_snapshot=feed,
                       initial=self.initial)
+        for floor_errors, _ in feeds:
+            floor_errors.end_run()
         self.samples_run.add(position)
         return True
 
@@ -488,6 +490,7 @@ class ReferenceRuns:
             case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype, initial=self.initial,
             on_note=None if notes is None else notes.append,
         )
+        comparer.end_run()
         return comparer
 
     def compare(self, tier: Tier, candidate: list[Snapshot]) -> list[TensorDiff]:

@@ -113,24 +113,40 @@ class _Scratch:
         return view
 
 
-class TruthTrajectory:
-    """The float64 full-batch run, kept in the form it is compared in.
+def _compact(tensor: Tensor) -> Tensor:
+    """A copy of ``tensor`` in float32 when that holds every value exactly (a model
+    built in float32 and cast up: half the bytes of float64, and float64
+    arithmetic promotes it back exactly), else in float64."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.float32:
+        return tensor.clone()
+    if tensor.dtype == torch.float64:
+        narrow = tensor.to(torch.float32)
+        if torch.equal(narrow.to(torch.float64), tensor):
+            return narrow
+    return tensor.to(torch.float64, copy=True)
 
-    Per step k >= 1: every parameter's update since step 0 (t_k - t_0), every
-    floating buffer's change, every optimizer state tensor; and the scales the
+
+class TruthTrajectory:
+    """The float64 full-batch run, kept as every comparison needs it.
+
+    Step 0 (:attr:`initial`): the weights every run starts from, in float32
+    when they are float32 values (a case's model is built in float32).  Per
+    step k >= 1 (:attr:`values`): every parameter and floating buffer as its
+    float64 value t_k, and every optimizer state tensor; and the scales the
     allowances use (max |t_k|, max |t_k - t_0|, max |state|), computed once
-    here instead of once per compared run.  Step 0 is kept whole: every run
-    starts from it, and updates are measured from it.
+    here instead of once per compared run.  A run that starts where the truth
+    does is compared as p_k - t_k, which is its update minus the truth's
+    ((p_k - t_0) - (t_k - t_0)) in one subtraction.
 
     Built streaming (:meth:`add` as the truth runs, its tensors lent, not
-    copied) or from a list of snapshots (:meth:`of`).  Holds the same memory
-    as the truth's snapshots: an update replaces the parameter it comes from.
+    copied) or from a list of snapshots (:meth:`of`).
     """
 
     def __init__(self) -> None:
         self.initial: Snapshot | None = None
-        #: step -> key -> the compared float64 tensor (index 0 unused)
-        self.compared: list[dict[Key, Tensor]] = [{}]
+        #: step -> key -> the truth's tensor after that step, float64 (index 0 unused)
+        self.values: list[dict[Key, Tensor]] = [{}]
         #: step -> key -> the tensor's own scale: max |t_k| for updates and buffers, max |state| for state
         self.scales: list[dict[Key, float]] = [{}]
         #: step -> the largest |update| anywhere in the model (the floor of every update's scale)
@@ -146,49 +162,61 @@ class TruthTrajectory:
         return truth
 
     def __len__(self) -> int:
-        return len(self.compared)
+        return len(self.values)
 
     def add(self, step: int, snapshot: Snapshot) -> None:
-        if step != len(self.compared) - (self.initial is None):
+        if step != len(self.values) - (self.initial is None):
             raise ValueError(f"the truth's snapshots must come in order: got step {step} after {len(self) - 1}")
         if LOSS_SCALE_KEY in snapshot.optimizer_state:
             self.loss_scales.append(float(snapshot.optimizer_state[LOSS_SCALE_KEY]))
         if step == 0:
             self.initial = Snapshot(
-                params={name: value.detach().to(torch.float64, copy=True) for name, value in snapshot.params.items()},
-                buffers={name: value.detach().to(torch.float64, copy=True) for name, value in snapshot.buffers.items()},
+                params={name: _compact(value) for name, value in snapshot.params.items()},
+                buffers={name: _compact(value) for name, value in snapshot.buffers.items()},
                 optimizer_state={},
             )
             return
-        initial = self.initial
-        assert initial is not None
-        compared: dict[Key, Tensor] = {}
+        assert self.initial is not None
+        values: dict[Key, Tensor] = {}
         own_scales: list[Tensor] = []
         update_sizes: list[Tensor] = []
+        scratch = _Scratch()
         for name, value in snapshot.params.items():
-            compared[("update", name)] = torch.sub(value.detach(), initial.params[name])
+            values[("update", name)] = value.detach().to(torch.float64, copy=True)
             own_scales.append(_max_abs(value.detach()))
-            update_sizes.append(_max_abs(compared[("update", name)]))
+            update_sizes.append(_max_abs(self.compared(step, ("update", name), scratch, values)))
         for name, value in snapshot.buffers.items():
-            compared[("buffer", name)] = torch.sub(value.detach(), initial.buffers[name])
+            values[("buffer", name)] = value.detach().to(torch.float64, copy=True)
             own_scales.append(_max_abs(value.detach()))
         for name, value in snapshot.optimizer_state.items():
-            compared[("state", name)] = value.detach().to(torch.float64, copy=True)
-            own_scales.append(_max_abs(compared[("state", name)]))
+            values[("state", name)] = value.detach().to(torch.float64, copy=True)
+            own_scales.append(_max_abs(values[("state", name)]))
         floats = _host_floats([*own_scales, *update_sizes])
-        self.compared.append(compared)
-        self.scales.append(dict(zip(compared, floats[: len(compared)], strict=True)))
-        self.global_update.append(max(floats[len(compared) :], default=0.0))
+        self.values.append(values)
+        self.scales.append(dict(zip(values, floats[: len(values)], strict=True)))
+        self.global_update.append(max(floats[len(values) :], default=0.0))
+
+    def compared(self, step: int, key: Key, scratch: _Scratch, values: dict[Key, Tensor] | None = None) -> Tensor:
+        """What is compared at ``key`` after ``step``: a parameter's update or a
+        buffer's change since step 0 (t_k - t_0, in ``scratch``, which the next
+        call may overwrite), or the optimizer state as it is."""
+        value = (self.values[step] if values is None else values)[key]
+        kind, name = key
+        if kind == "state":
+            return value
+        assert self.initial is not None
+        start = (self.initial.params if kind == "update" else self.initial.buffers)[name]
+        return torch.sub(value, start, out=scratch.get("truth", value.shape, value.device))
 
     def nbytes(self) -> int:
-        """Bytes of the tensors held (the start and every compared tensor)."""
-        held = [*self.compared]
+        """Bytes of the tensors held (the start and every step's)."""
+        held = list(self.values)
         if self.initial is not None:
             held.append({("", n): t for n, t in [*self.initial.params.items(), *self.initial.buffers.items()]})
         return sum(t.numel() * t.element_size() for tensors in held for t in tensors.values())
 
     def names(self, step: int, kind: str) -> list[str]:
-        return [name for k, name in self.compared[step] if k == kind]
+        return [name for k, name in self.values[step] if k == kind]
 
     @property
     def device(self) -> torch.device | None:
@@ -198,12 +226,14 @@ class TruthTrajectory:
 
 
 class _RunStart:
-    """Where one run's updates are measured from.  Every run starts from the
-    truth's weights, so the truth's step 0 serves (nothing of the run is
-    kept); a run that starts elsewhere keeps a float64 copy of its own."""
+    """Where one run starts, and the scratch buffers of its comparison (dropped
+    with it when the run ends).  Every run starts from the truth's weights, so
+    the truth's step 0 serves (nothing of the run is kept); a run that starts
+    elsewhere keeps a float64 copy of its own."""
 
-    def __init__(self, snapshot: Snapshot, truth: TruthTrajectory, scratch: _Scratch) -> None:
-        self.scratch = scratch
+    def __init__(self, snapshot: Snapshot, truth: TruthTrajectory) -> None:
+        self.scratch = _Scratch()
+        self.truth = truth
         initial = truth.initial
         assert initial is not None
         device = truth.device
@@ -217,45 +247,45 @@ class _RunStart:
             equal = [torch.eq(value.detach().to(truths[name].device), truths[name]).all() for name, value in values.items()]
             return bool(torch.stack(equal).all()) if equal else True
 
-        if same(snapshot.params, initial.params) and same(snapshot.buffers, initial.buffers):
-            self.params, self.buffers = initial.params, initial.buffers
-        else:
+        self.at_truth_start = same(snapshot.params, initial.params) and same(snapshot.buffers, initial.buffers)
+        if not self.at_truth_start:
             self.params = {name: _float64(v.detach(), device).clone() for name, v in snapshot.params.items()}
             self.buffers = {name: _float64(v.detach(), device).clone() for name, v in snapshot.buffers.items()}
 
     def difference(self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None) -> Tensor | None:
         """The run's compared tensor at ``key`` minus the truth's (the truth's
         zeros where the truth lacks it), float64, in a scratch buffer that the
-        next call overwrites; None where the run lacks it or its shape differs."""
+        next call overwrites; None where the run lacks it or its shape differs.
+
+        ``truth_value``: the truth's tensor after the step (its value, not its update)."""
         kind, name = key
-        if kind == "update":
-            value = snapshot.params.get(name)
-            start = self.params.get(name)
-        elif kind == "buffer":
-            value = snapshot.buffers.get(name)
-            start = self.buffers.get(name)
-        else:
-            value, start = snapshot.optimizer_state.get(name), None
+        value = {"update": snapshot.params, "buffer": snapshot.buffers}.get(kind, snapshot.optimizer_state).get(name)
         if value is None:
             return None
         value = value.detach()
         if device is not None and value.dim() and value.device != device:
             value = value.to(device)  # a rank's run may live on another device than the truth
-        # (p_k - p_0) - (t_k - t_0), state - truth state: the same operations as
-        # on float64 copies (type promotion to float64 is exact), in one temporary.
         if truth_value is not None and truth_value.shape != value.shape:
             return None
         out = self.scratch.get("difference", value.shape, value.device)
-        first = start if start is not None else truth_value  # an update is measured from the run's start
-        if value.dtype == torch.float64 and first is not None:
-            torch.sub(value, first, out=out)
+        # (p_k - p_0) - (t_k - t_0), state - truth state: the same operations as on
+        # float64 copies (type promotion to float64 is exact), in one temporary.
+        # From the truth's start, p_k - t_k: one subtraction.
+        if value.dtype == torch.float64 and truth_value is not None:
+            torch.sub(value, truth_value, out=out)
         else:
             # Converted into the scratch buffer first: a mixed-dtype subtraction
             # is several times slower than a conversion and a float64 one.
             out.copy_(value)
-            if first is not None:
-                out.sub_(first)
-        return out.sub_(truth_value) if start is not None and truth_value is not None else out
+            if truth_value is not None:
+                out.sub_(truth_value)
+        if kind != "state" and not self.at_truth_start and truth_value is not None:
+            initial = self.truth.initial
+            assert initial is not None
+            own_start = (self.params if kind == "update" else self.buffers)[name]
+            truth_start = (initial.params if kind == "update" else initial.buffers)[name]
+            out.sub_(own_start).add_(truth_start)
+        return out
 
 
 class FloorErrors:
@@ -272,11 +302,10 @@ class FloorErrors:
         #: Per floor run, the GradScaler scale after each step (when the case scales losses).
         self.scale_trajectories: list[list[float]] = []
         self._start: _RunStart | None = None
-        self._scratch = _Scratch()
 
     def add(self, step: int, snapshot: Snapshot, factor: float) -> None:
         if step == 0:
-            self._start = _RunStart(snapshot, self.truth, self._scratch)
+            self._start = _RunStart(snapshot, self.truth)
             self.scale_trajectories.append([])
         assert self._start is not None, "a floor run's snapshots must start at step 0"
         scale = snapshot.optimizer_state.get(LOSS_SCALE_KEY)
@@ -284,7 +313,7 @@ class FloorErrors:
             self.scale_trajectories[-1].append(float(scale))
         if step == 0:
             return
-        truth = self.truth.compared[step]
+        truth = self.truth.values[step]
         device = self.truth.device
         # The truth's tensors, then state only the run has (compared with zeros).
         keys = [*truth, *(("state", n) for n in snapshot.optimizer_state if ("state", n) not in truth)]
@@ -303,6 +332,10 @@ class FloorErrors:
             # infinite or NaN floor would allow anything).
             if math.isfinite(scaled) and scaled > previous:
                 self.errors[(step, key[0], key[1])] = scaled
+
+    def end_run(self) -> None:
+        """The floor run fed since step 0 has ended: its scratch buffers go."""
+        self._start = None
 
     def floor(self, step: int, key: Key) -> float:
         return self.errors.get((step, key[0], key[1]), 0.0)
@@ -335,15 +368,18 @@ class StepComparer:
         self.tier, self.dtype, self.floors, self.details = tier, dtype, floors, details
         self.diffs: list[TensorDiff] = []
         self._start: _RunStart | None = None
-        self._scratch = _Scratch()
         self._worst_ratio: float | None = None
 
     def add(self, step: int, snapshot: Snapshot) -> None:
         if step == 0:
-            self._start = _RunStart(snapshot, self.floors.truth, self._scratch)
+            self._start = _RunStart(snapshot, self.floors.truth)
             return
         assert self._start is not None, "a run's snapshots must start at step 0"
         self.diffs.extend(self.compare(step, snapshot, self._start))
+
+    def end_run(self) -> None:
+        """The run has ended: its scratch buffers go (the rows stay)."""
+        self._start = None
 
     def rejudged(self, floors: FloorErrors) -> list[TensorDiff]:
         """:attr:`diffs` judged against other floors of the same truth (more floor
@@ -360,7 +396,7 @@ class StepComparer:
     def compare(self, step: int, candidate: Snapshot, start: _RunStart) -> list[TensorDiff]:
         truth = self.floors.truth
         device = truth.device
-        compared = truth.compared[step]
+        compared = truth.values[step]
         extra_state = sorted(n for n in candidate.optimizer_state if ("state", n) not in compared)
         truth_state = sorted(n for k, n in compared if k == "state")
         keys: list[Key] = [
@@ -417,9 +453,11 @@ class StepComparer:
             missing = math.isinf(row.max_abs_diff) and row.mismatched > 0  # nothing to detail
             if missing or (row.ok and not new_worst):
                 continue
-            again = difference(keys[position])
+            key = keys[position]
+            truth_compared = truth.compared(step, key, start.scratch) if key in compared else None
+            again = difference(key)
             assert again is not None
-            out[position] = _detailed(row, again, compared.get(keys[position]), self._scratch)
+            out[position] = _detailed(row, again, truth_compared, start.scratch)
         if worst is not None and (self._worst_ratio is None or out[worst].ratio > self._worst_ratio):
             self._worst_ratio = out[worst].ratio
         return out
@@ -497,4 +535,5 @@ def compare_trajectories(
     comparer = StepComparer(tier=tier, dtype=dtype, floors=floors)
     for step, snapshot in enumerate(candidate):
         comparer.add(step, snapshot)
+    comparer.end_run()
     return comparer.diffs
