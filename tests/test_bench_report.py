@@ -240,3 +240,25 @@ def test_a_committed_full_scaling_run_is_shown_beside_this_runs_sizes() -> None:
     assert rows[0]["bare runs / own steps"] == "14.9x" and rows[0]["check / bare runs"] == "1.13x"
     assert rows[0]["time target (>= 1M)"] == "NOT met (<= 8x: 2.10x over)"
     assert rows[0]["memory target <= 100 B/param"] == "NOT met"
+
+
+def test_verify_speed_rows_say_whether_the_correct_step_doubled() -> None:
+    raw = _fixture()
+    modes = ("as shipped", "every floor, details, nothing kept")
+    for verdict, examples, shipped_seconds, eager_seconds in (("failing", 58, 2.0, 2.8), ("passing", 200, 5.0, 9.0)):
+        raw["benchmarks"].append({
+            "name": f"test_verify_speed[{verdict}]",
+            "extra_info": {"verify_speed": True, "verdict": verdict, "candidate": f"{verdict}_step", "seed": 0,
+                           "max_examples": 200, "examples": examples, "found": verdict == "failing",
+                           "seconds": dict(zip(modes, (shipped_seconds, eager_seconds), strict=True)),
+                           "cases_per_second": {modes[0]: examples / shipped_seconds, modes[1]: examples / eager_seconds},
+                           "speedup": eager_seconds / shipped_seconds},
+            "stats": {"median": 1.0},
+        })
+    rows = _table_after(render_report(raw), "## equiv verify: cases per second")
+    assert [row["candidate"] for row in rows] == ["passing_step (passing)", "failing_step (failing)"]
+    assert [row["cases/s, as shipped"] for row in rows] == ["40.0", "29.0"]
+    assert [row["speed-up"] for row in rows] == ["1.80x", "1.40x"]
+    # The target is on the correct step only: 1.8x is short of 2x, and says by how much.
+    assert [row["target (correct step, >= 2x)"] for row in rows] == ["NOT met (>= 2x: 1.80x)", "-"]
+    assert "## equiv verify" not in render_report(_fixture())  # no verify rows, no section
