@@ -262,3 +262,22 @@ def test_verify_speed_rows_say_whether_the_correct_step_doubled() -> None:
     # The target is on the correct step only: 1.8x is short of 2x, and says by how much.
     assert [row["target (correct step, >= 2x)"] for row in rows] == ["NOT met (>= 2x: 1.80x)", "-"]
     assert "## equiv verify" not in render_report(_fixture())  # no verify rows, no section
+
+
+def test_a_missed_check_target_says_why_from_the_rows_own_figures() -> None:
+    raw = _fixture()
+    for verdict, ratio, bare, bytes_per_parameter in (("passing", 12.0, 6.0, 96.0), ("failing", 30.0, 16.0, 104.0)):
+        raw["benchmarks"].append({
+            "name": f"test_check_scaling[{verdict}]",
+            "extra_info": {"scaling": True, "parameters": 4_000_000, "verdict": verdict, "check_median_s": 1.0,
+                           "own_steps_median_s": 1.0 / ratio, "time_ratio": ratio, "bare_runs_ratio": bare,
+                           "check_over_bare_runs": ratio / bare, "check_bytes_per_parameter": bytes_per_parameter,
+                           "runs": ["full batch float64", "candidate float64"]},
+            "stats": {"median": 1.0},
+        })
+    why = render_report(raw).split("Why a target is missed:")[1]
+    assert "Passing check, 8x target missed at 1 of 1 sizes" in why
+    assert "alone take 6.0-6.0x" in why and "past the target at 0 of 1 sizes" in why
+    assert "Failing check, 15x target missed at 1 of 1 sizes" in why and "alone take 16.0-16.0x" in why
+    assert "past the target at 1 of 1 sizes" in why
+    assert "Memory, 100 B/param target missed by 1 row(s) (failing; 104 B/param at most)" in why

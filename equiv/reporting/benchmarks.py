@@ -454,7 +454,51 @@ def _scaling_section(raw: dict[str, Any], scaling_full: dict[str, Any] | None = 
             "",
         ]
     quick = [f"This run ({'quick' if rows and rows[0].get('quick') else 'full'}):", "", markdown_table(_scaling_table(rows)), ""] if rows else []
-    return [*_scaling_intro(), *quick, *full_note]
+    return [*_scaling_intro(), *quick, *full_note, *_scaling_why(full_rows or rows)]
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}x" if values else "-"
+
+
+def _scaling_why(rows: list[dict[str, Any]]) -> list[str]:
+    """Why a target is missed, from the rows' own figures: the runs alone against
+    the target, and what comparing adds on top."""
+    lines: list[str] = []
+    for verdict, target in CHECK_TIME_TARGETS.items():
+        judged = [info for info in rows if info.get("verdict", "passing") == verdict
+                  and info["parameters"] >= CHECK_TIME_TARGET_FROM and "bare_runs_ratio" in info]
+        missed = [info for info in judged if info["time_ratio"] > target]
+        if not missed:
+            continue
+        runs = _runs_made(missed[0])
+        alone = [float(info["bare_runs_ratio"]) for info in missed]
+        adds = [float(info["check_over_bare_runs"]) for info in missed]
+        over_alone = sum(ratio > target for ratio in alone)
+        lines.append(
+            f"- **{verdict.capitalize()} check, {target:g}x target missed at {len(missed)} of {len(judged)} sizes**: "
+            f"its runs ({runs}) alone take {_span(alone)} the candidate's own float32 steps "
+            f"(past the target at {over_alone} of {len(missed)} sizes before anything is compared; float64 "
+            "training, Adam's square root and division most of all, costs several times float32 on a CPU), "
+            "and comparing "
+            f"multiplies that by {_span(adds)} (the truth's trajectory copied at every step, then per tensor and "
+            "run one subtraction and one min/max pass)"
+            + (". A failing check runs every floor sample, and its candidate once more to show where each tensor "
+               "differs" if verdict == "failing" else "")
+            + "."
+        )
+    heavy = [info for info in rows if info["check_bytes_per_parameter"] > CHECK_MEMORY_TARGET]
+    if heavy:
+        kinds = sorted({str(info.get("verdict", "passing")) for info in heavy})
+        lines.append(
+            f"- **Memory, {CHECK_MEMORY_TARGET:g} B/param target missed by {len(heavy)} row(s) ({', '.join(kinds)}; "
+            f"{max(info['check_bytes_per_parameter'] for info in heavy):.0f} B/param at most)**: the truth's "
+            "trajectory (its start in float32, every step's parameters and optimizer state in float64) and one "
+            "float64 run are held together; a failing check's peak is where it details its failing rows "
+            "(the absolute and relative difference and masks of the largest tensor, on top of the comparison's "
+            "own two buffers)."
+        )
+    return ["Why a target is missed:", "", *lines, ""] if lines else []
 
 
 def _time_target(info: dict[str, Any]) -> str:
