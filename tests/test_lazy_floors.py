@@ -160,3 +160,18 @@ def test_under_float16_loss_scaling_every_floor_runs_first(monkeypatch: pytest.M
     order.clear()
     equiv.check(equiv.accumulator_step, equiv.Case(batch_size=4, micro_batch_sizes=(1, 3), loss_scale=2.0**16))
     assert order[0] == "candidate"
+
+
+def test_the_truth_holds_the_initial_weights_once() -> None:
+    # The truth's start is the case model's own tensors (same values, same dtype),
+    # not a second copy: 4 bytes per parameter less at a check's peak.
+    case = STANDARD_CASES["Adam, frozen middle layer 2+3"]
+    references = ReferenceRuns.truth_of(case)
+    assert references.initial is not None and references.truth.initial is not None
+    own = dict(references.initial.module.named_parameters())
+    kept = references.truth.initial.params
+    assert kept.keys() == own.keys()
+    assert all(kept[name].data_ptr() == own[name].data_ptr() for name in own)
+    # And the check is the same check: the reference still passes, a bug still fails.
+    assert equiv.check(equiv.accumulator_step, case)
+    assert not equiv.check(BUGS["mean_of_means"], case)

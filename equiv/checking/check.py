@@ -429,6 +429,7 @@ class ReferenceRuns:
         initial.module.to(torch.device(case.device))
         truth = TruthTrajectory()
         run_reference(case, torch.float64, on_snapshot=truth.add, initial=initial)
+        truth.share_start(initial.module)
         names = tuple(t for t in TIERS if t in tiers and (t == "exact" or case.working_dtype != torch.float64))
         return cls(case=case, truth=truth, floors={tier: FloorErrors(truth) for tier in names}, initial=initial,
                    tier_names=names, samples=floor_samples(case, names))

@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from equiv.checking.tolerances import allowance
 from equiv.checking.trajectory import Snapshot
@@ -213,6 +213,19 @@ class TruthTrajectory:
         # subtraction is about 3x slower than a conversion and a float64 one.
         out.copy_(start)
         return torch.sub(value, out, out=out)
+
+    def share_start(self, module: nn.Module) -> None:
+        """Hold the start as ``module``'s own tensors wherever they are the same values
+        in the same dtype (the case's model, which every run copies and none trains):
+        one copy of the initial weights per check, not two (4 bytes per parameter)."""
+        assert self.initial is not None
+        own: dict[str, Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        for kept in (self.initial.params, self.initial.buffers):
+            for name, value in kept.items():
+                mine = own.get(name)
+                if (mine is not None and (mine.dtype, mine.shape, mine.device) == (value.dtype, value.shape, value.device)
+                        and torch.equal(mine.detach(), value)):
+                    kept[name] = mine.detach()
 
     def nbytes(self) -> int:
         """Bytes of the tensors held (the start and every step's)."""
@@ -486,22 +499,27 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
     zeros = truth is None
     if truth is None:  # state the truth never has, compared with zeros: relative difference inf where not 0
         truth = torch.zeros_like(abs_diff)
-    # |diff| / |truth|, 0 where the two agree (0 / 0 included), inf where only
-    # the truth is 0.  |diff / truth| is |diff| / |truth| bit for bit: one temporary.
-    rel_diff = torch.div(abs_diff, truth, out=scratch.get("relative", abs_diff.shape, device))
-    rel_diff.abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
-    agree = torch.eq(abs_diff, 0, out=scratch.get("agree", abs_diff.shape, device, torch.bool))
-    rel_diff.masked_fill_(agree, 0.0)
-    flat_rel = rel_diff.argmax()
     mismatched = (
         (abs_diff > row.allowed).sum() if row.max_abs_diff > row.allowed
         else torch.zeros((), dtype=torch.long, device=device)
     )
-    # NaN and inf apart (the truth is finite: a non-finite difference is the candidate's).
-    not_finite = torch.logical_not(torch.isfinite(difference), out=agree)
-    nan_count = torch.isnan(difference).sum()
-    inf_count = not_finite.sum() - nan_count
-    first_not_finite = not_finite.flatten().to(torch.uint8).argmax()  # the first True (argmax takes the first)
+    agree = torch.eq(abs_diff, 0, out=scratch.get("agree", abs_diff.shape, device, torch.bool))
+    # |diff| / |truth|, 0 where the two agree (0 / 0 included), inf where only
+    # the truth is 0.  |diff / truth| is |diff| / |truth| bit for bit; divided in
+    # place (|diff| is not needed after this): no buffer of its own.
+    rel_diff = torch.div(abs_diff, truth, out=abs_diff)
+    rel_diff.abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
+    rel_diff.masked_fill_(agree, 0.0)
+    flat_rel = rel_diff.argmax()
+    # NaN and inf apart (the truth is finite: a non-finite difference is the candidate's);
+    # none to count when the greatest difference is finite (NaN makes it inf).
+    if math.isfinite(row.max_abs_diff):
+        nan_count = inf_count = first_not_finite = torch.zeros((), dtype=torch.long, device=device)
+    else:
+        not_finite = torch.logical_not(torch.isfinite(difference), out=agree)
+        nan_count = torch.isnan(difference).sum()
+        inf_count = not_finite.sum() - nan_count
+        first_not_finite = not_finite.flatten().to(torch.uint8).argmax()  # the first True (argmax takes the first)
     # An update c = t + d against the truth t: <d, t>, <t, t>, <d, d> give its scale and cosine.
     is_update = row.kind == "update" and not zeros
     if is_update:
