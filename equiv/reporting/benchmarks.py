@@ -478,9 +478,8 @@ def _scaling_why(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"- **{verdict.capitalize()} check, {target:g}x target missed at {len(missed)} of {len(judged)} sizes**: "
             f"its runs ({runs}) alone take {_span(alone)} the candidate's own float32 steps "
-            f"(past the target at {over_alone} of {len(missed)} sizes before anything is compared; float64 "
-            "training, Adam's square root and division most of all, costs several times float32 on a CPU), "
-            "and comparing "
+            f"(past the target at {over_alone} of {len(missed)} sizes before anything is compared: each float64 "
+            "run is a copy of the model, a cast and float64 training), and comparing "
             f"multiplies that by {_span(adds)} (the truth's trajectory copied at every step, then per tensor and "
             "run one subtraction and one min/max pass)"
             + (". A failing check runs every floor sample, and its candidate once more to show where each tensor "
