@@ -23,11 +23,11 @@ import equiv
 import equiv.checking.check as check_module
 import equiv.checking.verify as verify_module
 from equiv.checking.check import ReferenceRuns, clear_reference_cache
+from equiv.reporting.benchmarks import VERIFY_MODES as MODES
 from equiv.zoo.bugs import BUGS
 
 CANDIDATES: dict[str, Callable[..., Any]] = {"passing": equiv.accumulator_step, "failing": BUGS["mean_of_means"]}
 SEED = 0
-MODES = ("as shipped", "every floor, details, nothing kept")
 
 
 @contextmanager

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from equiv.cli import main
-from equiv.reporting.benchmarks import load_benchmarks, render_report
+from equiv.reporting.benchmarks import VERIFY_MODES, load_benchmarks, render_report
 from equiv.reporting.markdown import read_markdown_table
 
 MIB, KIB = 2**20, 2**10
@@ -244,7 +244,7 @@ def test_a_committed_full_scaling_run_is_shown_beside_this_runs_sizes() -> None:
 
 def test_verify_speed_rows_say_whether_the_correct_step_doubled() -> None:
     raw = _fixture()
-    modes = ("as shipped", "every floor, details, nothing kept")
+    modes = VERIFY_MODES
     for verdict, examples, shipped_seconds, eager_seconds in (("failing", 58, 2.0, 2.8), ("passing", 200, 5.0, 9.0)):
         raw["benchmarks"].append({
             "name": f"test_verify_speed[{verdict}]",

@@ -427,9 +427,8 @@ class ReferenceRuns:
         # Every run trains a copy of it: on a GPU, copying it there once (in its own
         # dtype; each run casts its copy) saves a host-to-device copy of the model per run.
         initial.module.to(torch.device(case.device))
-        truth = TruthTrajectory()
+        truth = TruthTrajectory(start=initial.module)
         run_reference(case, torch.float64, on_snapshot=truth.add, initial=initial)
-        truth.share_start(initial.module)
         names = tuple(t for t in TIERS if t in tiers and (t == "exact" or case.working_dtype != torch.float64))
         return cls(case=case, truth=truth, floors={tier: FloorErrors(truth) for tier in names}, initial=initial,
                    tier_names=names, samples=floor_samples(case, names))

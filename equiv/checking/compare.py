@@ -113,18 +113,22 @@ class _Scratch:
         return view
 
 
-def _compact(tensor: Tensor) -> Tensor:
+def _compact(tensor: Tensor, own: Tensor | None = None) -> Tensor:
     """A copy of ``tensor`` in float32 when that holds every value exactly (a model
     built in float32 and cast up: half the bytes of float64, and float64
-    arithmetic promotes it back exactly), else in float64."""
+    arithmetic promotes it back exactly), else in float64.  ``own``: a float32
+    tensor kept anyway that may hold the same values (then it is returned, no copy)."""
     tensor = tensor.detach()
-    if tensor.dtype == torch.float32:
-        return tensor.clone()
+    narrow = tensor.clone() if tensor.dtype == torch.float32 else None
     if tensor.dtype == torch.float64:
         narrow = tensor.to(torch.float32)
-        if torch.equal(narrow.to(torch.float64), tensor):
-            return narrow
-    return tensor.to(torch.float64, copy=True)
+        if not torch.equal(narrow.to(torch.float64), tensor):
+            narrow = None
+    if narrow is None:
+        return tensor.to(torch.float64, copy=True)
+    if own is None or (own.dtype, own.shape, own.device) != (narrow.dtype, narrow.shape, narrow.device):
+        return narrow
+    return own.detach() if torch.equal(own.detach(), narrow) else narrow
 
 
 class TruthTrajectory:
@@ -143,7 +147,12 @@ class TruthTrajectory:
     copied) or from a list of snapshots (:meth:`of`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, start: nn.Module | None = None) -> None:
+        """``start``: the model every run copies and none trains (the case's, in
+        float32): the truth's step 0 is held as its own tensors where they are the
+        same values, one copy of the initial weights per check, not two."""
+        self._start_tensors: dict[str, Tensor] = (
+            {} if start is None else {**dict(start.named_parameters()), **dict(start.named_buffers())})
         self.initial: Snapshot | None = None
         #: step -> key -> the truth's tensor after that step, float64 (index 0 unused)
         self.values: list[dict[Key, Tensor]] = [{}]
@@ -170,11 +179,13 @@ class TruthTrajectory:
         if LOSS_SCALE_KEY in snapshot.optimizer_state:
             self.loss_scales.append(float(snapshot.optimizer_state[LOSS_SCALE_KEY]))
         if step == 0:
+            own = self._start_tensors
             self.initial = Snapshot(
-                params={name: _compact(value) for name, value in snapshot.params.items()},
-                buffers={name: _compact(value) for name, value in snapshot.buffers.items()},
+                params={name: _compact(value, own.get(name)) for name, value in snapshot.params.items()},
+                buffers={name: _compact(value, own.get(name)) for name, value in snapshot.buffers.items()},
                 optimizer_state={},
             )
+            self._start_tensors = {}  # held through self.initial where used; nothing else kept
             return
         assert self.initial is not None
         values: dict[Key, Tensor] = {}
@@ -213,19 +224,6 @@ class TruthTrajectory:
         # subtraction is about 3x slower than a conversion and a float64 one.
         out.copy_(start)
         return torch.sub(value, out, out=out)
-
-    def share_start(self, module: nn.Module) -> None:
-        """Hold the start as ``module``'s own tensors wherever they are the same values
-        in the same dtype (the case's model, which every run copies and none trains):
-        one copy of the initial weights per check, not two (4 bytes per parameter)."""
-        assert self.initial is not None
-        own: dict[str, Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        for kept in (self.initial.params, self.initial.buffers):
-            for name, value in kept.items():
-                mine = own.get(name)
-                if (mine is not None and (mine.dtype, mine.shape, mine.device) == (value.dtype, value.shape, value.device)
-                        and torch.equal(mine.detach(), value)):
-                    kept[name] = mine.detach()
 
     def nbytes(self) -> int:
         """Bytes of the tensors held (the start and every step's)."""
