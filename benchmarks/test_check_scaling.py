@@ -11,8 +11,9 @@ and a failing one (the mean of per-micro-batch means, ``mean_of_means``):
 * **time**: ``equiv.check(step, case)`` from scratch (no kept truth) against
   the candidate's own two float32 steps (the same step function, model and
   batches, no check) and against the bare runs that check made (recorded from
-  one check: the float64 truth, the floor samples it ran, the candidate's
-  runs; replayed with nothing compared), all timed in the same rounds.
+  one check: building the case's model, the float64 truth, the floor samples
+  it ran, the candidate's runs; replayed with nothing compared), all timed in
+  the same rounds.
   check / own steps is what a user pays to check a step, in units of running
   it; bare runs / own steps the part no comparison can remove;
 * **memory**: the peak of live tensor storages during the check (torch's
@@ -140,16 +141,20 @@ def _recording_runs() -> Iterator[list[Run]]:
         check_module.run_reference, check_module.run_candidate = originals["run_reference"], originals["run_candidate"]  # type: ignore[assignment]
 
 
-def _bare_runs_seconds(runs: list[Run], case: equiv.Case) -> float:
-    """The runs a check made, again, with nothing compared (each from a model
-    built once and copied, as a check does)."""
+def _bare_runs_seconds(runs: list[Run], case: equiv.Case) -> tuple[float, float]:
+    """The case's model built (on the host, with the case's seed: the same weights
+    on every device), then the runs a check made, again, with nothing compared
+    (each from that model, copied, as a check does): (seconds building, seconds
+    in all, building included)."""
+    start = time.perf_counter()
     initial = case.build_model()
     initial.module.to(torch.device(case.device))
-    start = time.perf_counter()
+    synchronize(case.device)
+    built = time.perf_counter()
     for function, args, kwargs in runs:
         function(*args, **kwargs, on_snapshot=_ignore, initial=initial)
     synchronize(case.device)
-    return time.perf_counter() - start
+    return built - start, time.perf_counter() - start
 
 
 def _run_label(run: Run) -> str:
@@ -187,6 +192,7 @@ def test_check_scaling(benchmark: Any, bench_settings: Any, size: str, verdict_k
         _checked(step, case)
 
     own_seconds: list[float] = []
+    build_seconds: list[float] = []
     bare_seconds: list[float] = []
     check_seconds: list[float] = []
     rounds = 1 if bench_settings.quick or size == GPT2_SMALL else 3
@@ -194,7 +200,9 @@ def test_check_scaling(benchmark: Any, bench_settings: Any, size: str, verdict_k
     def one_check() -> None:
         # The candidate's own steps, the bare runs, then the check, in every round: side by side, same load.
         own_seconds.append(_own_steps_seconds(case))
-        bare_seconds.append(_bare_runs_seconds(runs, case))
+        build, bare = _bare_runs_seconds(runs, case)
+        build_seconds.append(build)
+        bare_seconds.append(bare)
         clear_reference_cache()
         start = time.perf_counter()
         equiv.check(step, case)  # its verdict is on the host: nothing left queued
@@ -215,6 +223,8 @@ def test_check_scaling(benchmark: Any, bench_settings: Any, size: str, verdict_k
         bare_runs_median_s=statistics.median(bare_seconds),
         time_ratio=statistics.median(c / o for c, o in zip(check_seconds, own_seconds, strict=True)),
         bare_runs_ratio=statistics.median(b / o for b, o in zip(bare_seconds, own_seconds, strict=True)),
+        model_build_median_s=statistics.median(build_seconds),
+        model_build_ratio=statistics.median(b / o for b, o in zip(build_seconds, own_seconds, strict=True)),
         check_over_bare_runs=statistics.median(c / b for c, b in zip(check_seconds, bare_seconds, strict=True)),
         check_peak_bytes=checked.peak_bytes,
         check_bytes_per_parameter=checked.peak_bytes / parameters,

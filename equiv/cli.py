@@ -343,12 +343,12 @@ def _cmd_report_benchmarks(args: argparse.Namespace) -> int:
         raw = json.loads(args.json.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"cannot read benchmark JSON {str(args.json)!r}: {exc}") from None
-    scaling_full = None
-    if args.scaling_full is not None:
+    scaling_full = []
+    for path in args.scaling_full or []:
         try:
-            scaling_full = json.loads(args.scaling_full.read_text())
+            scaling_full.append((str(path), json.loads(path.read_text())))
         except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(f"cannot read the full scaling run {str(args.scaling_full)!r}: {exc}") from None
+            raise UsageError(f"cannot read the full scaling run {str(path)!r}: {exc}") from None
     try:
         text = render_report(raw, source=str(args.json), scaling_full=scaling_full)
     except ValueError as exc:
@@ -472,8 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     benchmarks = reports.add_parser("benchmarks", help="pytest --benchmark-json output as markdown (tox -e bench)")
     benchmarks.add_argument("--json", type=Path, required=True, help="pytest --benchmark-json output")
     benchmarks.add_argument("--out", type=Path, default=Path("reports/benchmarks.md"), help="markdown file to write")
-    benchmarks.add_argument("--scaling-full", type=Path, default=None,
-                            help="a committed full run of benchmarks/test_check_scaling.py to show beside this one")
+    benchmarks.add_argument("--scaling-full", type=Path, action="append", default=None,
+                            help="a committed full run of benchmarks/test_check_scaling.py to show beside this one "
+                                 "(repeat it for several, e.g. a CPU and a GPU run)")
     benchmarks.set_defaults(handler=_cmd_report_benchmarks)
     return parser
 

@@ -49,9 +49,13 @@ def test_the_gpu_verdict_is_the_cpu_one(row: dict[str, Any]) -> None:
     case = equiv.Case.from_dict({**row["case"], "device": "cuda"})
     verdict = equiv.check(CANDIDATES[row["candidate"]], case)
     assert verdict.status == row["facts"]["status"], verdict.message()
-    # A passing check on the GPU stays clear of its allowance as on the CPU (within the floor's noise).
-    if row["facts"]["status"] == "equivalent":
-        assert all(diff.ratio < 1 for diff in verdict.worst.values())
+    # A precision finding (float64-only, float32-sized differences) passes past its exact-tier
+    # allowance by definition: the GPU must find the same one, for the same cause.
+    assert (None if verdict.precision is None else verdict.precision.cause) == row["facts"]["precision"], \
+        verdict.message()
+    # Any other passing check on the GPU stays clear of its allowance as on the CPU (within the floor's noise).
+    if row["facts"]["status"] == "equivalent" and row["facts"]["precision"] is None:
+        assert all(diff.ratio < 1 for diff in verdict.worst.values()), verdict.message()
 
 
 def _copy(snapshot: Snapshot) -> Snapshot:

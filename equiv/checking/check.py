@@ -427,7 +427,7 @@ class ReferenceRuns:
         # Every run trains a copy of it: on a GPU, copying it there once (in its own
         # dtype; each run casts its copy) saves a host-to-device copy of the model per run.
         initial.module.to(torch.device(case.device))
-        truth = TruthTrajectory(start=initial.module)
+        truth = TruthTrajectory(start=initial.module, steps=case.steps)
         run_reference(case, torch.float64, on_snapshot=truth.add, initial=initial)
         names = tuple(t for t in TIERS if t in tiers and (t == "exact" or case.working_dtype != torch.float64))
         return cls(case=case, truth=truth, floors={tier: FloorErrors(truth) for tier in names}, initial=initial,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +57,26 @@ def _max_abs(tensor: Tensor) -> Tensor:
     # min and max in one fused pass (no |tensor| temporary): max|t| = max(|min|, |max|), NaN kept.
     low, high = tensor.aminmax()
     return torch.maximum(low.abs(), high.abs()).to(torch.float64)
+
+
+def _max_abs_each(tensors: list[Tensor]) -> list[Tensor]:
+    """:func:`_max_abs` of every tensor, NaN kept.  On a GPU one multi-tensor
+    reduction per dtype (``torch._foreach_norm``, infinity norm: max |t|) and one
+    conversion for the whole list, instead of four kernels per tensor; on the
+    CPU per tensor, where a foreach op loops over the tensors anyway and the
+    fused min/max pass reads each tensor once."""
+    out: list[Tensor] = [tensor for tensor in tensors]  # each replaced by its maximum below
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for position, tensor in enumerate(tensors):
+        if tensor.device.type == "cpu" or tensor.numel() == 0:  # (the infinity norm of nothing is undefined)
+            out[position] = _max_abs(tensor)
+        else:
+            groups.setdefault((tensor.device, tensor.dtype), []).append(position)
+    for positions in groups.values():
+        norms = torch._foreach_norm([tensors[p] for p in positions], ord=math.inf)
+        for position, norm in zip(positions, torch.stack(norms).to(torch.float64).unbind(), strict=True):
+            out[position] = norm
+    return out
 
 
 def _host_floats(values: list[Tensor]) -> list[float]:
@@ -98,6 +118,11 @@ class _Scratch:
         #: Views already made, per slot and shape (a model has few shapes; a view costs a call).
         self._views: dict[tuple[str, torch.dtype, torch.device, torch.Size], Tensor] = {}
 
+    def release(self, *slots: str) -> None:
+        """Let the buffers of ``slots`` go (the next :meth:`get` makes them again)."""
+        self._buffers = {key: buffer for key, buffer in self._buffers.items() if key[0] not in slots}
+        self._views = {key: view for key, view in self._views.items() if key[0] not in slots}
+
     def get(self, slot: str, shape: torch.Size, device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
         view = self._views.get((slot, dtype, device, shape))
         if view is not None:
@@ -119,6 +144,11 @@ def _compact(tensor: Tensor, own: Tensor | None = None) -> Tensor:
     arithmetic promotes it back exactly), else in float64.  ``own``: a float32
     tensor kept anyway that may hold the same values (then it is returned, no copy)."""
     tensor = tensor.detach()
+    if own is not None and own.dtype == torch.float32 and (own.shape, own.device) == (tensor.shape, tensor.device):
+        # One comparing pass (float32 promoted exactly; NaN never equal), no
+        # allocation: the usual case, the case's float32 model cast up.
+        if tensor.dtype in (torch.float32, torch.float64) and bool(torch.eq(tensor, own.detach()).all()):
+            return own.detach()
     narrow = tensor.clone() if tensor.dtype == torch.float32 else None
     if tensor.dtype == torch.float64:
         narrow = tensor.to(torch.float32)
@@ -147,12 +177,18 @@ class TruthTrajectory:
     copied) or from a list of snapshots (:meth:`of`).
     """
 
-    def __init__(self, start: nn.Module | None = None) -> None:
+    def __init__(self, start: nn.Module | None = None, steps: int | None = None) -> None:
         """``start``: the model every run copies and none trains (the case's, in
         float32): the truth's step 0 is held as its own tensors where they are the
-        same values, one copy of the initial weights per check, not two."""
+        same values, one copy of the initial weights per check, not two.
+
+        ``steps``: the run's last step.  Its snapshot's float64 tensors are kept as
+        lent, not copied: the run ends with it and nothing writes them again (a
+        copy would cost a pass over the model and its state, and a second copy of
+        them alive at once)."""
         self._start_tensors: dict[str, Tensor] = (
             {} if start is None else {**dict(start.named_parameters()), **dict(start.named_buffers())})
+        self._last_step = steps
         self.initial: Snapshot | None = None
         #: step -> key -> the truth's tensor after that step, float64 (index 0 unused)
         self.values: list[dict[Key, Tensor]] = [{}]
@@ -188,24 +224,37 @@ class TruthTrajectory:
             self._start_tensors = {}  # held through self.initial where used; nothing else kept
             return
         assert self.initial is not None
-        values: dict[Key, Tensor] = {}
-        own_scales: list[Tensor] = []
-        update_sizes: list[Tensor] = []
-        scratch = _Scratch()
-        for name, value in snapshot.params.items():
-            values[("update", name)] = value.detach().to(torch.float64, copy=True)
-            own_scales.append(_max_abs(value.detach()))
-            update_sizes.append(_max_abs(self.compared(step, ("update", name), scratch, values)))
-        for name, value in snapshot.buffers.items():
-            values[("buffer", name)] = value.detach().to(torch.float64, copy=True)
-            own_scales.append(_max_abs(value.detach()))
-        for name, value in snapshot.optimizer_state.items():
-            values[("state", name)] = value.detach().to(torch.float64, copy=True)
-            own_scales.append(_max_abs(values[("state", name)]))
-        floats = _host_floats([*own_scales, *update_sizes])
+        copy = step != self._last_step  # the last snapshot's tensors are the truth's to keep
+        values: dict[Key, Tensor] = {
+            **{("update", name): value.detach().to(torch.float64, copy=copy) for name, value in snapshot.params.items()},
+            **{("buffer", name): value.detach().to(torch.float64, copy=copy) for name, value in snapshot.buffers.items()},
+            **{("state", name): value.detach().to(torch.float64, copy=copy)
+               for name, value in snapshot.optimizer_state.items()},
+        }
+        own_scales = _max_abs_each(list(values.values()))
+        floats = _host_floats([*own_scales, *self._update_sizes(step, values)])
         self.values.append(values)
         self.scales.append(dict(zip(values, floats[: len(values)], strict=True)))
         self.global_update.append(max(floats[len(values) :], default=0.0))
+
+    def _update_sizes(self, step: int, values: dict[Key, Tensor]) -> list[Tensor]:
+        """max |t_k - t_0| of every parameter, 0-d float64 tensors where they live: one
+        at a time on the CPU; on a GPU packed (see :func:`_packs`) as the start minus
+        the value, the update negated exactly (the same greatest magnitude)."""
+        scratch = _Scratch()
+        keys = [key for key in values if key[0] == "update"]
+        device = self.device
+        if device is None or device.type == "cpu":
+            return [_max_abs(self.compared(step, key, scratch, values)) for key in keys]
+        assert self.initial is not None
+        tensors = [values[key] for key in keys]
+        sizes: list[Tensor] = []
+        for pack in _packs(scratch, "truth", tensors, device):
+            views = [view for _, view in pack]
+            torch._foreach_copy_(views, [self.initial.params[keys[position][1]] for position, _ in pack])
+            torch._foreach_sub_(views, [tensors[position] for position, _ in pack])
+            sizes.extend(_max_abs_each(views))
+        return sizes
 
     def compared(self, step: int, key: Key, scratch: _Scratch, values: dict[Key, Tensor] | None = None) -> Tensor:
         """What is compared at ``key`` after ``step``: a parameter's update or a
@@ -269,12 +318,9 @@ class _RunStart:
             self.params = {name: _float64(v.detach(), device).clone() for name, v in snapshot.params.items()}
             self.buffers = {name: _float64(v.detach(), device).clone() for name, v in snapshot.buffers.items()}
 
-    def difference(self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None) -> Tensor | None:
-        """The run's compared tensor at ``key`` minus the truth's (the truth's
-        zeros where the truth lacks it), float64, in a scratch buffer that the
-        next call overwrites; None where the run lacks it or its shape differs.
-
-        ``truth_value``: the truth's tensor after the step (its value, not its update)."""
+    def _value(self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None) -> Tensor | None:
+        """The run's tensor at ``key`` on the truth's device; None where the run
+        lacks it or its shape differs from the truth's."""
         kind, name = key
         value = {"update": snapshot.params, "buffer": snapshot.buffers}.get(kind, snapshot.optimizer_state).get(name)
         if value is None:
@@ -283,6 +329,17 @@ class _RunStart:
         if device is not None and value.dim() and value.device != device:
             value = value.to(device)  # a rank's run may live on another device than the truth
         if truth_value is not None and truth_value.shape != value.shape:
+            return None
+        return value
+
+    def difference(self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None) -> Tensor | None:
+        """The run's compared tensor at ``key`` minus the truth's (the truth's
+        zeros where the truth lacks it), float64, in a scratch buffer that the
+        next call overwrites; None where the run lacks it or its shape differs.
+
+        ``truth_value``: the truth's tensor after the step (its value, not its update)."""
+        value = self._value(snapshot, key, truth_value, device)
+        if value is None:
             return None
         out = self.scratch.get("difference", value.shape, value.device)
         # (p_k - p_0) - (t_k - t_0), state - truth state: the same operations as on
@@ -296,13 +353,84 @@ class _RunStart:
             out.copy_(value)
             if truth_value is not None:
                 out.sub_(truth_value)
-        if kind != "state" and not self.at_truth_start and truth_value is not None:
-            initial = self.truth.initial
-            assert initial is not None
-            own_start = (self.params if kind == "update" else self.buffers)[name]
-            truth_start = (initial.params if kind == "update" else initial.buffers)[name]
+        if key[0] != "state" and not self.at_truth_start and truth_value is not None:
+            own_start, truth_start = self._starts(key)
             out.sub_(own_start).add_(truth_start)
         return out
+
+    def _starts(self, key: Key) -> tuple[Tensor, Tensor]:
+        """The run's own start and the truth's at an update or buffer ``key``."""
+        kind, name = key
+        initial = self.truth.initial
+        assert initial is not None
+        own = (self.params if kind == "update" else self.buffers)[name]
+        return own, (initial.params if kind == "update" else initial.buffers)[name]
+
+    def max_differences(
+        self, snapshot: Snapshot, keys: list[Key], truths: dict[Key, Tensor], device: torch.device | None,
+    ) -> list[Tensor | None]:
+        """max |:meth:`difference`| at each of ``keys`` as a 0-d float64 tensor (None
+        where the run lacks the tensor or its shape differs).
+
+        On the CPU one tensor at a time through one scratch buffer.  On a GPU many
+        at once: packed into one flat float64 buffer no larger than the largest
+        tensor (the memory of the one-at-a-time buffer), a few multi-tensor kernels
+        per pack instead of five kernels per tensor.  The same arithmetic either
+        way (the value converted exactly, the truth subtracted in float64), so the
+        same numbers."""
+        if device is None or device.type == "cpu":
+            out: list[Tensor | None] = []
+            for key in keys:
+                difference = self.difference(snapshot, key, truths.get(key), device)
+                out.append(_max_abs(difference) if difference is not None else None)
+            return out
+        out = [None] * len(keys)
+        batched: list[tuple[int, Key, Tensor]] = []
+        for position, key in enumerate(keys):
+            value = self._value(snapshot, key, truths.get(key), device)
+            if value is None:
+                continue
+            if value.device != device:  # a 0-d host tensor (Adam's step): read where it is
+                difference = self.difference(snapshot, key, truths.get(key), device)
+                out[position] = None if difference is None else _max_abs(difference)
+            else:
+                batched.append((position, key, value))
+        for pack in _packs(self.scratch, "difference", [value for _, _, value in batched], device):
+            views = [view for _, view in pack]
+            items = [batched[i] for i, _ in pack]
+            torch._foreach_copy_(views, [value for _, _, value in items])
+            against = [(view, truths[key]) for view, (_, key, _) in zip(views, items, strict=True) if key in truths]
+            if against:
+                torch._foreach_sub_([view for view, _ in against], [truth for _, truth in against])
+            if not self.at_truth_start:
+                moved = [(view, *self._starts(key)) for view, (_, key, _) in zip(views, items, strict=True)
+                         if key[0] != "state" and key in truths]
+                if moved:
+                    torch._foreach_sub_([view for view, _, _ in moved], [own for _, own, _ in moved])
+                    torch._foreach_add_([view for view, _, _ in moved], [start for _, _, start in moved])
+            for (position, _, _), maximum in zip(items, _max_abs_each(views), strict=True):
+                out[position] = maximum
+        return out
+
+
+def _packs(scratch: _Scratch, slot: str, tensors: list[Tensor], device: torch.device) -> Iterator[list[tuple[int, Tensor]]]:
+    """``tensors`` (by position) in packs of total size at most the largest one's,
+    each with a float64 view, in its shape, of one flat scratch buffer: many
+    tensors per multi-tensor kernel in the memory of one tensor-sized buffer.
+    A pack's views are overwritten by the next pack (kernels queue in order)."""
+    capacity = max((tensor.numel() for tensor in tensors), default=0)
+    flat = scratch.get(slot, torch.Size([capacity]), device)
+    pack: list[tuple[int, Tensor]] = []
+    used = 0
+    for position, tensor in enumerate(tensors):
+        size = tensor.numel()
+        if pack and used + size > capacity:
+            yield pack
+            pack, used = [], 0
+        pack.append((position, flat[used : used + size].view(tensor.shape)))
+        used += size
+    if pack:
+        yield pack
 
 
 class FloorErrors:
@@ -334,13 +462,10 @@ class FloorErrors:
         device = self.truth.device
         # The truth's tensors, then state only the run has (compared with zeros).
         keys = [*truth, *(("state", n) for n in snapshot.optimizer_state if ("state", n) not in truth)]
-        distances = []
-        for key in keys:
-            difference = self._start.difference(snapshot, key, truth.get(key), device)
-            # A tensor the floor run lacks has no distance (a zero made where the
-            # others are: a host-to-GPU copy would be one more synchronisation).
-            distances.append(_max_abs(difference) if difference is not None
-                             else torch.zeros((), dtype=torch.float64, device=device))
+        # A tensor the floor run lacks has no distance (a zero made where the
+        # others are: a host-to-GPU copy would be one more synchronisation).
+        distances = [distance if distance is not None else torch.zeros((), dtype=torch.float64, device=device)
+                     for distance in self._start.max_differences(snapshot, keys, truth, device)]
         for key, distance in zip(keys, _host_floats(distances), strict=True):
             scaled = distance * factor
             previous = self.errors.get((step, key[0], key[1]), 0.0)
@@ -425,11 +550,8 @@ class StepComparer:
         def difference(key: Key) -> Tensor | None:
             return start.difference(candidate, key, compared.get(key), device)
 
-        # One tensor at a time, into one scratch buffer: only its 0-d maximum is kept.
-        maxima: list[Tensor | None] = []
-        for key in keys:
-            diff = difference(key)
-            maxima.append(_max_abs(diff) if diff is not None else None)
+        # Into one scratch buffer: only each tensor's 0-d maximum is kept.
+        maxima = start.max_differences(candidate, keys, compared, device)
         floats = iter(_host_floats([m for m in maxima if m is not None]))
 
         out = []
@@ -477,7 +599,14 @@ class StepComparer:
             out[position] = _detailed(row, again, truth_compared, start.scratch)
         if worst is not None and (self._worst_ratio is None or out[worst].ratio > self._worst_ratio):
             self._worst_ratio = out[worst].ratio
+        # The details' buffers go before the run's next step: not held while its
+        # gradients and optimizer temporaries are (a failing check's peak).
+        start.scratch.release(*_DETAIL_SLOTS)
         return out
+
+
+#: Scratch slots only detailing uses (see :func:`_detailed`), besides the difference itself.
+_DETAIL_SLOTS = ("truth", "absolute", "agree")
 
 
 def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch: _Scratch) -> TensorDiff:

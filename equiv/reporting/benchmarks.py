@@ -38,7 +38,7 @@ IMPLEMENTATION_ORDER = {"native": 0, "accumulator": 1, "checkpoint": 2}
 GENERATE_COMMANDS = (
     "python -m pytest benchmarks --benchmark-only --benchmark-json=reports/benchmarks.json\n"
     "equiv report benchmarks --json reports/benchmarks.json --scaling-full reports/check_scaling_full.json "
-    "--out reports/benchmarks.md"
+    "--scaling-full reports/check_scaling_gpu.json --out reports/benchmarks.md"
 )
 #: A GPU run (CI has no GPU: its report is committed from a machine with one).
 GENERATE_COMMANDS_CUDA = (
@@ -254,13 +254,15 @@ def _chart(workload: str, frame: pd.DataFrame) -> list[str]:
 
 
 def render_report(
-    raw: dict[str, Any], *, source: str = "reports/benchmarks.json", scaling_full: dict[str, Any] | None = None
+    raw: dict[str, Any], *, source: str = "reports/benchmarks.json",
+    scaling_full: dict[str, Any] | Sequence[tuple[str, dict[str, Any]]] | None = None,
 ) -> str:
     """The whole markdown report from parsed ``--benchmark-json`` output.
 
-    ``scaling_full``: a committed full run of the check-scaling benchmark
-    (too long for CI: up to a 124M-parameter model), shown beside this run's
-    quick sizes, with its own date and load."""
+    ``scaling_full``: committed full runs of the check-scaling benchmark (too
+    long for CI: up to a 124M-parameter model; and on a GPU, which CI has not),
+    as (file name, parsed JSON) pairs or one parsed run, each shown beside this
+    run's quick sizes with its own device, date and load."""
     steps, paired = load_benchmarks(raw)
     if steps.empty:
         raise ValueError(f"{source} holds no equiv step benchmarks (none with extra_info['workload'])")
@@ -435,26 +437,60 @@ def _scaling_rows(raw: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda info: (info["parameters"], info.get("verdict", "passing") != "passing"))
 
 
-def _scaling_section(raw: dict[str, Any], scaling_full: dict[str, Any] | None = None) -> list[str]:
+def _scaling_section(
+    raw: dict[str, Any], scaling_full: dict[str, Any] | Sequence[tuple[str, dict[str, Any]]] | None = None,
+) -> list[str]:
     """The cost of equiv.check itself as the model grows (benchmarks/test_check_scaling.py)."""
+    if isinstance(scaling_full, dict):
+        scaling_full = [("reports/check_scaling_full.json", scaling_full)]
     rows = _scaling_rows(raw)
-    full_rows = _scaling_rows(scaling_full or {})
-    if not rows and not full_rows:
+    fulls = [(name, run, _scaling_rows(run)) for name, run in scaling_full or []]
+    fulls = [(name, run, full_rows) for name, run, full_rows in fulls if full_rows]
+    if not rows and not fulls:
         return []
-    full_note: list[str] = []
-    if full_rows:
+    full_notes: list[str] = []
+    for name, run, full_rows in fulls:
         loads = sorted(float(info["load_average_1min"]) for info in full_rows if "load_average_1min" in info)
-        full_note = [
-            f"Full run (`EQUIV_BENCH_QUICK=0 pytest benchmarks/test_check_scaling.py --benchmark-only`), committed "
-            f"as reports/check_scaling_full.json: run of {str((scaling_full or {}).get('datetime', 'unknown time'))[:19]}"
-            f", torch {full_rows[0].get('torch_version', '?')}, {full_rows[0].get('threads', '?')} thread(s), "
+        device = _scaling_device(full_rows)
+        command = "EQUIV_BENCH_QUICK=0 pytest benchmarks/test_check_scaling.py --benchmark-only"
+        full_notes += [
+            f"Full run on the {'GPU' if device.startswith('cuda') else 'CPU'} "
+            f"(`{'EQUIV_BENCH_DEVICE=cuda ' if device.startswith('cuda') else ''}{command}`), committed as {name}: "
+            f"run of {str(run.get('datetime', 'unknown time'))[:19]} on "
+            f"{run.get('machine_info', {}).get('cpu', {}).get('brand_raw', 'an unknown CPU')}, device `{device}`, "
+            f"torch {full_rows[0].get('torch_version', '?')}, {full_rows[0].get('threads', '?')} thread(s), "
             f"1-minute load {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}.",
             "",
             markdown_table(_scaling_table(full_rows)),
             "",
         ]
     quick = [f"This run ({'quick' if rows and rows[0].get('quick') else 'full'}):", "", markdown_table(_scaling_table(rows)), ""] if rows else []
-    return [*_scaling_intro(), *quick, *full_note, *_scaling_why(full_rows or rows)]
+    on_cpu = [full_rows for _, _, full_rows in fulls if not _scaling_device(full_rows).startswith("cuda")]
+    on_gpu = [full_rows for _, _, full_rows in fulls if _scaling_device(full_rows).startswith("cuda")]
+    return [*_scaling_intro(), *quick, *full_notes, *_scaling_why(on_cpu[0] if on_cpu else rows),
+            *_scaling_gpu_why(on_gpu[0] if on_gpu else [])]
+
+
+def _scaling_device(rows: list[dict[str, Any]]) -> str:
+    return str(rows[0].get("device", "cpu")) if rows else "cpu"
+
+
+def _scaling_gpu_why(rows: list[dict[str, Any]]) -> list[str]:
+    """What a check's time is made of on a GPU, where the targets (CPU ones) do not apply."""
+    if not rows or "model_build_ratio" not in rows[0]:
+        return []
+    build = [float(info["model_build_ratio"]) for info in rows]
+    runs = [float(info["bare_runs_ratio"]) - float(info["model_build_ratio"]) for info in rows]
+    compared = [float(info["time_ratio"]) - float(info["bare_runs_ratio"]) for info in rows]
+    return [
+        "On the GPU (no target: the targets are the CPU's): the candidate's own float32 steps take milliseconds, "
+        f"and of a check's time in those units, building the case's model takes {_span(build)} (on the host, "
+        "drawn from the CPU's generator with the case's seed, so a case has the same weights on every device; "
+        f"then copied to the GPU), its runs {_span(runs)}, and comparing {_span(compared)} (kernel launches and "
+        "one host read per step: a model this size leaves the GPU mostly waiting). A check of a model the user "
+        "builds (`Case(model=...)`) pays for the user's own initialisation instead.",
+        "",
+    ]
 
 
 def _span(values: list[float]) -> str:
@@ -477,11 +513,13 @@ def _scaling_why(rows: list[dict[str, Any]]) -> list[str]:
         over_alone = sum(ratio > target for ratio in alone)
         lines.append(
             f"- **{verdict.capitalize()} check, {target:g}x target missed at {len(missed)} of {len(judged)} sizes**: "
-            f"its runs ({runs}) alone take {_span(alone)} the candidate's own float32 steps "
-            f"(past the target at {over_alone} of {len(missed)} sizes before anything is compared: each float64 "
-            "run is a copy of the model, a cast and float64 training), and comparing "
-            f"multiplies that by {_span(adds)} (the truth's trajectory copied at every step, then per tensor and "
-            "run one subtraction and one min/max pass)"
+            f"building the case's model and its runs ({runs}) alone take {_span(alone)} the candidate's own "
+            f"float32 steps (past the target at {over_alone} of {len(missed)} sizes before anything is compared: "
+            "each float64 run is a copy of the model, a cast and float64 training, whose optimizer step alone is "
+            "2-3x float32's on this CPU, and its first step allocates gradients and optimizer state afresh), and "
+            f"comparing multiplies that by {_span(adds)} (the truth's every step but the last copied, then per "
+            "tensor and run one subtraction and one min/max pass, each a pass over memory as long as the step's "
+            "own)"
             + (". A failing check runs every floor sample, and its candidate once more to show where each tensor "
                "differs" if verdict == "failing" else "")
             + "."
@@ -502,7 +540,7 @@ def _scaling_why(rows: list[dict[str, Any]]) -> list[str]:
 
 def _time_target(info: dict[str, Any]) -> str:
     target = CHECK_TIME_TARGETS.get(str(info.get("verdict", "passing")))
-    if target is None or info["parameters"] < CHECK_TIME_TARGET_FROM:
+    if target is None or info["parameters"] < CHECK_TIME_TARGET_FROM or str(info.get("device", "cpu")) != "cpu":
         return "-"
     ratio = info["time_ratio"]
     return f"met (<= {target:g}x)" if ratio <= target else f"NOT met (<= {target:g}x: {ratio / target:.2f}x over)"
@@ -527,6 +565,7 @@ def _scaling_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
             "runs made": _runs_made(info),
             "check s (median)": f"{info['check_median_s']:.3f}",
             "own 2 float32 steps s": f"{info['own_steps_median_s']:.4f}",
+            "model build / own steps": f"{info['model_build_ratio']:.1f}x" if "model_build_ratio" in info else "-",
             "bare runs / own steps": f"{info['bare_runs_ratio']:.1f}x" if "bare_runs_ratio" in info else "-",
             "check / bare runs": f"{info['check_over_bare_runs']:.2f}x" if "check_over_bare_runs" in info else "-",
             "check / own steps": f"{info['time_ratio']:.1f}x",
@@ -548,10 +587,11 @@ def _scaling_intro() -> list[str]:
         "loss=...)`), AdamW, batch 8 split 3 + 5, 2 steps; for a passing candidate (`equiv.accumulator_step`) "
         "and a failing one (the mean of per-micro-batch means).  Against the candidate's own two float32 "
         "steps, and against the bare runs that check made (recorded from one check: the float64 truth, the "
-        "floor samples it ran, the candidate's runs; replayed with nothing compared), all timed in the same "
-        "rounds; and its peak of live tensor storages per parameter. *bare runs / own steps* is the part no "
-        "comparison can remove (float64 costs 2-3x float32 on a CPU); *check / bare runs* is what comparing "
-        "adds.",
+        "floor samples it ran, the candidate's runs; replayed with nothing compared, after building the case's "
+        "model as a check does), all timed in the same rounds; and its peak of live tensor storages per "
+        "parameter. *bare runs / own steps* is the part no comparison can remove (float64 costs 2-3x float32 "
+        "on a CPU; *model build / own steps* is the part of it spent building the case's model); *check / bare "
+        "runs* is what comparing adds. The time targets are the CPU's, from 1M parameters on.",
         "",
         "Runs only where the verdict needs them: a tier is first compared with no floor (the roundoff term "
         "alone); floor samples then run one at a time while a tensor is past its allowance, re-judging the "
