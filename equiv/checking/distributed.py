@@ -58,7 +58,12 @@ from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
 from equiv.distributed.collectives import CollectiveCounts, CountingReduceScatter
 from equiv.distributed.launcher import DistributedCheckError, run_on_ranks
-from equiv.distributed.sharding import fsdp_modules, full_tensors, fully_shard_layers
+from equiv.distributed.sharding import (
+    fsdp_modules,
+    full_tensors,
+    fully_shard_layers,
+    sum_where_premul_sum_is_missing,
+)
 from equiv.outcomes import Outcome
 
 __all__ = [
@@ -305,7 +310,10 @@ class _CheckTask:
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     nonlocal units
-                    units = fully_shard_layers(model, init_device_mesh(device.type, (world_size,)), self.mp_policy)
+                    mesh = init_device_mesh(device.type, (world_size,))
+                    units = fully_shard_layers(model, mesh, self.mp_policy)
+                    # A correct step may ask for a reduce op the CPU backend lacks (PREMUL_SUM).
+                    sum_where_premul_sum_is_missing(model, mesh)
                     for module in fsdp_modules(model):
                         module.set_custom_reduce_scatter(CountingReduceScatter(counter))
                     return model
@@ -347,7 +355,9 @@ def check_distributed(
     ``mp_policy``, an FSDP2 ``MixedPrecisionPolicy``, if given).  A candidate
     that fails only under a 16-bit ``mp_policy`` and matches without it is a
     precision finding (``verdict.kind == "precision"``), reported with the
-    measured error.
+    measured error.  Where the backend has no ``PREMUL_SUM`` (gloo), FSDP2
+    reduces with a plain sum and divides after it (the same gradient), so a
+    step may set its own divide factor (``set_gradient_divide_factor(1.0)``).
 
     ``candidate`` must be importable by name (a module-level function): the
     ranks are spawned processes that import it.  Raises

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["fsdp_modules", "full_tensors", "fully_shard_layers"]
+__all__ = ["fsdp_modules", "full_tensors", "fully_shard_layers", "sum_where_premul_sum_is_missing"]
 
 
 def _shard_units(module: nn.Module) -> Iterator[nn.Module]:
@@ -72,3 +73,24 @@ def full_tensors(values: dict[str, Tensor]) -> dict[str, Tensor]:
         value = values[name]
         out[name] = (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
     return {name: out[name] for name in values}
+
+
+def sum_where_premul_sum_is_missing(model: nn.Module, mesh: DeviceMesh) -> bool:
+    """Make ``model``'s FSDP2 modules reduce gradients with a plain sum and
+    divide afterwards where the mesh's backend has no ``ReduceOp.PREMUL_SUM``;
+    return whether it did.
+
+    FSDP2 reduce-scatters float32 and bfloat16 gradients with
+    ``PREMUL_SUM(1 / factor)`` once a step sets a divide factor other than the
+    world size (``set_gradient_divide_factor(1.0)``, as torchtitan does to
+    divide by a global token count itself), and only NCCL has that op (see
+    ``torch.distributed.ReduceOp``): on gloo the step raises "Cannot use
+    ReduceOp.PREMUL_SUM with Gloo".  ``set_force_sum_reduction_for_comms(True)``
+    makes FSDP2 reduce with ``SUM`` and divide by the same factor after it
+    (none for a factor of 1), the same gradient.  The flag stays set whatever
+    divide factor the step chooses later."""
+    if mesh.device_type == "cuda" and "nccl" in str(dist.get_backend(mesh.get_group())):
+        return False
+    for module in fsdp_modules(model):
+        module.set_force_sum_reduction_for_comms(True)
+    return True
