@@ -4,6 +4,7 @@ Each check spawns two processes, so this file holds few, meaningful cases.
 The fault candidates live at module level: spawned ranks import them.
 """
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -80,6 +81,48 @@ def test_overflow_on_one_rank_skips_the_window_on_every_rank() -> None:
     verdict = check_distributed(equiv.accumulator_step, dcase)
     verdict.assert_ok()
     assert verdict.allreduces_per_step() == {1}
+
+
+# ------------------------------------------------------------------ precision
+def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                    loss_fn: object) -> None:
+    """Correct under DDP (each summed loss times world / global sample count,
+    one all-reduce per window), but the count is a tensor made without a
+    dtype: float32, torch's default, so world / count is rounded to float32
+    inside the float64 run too."""
+    optimizer.zero_grad(set_to_none=True)
+    samples = torch.tensor(float(sum(len(targets) for _, targets in micro_batches)))  # no dtype
+    dist.all_reduce(samples)
+    scale = dist.get_world_size() / samples
+    for index, (inputs, targets) in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+            (loss_fn(model(inputs), targets) * len(targets) * scale).backward()  # type: ignore[operator]
+    optimizer.step()
+
+
+def test_a_default_dtype_scale_factor_is_a_precision_note_across_ranks_and_fails_when_strict() -> None:
+    # 7 samples a step: 2 / 7 is not a float32 number, so the float64 run is off by float32 rounding.
+    dcase = DistributedCase.of(BASE.replace(optimizer="SGD", optimizer_kwargs={"lr": 0.1}), [[1, 2], [3, 1]])
+    verdict = check_distributed(scale_made_in_the_default_dtype, dcase)
+    verdict.assert_ok()
+    assert verdict.kind == "equivalent"
+    off = [v for v in verdict.ranks if v.mismatches]
+    assert off, "the float64 run should differ by float32 rounding"
+    assert {d.tier for v in off for d in v.mismatches} == {"exact"}
+    # Told apart by the ranks' re-run with torch's default dtype set to float64, as equiv.check does.
+    assert all(v.precision is not None and v.precision.cause == "default_dtype" for v in off)
+    assert "Precision note: float32-sized differences inside the float64 run" in verdict.message()
+
+    strict = check_distributed(scale_made_in_the_default_dtype, dcase, strict=True)
+    assert not strict and strict.kind == "precision" and strict.status == "not_equivalent"
+    with pytest.raises(equiv.EquivalenceError, match="it fails because strict precision was asked for"):
+        strict.assert_ok()
+    reproduce = strict.message().splitlines()[-1]
+    assert reproduce.startswith("Reproduce: equiv.check_distributed(") and reproduce.endswith(", strict=True)")
+    with pytest.raises(ValueError, match="train_dtype must be one of"):
+        check_distributed(scale_made_in_the_default_dtype, dcase, train_dtype="int8")
+    assert no_stray_processes()
 
 
 # ------------------------------------------------------------------ faults

@@ -52,7 +52,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
-from equiv.checking.check import TIERS, ReferenceRuns
+from equiv.checking.check import TIERS, ReferenceRuns, precision_fails_because, precision_finding
 from equiv.checking.contract import Candidate, bind
 from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
@@ -178,9 +178,15 @@ class DistributedVerdict(Judgement):
 
     @property
     def kind(self) -> Outcome:
-        """The status, with a precision finding (the mismatch is the mixed-precision
-        policy's: 16-bit reduction or accumulation) told apart from a mathematical one."""
-        if self.status is Outcome.NOT_EQUIVALENT and self.precision_note:
+        """The status, with a precision finding told apart from a mathematical
+        mismatch: the mixed-precision policy's (16-bit reduction or
+        accumulation), or the ranks' own (float32-sized differences inside the
+        float64 run, failing for float64 training or strict precision, as in
+        :func:`equiv.check`)."""
+        failing = [v for v in self.ranks if not v]
+        if self.status is Outcome.NOT_EQUIVALENT and (
+            self.precision_note or all(v.kind is Outcome.PRECISION for v in failing)
+        ):
             return Outcome.PRECISION
         return self.status
 
@@ -230,6 +236,8 @@ class DistributedVerdict(Judgement):
         if self.mp_policy is not None:
             extra += f", mp_policy={_policy_source(self.mp_policy)}"
             imports = "torch, equiv"
+        # The keywords that make a failing precision finding fail again (the same on every rank).
+        extra += next((v._precision_flags() for v in self.ranks if v.precision is not None), "")
         # Every name as the imports reach it, so the line runs as printed.
         shards = [list(sizes) for sizes in self.case.rank_micro_batch_sizes]
         call = (f"equiv.check_distributed({self.candidate}, "
@@ -242,7 +250,7 @@ class DistributedVerdict(Judgement):
             f"{self.case.world_size} ranks under {engine}, micro-batches per rank "
             f"{[list(s) for s in self.case.rank_micro_batch_sizes]}"
         ]
-        if self.kind is Outcome.PRECISION:
+        if self.kind is Outcome.PRECISION and self.precision_note:
             lines.append(f"Precision ({self.candidate} under {self.mp_policy!r}): {self.precision_note}")
             for failing_tier in sorted({d.tier for v in self.ranks for d in v.mismatches}):
                 diff = self.measured_error(failing_tier)
@@ -260,8 +268,10 @@ class DistributedVerdict(Judgement):
             if len(failing) > 1:
                 lines.append(f"also not equivalent on rank(s) {[r for r, _ in failing[1:]]}")
         else:
-            # One rank's summary suffices; the distributed reproduction follows.
-            lines += [line for line in self.ranks[0].message().splitlines() if not line.startswith("Reproduce:")]
+            # One rank's summary suffices (one with a precision note, if any has
+            # one); the distributed reproduction follows.
+            shown = next((v for v in self.ranks if v.precision_note), self.ranks[0])
+            lines += [line for line in shown.message().splitlines() if not line.startswith("Reproduce:")]
         for tier, _stats in sorted(self.comm.items()):
             units = f" ({self.fsdp_units} FSDP units, one each per sync)" if self.engine == "fsdp2" else ""
             lines.append(
@@ -292,6 +302,9 @@ class _CheckTask:
     tiers: list[tuple[str, str]]
     engine: Engine
     mp_policy: MixedPrecisionPolicy | None
+    #: torch's default dtype while the candidate runs (None: unchanged), e.g. "float64"
+    #: to tell a tensor made without a dtype from a mismatch (as equiv.check does).
+    default_dtype: str | None = None
 
     def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> dict[str, Any]:
         device = torch.device(self.dcase.case.device)
@@ -325,7 +338,7 @@ class _CheckTask:
             snapshots = run_candidate(
                 self.dcase.case, self.candidate, getattr(torch, dtype_name), wrap_model=wrap,
                 batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batch_sizes[rank],
-                on_step=on_step,
+                on_step=on_step, default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
             )
             progress(f"{tier} tier: gathering the snapshots")
             results[tier] = {
@@ -346,6 +359,8 @@ def check_distributed(
     timeout_s: float = 120.0,
     engine: str = "ddp",
     mp_policy: MixedPrecisionPolicy | None = None,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
 ) -> DistributedVerdict:
     """Run ``candidate`` on ``dcase.world_size`` local processes and compare
     every rank with the single-process full-batch step.
@@ -359,6 +374,14 @@ def check_distributed(
     reduces with a plain sum and divides after it (the same gradient), so a
     step may set its own divide factor (``set_gradient_divide_factor(1.0)``).
 
+    Precision, as in :func:`equiv.check`: when every rank's mismatches are
+    inside the float64 run and every lower-precision run matched, the failing
+    float64 tier runs again on the ranks with torch's default dtype set to
+    float64; if every rank then matches (a tensor made without a dtype), or
+    every difference is float32-sized, each rank's verdict carries that
+    precision finding.  It passes with a precision note unless ``train_dtype``
+    is float64 or ``strict`` is set; then it fails as PRECISION.
+
     ``candidate`` must be importable by name (a module-level function): the
     ranks are spawned processes that import it.  Raises
     :class:`DistributedCheckError` if a rank raises, hangs past ``timeout_s``
@@ -366,6 +389,7 @@ def check_distributed(
     dies; never leaves a process behind.
     """
     __tracebackhide__ = True
+    fails_because = precision_fails_because(train_dtype, strict)
     if not isinstance(dcase, DistributedCase):
         raise TypeError(f"dcase must be an equiv.DistributedCase, got {type(dcase).__name__}")
     if engine not in ENGINES:
@@ -414,9 +438,12 @@ def check_distributed(
     # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
     backend = "cpu:gloo,cuda:nccl" if fsdp and dcase.case.device.startswith("cuda") else None
 
-    def launch(tiers_here: list[tuple[str, str]], policy: MixedPrecisionPolicy | None) -> list[dict[str, Any]]:
-        task = _CheckTask(candidate, dcase, tiers_here, engine, policy)  # type: ignore[arg-type]
+    def launch(
+        tiers_here: list[tuple[str, str]], policy: MixedPrecisionPolicy | None, default_dtype: str | None = None,
+    ) -> list[dict[str, Any]]:
+        task = _CheckTask(candidate, dcase, tiers_here, engine, policy, default_dtype)  # type: ignore[arg-type]
         extra = "" if not fsdp else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
+        extra += "" if default_dtype is None else f", with torch's default dtype set to {default_dtype}"
         return run_on_ranks(
             task, dcase.world_size, device=dcase.case.device, backend=backend, timeout_s=timeout_s,
             describe=f"candidate {name}, case {dcase!r}{extra}",
@@ -432,8 +459,17 @@ def check_distributed(
         for tier in references.tiers
     }
     units = max(r[tier]["units"] for r in per_rank for tier in references.tiers)
+
+    def rerun_with_float64_default(failing: Sequence[Tier]) -> list[TensorDiff]:
+        rerun = launch([(t, d) for t, d in tier_dtypes if t in failing], mp_policy, "float64")
+        return [d for r in rerun for t in failing for d in references.compare(t, r[t]["snapshots"])]
+
+    # One judge of precision for one process and for W ranks: every rank's mismatches together.
+    finding = precision_finding(verdicts, references, rerun_with_float64_default, fails_because)
+    if finding is not None:
+        verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
     precision_note = None
-    if not all(verdicts) and _lowers_precision(mp_policy) and not any(v.inherent for v in verdicts):
+    if not all(verdicts) and finding is None and _lowers_precision(mp_policy) and not any(v.inherent for v in verdicts):
         # As check() tells float32 roundoff inside the float64 run from a
         # mismatch: rerun the failing tiers without the policy.  If that
         # matches, the step is the full-batch step and the policy's 16-bit
