@@ -172,6 +172,52 @@ def test_a_rank_that_dies_is_named_with_its_exit_code() -> None:
     assert no_stray_processes()
 
 
+def global_count_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                 loss_fn: object) -> None:
+    """Each micro-batch divided by its own all-reduced count: one all-reduce per
+    micro-batch, so ranks holding different numbers of micro-batches make
+    different numbers of collectives."""
+    optimizer.zero_grad(set_to_none=True)
+    for inputs, targets in micro_batches:
+        count = torch.tensor(len(targets))
+        dist.all_reduce(count)
+        (loss_fn(model(inputs), targets) * len(targets) / count).backward()  # type: ignore[operator]
+    optimizer.step()
+
+
+def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                      loss_fn: object) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        loss = loss_fn(model(inputs), targets)  # type: ignore[operator]
+        if dist.get_rank() == 1 and index == len(micro_batches) - 1:
+            continue  # and with it DDP's gradient all-reduce
+        loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize(("candidate", "shards", "expected"), [
+    # Rank 0 holds two micro-batches, rank 1 one: rank 0's second count meets rank 1's next step.
+    (global_count_per_micro_batch, [[1, 1], [2]],
+     r"^mismatched collectives: rank 0 called all_reduce of shape \[\] int64 as its collective #5 "
+     r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #5: it went on to exact tier, step 1; "
+     r"candidate global_count_per_micro_batch"),
+    (skips_the_last_backward_on_rank_1, [[1, 1], [2, 1]],
+     r"^mismatched collectives: rank 0 called all_reduce of shape \[67\] float64 as its collective #4 "
+     r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #4: it went on to exact tier, step 1"),
+], ids=["count_per_micro_batch", "skipped_backward"])
+def test_mismatched_collectives_are_named_at_once_not_after_the_timeout(
+    candidate: object, shards: list[list[int]], expected: str,
+) -> None:
+    # Without the comparison gloo pairs the wrong calls: this ended after the
+    # 120 s timeout ("Timed out waiting 120000ms for recv operation").
+    started = time.monotonic()
+    with pytest.raises(DistributedCheckError, match=expected):
+        check_distributed(candidate, DistributedCase.of(BASE, shards))  # type: ignore[arg-type]
+    assert time.monotonic() - started < 30  # the timeout is 120 s
+    assert no_stray_processes()
+
+
 def test_bad_distributed_input_is_refused() -> None:
     with pytest.raises(equiv.InvalidCase, match=r"rank 1 has micro-batch sizes \(\)"):
         DistributedCase.of(BASE, [[1], []])

@@ -283,6 +283,28 @@ def test_a_rank_that_hangs_under_fsdp2_ends_the_check_within_the_timeout() -> No
     assert no_stray_processes()
 
 
+def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                      loss_fn: object, *, max_grad_norm: float | None = None) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        loss = loss_fn(model(inputs), targets)  # type: ignore[operator]
+        if dist.get_rank() == 1 and index == len(micro_batches) - 1:
+            continue  # and with it FSDP2's reduce-scatters (and the backward's all-gathers)
+        loss.backward()
+    optimizer.step()
+
+
+def test_a_rank_that_skips_a_backward_under_fsdp2_is_named_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(DistributedCheckError, match=(
+        r"^mismatched collectives: rank 0 called all_gather_single of shape \[\d+\] float64 as its collective #\d+ "
+        r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #\d+: it went on to exact tier, step 1"
+    )):
+        check_distributed(skips_the_last_backward_on_rank_1, FAULT_CASE, engine="fsdp2")
+    assert time.monotonic() - started < 30  # the timeout is 120 s
+    assert no_stray_processes()
+
+
 # ------------------------------------------------------------ bad input (no ranks)
 def test_bad_fsdp2_input_is_refused_before_anything_runs() -> None:
     with pytest.raises(ValueError, match=r"engine must be one of \('ddp', 'fsdp2'\), got 'fsdp'"):

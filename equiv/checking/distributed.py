@@ -58,6 +58,7 @@ from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
 from equiv.distributed.collectives import CollectiveCounts, CountingReduceScatter
 from equiv.distributed.launcher import DistributedCheckError, run_on_ranks
+from equiv.distributed.matching import mark
 from equiv.distributed.sharding import (
     fsdp_modules,
     full_tensors,
@@ -312,6 +313,9 @@ class _CheckTask:
         for tier, dtype_name in self.tiers:
             counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2
             units = 0
+            # Points every rank passes in order, so a rank that made one collective more
+            # or less is named at the next one (see equiv.distributed.matching).
+            mark(f"the start of the {tier} tier")
             if self.engine == "ddp":
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
@@ -332,6 +336,7 @@ class _CheckTask:
                     return model
 
             def on_step(step: int, counter: CollectiveCounts = counter, tier: str = tier) -> None:
+                mark(f"{tier} tier, step {step}")
                 progress(f"{tier} tier, step {step}: in the candidate")
                 counter.start_step(step)
 
@@ -340,6 +345,7 @@ class _CheckTask:
                 batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batch_sizes[rank],
                 on_step=on_step, default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
             )
+            mark(f"the end of the {tier} tier's steps")
             progress(f"{tier} tier: gathering the snapshots")
             results[tier] = {
                 "snapshots": _gathered(snapshots), "calls": counter.calls, "bytes": counter.bytes, "units": units,
@@ -381,6 +387,10 @@ def check_distributed(
     every difference is float32-sized, each rank's verdict carries that
     precision finding.  It passes with a precision note unless ``train_dtype``
     is float64 or ``strict`` is set; then it fails as PRECISION.
+
+    Ranks whose collectives do not line up end the check at once with a
+    :class:`DistributedCheckError` naming which rank called what, where
+    (:mod:`equiv.distributed.matching`), not at the timeout.
 
     ``candidate`` must be importable by name (a module-level function): the
     ranks are spawned processes that import it.  Raises
@@ -446,7 +456,7 @@ def check_distributed(
         extra += "" if default_dtype is None else f", with torch's default dtype set to {default_dtype}"
         return run_on_ranks(
             task, dcase.world_size, device=dcase.case.device, backend=backend, timeout_s=timeout_s,
-            describe=f"candidate {name}, case {dcase!r}{extra}",
+            describe=f"candidate {name}, case {dcase!r}{extra}", match_collectives=True,
         )
 
     per_rank = launch(tier_dtypes, mp_policy)

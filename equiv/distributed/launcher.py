@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from equiv.distributed.matching import CollectiveLog
+
 __all__ = ["DistributedCheckError", "RankTask", "run_on_ranks"]
 
 #: Seconds a rank that already failed gives the others to report before all are stopped.
@@ -51,11 +53,15 @@ class RankTask(Protocol):
 
 
 def _rank_main(
-    rank: int, task: RankTask, world_size: int, device_type: str, backend: str, workdir: str, timeout_s: float
+    rank: int, task: RankTask, world_size: int, device_type: str, backend: str, workdir: str, timeout_s: float,
+    match_collectives: bool = False,
 ) -> None:
-    """One spawned rank: join the group, run ``task``, save what it returns."""
+    """One spawned rank: join the group, run ``task``, save what it returns
+    (with ``match_collectives``: its collectives recorded and compared with
+    its peers', see :mod:`equiv.distributed.matching`)."""
     out = Path(workdir)
     progress = out / f"rank{rank}.progress"
+    log: CollectiveLog | None = None
     try:
         torch.set_num_threads(1)
         if device_type == "cuda":
@@ -65,14 +71,23 @@ def _rank_main(
             timeout=timedelta(seconds=timeout_s),
         )
         progress.write_text("ready")
+        if match_collectives:
+            store = dist.FileStore(str(out / "collectives"), world_size)
+            log = CollectiveLog(store, rank, world_size, where=progress.read_text)
+            log.install()
 
         def report(text: str) -> None:
             progress.write_text(text)
 
         result = task(rank, world_size, report)
+        if log is not None:
+            progress.write_text("after its task")
+            log.end_of_task()
         progress.write_text("finished")
         torch.save(result, out / f"rank{rank}.pt")
     except BaseException:
+        if log is not None and log.mismatch is not None:
+            (out / f"rank{rank}.mismatch").write_text(log.mismatch)
         (out / f"rank{rank}.error").write_text(traceback.format_exc())
         raise SystemExit(1) from None
     finally:
@@ -110,6 +125,7 @@ def run_on_ranks(
     backend: str | None = None,
     timeout_s: float = 120.0,
     describe: str = "",
+    match_collectives: bool = False,
 ) -> list[Any]:
     """Run ``task(rank, world_size, progress)`` on ``world_size`` spawned
     processes, each in an initialised process group (gloo on CPU, NCCL on
@@ -121,6 +137,13 @@ def run_on_ranks(
     rank(s) and ``describe`` if a rank raises, hangs past ``timeout_s``
     (counted once every rank has started; starting has 120 s of its own) or
     dies; never leaves a process behind.
+
+    ``match_collectives``: record every collective each rank makes and
+    compare it with its peers' (:mod:`equiv.distributed.matching`), so ranks
+    whose collectives do not line up end at once with a report of which rank
+    called what, where, instead of a backend error or a wait until the
+    timeout.  It costs a few file-store operations per collective: leave it
+    off where steps are timed.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -136,7 +159,9 @@ def run_on_ranks(
         out = Path(workdir)
         processes = [
             context.Process(
-                target=_rank_main, args=(rank, task, world_size, device_type, backend, workdir, timeout_s), daemon=True
+                target=_rank_main, args=(rank, task, world_size, device_type, backend, workdir, timeout_s,
+                                         match_collectives),
+                daemon=True,
             )
             for rank in range(world_size)
         ]
@@ -159,6 +184,9 @@ def run_on_ranks(
                 if failed and first_failure is None:
                     first_failure = time.monotonic()
                 grace_over = first_failure is not None and time.monotonic() - first_failure > _GRACE_S
+                # A collective mismatch is the root cause: the peers are left waiting, no grace needed.
+                grace_over = grace_over or (failed and any((out / f"rank{r}.mismatch").exists()
+                                                           for r in range(len(processes))))
                 if (failed and all(code is not None for code in codes)) or grace_over:
                     raise DistributedCheckError(_failure_report(out, processes, describe))
                 if time.monotonic() > deadline:
@@ -181,7 +209,16 @@ def run_on_ranks(
                     process.join()
 
 
+def _progress(out: Path, rank: int) -> str:
+    progress_file = out / f"rank{rank}.progress"
+    return progress_file.read_text() if progress_file.exists() else "not started"
+
+
 def _failure_report(out: Path, processes: list[Any], describe: str, hung: bool = False) -> str:
+    found = [path.read_text() for path in (out / f"rank{rank}.mismatch" for rank in range(len(processes)))
+             if path.exists()]
+    if found:  # the root cause: the other ranks' errors (a peer left, a wait timed out) follow from it
+        return f"{found[0]}; {describe}" if describe else found[0]
     lines = []
     # Root causes first: ranks that failed before ranks still running; among
     # those that raised, the first to raise (the others often fail because it
@@ -195,8 +232,7 @@ def _failure_report(out: Path, processes: list[Any], describe: str, hung: bool =
     for rank in order:
         code = processes[rank].exitcode
         error = out / f"rank{rank}.error"
-        progress_file = out / f"rank{rank}.progress"
-        progress = progress_file.read_text() if progress_file.exists() else "not started"
+        progress = _progress(out, rank)
         if error.exists():
             last = error.read_text().strip().splitlines()[-1]
             lines.append(f"rank {rank} raised ({progress}): {last}")
