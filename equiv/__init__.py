@@ -2,9 +2,10 @@
 
 The public API.  The code is grouped by layer, and imports flow one way::
 
-    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches
+    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches, distributed
 
 - ``accumulator``, ``losses``, ``batches``: the reference accumulator and the loss protocol;
+- ``distributed``: spawning ranks, FSDP2 sharding and counted collectives (under checking and cost);
 - ``cases``: what to run (:class:`Case`, models, standard cases, strategies);
 - ``zoo``: known bugs and adapters to other libraries' accumulation;
 - ``checking``: truth, floors and candidate runs, comparison, verdicts, search, distributed;

@@ -4,6 +4,7 @@ Each check spawns two processes, so this file holds few, meaningful cases.
 The fault candidates live at module level: spawned ranks import them.
 """
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -82,6 +83,48 @@ def test_overflow_on_one_rank_skips_the_window_on_every_rank() -> None:
     assert verdict.allreduces_per_step() == {1}
 
 
+# ------------------------------------------------------------------ precision
+def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                    loss_fn: object) -> None:
+    """Correct under DDP (each summed loss times world / global sample count,
+    one all-reduce per window), but the count is a tensor made without a
+    dtype: float32, torch's default, so world / count is rounded to float32
+    inside the float64 run too."""
+    optimizer.zero_grad(set_to_none=True)
+    samples = torch.tensor(float(sum(len(targets) for _, targets in micro_batches)))  # no dtype
+    dist.all_reduce(samples)
+    scale = dist.get_world_size() / samples
+    for index, (inputs, targets) in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+            (loss_fn(model(inputs), targets) * len(targets) * scale).backward()  # type: ignore[operator]
+    optimizer.step()
+
+
+def test_a_default_dtype_scale_factor_is_a_precision_note_across_ranks_and_fails_when_strict() -> None:
+    # 7 samples a step: 2 / 7 is not a float32 number, so the float64 run is off by float32 rounding.
+    dcase = DistributedCase.of(BASE.replace(optimizer="SGD", optimizer_kwargs={"lr": 0.1}), [[1, 2], [3, 1]])
+    verdict = check_distributed(scale_made_in_the_default_dtype, dcase)
+    verdict.assert_ok()
+    assert verdict.kind == "equivalent"
+    off = [v for v in verdict.ranks if v.mismatches]
+    assert off, "the float64 run should differ by float32 rounding"
+    assert {d.tier for v in off for d in v.mismatches} == {"exact"}
+    # Told apart by the ranks' re-run with torch's default dtype set to float64, as equiv.check does.
+    assert all(v.precision is not None and v.precision.cause == "default_dtype" for v in off)
+    assert "Precision note: float32-sized differences inside the float64 run" in verdict.message()
+
+    strict = check_distributed(scale_made_in_the_default_dtype, dcase, strict=True)
+    assert not strict and strict.kind == "precision" and strict.status == "not_equivalent"
+    with pytest.raises(equiv.EquivalenceError, match="it fails because strict precision was asked for"):
+        strict.assert_ok()
+    reproduce = strict.message().splitlines()[-1]
+    assert reproduce.startswith("Reproduce: equiv.check_distributed(") and reproduce.endswith(", strict=True)")
+    with pytest.raises(ValueError, match="train_dtype must be one of"):
+        check_distributed(scale_made_in_the_default_dtype, dcase, train_dtype="int8")
+    assert no_stray_processes()
+
+
 # ------------------------------------------------------------------ faults
 def raises_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object) -> None:
     if dist.get_rank() == 1:
@@ -126,6 +169,52 @@ def test_a_rank_that_hangs_ends_the_check_within_the_timeout() -> None:
 def test_a_rank_that_dies_is_named_with_its_exit_code() -> None:
     with pytest.raises(DistributedCheckError, match=r"rank 1 died with exit code 3 \(exact tier, step 0"):
         check_distributed(dies_on_rank_1, FAULT_CASE, timeout_s=60)
+    assert no_stray_processes()
+
+
+def global_count_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                 loss_fn: object) -> None:
+    """Each micro-batch divided by its own all-reduced count: one all-reduce per
+    micro-batch, so ranks holding different numbers of micro-batches make
+    different numbers of collectives."""
+    optimizer.zero_grad(set_to_none=True)
+    for inputs, targets in micro_batches:
+        count = torch.tensor(len(targets))
+        dist.all_reduce(count)
+        (loss_fn(model(inputs), targets) * len(targets) / count).backward()  # type: ignore[operator]
+    optimizer.step()
+
+
+def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                      loss_fn: object) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        loss = loss_fn(model(inputs), targets)  # type: ignore[operator]
+        if dist.get_rank() == 1 and index == len(micro_batches) - 1:
+            continue  # and with it DDP's gradient all-reduce
+        loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize(("candidate", "shards", "expected"), [
+    # Rank 0 holds two micro-batches, rank 1 one: rank 0's second count meets rank 1's next step.
+    (global_count_per_micro_batch, [[1, 1], [2]],
+     r"^mismatched collectives: rank 0 called all_reduce of shape \[\] int64 as its collective #5 "
+     r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #5: it went on to exact tier, step 1; "
+     r"candidate global_count_per_micro_batch"),
+    (skips_the_last_backward_on_rank_1, [[1, 1], [2, 1]],
+     r"^mismatched collectives: rank 0 called all_reduce of shape \[67\] float64 as its collective #4 "
+     r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #4: it went on to exact tier, step 1"),
+], ids=["count_per_micro_batch", "skipped_backward"])
+def test_mismatched_collectives_are_named_at_once_not_after_the_timeout(
+    candidate: object, shards: list[list[int]], expected: str,
+) -> None:
+    # Without the comparison gloo pairs the wrong calls: this ended after the
+    # 120 s timeout ("Timed out waiting 120000ms for recv operation").
+    started = time.monotonic()
+    with pytest.raises(DistributedCheckError, match=expected):
+        check_distributed(candidate, DistributedCase.of(BASE, shards))  # type: ignore[arg-type]
+    assert time.monotonic() - started < 30  # the timeout is 120 s
     assert no_stray_processes()
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import equiv
@@ -28,6 +28,7 @@ from equiv.checking.distributed import (
 from equiv.cost.fsdp import FsdpCostRow, FsdpCostSweep
 from equiv.cost.memory import StepMemory
 from equiv.cost.workloads import WORKLOADS, build_workload_model
+from equiv.losses import item_count, loss_sum_and_count
 from equiv.reporting.distributed import fsdp2_chart, fsdp2_cost_table
 from equiv.zoo.distributed_bugs import FSDP2_BUGS
 
@@ -207,6 +208,43 @@ def test_accumulator_under_fsdp2_sums_over_ranks_clips_with_the_global_norm_and_
     assert no_stray_processes()
 
 
+# ------------------------------------------------------- correct real-world steps
+def sum_over_ranks_divided_by_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                            loss_fn: object, *, max_grad_norm: float | None = None) -> None:
+    """torchtitan's recipe (pytorch/torchtitan #2206): FSDP2 sums gradients over
+    ranks (divide factor 1.0) and each micro-batch's summed loss is divided by
+    the count of valid tokens over every rank's whole window, all-reduced once.
+    The factor is set on every FSDP module, as torchtitan's
+    ``disable_fsdp_gradient_division`` does: on the root alone it leaves the
+    layers averaging."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    optimizer.zero_grad(set_to_none=True)
+    global_valid_tokens = torch.tensor(sum(int(item_count(loss_fn, y)) for _, y in micro_batches))  # type: ignore[arg-type]
+    dist.all_reduce(global_valid_tokens)
+    for inputs, targets in micro_batches:
+        loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)  # type: ignore[arg-type]
+        (loss_sum / global_valid_tokens).backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    optimizer.step()
+
+
+def test_a_step_that_sums_over_ranks_and_divides_by_the_global_token_count_passes_on_gloo() -> None:
+    # Gloo has no PREMUL_SUM, which FSDP2 picks for a float32 reduce-scatter
+    # with a divide factor other than the world size; the check makes FSDP2
+    # reduce with a plain sum there (the same sum), so this correct step passes
+    # in both tiers instead of raising in the float32 one.
+    tokens = BASE.replace(model="token_mlp", model_kwargs={}, loss="token_cross_entropy")
+    verdict = check_distributed(sum_over_ranks_divided_by_global_tokens, DistributedCase.of(tokens, [[1, 2], [3, 1]]),
+                                engine="fsdp2")
+    verdict.assert_ok()
+    assert set(verdict.comm) == {"exact", "noise"}  # both tiers ran
+    assert verdict.reduce_scatters_per_step("noise") == {2 * verdict.fsdp_units}  # sync on both micro-batches
+    assert no_stray_processes()
+
+
 # ------------------------------------------------------------------ faults
 def raises_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object,
                      *, max_grad_norm: float | None = None) -> None:
@@ -242,6 +280,28 @@ def test_a_rank_that_hangs_under_fsdp2_ends_the_check_within_the_timeout() -> No
     with pytest.raises(DistributedCheckError, match=r"did not finish within 8 s: .*rank 1 hung \(exact tier, step 0"):
         check_distributed(hangs_on_rank_1, FAULT_CASE, engine="fsdp2", timeout_s=8)
     assert time.monotonic() - started < 60  # the slack is start-up and clean-up
+    assert no_stray_processes()
+
+
+def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
+                                      loss_fn: object, *, max_grad_norm: float | None = None) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        loss = loss_fn(model(inputs), targets)  # type: ignore[operator]
+        if dist.get_rank() == 1 and index == len(micro_batches) - 1:
+            continue  # and with it FSDP2's reduce-scatters (and the backward's all-gathers)
+        loss.backward()
+    optimizer.step()
+
+
+def test_a_rank_that_skips_a_backward_under_fsdp2_is_named_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(DistributedCheckError, match=(
+        r"^mismatched collectives: rank 0 called all_gather_single of shape \[\d+\] float64 as its collective #\d+ "
+        r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #\d+: it went on to exact tier, step 1"
+    )):
+        check_distributed(skips_the_last_backward_on_rank_1, FAULT_CASE, engine="fsdp2")
+    assert time.monotonic() - started < 30  # the timeout is 120 s
     assert no_stray_processes()
 
 

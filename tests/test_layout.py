@@ -1,6 +1,9 @@
 """The package's shape: imports flow one way, nothing below the CLI imports it, no cycle.
 
-    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches, collectives
+    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches, distributed
+
+(``distributed``: the launcher, the FSDP2 sharding helpers and the counted
+collectives, below both ``checking`` and ``cost``, which share them.)
 
 The graph is read from the source (every ``import``, module level or inside
 a function), so a lazy import cannot hide a cycle.
@@ -27,7 +30,7 @@ LAYERS: dict[str, int] = {
     "equiv.batches": 0,
     "equiv.losses": 0,
     "equiv.accumulator": 0,
-    "equiv.collectives": 0,
+    "equiv.distributed": 0,
     "equiv.names": 0,
     "equiv.outcomes": 0,
     "equiv.cases": 1,
@@ -161,7 +164,19 @@ def test_the_public_api_is_exactly_all() -> None:
     # that ships a pytest11 plugin (equiv's does) when it is installed as a wheel.
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
-        "accumulator", "batches", "cases", "collectives", "checking", "cost", "losses", "reporting", "zoo", "cli",
+        "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli",
         "pytest_plugin", "testing", "names", "outcomes",
     }
     assert public == set(equiv.__all__) - {"__version__"}
+
+
+def test_the_distributed_machinery_is_still_reachable_where_it_was_published() -> None:
+    # It moved below checking and cost (equiv.distributed); the judge re-exports
+    # the names users import from it, as the very same objects.
+    import equiv.checking.distributed as judge
+    from equiv.distributed import launcher, sharding
+
+    assert judge.run_on_ranks is launcher.run_on_ranks
+    assert judge.DistributedCheckError is launcher.DistributedCheckError is equiv.DistributedCheckError
+    assert judge.fully_shard_layers is sharding.fully_shard_layers
+    assert {"run_on_ranks", "fully_shard_layers", "DistributedCheckError"} <= set(judge.__all__)

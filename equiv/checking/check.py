@@ -260,29 +260,45 @@ def precision_fails_because(train_dtype: torch.dtype | str | None, strict: bool)
 def _precision_finding(
     references: ReferenceRuns, case: Case, candidate: BoundCandidate, verdict: Verdict, fails_because: str,
 ) -> PrecisionFinding | None:
-    """Whether ``verdict``'s mismatches are a precision finding, and why.
+    """:func:`precision_finding` for one process: the re-run is the candidate's
+    own, in this process, with torch's default dtype set to float64."""
+
+    def rerun(tiers: Sequence[Tier]) -> list[TensorDiff]:
+        return [d for tier in tiers for d in references.run_and_compare(tier, case, candidate,
+                                                                        default_dtype=torch.float64)]
+
+    return precision_finding([verdict], references, rerun, fails_because)
+
+
+def precision_finding(
+    verdicts: Sequence[Verdict], references: ReferenceRuns,
+    rerun_with_float64_default: Callable[[Sequence[Tier]], Sequence[TensorDiff]], fails_because: str,
+) -> PrecisionFinding | None:
+    """Whether the mismatches of ``verdicts`` (one process's, or every rank's
+    of one distributed check) are a precision finding, and why.
 
     Only when every mismatch is in a float64 run and every run in a lower
     precision matched (a user training in float32 or below cannot see it), and
-    either torch's default dtype explains it (re-run with the default set to
-    float64, it matches: a tensor made without a dtype), or every mismatch is
-    float32-sized: within the roundoff term of the float32 tier's allowance
-    (ROUNDOFF_UNITS_PER_STEP x steps x u(float32) x scale), a difference a
-    float32 check passes whatever its floor (explicit float32 arithmetic in the
-    step).  A mathematical mismatch larger than float32 rounding is never one."""
-    if not verdict.mismatches or verdict.inherent:
+    either torch's default dtype explains it (``rerun_with_float64_default``
+    runs the failing tiers again with the default set to float64 and returns
+    their rows: all within their allowances means a tensor made without a
+    dtype), or every mismatch is float32-sized: within the roundoff term of the
+    float32 tier's allowance (ROUNDOFF_UNITS_PER_STEP x steps x u(float32) x
+    scale), a difference a float32 check passes whatever its floor (explicit
+    float32 arithmetic in the step).  A mathematical mismatch larger than
+    float32 rounding is never one."""
+    mismatches = [d for verdict in verdicts for d in verdict.mismatches]
+    if not mismatches or any(verdict.inherent for verdict in verdicts):
         return None
     float64_tiers = {tier for tier in references.tiers if references.dtype(tier) == torch.float64}
-    if any(d.tier not in float64_tiers for d in verdict.mismatches):
+    if any(d.tier not in float64_tiers for d in mismatches):
         return None
-    failing = sorted({d.tier for d in verdict.mismatches})
-    rerun = [d for tier in failing for d in references.run_and_compare(tier, case, candidate,
-                                                                      default_dtype=torch.float64)]
-    if all(d.ok for d in rerun):
+    failing = sorted({d.tier for d in mismatches})
+    if all(d.ok for d in rerun_with_float64_default(failing)):
         return PrecisionFinding("default_dtype", fails_because)
     float32_sized = all(
         d.max_abs_diff <= ROUNDOFF_UNITS_PER_STEP * d.step * unit_roundoff(torch.float32) * d.scale
-        for d in verdict.mismatches
+        for d in mismatches
     )
     return PrecisionFinding("float32_sized", fails_because) if float32_sized else None
 

@@ -27,13 +27,13 @@ counts each unit's reduce-scatters (one per unit per window with
 ``set_requires_gradient_sync(False)`` on all but the last micro-batch, N with
 sync on every micro-batch).
 
-:func:`run_on_ranks` is the launcher underneath, for any per-rank task (the
-FSDP2 cost sweep of :mod:`equiv.cost.fsdp` runs through it).
-
-Ranks are fresh processes with a deadline (started by a fork server that
-has imported torch once, see :func:`_context`): a rank that raises, hangs or
-dies ends the check with :class:`DistributedCheckError` naming the rank and the
-case, and no rank outlives the call.
+The ranks are launched by :func:`equiv.distributed.launcher.run_on_ranks`
+(fresh processes with a deadline: a rank that raises, hangs or dies ends the
+check with :class:`DistributedCheckError` naming the rank and the case), the
+model is sharded by :mod:`equiv.distributed.sharding` and the collectives are
+counted by :mod:`equiv.distributed.collectives`; this module only judges.
+``run_on_ranks``, ``fully_shard_layers`` and ``DistributedCheckError`` are
+re-exported here, where they were first published.
 """
 
 from __future__ import annotations
@@ -41,30 +41,30 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
-import tempfile
-import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
-from equiv.checking.check import TIERS, ReferenceRuns
+from equiv.checking.check import TIERS, ReferenceRuns, precision_fails_because, precision_finding
 from equiv.checking.contract import Candidate, bind
 from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
-from equiv.collectives import CollectiveCounts, CountingReduceScatter
+from equiv.distributed.collectives import CollectiveCounts, CountingReduceScatter
+from equiv.distributed.launcher import DistributedCheckError, run_on_ranks
+from equiv.distributed.matching import mark
+from equiv.distributed.sharding import (
+    fsdp_modules,
+    full_tensors,
+    fully_shard_layers,
+    sum_where_premul_sum_is_missing,
+)
 from equiv.outcomes import Outcome
 
 __all__ = [
@@ -80,16 +80,6 @@ __all__ = [
 #: The data-parallel engines a distributed check wraps the model in.
 ENGINES: tuple[str, ...] = ("ddp", "fsdp2")
 Engine = Literal["ddp", "fsdp2"]
-
-#: Seconds a rank that already failed gives the others to report before all are stopped.
-_GRACE_S = 3.0
-#: Seconds the ranks may take to start (spawn, import torch, join the group) before timeout_s applies.
-_STARTUP_S = 120.0
-
-
-class DistributedCheckError(RuntimeError):
-    """A rank raised, hung or died; the message names the rank(s) and the case."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DistributedCase:
@@ -189,9 +179,15 @@ class DistributedVerdict(Judgement):
 
     @property
     def kind(self) -> Outcome:
-        """The status, with a precision finding (the mismatch is the mixed-precision
-        policy's: 16-bit reduction or accumulation) told apart from a mathematical one."""
-        if self.status is Outcome.NOT_EQUIVALENT and self.precision_note:
+        """The status, with a precision finding told apart from a mathematical
+        mismatch: the mixed-precision policy's (16-bit reduction or
+        accumulation), or the ranks' own (float32-sized differences inside the
+        float64 run, failing for float64 training or strict precision, as in
+        :func:`equiv.check`)."""
+        failing = [v for v in self.ranks if not v]
+        if self.status is Outcome.NOT_EQUIVALENT and (
+            self.precision_note or all(v.kind is Outcome.PRECISION for v in failing)
+        ):
             return Outcome.PRECISION
         return self.status
 
@@ -241,6 +237,8 @@ class DistributedVerdict(Judgement):
         if self.mp_policy is not None:
             extra += f", mp_policy={_policy_source(self.mp_policy)}"
             imports = "torch, equiv"
+        # The keywords that make a failing precision finding fail again (the same on every rank).
+        extra += next((v._precision_flags() for v in self.ranks if v.precision is not None), "")
         # Every name as the imports reach it, so the line runs as printed.
         shards = [list(sizes) for sizes in self.case.rank_micro_batch_sizes]
         call = (f"equiv.check_distributed({self.candidate}, "
@@ -253,7 +251,7 @@ class DistributedVerdict(Judgement):
             f"{self.case.world_size} ranks under {engine}, micro-batches per rank "
             f"{[list(s) for s in self.case.rank_micro_batch_sizes]}"
         ]
-        if self.kind is Outcome.PRECISION:
+        if self.kind is Outcome.PRECISION and self.precision_note:
             lines.append(f"Precision ({self.candidate} under {self.mp_policy!r}): {self.precision_note}")
             for failing_tier in sorted({d.tier for v in self.ranks for d in v.mismatches}):
                 diff = self.measured_error(failing_tier)
@@ -271,8 +269,10 @@ class DistributedVerdict(Judgement):
             if len(failing) > 1:
                 lines.append(f"also not equivalent on rank(s) {[r for r, _ in failing[1:]]}")
         else:
-            # One rank's summary suffices; the distributed reproduction follows.
-            lines += [line for line in self.ranks[0].message().splitlines() if not line.startswith("Reproduce:")]
+            # One rank's summary suffices (one with a precision note, if any has
+            # one); the distributed reproduction follows.
+            shown = next((v for v in self.ranks if v.precision_note), self.ranks[0])
+            lines += [line for line in shown.message().splitlines() if not line.startswith("Reproduce:")]
         for tier, _stats in sorted(self.comm.items()):
             units = f" ({self.fsdp_units} FSDP units, one each per sync)" if self.engine == "fsdp2" else ""
             lines.append(
@@ -283,71 +283,15 @@ class DistributedVerdict(Judgement):
         return "\n".join(lines)
 
 
-def _shard_units(module: nn.Module) -> Iterator[nn.Module]:
-    """The modules ``fully_shard`` wraps below the root: each child with
-    parameters, looking through containers (ModuleList/ModuleDict have no
-    forward of their own to hook) and through a wrapper that owns no parameter
-    and is the only child with parameters (e.g. an autocast wrapper).  Never
-    deeper: a module may use a child's parameters without calling the child
-    (MultiheadAttention uses ``out_proj.weight`` directly)."""
-    with_params = [c for c in module.children() if next(c.parameters(), None) is not None]
-    for child in with_params:
-        wrapper = len(with_params) == 1 and next(child.parameters(recurse=False), None) is None and any(
-            next(g.parameters(), None) is not None for g in child.children()
-        )
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or wrapper:
-            yield from _shard_units(child)
-        else:
-            yield child
-
-
-def fully_shard_layers(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> int:
-    """Apply FSDP2's ``fully_shard`` to each layer of ``model`` (see
-    :func:`_shard_units`) and then to ``model`` itself, in place, as
-    torchtitan does; return the number of FSDP units that hold trainable
-    parameters (each reduce-scatters once per gradient sync)."""
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    layers = list(_shard_units(model))
-    # Counted before sharding: fully_shard replaces the parameters.
-    covered = {id(p) for layer in layers for p in layer.parameters()}
-    units = sum(any(p.requires_grad for p in layer.parameters()) for layer in layers)
-    units += any(p.requires_grad and id(p) not in covered for p in model.parameters())
-    for layer in layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return units
-
-
 def _gathered(snapshots: list[Snapshot]) -> list[Snapshot]:
-    """Snapshots with every DTensor shard gathered (``full_tensor()``, a
-    collective: every rank runs this in the same order) and on the CPU, so
-    their names and shapes are the single-process ones."""
-
-    def full(values: dict[str, Tensor]) -> dict[str, Tensor]:
-        out = {}
-        for name in sorted(values):  # the same order on every rank
-            value = values[name]
-            out[name] = (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
-        return {name: out[name] for name in values}
-
+    """Snapshots with every DTensor shard gathered and on the CPU (a
+    collective: every rank runs this in the same order), so their names and
+    shapes are the single-process ones."""
     return [
-        dataclasses.replace(
-            s, params=full(s.params), buffers=full(s.buffers), optimizer_state=full(s.optimizer_state)
-        )
+        dataclasses.replace(s, params=full_tensors(s.params), buffers=full_tensors(s.buffers),
+                            optimizer_state=full_tensors(s.optimizer_state))
         for s in snapshots
     ]
-
-
-class RankTask(Protocol):
-    """What :func:`run_on_ranks` runs on each rank, once the process group is up.
-
-    ``progress(text)`` records where the rank is (named in fault reports).
-    The return value goes back to the caller (it must be picklable).
-    """
-
-    def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -359,6 +303,9 @@ class _CheckTask:
     tiers: list[tuple[str, str]]
     engine: Engine
     mp_policy: MixedPrecisionPolicy | None
+    #: torch's default dtype while the candidate runs (None: unchanged), e.g. "float64"
+    #: to tell a tensor made without a dtype from a mismatch (as equiv.check does).
+    default_dtype: str | None = None
 
     def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> dict[str, Any]:
         device = torch.device(self.dcase.case.device)
@@ -366,6 +313,9 @@ class _CheckTask:
         for tier, dtype_name in self.tiers:
             counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2
             units = 0
+            # Points every rank passes in order, so a rank that made one collective more
+            # or less is named at the next one (see equiv.distributed.matching).
+            mark(f"the start of the {tier} tier")
             if self.engine == "ddp":
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
@@ -377,183 +327,30 @@ class _CheckTask:
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     nonlocal units
-                    units = fully_shard_layers(model, init_device_mesh(device.type, (world_size,)), self.mp_policy)
-                    for module in model.modules():
-                        if isinstance(module, FSDPModule):
-                            module.set_custom_reduce_scatter(CountingReduceScatter(counter))
+                    mesh = init_device_mesh(device.type, (world_size,))
+                    units = fully_shard_layers(model, mesh, self.mp_policy)
+                    # A correct step may ask for a reduce op the CPU backend lacks (PREMUL_SUM).
+                    sum_where_premul_sum_is_missing(model, mesh)
+                    for module in fsdp_modules(model):
+                        module.set_custom_reduce_scatter(CountingReduceScatter(counter))
                     return model
 
             def on_step(step: int, counter: CollectiveCounts = counter, tier: str = tier) -> None:
+                mark(f"{tier} tier, step {step}")
                 progress(f"{tier} tier, step {step}: in the candidate")
                 counter.start_step(step)
 
             snapshots = run_candidate(
                 self.dcase.case, self.candidate, getattr(torch, dtype_name), wrap_model=wrap,
                 batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batch_sizes[rank],
-                on_step=on_step,
+                on_step=on_step, default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
             )
+            mark(f"the end of the {tier} tier's steps")
             progress(f"{tier} tier: gathering the snapshots")
             results[tier] = {
                 "snapshots": _gathered(snapshots), "calls": counter.calls, "bytes": counter.bytes, "units": units,
             }
         return results
-
-
-def _rank_main(
-    rank: int, task: RankTask, world_size: int, device_type: str, backend: str, workdir: str, timeout_s: float
-) -> None:
-    """One spawned rank: join the group, run ``task``, save what it returns."""
-    out = Path(workdir)
-    progress = out / f"rank{rank}.progress"
-    try:
-        torch.set_num_threads(1)
-        if device_type == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        progress.write_text("ready")
-
-        def report(text: str) -> None:
-            progress.write_text(text)
-
-        result = task(rank, world_size, report)
-        progress.write_text("finished")
-        torch.save(result, out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _context() -> Any:
-    """Where ranks come from: a fork server that has imported torch and equiv
-    once, so a launch does not pay for it again (about 5 s of every start
-    on two cores).  A rank still starts as a clean child of that server, as
-    with spawn: nothing of the caller's state is inherited, CUDA included
-    (the server never initialises it).  The server is started on the first
-    launch and ends with the calling process."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed.fsdp", "equiv.checking.distributed"])
-    return context
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def run_on_ranks(
-    task: RankTask,
-    world_size: int,
-    *,
-    device: str = "cpu",
-    backend: str | None = None,
-    timeout_s: float = 120.0,
-    describe: str = "",
-) -> list[Any]:
-    """Run ``task(rank, world_size, progress)`` on ``world_size`` spawned
-    processes, each in an initialised process group (gloo on CPU, NCCL on
-    CUDA, unless ``backend`` says otherwise), and return what each returned,
-    in rank order.
-
-    ``task`` must be picklable (a module-level function, or an instance of a
-    module-level class).  Raises :class:`DistributedCheckError` naming the
-    rank(s) and ``describe`` if a rank raises, hangs past ``timeout_s``
-    (counted once every rank has started; starting has 120 s of its own) or
-    dies; never leaves a process behind.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not (timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    device_type = torch.device(device).type
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"{world_size} ranks on {device!r} need as many GPUs, {torch.cuda.device_count()} visible")
-    if backend is None:
-        backend = "nccl" if device_type == "cuda" else "gloo"
-    context = _context()
-    with tempfile.TemporaryDirectory(prefix="equiv-ranks-") as workdir:
-        out = Path(workdir)
-        processes = [
-            context.Process(
-                target=_rank_main, args=(rank, task, world_size, device_type, backend, workdir, timeout_s), daemon=True
-            )
-            for rank in range(world_size)
-        ]
-        try:
-            for process in processes:
-                process.start()
-            # Start-up (spawning, importing torch, joining the group) has its own
-            # bound; the check's timeout runs from when every rank is ready.
-            deadline = time.monotonic() + _STARTUP_S + timeout_s
-            started = False
-            first_failure: float | None = None
-            while True:
-                if not started and all((out / f"rank{r}.progress").exists() for r in range(len(processes))):
-                    started = True
-                    deadline = min(deadline, time.monotonic() + timeout_s)
-                codes = [p.exitcode for p in processes]
-                if all(code == 0 for code in codes):
-                    break
-                failed = any(code not in (None, 0) for code in codes)
-                if failed and first_failure is None:
-                    first_failure = time.monotonic()
-                grace_over = first_failure is not None and time.monotonic() - first_failure > _GRACE_S
-                if (failed and all(code is not None for code in codes)) or grace_over:
-                    raise DistributedCheckError(_failure_report(out, processes, describe))
-                if time.monotonic() > deadline:
-                    raise DistributedCheckError(
-                        f"the distributed check did not finish within {timeout_s:g} s"
-                        f"{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: "
-                        + _failure_report(out, processes, describe, hung=True)
-                    )
-                time.sleep(0.05)
-            return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
-        finally:
-            # No worker outlives the call, whatever happened.
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()
-            for process in processes:
-                process.join(timeout=5)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-
-
-def _failure_report(out: Path, processes: list[Any], describe: str, hung: bool = False) -> str:
-    lines = []
-    # Root causes first: ranks that failed before ranks still running; among
-    # those that raised, the first to raise (the others often fail because it
-    # left a collective, e.g. an FSDP all-gather, waiting), then silent deaths.
-    def raised_at(rank: int) -> tuple[bool, int, int]:
-        error = out / f"rank{rank}.error"
-        return (not error.exists(), error.stat().st_mtime_ns if error.exists() else 0, rank)
-
-    order = sorted(range(len(processes)), key=raised_at)
-    order.sort(key=lambda r: processes[r].exitcode in (None, 0))
-    for rank in order:
-        code = processes[rank].exitcode
-        error = out / f"rank{rank}.error"
-        progress_file = out / f"rank{rank}.progress"
-        progress = progress_file.read_text() if progress_file.exists() else "not started"
-        if error.exists():
-            last = error.read_text().strip().splitlines()[-1]
-            lines.append(f"rank {rank} raised ({progress}): {last}")
-        elif code not in (None, 0):
-            lines.append(f"rank {rank} died with {_describe_exit(code)} ({progress}) and reported nothing")
-        elif code is None:
-            lines.append(f"rank {rank} {'hung' if hung else 'was stopped'} ({progress})")
-    if describe:
-        lines.append(describe)
-    return "; ".join(lines)
 
 
 def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
@@ -568,6 +365,8 @@ def check_distributed(
     timeout_s: float = 120.0,
     engine: str = "ddp",
     mp_policy: MixedPrecisionPolicy | None = None,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
 ) -> DistributedVerdict:
     """Run ``candidate`` on ``dcase.world_size`` local processes and compare
     every rank with the single-process full-batch step.
@@ -577,7 +376,21 @@ def check_distributed(
     ``mp_policy``, an FSDP2 ``MixedPrecisionPolicy``, if given).  A candidate
     that fails only under a 16-bit ``mp_policy`` and matches without it is a
     precision finding (``verdict.kind == "precision"``), reported with the
-    measured error.
+    measured error.  Where the backend has no ``PREMUL_SUM`` (gloo), FSDP2
+    reduces with a plain sum and divides after it (the same gradient), so a
+    step may set its own divide factor (``set_gradient_divide_factor(1.0)``).
+
+    Precision, as in :func:`equiv.check`: when every rank's mismatches are
+    inside the float64 run and every lower-precision run matched, the failing
+    float64 tier runs again on the ranks with torch's default dtype set to
+    float64; if every rank then matches (a tensor made without a dtype), or
+    every difference is float32-sized, each rank's verdict carries that
+    precision finding.  It passes with a precision note unless ``train_dtype``
+    is float64 or ``strict`` is set; then it fails as PRECISION.
+
+    Ranks whose collectives do not line up end the check at once with a
+    :class:`DistributedCheckError` naming which rank called what, where
+    (:mod:`equiv.distributed.matching`), not at the timeout.
 
     ``candidate`` must be importable by name (a module-level function): the
     ranks are spawned processes that import it.  Raises
@@ -586,6 +399,7 @@ def check_distributed(
     dies; never leaves a process behind.
     """
     __tracebackhide__ = True
+    fails_because = precision_fails_because(train_dtype, strict)
     if not isinstance(dcase, DistributedCase):
         raise TypeError(f"dcase must be an equiv.DistributedCase, got {type(dcase).__name__}")
     if engine not in ENGINES:
@@ -634,12 +448,15 @@ def check_distributed(
     # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
     backend = "cpu:gloo,cuda:nccl" if fsdp and dcase.case.device.startswith("cuda") else None
 
-    def launch(tiers_here: list[tuple[str, str]], policy: MixedPrecisionPolicy | None) -> list[dict[str, Any]]:
-        task = _CheckTask(candidate, dcase, tiers_here, engine, policy)  # type: ignore[arg-type]
+    def launch(
+        tiers_here: list[tuple[str, str]], policy: MixedPrecisionPolicy | None, default_dtype: str | None = None,
+    ) -> list[dict[str, Any]]:
+        task = _CheckTask(candidate, dcase, tiers_here, engine, policy, default_dtype)  # type: ignore[arg-type]
         extra = "" if not fsdp else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
+        extra += "" if default_dtype is None else f", with torch's default dtype set to {default_dtype}"
         return run_on_ranks(
             task, dcase.world_size, device=dcase.case.device, backend=backend, timeout_s=timeout_s,
-            describe=f"candidate {name}, case {dcase!r}{extra}",
+            describe=f"candidate {name}, case {dcase!r}{extra}", match_collectives=True,
         )
 
     per_rank = launch(tier_dtypes, mp_policy)
@@ -652,8 +469,17 @@ def check_distributed(
         for tier in references.tiers
     }
     units = max(r[tier]["units"] for r in per_rank for tier in references.tiers)
+
+    def rerun_with_float64_default(failing: Sequence[Tier]) -> list[TensorDiff]:
+        rerun = launch([(t, d) for t, d in tier_dtypes if t in failing], mp_policy, "float64")
+        return [d for r in rerun for t in failing for d in references.compare(t, r[t]["snapshots"])]
+
+    # One judge of precision for one process and for W ranks: every rank's mismatches together.
+    finding = precision_finding(verdicts, references, rerun_with_float64_default, fails_because)
+    if finding is not None:
+        verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
     precision_note = None
-    if not all(verdicts) and _lowers_precision(mp_policy) and not any(v.inherent for v in verdicts):
+    if not all(verdicts) and finding is None and _lowers_precision(mp_policy) and not any(v.inherent for v in verdicts):
         # As check() tells float32 roundoff inside the float64 run from a
         # mismatch: rerun the failing tiers without the policy.  If that
         # matches, the step is the full-batch step and the policy's 16-bit

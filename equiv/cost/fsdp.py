@@ -13,7 +13,7 @@ Both all-gather each unit's parameters in every forward and again in every
 backward (FSDP2 reshards after each), so all-gathers grow with N either way.
 
 :class:`FsdpCostSweep` measures all of it in ONE run of the ranks (it is the
-per-rank task of :func:`equiv.checking.distributed.run_on_ranks`, which the
+per-rank task of :func:`equiv.distributed.launcher.run_on_ranks`, which the
 caller passes it to): per rank, per policy and N, reduce-scatter and all-gather
 calls and bytes per step (FSDP2's custom-comm hooks,
 ``FSDPModule.set_custom_reduce_scatter`` / ``set_custom_all_gather``), peak
@@ -36,12 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from equiv.accumulator import Accumulator
 from equiv.batches import even_sizes, split_batch
-from equiv.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter
 from equiv.cost.memory import (
     StepMemory,
     StorageCounter,
@@ -49,6 +48,8 @@ from equiv.cost.memory import (
     training_state_tensors,
 )
 from equiv.cost.workloads import WORKLOADS, BlockNet, build_workload_model
+from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter
+from equiv.distributed.sharding import fsdp_modules, fully_shard_layers
 
 __all__ = ["POLICIES", "FsdpCostRow", "FsdpCostSweep", "ShardAwareStorageCounter", "shard_block_net"]
 
@@ -164,20 +165,17 @@ def _measure_memory(
 
 def shard_block_net(model: BlockNet, world_size: int, device: torch.device) -> list[FSDPModule]:
     """``fully_shard`` each block, the stem and the head if they hold
-    parameters, then the root (torchtitan's per-block wrapping); returns
-    every FSDP module."""
-    mesh = init_device_mesh(device.type, (world_size,))
-    for layer in [model.stem, *model.blocks, model.head]:
-        if next(layer.parameters(), None) is not None:
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    parameters, then the root (torchtitan's per-block wrapping, the same
+    units the distributed checker shards: :func:`fully_shard_layers`);
+    returns every FSDP module."""
+    fully_shard_layers(model, init_device_mesh(device.type, (world_size,)))
+    return fsdp_modules(model)
 
 
 @dataclass(frozen=True)
 class FsdpCostSweep:
     """The per-rank task measuring one workload under every policy and N
-    (pass it to :func:`equiv.checking.distributed.run_on_ranks`).
+    (pass it to :func:`equiv.distributed.launcher.run_on_ranks`).
 
     Each (policy, N) gets a fresh sharded model and AdamW, one warm-up step
     (creates the optimizer state, as in steady training), one step under the

@@ -19,10 +19,11 @@ import pandas as pd
 from equiv.accumulator import accumulator_step
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed, run_on_ranks
+from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
 from equiv.checking.facts import Divergence, magnitude, ratio_band
 from equiv.cost.fsdp import POLICIES, FsdpCostRow, FsdpCostSweep
 from equiv.cost.workloads import WORKLOADS
+from equiv.distributed.launcher import run_on_ranks
 from equiv.outcomes import Outcome
 from equiv.reporting.markdown import markdown_table
 from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry

@@ -1,0 +1,146 @@
+"""Mismatched collectives, named at once: which rank called what, where.
+
+Ranks whose collectives do not line up (one all-reduces a count per
+micro-batch and holds more micro-batches; one skips a backward, and with it a
+gradient sync) otherwise end in whatever the backend makes of it.  Measured on
+gloo (torch 2.13): an all-reduce of 1 element against one of 8 aborts the
+process ("Received data size doesn't match expected size", SIGABRT); a
+reduce-scatter against an all-reduce of the same size runs silently (gloo
+does both as an all-reduce); a rank left in a collective its peer never makes
+waits until the timeout, or until the peer exits ("Connection closed by peer").
+
+So every rank records each collective it is about to make in a store the
+ranks share (:class:`CollectiveLog`: its position in the rank's sequence,
+the operation, shape and dtype, and where the rank is), and compares it with
+what any peer has already recorded at that position; a difference raises
+:class:`CollectiveMismatch` naming both sides before the collective runs.
+Nothing waits: a rank that gets there first records and goes on, and the
+later one compares.  A rank whose task has returned records an end-of-task
+mark (:meth:`CollectiveLog.end_of_task`), so a peer still making collectives
+is told apart, at once, from one that is merely slow.
+
+torch's own fingerprinting (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) does the same
+in C++ for every collective, but in torch 2.13 constructing
+``DistributedDataParallel`` on a process group it wraps crashes the process
+(SIGSEGV in ``c10d::Logger::set_env_variables``, which takes the wrapper for
+a gloo group), so equiv records at the Python level: the module functions of
+``torch.distributed`` (what a step, DDP's comm hooks and FSDP2's collectives
+call), not DTensor's functional collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["COLLECTIVES", "CollectiveLog", "CollectiveMismatch", "mark"]
+
+#: The ``torch.distributed`` functions a log records (those a training step,
+#: DDP's comm hooks and FSDP2's default collectives call), where torch has them.
+COLLECTIVES: tuple[str, ...] = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "scatter",
+)
+_KEY = "equiv-collective"
+#: How a recorded point that is not a collective begins (see :func:`mark`).
+_MARK = "mark: "
+#: The log :meth:`CollectiveLog.install` installed in this process, if any.
+_installed: CollectiveLog | None = None
+
+
+class CollectiveMismatch(RuntimeError):
+    """Two ranks were about to make different collectives at the same position."""
+
+
+def _describe(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The collective as its fingerprint: the operation, and the shape and dtype
+    of the first tensor it is given (the input where the output comes first)."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not tensors:  # a list of tensors (all_gather, reduce_scatter) or none (barrier, objects)
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        tensors = [lists[-1][0]] if lists else []
+    if not tensors:
+        return name
+    # Output first, input last (all_gather_into_tensor, reduce_scatter_tensor, ...): the input is what was given.
+    tensor = tensors[-1] if name.endswith(("_into_tensor", "_tensor", "_single")) and len(tensors) > 1 else tensors[0]
+    return f"{name} of shape {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+class CollectiveLog:
+    """One rank's collectives, recorded in ``store`` and compared with its peers'.
+
+    :meth:`install` wraps the :data:`COLLECTIVES` of ``torch.distributed`` in
+    this process so each call is recorded first; ``where()`` says where the
+    rank is (its last progress report), for the report.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, where: Callable[[], str]) -> None:
+        self.store, self.rank, self.world_size, self.where = store, rank, world_size, where
+        self.count = 0
+        #: The report, once a mismatch was found here (the step may wrap the exception in its own).
+        self.mismatch: str | None = None
+
+    def record(self, call: str) -> None:
+        """Record this rank's next collective; raise :class:`CollectiveMismatch`
+        if a peer recorded a different one at the same position."""
+        position = self.count
+        self.count += 1
+        here = f"{call}\t{self.where()}"
+        self.store.set(f"{_KEY}/{position}/{self.rank}", here)
+        for peer in range(self.world_size):
+            key = f"{_KEY}/{position}/{peer}"
+            if peer == self.rank or not self.store.check([key]):
+                continue
+            theirs = self.store.get(key).decode()
+            if theirs.split("\t")[0] != call:
+                self.mismatch = _report(position, {self.rank: here, peer: theirs})
+                raise CollectiveMismatch(self.mismatch)
+
+    def end_of_task(self) -> None:
+        """Record that this rank's task returned: a peer still making collectives meets this mark."""
+        self.record(_MARK + "the end of its task")
+
+    def install(self) -> None:
+        """Record every call of the :data:`COLLECTIVES` made in this process from
+        now on, and every :func:`mark`."""
+        global _installed
+        _installed = self
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._recording(name, original))
+
+    def _recording(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.record(_describe(name, args, kwargs))
+            return original(*args, **kwargs)
+
+        return recorded
+
+
+def mark(point: str) -> None:
+    """Record ``point`` (e.g. "exact tier, step 1") in this process's log,
+    if one is installed, as if it were a collective: a point every rank passes
+    in the same order.  Collectives the log cannot see (DDP's construction and
+    bucket rebuilding, DTensor's gathers) happen between such points, so a
+    rank that drifted by a collective is caught at the next point, before it
+    reaches them, and the report names the step where the ranks parted."""
+    if _installed is not None:
+        _installed.record(_MARK + point)
+
+
+def _report(position: int, calls: dict[int, str]) -> str:
+    parts = []
+    for rank, text in sorted(calls.items()):
+        call, where = text.split("\t", 1)
+        if call.startswith(_MARK):
+            parts.append(f"rank {rank} made no collective #{position + 1}: it went on to {call.removeprefix(_MARK)}")
+        else:
+            parts.append(f"rank {rank} called {call} as its collective #{position + 1} ({where})")
+    return "mismatched collectives: " + "; ".join(parts)
