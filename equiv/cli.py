@@ -346,7 +346,7 @@ def _cmd_report_benchmarks(args: argparse.Namespace) -> int:
     scaling_full = []
     for path in args.scaling_full or []:
         try:
-            scaling_full.append((str(path), json.loads(path.read_text())))
+            scaling_full.append((_shown_path(path), json.loads(path.read_text())))
         except (OSError, json.JSONDecodeError) as exc:
             raise UsageError(f"cannot read the full scaling run {str(path)!r}: {exc}") from None
     try:
@@ -355,6 +355,14 @@ def _cmd_report_benchmarks(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     _write(args.out, text)
     return 0
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` as a report names it: relative to where equiv runs (tox passes absolute paths)."""
+    try:
+        return os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return str(path)
 
 
 # ------------------------------------------------------------------- parser

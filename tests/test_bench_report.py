@@ -242,6 +242,25 @@ def test_a_committed_full_scaling_run_is_shown_beside_this_runs_sizes() -> None:
     assert rows[0]["memory target <= 100 B/param"] == "NOT met"
 
 
+def test_a_gpu_full_run_is_shown_beside_the_cpu_one_without_the_cpu_targets() -> None:
+    def run(device: str, check_s: float) -> dict[str, Any]:
+        return {"datetime": "2026-11-24T22:49:01", "benchmarks": [{
+            "name": "test_check_scaling[4M]",
+            "extra_info": {"scaling": True, "size": "4M", "parameters": 4_180_740, "check_median_s": check_s,
+                           "own_steps_median_s": 0.05, "time_ratio": check_s / 0.05, "bare_runs_ratio": 10.0,
+                           "check_over_bare_runs": check_s / 0.5, "model_build_ratio": 5.3, "device": device,
+                           "check_bytes_per_parameter": 95.0, "verdict": "passing", "threads": 1}}]}
+
+    report = render_report(_fixture(), scaling_full=[("reports/check_scaling_full.json", run("cpu", 0.6)),
+                                                     ("reports/check_scaling_gpu.json", run("cuda", 0.7))])
+    cpu = _table_after(report, "committed as reports/check_scaling_full.json")
+    gpu = _table_after(report, "committed as reports/check_scaling_gpu.json")
+    assert cpu[0]["time target (>= 1M)"] == "NOT met (<= 8x: 1.50x over)"
+    assert gpu[0]["time target (>= 1M)"] == "-"  # the targets are the CPU's
+    assert gpu[0]["model build / own steps"] == "5.3x"
+    assert "Full run on the GPU" in report and "building the case's model takes 5.3-5.3x" in report
+
+
 def test_verify_speed_rows_say_whether_the_correct_step_doubled() -> None:
     raw = _fixture()
     modes = VERIFY_MODES

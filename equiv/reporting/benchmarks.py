@@ -565,7 +565,7 @@ def _scaling_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
             "runs made": _runs_made(info),
             "check s (median)": f"{info['check_median_s']:.3f}",
             "own 2 float32 steps s": f"{info['own_steps_median_s']:.4f}",
-            "model build / own steps": f"{info['model_build_ratio']:.1f}x" if "model_build_ratio" in info else "-",
+            "model build / own steps": _times(info["model_build_ratio"]) if "model_build_ratio" in info else "-",
             "bare runs / own steps": f"{info['bare_runs_ratio']:.1f}x" if "bare_runs_ratio" in info else "-",
             "check / bare runs": f"{info['check_over_bare_runs']:.2f}x" if "check_over_bare_runs" in info else "-",
             "check / own steps": f"{info['time_ratio']:.1f}x",
@@ -576,6 +576,11 @@ def _scaling_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
         }
         for info in rows
     ])
+
+
+def _times(ratio: float) -> str:
+    """A ratio with two significant figures below 1 (0.03x, not 0.0x), one decimal above."""
+    return f"{ratio:.2f}x" if ratio < 1 else f"{ratio:.1f}x"
 
 
 def _scaling_intro() -> list[str]:
