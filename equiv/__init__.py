@@ -20,6 +20,7 @@ from equiv.cases.models import CausalLM, ModelBundle, register_model
 from equiv.checking.check import ReferenceRuns, check
 from equiv.checking.contract import Candidate, CandidateError, ContractError
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
+from equiv.checking.distributed_search import DistributedSearchResult, verify_distributed
 from equiv.checking.facts import VerdictFacts
 from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.search_space import SearchSpace
@@ -46,6 +47,7 @@ __all__ = [
     "CrossEntropy",
     "DistributedCase",
     "DistributedCheckError",
+    "DistributedSearchResult",
     "DistributedVerdict",
     "EquivalenceError",
     "InvalidCase",
@@ -78,4 +80,5 @@ __all__ = [
     "register_model",
     "strategies",
     "verify",
+    "verify_distributed",
 ]

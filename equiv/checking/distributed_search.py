@@ -1,0 +1,242 @@
+"""Search rank splits for a distributed counterexample: the distributed counterpart of :func:`equiv.verify`.
+
+Where data-parallel accumulation breaks, the split decides whether it shows:
+ranks holding different numbers of samples (a per-rank mean averaged by DDP,
+transformers #34242), different numbers of micro-batches (a count all-reduced
+once per micro-batch), different numbers of real tokens (a GA=1 shortcut that is
+exact only "when every rank contributed the same number of tokens", torchtune
+PR #2980), a micro-batch with no real token at all.  A hand-picked split guesses
+which; :func:`verify_distributed` lets Hypothesis draw them (world size, each
+rank's micro-batch sizes, the loss, the optimizer, clipping, the engine) and
+shrink a failure to the smallest split that still shows it.
+
+Every drawn case runs through :func:`~equiv.checking.distributed.check_distributed`
+on spawned ranks (a warm fork server makes one about 0.2 s on the CPU), judged
+as every check is: both tiers, derived allowances, the precision class.  Which
+cases are drawn depends only on the seed and on pass / fail, so a seeded search
+finds the same split on every machine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import hypothesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Flaky
+
+from equiv.cases.case import Case
+from equiv.checking.contract import BoundCandidate, Candidate, bind
+from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
+from equiv.distributed.launcher import DistributedCheckError
+from equiv.outcomes import Outcome
+
+__all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "distributed_cases", "verify_distributed"]
+
+#: The engines a search may draw (see :func:`~equiv.checking.distributed.check_distributed`).
+ENGINES = ("ddp", "fsdp2")
+#: The models drawn: a small MLP on a sample-mean loss, and a token model whose
+#: batches hold padding (each sample a different number of real tokens, some none).
+_BASES: dict[str, Case] = {
+    "mlp": Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,), "activation": "tanh"}),
+    "tokens": Case(batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy"),
+}
+#: The model names a search draws from, in shrinking order.
+MODELS = tuple(_BASES)
+_OPTIMIZERS = {"SGD": {"lr": 0.05}, "Adam": {"lr": 1e-2}}
+#: An active clip norm for these models' gradients (drawn only for a step that takes max_grad_norm).
+_CLIP_NORM = 0.05
+
+
+@st.composite
+def distributed_cases(
+    draw: st.DrawFn, *, max_world_size: int = 3, max_micro_batches: int = 3, max_micro_batch_size: int = 4,
+    clipping: bool = False, models: Sequence[str] = MODELS,
+) -> DistributedCase:
+    """Distributed cases: 2 to ``max_world_size`` ranks, each with 1 to
+    ``max_micro_batches`` micro-batches of 1 to ``max_micro_batch_size``
+    samples (so ranks differ in samples, micro-batches and, on the token model,
+    real tokens), one of ``models`` (:data:`MODELS`), an optimizer, 1 or 2
+    steps, and an active clip norm when ``clipping``.  Shrinks towards 2 ranks
+    of one 1-sample micro-batch."""
+    _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
+    world_size = draw(st.integers(2, max_world_size))
+    sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=1, max_size=max_micro_batches)
+    ranks = draw(st.lists(sizes, min_size=world_size, max_size=world_size))
+    base = _BASES[draw(st.sampled_from(tuple(models)))]
+    optimizer = draw(st.sampled_from(sorted(_OPTIMIZERS, reverse=True)))  # SGD first: it shrinks to it
+    case = base.replace(optimizer=optimizer, optimizer_kwargs=_OPTIMIZERS[optimizer], steps=draw(st.integers(1, 2)))
+    if clipping and draw(st.booleans()):
+        case = case.replace(max_grad_norm=_CLIP_NORM)
+    return DistributedCase.of(case, ranks)
+
+
+def _check_bounds(max_world_size: int, max_micro_batches: int, max_micro_batch_size: int,
+                  models: Sequence[str]) -> None:
+    """Refuse bounds no case can be drawn from, naming the value."""
+    for name, value, low in (("max_world_size", max_world_size, 2), ("max_micro_batches", max_micro_batches, 1),
+                             ("max_micro_batch_size", max_micro_batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
+    unknown = [model for model in models if model not in MODELS]
+    if unknown or not models:
+        raise ValueError(f"models must be a non-empty subset of {MODELS}, got {tuple(models)!r}")
+
+
+@dataclass(frozen=True)
+class DistributedSearchResult:
+    """What :func:`verify_distributed` found: the smallest split that shows a
+    difference (``counterexample`` with its ``verdict``, or the ``error`` of a
+    rank that raised, hung, died or made mismatched collectives), or nothing."""
+
+    candidate: str
+    engines: tuple[str, ...]
+    examples: int
+    seed: int
+    elapsed_s: float
+    counterexample: DistributedCase | None = None
+    engine: str | None = None
+    verdict: DistributedVerdict | None = None
+    error: str | None = None
+    #: Cases whose only difference was a precision note across ranks (passed, counted).
+    precision_notes: int = 0
+
+    @property
+    def found(self) -> bool:
+        return self.counterexample is not None
+
+    @property
+    def kind(self) -> Outcome | None:
+        """None (nothing found), STEP_ERROR (a rank raised, hung, died or its
+        collectives did not match its peers'), or the verdict's kind."""
+        if not self.found:
+            return None
+        if self.error is not None:
+            return Outcome.STEP_ERROR
+        assert self.verdict is not None
+        return self.verdict.kind
+
+    def __bool__(self) -> bool:
+        return not self.found
+
+    def message(self) -> str:
+        head = (f"equiv verify-distributed: {self.candidate}, {self.examples} distributed case(s) "
+                f"({', '.join(self.engines)}), seed {self.seed}, {self.elapsed_s:.1f} s")
+        if not self.found:
+            notes = f"; {self.precision_notes} with a precision note" if self.precision_notes else ""
+            return f"{head}: no counterexample{notes}."
+        assert self.counterexample is not None
+        split = "; ".join(f"rank {rank}: {list(sizes)}" for rank, sizes in
+                          enumerate(self.counterexample.rank_micro_batch_sizes))
+        lines = [f"{head}: counterexample, shrunk to {self.counterexample.world_size} ranks ({split}), "
+                 f"engine {self.engine}:", ""]
+        lines.append(self.error if self.error is not None
+                     else self.verdict.message() if self.verdict is not None else "")
+        lines += ["", f"Reproduce: equiv.check_distributed(step, {self.counterexample!r}, engine={self.engine!r})"]
+        return "\n".join(lines)
+
+
+class _Found(Exception):
+    def __init__(self, dcase: DistributedCase, engine: str, verdict: DistributedVerdict | None, error: str | None):
+        super().__init__(error or "not equivalent")
+        self.dcase, self.engine, self.verdict, self.error = dcase, engine, verdict, error
+
+
+class _Hung(BaseException):
+    """A rank hung: the search ends with that case (each shrink step would wait out the limit again)."""
+
+    def __init__(self, found: _Found) -> None:
+        super().__init__(found.error)
+        self.found = found
+
+
+def verify_distributed(
+    candidate: Candidate | BoundCandidate,
+    *,
+    engines: Sequence[str] = ("ddp",),
+    models: Sequence[str] = MODELS,
+    max_examples: int = 25,
+    seed: int | None = None,
+    max_world_size: int = 3,
+    max_micro_batches: int = 3,
+    max_micro_batch_size: int = 4,
+    timeout_s: float = 60.0,
+    progress: Callable[[int, float], None] | None = None,
+) -> DistributedSearchResult:
+    """Search distributed cases (:func:`distributed_cases` of ``models``, on each of ``engines``)
+    for one where ``candidate`` is not the full-batch step, shrinking the first
+    found to the smallest split that still shows it.
+
+    ``candidate`` must be a module-level function (the ranks import it).
+    ``seed`` fixes the search (default: drawn and reported).  ``timeout_s``:
+    seconds one case's ranks may take; a rank that hangs ends the search with
+    that case (not shrunk).  ``progress`` hears (cases so far, seconds) after
+    every case.  A case that is only a precision note passes and is counted.
+    """
+    bound = bind(candidate)
+    unknown = [engine for engine in engines if engine not in ENGINES]
+    if unknown or not engines:
+        raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {tuple(engines)!r}")
+    if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
+        raise ValueError(f"max_examples must be a positive integer, got {max_examples!r}")
+    _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
+    seed = random.SystemRandom().randrange(2**32) if seed is None else seed
+    strategy = st.tuples(
+        distributed_cases(max_world_size=max_world_size, max_micro_batches=max_micro_batches,
+                          max_micro_batch_size=max_micro_batch_size, clipping="max_grad_norm" in bound.keywords,
+                          models=models),
+        st.sampled_from(tuple(engines)),
+    )
+    started = time.perf_counter()
+    counts = {"examples": 0, "precision_notes": 0}
+
+    def search_once(drawn: tuple[DistributedCase, str]) -> None:
+        dcase, engine = drawn
+        counts["examples"] += 1
+        try:
+            try:
+                verdict = check_distributed(candidate, dcase, engine=engine, timeout_s=timeout_s)
+            except DistributedCheckError as exc:
+                found = _Found(dcase, engine, None, str(exc))
+                if " hung " in f" {exc} ":
+                    raise _Hung(found) from None
+                raise found from None
+            if verdict.status is Outcome.NOT_APPLICABLE:
+                hypothesis.reject()
+            if not verdict:
+                raise _Found(dcase, engine, verdict, None)
+            if verdict.precision_note or any(rank.precision_note for rank in verdict.ranks):
+                counts["precision_notes"] += 1
+        finally:
+            if progress is not None:
+                progress(counts["examples"], time.perf_counter() - started)
+
+    test = settings(
+        max_examples=max_examples, deadline=None, database=None, derandomize=False, print_blob=False,
+        report_multiple_bugs=False, phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )(given(strategy)(search_once))
+    found: _Found | None = None
+    try:
+        with hypothesis.reporting.with_reporter(lambda value: None):
+            hypothesis.seed(seed)(test)()
+    except _Found as exc:
+        found = exc
+    except _Hung as exc:
+        found = exc.found
+    except Flaky as exc:  # failed once, passed on replay: still a finding, the case that failed
+        inner = [e for e in getattr(exc, "exceptions", ()) if isinstance(e, _Found)]
+        if not inner:
+            raise
+        found = inner[0]
+    return DistributedSearchResult(
+        candidate=bound.name, engines=tuple(engines), examples=counts["examples"], seed=seed,
+        elapsed_s=time.perf_counter() - started,
+        counterexample=None if found is None else found.dcase, engine=None if found is None else found.engine,
+        verdict=None if found is None else found.verdict, error=None if found is None else found.error,
+        precision_notes=counts["precision_notes"],
+    )

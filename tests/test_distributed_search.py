@@ -1,0 +1,60 @@
+"""The distributed search: bugs that need a split found without one picked by hand, shrunk.
+
+Each drawn case spawns its ranks (a warm fork server: about 0.2 s a case), so
+the searches here are short and seeded.
+"""
+
+import pytest
+
+import equiv
+from equiv.checking.distributed_search import verify_distributed
+from equiv.outcomes import Outcome
+from equiv.zoo.distributed_bugs import local_mean_per_rank, local_mean_per_rank_fsdp2
+
+
+@pytest.mark.distributed
+def test_a_per_rank_mean_is_found_and_shrunk_to_two_ranks_holding_different_counts() -> None:
+    # transformers #34242: each rank back-propagates its own mean and DDP averages the
+    # ranks; exact only when every rank holds as many items as the others.
+    result = verify_distributed(local_mean_per_rank, models=("mlp",), max_examples=25, seed=0)
+    assert result.found and result.kind is Outcome.NOT_EQUIVALENT, result.message()
+    dcase = result.counterexample
+    assert dcase is not None and dcase.world_size == 2
+    held = [sum(sizes) for sizes in dcase.rank_micro_batch_sizes]
+    assert held[0] != held[1], result.message()  # equal counts would hide it
+    assert "Not equivalent to full-batch training" in result.message()
+    assert "Reproduce: equiv.check_distributed(step, DistributedCase.of(" in result.message()
+    assert not equiv.check_distributed(local_mean_per_rank, dcase)  # the shrunk case fails on its own
+
+
+@pytest.mark.distributed
+def test_ragged_real_tokens_show_a_per_rank_token_mean_with_equal_sample_counts() -> None:
+    # torchtune PR #2980: the GA=1 shortcut is exact only when every rank contributed
+    # the same number of tokens; padded sequences make them differ at equal sample counts.
+    result = verify_distributed(local_mean_per_rank, models=("tokens",), max_examples=25, seed=0)
+    assert result.found and result.kind is Outcome.NOT_EQUIVALENT, result.message()
+    assert result.counterexample is not None and result.counterexample.world_size == 2
+
+
+@pytest.mark.distributed
+def test_the_reference_accumulator_passes_every_drawn_split() -> None:
+    result = verify_distributed(equiv.accumulator_step, max_examples=10, seed=0)
+    assert not result.found and result.examples == 10, result.message()
+    assert "no counterexample" in result.message()
+
+
+@pytest.mark.distributed
+def test_fsdp2_draws_are_searched_too() -> None:
+    result = verify_distributed(local_mean_per_rank_fsdp2, engines=("fsdp2",), max_examples=15, seed=0)
+    assert result.found and result.engine == "fsdp2", result.message()
+
+
+def test_bad_search_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="engines must be a non-empty subset"):
+        verify_distributed(equiv.accumulator_step, engines=("tp",))
+    with pytest.raises(ValueError, match="max_examples must be a positive integer, got 0"):
+        verify_distributed(equiv.accumulator_step, max_examples=0)
+    with pytest.raises(ValueError, match="max_world_size must be an integer of at least 2, got 1"):
+        verify_distributed(equiv.accumulator_step, max_world_size=1)
+    with pytest.raises(ValueError, match="models must be a non-empty subset"):
+        verify_distributed(equiv.accumulator_step, models=("resnet",))
