@@ -55,17 +55,23 @@ _CLIP_NORM = 0.05
 @st.composite
 def distributed_cases(
     draw: st.DrawFn, *, max_world_size: int = 3, max_micro_batches: int = 3, max_micro_batch_size: int = 4,
-    clipping: bool = False, models: Sequence[str] = MODELS,
+    clipping: bool = False, models: Sequence[str] = MODELS, engine: str = "ddp",
 ) -> DistributedCase:
     """Distributed cases: 2 to ``max_world_size`` ranks, each with 1 to
     ``max_micro_batches`` micro-batches of 1 to ``max_micro_batch_size``
     samples (so ranks differ in samples, micro-batches and, on the token model,
     real tokens), one of ``models`` (:data:`MODELS`), an optimizer, 1 or 2
-    steps, and an active clip norm when ``clipping``.  Shrinks towards 2 ranks
-    of one 1-sample micro-batch."""
+    steps, and an active clip norm when ``clipping``.  Under ``engine="fsdp2"``
+    every rank has the same number of micro-batches (each forward and backward
+    all-gathers the parameters on every rank), of its own sizes.  Shrinks
+    towards 2 ranks of one 1-sample micro-batch."""
     _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
     world_size = draw(st.integers(2, max_world_size))
-    sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=1, max_size=max_micro_batches)
+    if engine == "fsdp2":
+        count = draw(st.integers(1, max_micro_batches))
+        sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=count, max_size=count)
+    else:
+        sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=1, max_size=max_micro_batches)
     ranks = draw(st.lists(sizes, min_size=world_size, max_size=world_size))
     base = _BASES[draw(st.sampled_from(tuple(models)))]
     optimizer = draw(st.sampled_from(sorted(_OPTIMIZERS, reverse=True)))  # SGD first: it shrinks to it
@@ -164,7 +170,7 @@ def verify_distributed(
     max_world_size: int = 3,
     max_micro_batches: int = 3,
     max_micro_batch_size: int = 4,
-    timeout_s: float = 60.0,
+    timeout_s: float = 20.0,
     progress: Callable[[int, float], None] | None = None,
 ) -> DistributedSearchResult:
     """Search distributed cases (:func:`distributed_cases` of ``models``, on each of ``engines``)
@@ -185,12 +191,14 @@ def verify_distributed(
         raise ValueError(f"max_examples must be a positive integer, got {max_examples!r}")
     _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
-    strategy = st.tuples(
-        distributed_cases(max_world_size=max_world_size, max_micro_batches=max_micro_batches,
-                          max_micro_batch_size=max_micro_batch_size, clipping="max_grad_norm" in bound.keywords,
-                          models=models),
-        st.sampled_from(tuple(engines)),
-    )
+    def on(engine: str) -> st.SearchStrategy[tuple[DistributedCase, str]]:
+        return distributed_cases(
+            max_world_size=max_world_size, max_micro_batches=max_micro_batches,
+            max_micro_batch_size=max_micro_batch_size, clipping="max_grad_norm" in bound.keywords, models=models,
+            engine=engine,
+        ).map(lambda dcase: (dcase, engine))
+
+    strategy = st.sampled_from(tuple(engines)).flatmap(on)
     started = time.perf_counter()
     counts = {"examples": 0, "precision_notes": 0}
 
