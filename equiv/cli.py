@@ -50,6 +50,7 @@ from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check_cases
 from equiv.checking.contract import CandidateError, ContractError, bind, load_candidate
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
+from equiv.checking.distributed_search import ENGINES, MODELS, verify_distributed
 from equiv.checking.profiles import profile_name
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.trajectory import NonFiniteLossError
@@ -231,6 +232,38 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print("The step's traceback:\n" + result.error_traceback.rstrip())
     if json_out is not None:
         json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+    if result.kind is Outcome.STEP_ERROR:
+        return EXIT_STEP_FAILED
+    return EXIT_COUNTEREXAMPLE if result.found else EXIT_EQUIVALENT
+
+
+def _cmd_verify_distributed(args: argparse.Namespace) -> int:
+    json_out = _output(args.json, "--json")
+    candidate = load_target(args.target)
+    last_shown = [-math.inf]
+
+    def show(examples: int, elapsed: float) -> None:
+        if elapsed - last_shown[0] >= 2.0:  # the first case, then every few seconds
+            last_shown[0] = elapsed
+            log.info("%d distributed cases checked", examples)
+
+    try:
+        result = verify_distributed(
+            candidate, engines=args.engines or ("ddp",), models=args.models or MODELS,
+            max_examples=args.max_examples, seed=args.seed, max_world_size=args.max_world_size,
+            timeout_s=args.timeout, progress=show,
+        )
+    except (InvalidArgument, ContractError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    print(result.message())
+    if json_out is not None:
+        found = result.counterexample
+        json_out.write_text(json.dumps({
+            "candidate": result.candidate, "engines": list(result.engines), "examples": result.examples,
+            "seed": result.seed, "found": result.found, "kind": None if result.kind is None else result.kind.value,
+            "engine": result.engine, "counterexample": None if found is None else found.to_dict(),
+            "error": result.error,
+        }, indent=2, sort_keys=True) + "\n")
     if result.kind is Outcome.STEP_ERROR:
         return EXIT_STEP_FAILED
     return EXIT_COUNTEREXAMPLE if result.found else EXIT_EQUIVALENT
@@ -433,6 +466,26 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
     _precision_flags(verify_parser)
     verify_parser.set_defaults(handler=_cmd_verify)
+
+    search_parser = commands.add_parser(
+        "verify-distributed",
+        help="search rank splits for a distributed counterexample (spawned gloo/NCCL ranks, shrunk)",
+        description="Hypothesis draws world sizes, each rank's micro-batches, sample or token models (ranks with "
+        "different real-token counts), optimizers and clipping, checks the step on spawned ranks and shrinks the "
+        "first mismatch to the smallest split. The step must be importable by name (MODULE:FUNC): the ranks import it.",
+    )
+    search_parser.add_argument("target", help=contract)
+    search_parser.add_argument("--engines", type=_names, default=(),
+                               help=f"comma-separated engines to draw ({','.join(ENGINES)}; default ddp)")
+    search_parser.add_argument("--models", type=_names, default=(),
+                               help=f"comma-separated models to draw ({','.join(MODELS)}; default both)")
+    search_parser.add_argument("--max-examples", type=int, default=25, help="distributed cases to draw (default 25)")
+    search_parser.add_argument("--max-world-size", type=int, default=3, help="most ranks drawn (default 3)")
+    search_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
+    search_parser.add_argument("--timeout", type=float, default=20.0,
+                               help="seconds one case's ranks may take (default 20); a hung rank ends the search")
+    search_parser.add_argument("--json", help="also write the result as JSON to this path")
+    search_parser.set_defaults(handler=_cmd_verify_distributed)
 
     plan_parser = commands.add_parser(
         "plan",

@@ -4,10 +4,14 @@ Each drawn case spawns its ranks (a warm fork server: about 0.2 s a case), so
 the searches here are short and seeded.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 
 import equiv
 from equiv.checking.distributed_search import verify_distributed
+from equiv.cli import main
 from equiv.outcomes import Outcome
 from equiv.zoo.distributed_bugs import local_mean_per_rank, local_mean_per_rank_fsdp2
 
@@ -58,3 +62,19 @@ def test_bad_search_input_is_refused() -> None:
         verify_distributed(equiv.accumulator_step, max_world_size=1)
     with pytest.raises(ValueError, match="models must be a non-empty subset"):
         verify_distributed(equiv.accumulator_step, models=("resnet",))
+
+
+@pytest.mark.distributed
+def test_the_search_runs_from_the_shell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "found.json"
+    code = main(["verify-distributed", "equiv.zoo.distributed_bugs:local_mean_per_rank", "--models", "mlp",
+                 "--seed", "0", "--json", str(out)])
+    assert code == 1  # a counterexample
+    assert "counterexample, shrunk to 2 ranks" in capsys.readouterr().out
+    found = json.loads(out.read_text())
+    assert found["kind"] == "not_equivalent" and len(found["counterexample"]["rank_micro_batch_sizes"]) == 2
+
+
+def test_bad_search_flags_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify-distributed", "equiv:accumulator_step", "--engines", "tp"]) == 2
+    assert "engines must be a non-empty subset of ('ddp', 'fsdp2'), got ('tp',)" in capsys.readouterr().err
