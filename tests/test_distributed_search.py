@@ -13,7 +13,7 @@ import equiv
 from equiv.checking.distributed_search import verify_distributed
 from equiv.cli import main
 from equiv.outcomes import Outcome
-from equiv.zoo.distributed_bugs import local_mean_per_rank, local_mean_per_rank_fsdp2
+from equiv.zoo.distributed_bugs import RAGGED_TOKEN_STEPS, local_mean_per_rank, local_mean_per_rank_fsdp2
 
 
 @pytest.mark.distributed
@@ -42,8 +42,9 @@ def test_ragged_real_tokens_show_a_per_rank_token_mean_with_equal_sample_counts(
 
 @pytest.mark.distributed
 def test_the_reference_accumulator_passes_every_drawn_split() -> None:
-    result = verify_distributed(equiv.accumulator_step, max_examples=10, seed=0)
-    assert not result.found and result.examples == 10, result.message()
+    # Both engines, sample-mean and padded-token models (ragged real tokens across ranks).
+    result = verify_distributed(equiv.accumulator_step, engines=("ddp", "fsdp2"), max_examples=14, seed=0)
+    assert not result.found and result.examples == 14, result.message()
     assert "no counterexample" in result.message()
 
 
@@ -78,3 +79,14 @@ def test_the_search_runs_from_the_shell(tmp_path: Path, capsys: pytest.CaptureFi
 def test_bad_search_flags_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify-distributed", "equiv:accumulator_step", "--engines", "tp"]) == 2
     assert "engines must be a non-empty subset of ('ddp', 'fsdp2'), got ('tp',)" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(RAGGED_TOKEN_STEPS))
+def test_ragged_token_counts_across_ranks_part_the_shortcut_from_the_global_count(name: str) -> None:
+    step, expected = RAGGED_TOKEN_STEPS[name]
+    result = verify_distributed(step, models=("tokens",), max_examples=12, seed=0)
+    if expected is Outcome.EQUIVALENT:
+        assert not result.found and result.examples == 12, result.message()
+    else:
+        assert result.found and result.kind is expected, result.message()

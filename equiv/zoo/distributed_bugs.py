@@ -10,6 +10,7 @@ check must find; the loss-scaling one a ``grad_scaler``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +30,14 @@ __all__ = [
     "DISTRIBUTED_BUGS",
     "FSDP2_BUGS",
     "LOSS_SCALE_BUGS",
+    "RAGGED_TOKEN_STEPS",
     "Fsdp2Entry",
     "clip_shard_with_local_norm",
     "forward_outside_no_sync",
+    "global_item_count",
     "local_mean_per_rank",
     "local_mean_per_rank_fsdp2",
+    "local_token_mean_per_rank",
     "no_sync_missing",
     "overflow_checked_on_last_micro_batch",
     "sync_disabled_on_last_micro_batch",
@@ -61,6 +65,45 @@ def local_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micr
         with model.no_sync():
             _sample_weighted_backward(model, micro_batches, loss_fn, index, rank_samples)
     _sample_weighted_backward(model, micro_batches, loss_fn, len(micro_batches) - 1, rank_samples)
+    optimizer.step()
+
+
+def local_token_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                              loss_fn: Callable[..., Tensor]) -> None:
+    """Each rank back-propagates its summed loss over its OWN item count (real
+    tokens, for a token loss) and DDP averages the ranks: a mean of per-rank token
+    means.  The GA=1 shortcut of torchtune PR #2980, exact only "when every rank
+    contributed the same number of tokens", which padded instruction data rarely
+    does; transformers #34242 before ``average_tokens_across_devices``."""
+    assert isinstance(model, DistributedDataParallel)
+    optimizer.zero_grad(set_to_none=True)
+    rank_items = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+            (loss_sum / rank_items).backward()
+    optimizer.step()
+
+
+def global_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                      loss_fn: Callable[..., Tensor]) -> None:
+    """Correct, for contrast: the item count all-reduced across ranks once per
+    window, every micro-batch's summed loss over that global count (times the
+    world size, which DDP's averaging divides out), the sync on the last
+    micro-batch only.  torchtitan PR #2206's ``loss_sum / global_valid_tokens``;
+    exact with ragged token counts, and with a rank or micro-batch of none."""
+    assert isinstance(model, DistributedDataParallel)
+    optimizer.zero_grad(set_to_none=True)
+    items = torch.tensor(float(sum(item_count(loss_fn, targets) for _, targets in micro_batches)),
+                         dtype=torch.float64)
+    dist.all_reduce(items)
+    scale = dist.get_world_size() / float(items)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+            (loss_sum * scale).backward()
     optimizer.step()
 
 
@@ -250,6 +293,13 @@ FSDP2_BUGS: dict[str, Fsdp2Entry] = {
 }
 
 #: name -> candidate, for suites and reports.
+#: Ragged real-token counts across ranks (padded sequences): the GA=1 shortcut that
+#: divides by each rank's own tokens, and the correct all-reduced global count, with
+#: what a check must find (the distributed search draws the token model for them).
+RAGGED_TOKEN_STEPS: dict[str, tuple[Callable[..., Any], Outcome]] = {
+    "local_token_mean_per_rank": (local_token_mean_per_rank, Outcome.NOT_EQUIVALENT),
+    "global_item_count": (global_item_count, Outcome.EQUIVALENT),
+}
 DISTRIBUTED_BUGS: dict[str, Callable[..., Any]] = {
     "local_mean_per_rank": local_mean_per_rank,
     "no_sync_missing": no_sync_missing,
