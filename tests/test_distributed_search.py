@@ -90,3 +90,26 @@ def test_ragged_token_counts_across_ranks_part_the_shortcut_from_the_global_coun
         assert not result.found and result.examples == 12, result.message()
     else:
         assert result.found and result.kind is expected, result.message()
+
+
+def _hooked_accumulator_step(model: object, optimizer: object, micro_batches: object, loss_fn: object) -> None:
+    """The reference accumulator with the step's own DDP comm hook (the stock all-reduce)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model.register_comm_hook(None, default_hooks.allreduce_hook)  # type: ignore[attr-defined]
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed
+def test_the_steps_own_collectives_are_counted_apart_and_it_may_bring_a_comm_hook() -> None:
+    token_case = equiv.Case(batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy",
+                            steps=2)
+    dcase = equiv.DistributedCase.of(token_case, [[1, 2], [3]])
+    step, _ = RAGGED_TOKEN_STEPS["global_item_count"]
+    verdict = equiv.check_distributed(step, dcase)
+    assert verdict, verdict.message()
+    # Its token count, all-reduced once per window; DDP's gradient sync once, counted apart.
+    assert verdict.step_collectives_per_step() == [{"all_reduce": 1}, {"all_reduce": 1}]
+    assert verdict.allreduces_per_step() == {1}
+    assert "the step's own collectives (exact tier, most on any rank): step 1: all_reduce x1" in verdict.message()
+    hooked = equiv.check_distributed(_hooked_accumulator_step, dcase)
+    assert hooked and hooked.allreduces_per_step() == {1}, hooked.message()

@@ -56,7 +56,7 @@ from equiv.checking.check import TIERS, ReferenceRuns, precision_fails_because, 
 from equiv.checking.contract import Candidate, bind
 from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
-from equiv.distributed.collectives import CollectiveCounts, CountingReduceScatter
+from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
 from equiv.distributed.launcher import DistributedCheckError, run_on_ranks
 from equiv.distributed.matching import mark
 from equiv.distributed.sharding import (
@@ -165,6 +165,9 @@ class DistributedVerdict(Judgement):
     #: Set when the mismatch is the mixed-precision policy's: the same step
     #: without the policy matches (a precision finding, see :attr:`kind`).
     precision_note: str | None = None
+    #: tier -> per rank, per step: the collectives the step issued itself
+    #: (name -> calls; a token count all-reduced...), apart from the gradient syncs.
+    step_collectives: dict[str, tuple[tuple[dict[str, int], ...], ...]] = dataclasses.field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return all(self.ranks)
@@ -223,6 +226,18 @@ class DistributedVerdict(Judgement):
         """The most bytes any rank sent into gradient collectives in one step."""
         return max((b for stats in self.comm.get(tier, ()) for b in stats.bytes_per_step), default=0)
 
+    def step_collectives_per_step(self, tier: str = "exact") -> list[dict[str, int]]:
+        """The collectives the step issued itself at each step, the most any rank
+        made of each (e.g. ``[{"all_reduce": 1}]``: a count all-reduced once per
+        window); DDP's and FSDP2's gradient syncs are counted apart."""
+        steps = max((len(rank) for rank in self.step_collectives.get(tier, ())), default=0)
+        out: list[dict[str, int]] = [{} for _ in range(steps)]
+        for rank in self.step_collectives.get(tier, ()):
+            for step, calls in enumerate(rank):
+                for name, count in calls.items():
+                    out[step][name] = max(out[step].get(name, 0), count)
+        return out
+
     def measured_error(self, tier: str) -> TensorDiff | None:
         """How far off ``tier`` is, on any rank: the parameter update furthest
         past its allowance (what training feels), else the worst tensor."""
@@ -279,6 +294,11 @@ class DistributedVerdict(Judgement):
                 f"gradient {self.collective}s per step ({tier} tier): {sorted(self.collectives_per_step(tier))}"
                 f"{units}, up to {self.bytes_per_step(tier)} bytes per step per rank"
             )
+        own = self.step_collectives_per_step("exact")
+        if any(own):
+            per_step = "; ".join(f"step {step}: " + (", ".join(f"{name} x{count}" for name, count in sorted(calls.items()))
+                                                     or "none") for step, calls in enumerate(own, start=1))
+            lines.append(f"the step's own collectives (exact tier, most on any rank): {per_step}")
         lines.append(self._reproduce())
         return "\n".join(lines)
 
@@ -310,8 +330,10 @@ class _CheckTask:
     def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> dict[str, Any]:
         device = torch.device(self.dcase.case.device)
         results: dict[str, Any] = {}
+        own = StepCollectives.installed()  # what the step issues itself, apart from the gradient syncs
         for tier, dtype_name in self.tiers:
             counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2
+            own.reset()
             units = 0
             # Points every rank passes in order, so a rank that made one collective more
             # or less is named at the next one (see equiv.distributed.matching).
@@ -321,6 +343,7 @@ class _CheckTask:
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
                     ddp.register_comm_hook(None, counter.allreduce_hook)
+                    counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
                     return ddp
 
             else:
@@ -333,22 +356,27 @@ class _CheckTask:
                     sum_where_premul_sum_is_missing(model, mesh)
                     for module in fsdp_modules(model):
                         module.set_custom_reduce_scatter(CountingReduceScatter(counter))
+                        # FSDP2's own all-gathers, told apart from the step's collectives (not reported).
+                        module.set_custom_all_gather(CountingAllGather(CollectiveCounts()))
                     return model
 
             def on_step(step: int, counter: CollectiveCounts = counter, tier: str = tier) -> None:
                 mark(f"{tier} tier, step {step}")
                 progress(f"{tier} tier, step {step}: in the candidate")
                 counter.start_step(step)
+                own.start_step()
 
             snapshots = run_candidate(
                 self.dcase.case, self.candidate, getattr(torch, dtype_name), wrap_model=wrap,
                 batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batch_sizes[rank],
                 on_step=on_step, default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
             )
+            own.stop()
             mark(f"the end of the {tier} tier's steps")
             progress(f"{tier} tier: gathering the snapshots")
             results[tier] = {
                 "snapshots": _gathered(snapshots), "calls": counter.calls, "bytes": counter.bytes, "units": units,
+                "own_calls": own.calls, "own_bytes": own.bytes,
             }
         return results
 
@@ -493,9 +521,12 @@ def check_distributed(
                 f"the same step with no MixedPrecisionPolicy matches, so the difference is the policy's "
                 f"{_policy_dtypes(mp_policy)}"
             )
+    step_collectives: dict[str, tuple[tuple[dict[str, int], ...], ...]] = {
+        tier: tuple(tuple(r[tier]["own_calls"]) for r in per_rank) for tier in references.tiers
+    }
     return DistributedVerdict(
         case=dcase, candidate=name, ranks=tuple(verdicts), comm=comm, engine=engine,  # type: ignore[arg-type]
-        fsdp_units=units, mp_policy=mp_policy, precision_note=precision_note,
+        fsdp_units=units, mp_policy=mp_policy, precision_note=precision_note, step_collectives=step_collectives,
     )
 
 

@@ -11,12 +11,17 @@ all-gathers per step, inside a memory measurement) both need.
   ``all_gather_single``), counted; handed to ``FSDPModule.set_custom_reduce_scatter``
   / ``set_custom_all_gather``.
 - :meth:`CollectiveCounts.allreduce_hook`: a DDP comm hook, the default
-  all-reduce, counted.
+  all-reduce (or the step's own hook, chained), counted.
+- :class:`StepCollectives`: the collectives a step makes itself (a token count
+  all-reduced, a gradient synced by hand), per step, apart from the gradient
+  syncs counted above.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +34,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 # take; torch 2.13 exports them under no public name.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-__all__ = ["CollectiveCounts", "CountingAllGather", "CountingReduceScatter"]
+__all__ = ["COLLECTIVES", "CollectiveCounts", "CountingAllGather", "CountingReduceScatter", "StepCollectives"]
+
+#: The ``torch.distributed`` functions a log records (those a training step,
+#: DDP's comm hooks and FSDP2's default collectives call), where torch has them.
+COLLECTIVES: tuple[str, ...] = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "scatter",
+)
+
+#: How deep this thread is inside a counted gradient sync: a ``torch.distributed``
+#: call made there is DDP's or FSDP2's, not the step's own.
+_in_gradient_sync = threading.local()
+
 
 #: A context a collective runs to completion in (e.g. a memory counter's
 #: ``collective(output, input)``), given its output and input tensors.
@@ -49,6 +67,8 @@ class CollectiveCounts:
         self.calls: list[int] = []
         self.bytes: list[int] = []
         self.synchronous: SynchronousContext | None = None
+        #: A DDP comm hook the step registered itself ((state, hook)), run in place of the default.
+        self.step_hook: tuple[Any, Callable[..., Any]] | None = None
 
     def start_step(self, step: int | None = None) -> None:
         self.calls.append(0)
@@ -62,16 +82,100 @@ class CollectiveCounts:
     # No annotations: DDP compares them with dist.GradBucket at registration,
     # and this module's postponed annotations would be strings.
     def allreduce_hook(self, state, bucket):  # type: ignore[no-untyped-def]
-        """A DDP comm hook: the default all-reduce, counted."""
+        """A DDP comm hook: the default all-reduce, or the hook the step
+        registered itself (:meth:`chain_step_hooks`), counted."""
         self.add(bucket.buffer())
-        return default_hooks.allreduce_hook(state, bucket)
+        with _gradient_sync():
+            if self.step_hook is not None:
+                return self.step_hook[1](self.step_hook[0], bucket)
+            return default_hooks.allreduce_hook(state, bucket)
+
+    def chain_step_hooks(self, ddp: Any) -> None:
+        """Let a step bring its own DDP comm hook: DDP takes one hook, and this
+        counting hook holds the slot, so the step's ``register_comm_hook(state,
+        hook)`` is kept and run inside it (counted as a gradient sync)."""
+
+        def register_comm_hook(state: Any, hook: Callable[..., Any]) -> None:
+            self.step_hook = (state, hook)
+
+        ddp.register_comm_hook = register_comm_hook
 
     def run(self, collective: Callable[..., Any], output: Tensor, input: Tensor, **kwargs: Any) -> Any:
-        if self.synchronous is None:
-            return collective(output, input, **kwargs)
-        with self.synchronous(output, input):
-            collective(output, input, **{**kwargs, "async_op": False})
-        return None  # FSDP2 takes None for a collective already finished
+        with _gradient_sync():
+            if self.synchronous is None:
+                return collective(output, input, **kwargs)
+            with self.synchronous(output, input):
+                collective(output, input, **{**kwargs, "async_op": False})
+            return None  # FSDP2 takes None for a collective already finished
+
+
+@contextlib.contextmanager
+def _gradient_sync() -> Any:
+    _in_gradient_sync.depth = getattr(_in_gradient_sync, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _in_gradient_sync.depth -= 1
+
+
+def _tensor_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of the tensor a collective is given (the first; of a list, all of it)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, (list, tuple)) and value and all(isinstance(t, Tensor) for t in value):
+            return sum(t.numel() * t.element_size() for t in value)
+    return 0
+
+
+class StepCollectives:
+    """The ``torch.distributed`` collectives a step makes itself, per step: name
+    -> calls (:attr:`calls`) and bytes given (:attr:`bytes`); a token count
+    all-reduced, a gradient synced by hand.  DDP's and FSDP2's gradient syncs
+    (:class:`CollectiveCounts`) are not among them, nor collectives outside a
+    step (DDP's construction, gathering snapshots).  Python-level calls only:
+    DTensor's functional collectives (a clip norm over shards) are not seen.
+    """
+
+    _installed: StepCollectives | None = None
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, int]] = []
+        self.bytes: list[int] = []
+        self._counting = False
+
+    @classmethod
+    def installed(cls) -> StepCollectives:
+        """This process's counter, wrapping :data:`COLLECTIVES` once (wrapped
+        twice, every call would count twice)."""
+        if cls._installed is None:
+            counter = cls._installed = cls()
+            for name in COLLECTIVES:
+                original = getattr(dist, name, None)
+                if original is not None:
+                    setattr(dist, name, counter._counted(name, original))
+        return cls._installed
+
+    def reset(self) -> None:
+        self.calls, self.bytes, self._counting = [], [], False
+
+    def start_step(self) -> None:
+        self.calls.append({})
+        self.bytes.append(0)
+        self._counting = True
+
+    def stop(self) -> None:
+        self._counting = False
+
+    def _counted(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._counting and not getattr(_in_gradient_sync, "depth", 0):
+                self.calls[-1][name] = self.calls[-1].get(name, 0) + 1
+                self.bytes[-1] += _tensor_bytes(args, kwargs)
+            return original(*args, **kwargs)
+
+        return counted
 
 
 class _Counted:

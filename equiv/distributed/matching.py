@@ -37,15 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from equiv.distributed.collectives import COLLECTIVES
+
 __all__ = ["COLLECTIVES", "CollectiveLog", "CollectiveMismatch", "mark"]
 
-#: The ``torch.distributed`` functions a log records (those a training step,
-#: DDP's comm hooks and FSDP2's default collectives call), where torch has them.
-COLLECTIVES: tuple[str, ...] = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_to_all",
-    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "scatter",
-)
 _KEY = "equiv-collective"
 #: How a recorded point that is not a collective begins (see :func:`mark`).
 _MARK = "mark: "
