@@ -3,6 +3,8 @@ knows about argparse, stdout/stderr and exit codes.
 
     equiv check MODULE:FUNC [--case JSON]        check a step on the standard cases (or one case)
     equiv verify MODULE:FUNC [--seed S] ...      search drawn cases for a counterexample (shrunk)
+    equiv check-distributed MODULE:FUNC ...      check a step on W ranks (spawned, or under torchrun)
+    equiv verify-distributed MODULE:FUNC ...     search rank splits for a distributed counterexample
     equiv plan WORKLOAD|MODULE:FUNC --budget B   recommend N for a memory budget
     equiv report equivalence|peers|benchmarks    write a markdown report
 
@@ -50,7 +52,8 @@ from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check_cases
 from equiv.checking.contract import CandidateError, ContractError, bind, load_candidate
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
-from equiv.checking.distributed_search import ENGINES, MODELS, verify_distributed
+from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
+from equiv.checking.distributed_search import ENGINES, MODELS, standard_distributed_cases, verify_distributed
 from equiv.checking.profiles import profile_name
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.trajectory import NonFiniteLossError
@@ -58,6 +61,8 @@ from equiv.checking.verdict import CaseVerdicts
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
+from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
+from equiv.distributed.torchrun import TorchrunEnv, TorchrunRanks
 from equiv.names import on_sys_path, target_folder
 from equiv.outcomes import Outcome
 
@@ -269,6 +274,133 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
     return EXIT_COUNTEREXAMPLE if result.found else EXIT_EQUIVALENT
 
 
+# -------------------------------------------------------- check-distributed
+def _split(text: str) -> list[list[int]]:
+    """``--split "1,2;3"``: rank 0 holds micro-batches of 1 and 2 samples, rank 1 one of 3."""
+    try:
+        ranks = [[int(size) for size in rank.split(",")] for rank in text.split(";")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a split is each rank's micro-batch sizes, ranks separated by ';' (e.g. \"1,2;3\"), got {text!r}"
+        ) from None
+    return ranks
+
+
+def _distributed_cases(args: argparse.Namespace, candidate: Callable[..., Any],
+                       world_size: int) -> dict[str, DistributedCase]:
+    if args.split is None and args.case is None:
+        return standard_distributed_cases(world_size, args.engine)
+    allowed = [getattr(candidate, "__module__", None) or "", *args.allow_import]
+    base = (_parse_case(args.case, [name for name in allowed if name]) if args.case
+            else Case(batch_size=4, micro_batch_sizes=(2, 2)))
+    split = args.split if args.split is not None else [list(base.micro_batch_sizes)] * world_size
+    if len(split) != world_size:
+        raise UsageError(f"--split gives {len(split)} rank(s), {split}; the check runs {world_size} (torchrun's "
+                         "world size, or --nproc)")
+    try:
+        return {"--split" if args.split is not None else "--case on every rank": DistributedCase.of(base, split)}
+    except InvalidCase as exc:
+        raise UsageError(f"--split: {exc}") from None
+
+
+def _cmd_check_distributed(args: argparse.Namespace) -> int:
+    try:
+        env = TorchrunEnv.read()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if env is not None and args.nproc is not None and args.nproc != env.world_size:
+        raise UsageError(f"--nproc {args.nproc}: torchrun started {env.world_size} ranks (leave --nproc out)")
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc must be a positive number of ranks, got {args.nproc}")
+    json_out = _output(args.json, "--json") if env is None or env.rank == 0 else None
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    with on_sys_path(target_folder(args.target)):
+        # Every rank loads the step: the tasks rank 0 posts name it, and a rank unpickles them.
+        candidate = load_target(args.target)
+        cases = _distributed_cases(args, candidate, (args.nproc or 2) if env is None else env.world_size)
+        if env is None:
+            return _check_distributed_cases(args, candidate, cases, run_on_ranks, json_out)
+        with TorchrunRanks(env) as ranks:
+            if env.rank != 0:
+                return _exit_now(ranks.serve(), ranks)
+            code = EXIT_INTERNAL_ERROR
+            try:
+                code = _check_distributed_cases(args, candidate, cases, ranks.run, json_out, stop_on_fault=True)
+            except UsageError:
+                code = EXIT_USAGE
+                raise
+            except CandidateError:
+                code = EXIT_STEP_FAILED
+                raise
+            finally:
+                ranks.end(code)
+            return _exit_now(code, ranks)
+
+
+def _exit_now(code: int, ranks: TorchrunRanks) -> int:
+    """A rank whose task is stuck in a collective (after a fault elsewhere) exits
+    without waiting for it: torchrun would otherwise wait until its own timeout."""
+    if ranks.task_running:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _check_distributed_cases(
+    args: argparse.Namespace, candidate: Callable[..., Any], cases: dict[str, DistributedCase], launcher: Launcher,
+    json_out: Path | None, stop_on_fault: bool = False,
+) -> int:
+    results: list[dict[str, Any]] = []
+    verdicts: dict[str, DistributedVerdict] = {}
+    errors: dict[str, str] = {}
+    for index, (name, dcase) in enumerate(cases.items(), start=1):
+        log.info("[%d/%d] %s: %s", index, len(cases), name, dcase)
+        try:
+            verdict = check_distributed(candidate, dcase, engine=args.engine, timeout_s=args.timeout,
+                                        train_dtype=args.train_dtype, strict=args.strict_precision,
+                                        launcher=launcher)
+        except (InvalidCase, ContractError, TypeError) as exc:
+            raise UsageError(f"{name}: {exc}") from None
+        except NonFiniteLossError as exc:
+            raise UsageError(f"{name}: the case itself diverges, so nothing can be compared with it: {exc}") from None
+        except DistributedCheckError as exc:
+            errors[name] = str(exc)
+            print(f"ERROR {name}: {exc}", flush=True)
+            results.append({"case_name": name, "status": Outcome.STEP_ERROR, "case": dcase.to_dict(), "error": str(exc)})
+            if stop_on_fault and index < len(cases):
+                # A fault may leave a rank mid-collective: the ranks' process group cannot be trusted again.
+                print(f"      the other {len(cases) - index} case(s) were not run: after a fault the ranks' "
+                      "process group may be left mid-collective", flush=True)
+                break
+            continue
+        verdicts[name] = verdict
+        results.append({"case_name": name, "status": verdict.status, "kind": verdict.kind, "case": dcase.to_dict(),
+                        "message": verdict.message()})
+        print(_distributed_line(name, verdict), flush=True)
+    failed = [name for name, v in verdicts.items() if v.status is Outcome.NOT_EQUIVALENT]
+    passed = sum(v.status is Outcome.EQUIVALENT for v in verdicts.values())
+    print(f"{passed} equivalent, {len(failed)} not, {len(errors)} error(s), of {len(cases)} case(s) "
+          f"on {next(iter(cases.values())).world_size} ranks ({args.engine})")
+    if json_out is not None:
+        json_out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    if failed:
+        return EXIT_COUNTEREXAMPLE
+    return EXIT_STEP_FAILED if errors else EXIT_EQUIVALENT
+
+
+def _distributed_line(name: str, verdict: DistributedVerdict) -> str:
+    if verdict.status is Outcome.EQUIVALENT:
+        return f"ok    {name}" + (" (with a precision note, below)\n      " + verdict.ranks[0].precision_note
+                                  if verdict.ranks[0].precision_note else "")
+    if verdict.status is Outcome.NOT_APPLICABLE:
+        return f"n/a   {name}: {'; '.join(verdict.ranks[0].not_applicable)}"
+    if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
+        return f"inh.  {name}: {'; '.join(verdict.ranks[0].inherent)}"
+    return f"FAIL  {name}\n" + "\n".join("      " + line for line in verdict.message().splitlines())
+
+
 # --------------------------------------------------------------------- plan
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -466,6 +598,32 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
     _precision_flags(verify_parser)
     verify_parser.set_defaults(handler=_cmd_verify)
+
+    ddp_parser = commands.add_parser(
+        "check-distributed",
+        help="check a step on W ranks: spawned here, or the ranks torchrun started",
+        description="Runs the step on W data-parallel ranks (DDP or FSDP2; gloo on CPU, NCCL on GPU) and compares "
+        "every rank with the single-process full-batch step in both tiers. Under torchrun (torchrun --standalone "
+        "--nproc-per-node 2 -m equiv check-distributed MODULE:FUNC) every rank reads torchrun's environment, rank 0 "
+        "checks and prints the verdict; without torchrun, --nproc ranks are spawned here. With no --split or --case, "
+        "standard splits are checked (ranks holding different samples, micro-batch counts and real tokens).",
+    )
+    ddp_parser.add_argument("target", help=contract)
+    ddp_parser.add_argument("--split", type=_split, default=None,
+                            help="each rank's micro-batch sizes, ranks separated by ';' (e.g. \"1,2;3\"): one entry "
+                                 "per rank")
+    ddp_parser.add_argument("--case", help="the case as JSON (Case.to_dict()), or @file.json; its batch and "
+                                           "micro-batch sizes come from --split (default: its split on every rank)")
+    ddp_parser.add_argument("--engine", choices=ENGINES, default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
+    ddp_parser.add_argument("--nproc", type=int, default=None,
+                            help="ranks to spawn without torchrun (default 2); under torchrun, its world size")
+    ddp_parser.add_argument("--timeout", type=float, default=120.0,
+                            help="seconds the ranks may take per case once started (default 120)")
+    ddp_parser.add_argument("--json", help="also write the verdicts as JSON to this path (rank 0)")
+    ddp_parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
+                            help="a module the --case may name factories from (besides the step's own)")
+    _precision_flags(ddp_parser)
+    ddp_parser.set_defaults(handler=_cmd_check_distributed)
 
     search_parser = commands.add_parser(
         "verify-distributed",

@@ -4,7 +4,6 @@ Each check spawns two processes, so this file holds few, meaningful cases.
 The fault candidates live at module level: spawned ranks import them.
 """
 
-import contextlib
 import multiprocessing
 import os
 import time
@@ -17,7 +16,12 @@ from torch import nn
 import equiv
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, check_distributed
 from equiv.checking.trajectory import run_reference
-from equiv.zoo.distributed_bugs import forward_outside_no_sync, local_mean_per_rank, no_sync_missing
+from equiv.zoo.distributed_bugs import (
+    forward_outside_no_sync,
+    local_mean_per_rank,
+    no_sync_missing,
+    scale_made_in_the_default_dtype,
+)
 
 # Spawned process groups are slow to start: `pytest -m "not distributed"` is the fast loop.
 pytestmark = pytest.mark.distributed
@@ -84,23 +88,6 @@ def test_overflow_on_one_rank_skips_the_window_on_every_rank() -> None:
 
 
 # ------------------------------------------------------------------ precision
-def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
-                                    loss_fn: object) -> None:
-    """Correct under DDP (each summed loss times world / global sample count,
-    one all-reduce per window), but the count is a tensor made without a
-    dtype: float32, torch's default, so world / count is rounded to float32
-    inside the float64 run too."""
-    optimizer.zero_grad(set_to_none=True)
-    samples = torch.tensor(float(sum(len(targets) for _, targets in micro_batches)))  # no dtype
-    dist.all_reduce(samples)
-    scale = dist.get_world_size() / samples
-    for index, (inputs, targets) in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
-            (loss_fn(model(inputs), targets) * len(targets) * scale).backward()  # type: ignore[operator]
-    optimizer.step()
-
-
 def test_a_default_dtype_scale_factor_is_a_precision_note_across_ranks_and_fails_when_strict() -> None:
     # 7 samples a step: 2 / 7 is not a float32 number, so the float64 run is off by float32 rounding.
     dcase = DistributedCase.of(BASE.replace(optimizer="SGD", optimizer_kwargs={"lr": 0.1}), [[1, 2], [3, 1]])
@@ -221,7 +208,7 @@ def test_mismatched_collectives_are_named_at_once_not_after_the_timeout(
 def test_bad_distributed_input_is_refused() -> None:
     with pytest.raises(equiv.InvalidCase, match=r"rank 1 has micro-batch sizes \(\)"):
         DistributedCase.of(BASE, [[1], []])
-    with pytest.raises(TypeError, match="cannot be sent to spawned ranks"):
+    with pytest.raises(TypeError, match="cannot be sent to the ranks"):
         check_distributed(lambda *args: None, FAULT_CASE)
     with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, got 0"):
         check_distributed(equiv.accumulator_step, FAULT_CASE, timeout_s=0)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import equiv
@@ -28,9 +28,8 @@ from equiv.checking.distributed import (
 from equiv.cost.fsdp import FsdpCostRow, FsdpCostSweep
 from equiv.cost.memory import StepMemory
 from equiv.cost.workloads import WORKLOADS, build_workload_model
-from equiv.losses import item_count, loss_sum_and_count
 from equiv.reporting.distributed import fsdp2_chart, fsdp2_cost_table
-from equiv.zoo.distributed_bugs import FSDP2_BUGS
+from equiv.zoo.distributed_bugs import FSDP2_BUGS, sum_over_ranks_divided_by_global_tokens
 
 # Spawned process groups are slow to start: `pytest -m "not distributed"` is the fast loop.
 pytestmark = pytest.mark.distributed
@@ -209,28 +208,6 @@ def test_accumulator_under_fsdp2_sums_over_ranks_clips_with_the_global_norm_and_
 
 
 # ------------------------------------------------------- correct real-world steps
-def sum_over_ranks_divided_by_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
-                                            loss_fn: object, *, max_grad_norm: float | None = None) -> None:
-    """torchtitan's recipe (pytorch/torchtitan #2206): FSDP2 sums gradients over
-    ranks (divide factor 1.0) and each micro-batch's summed loss is divided by
-    the count of valid tokens over every rank's whole window, all-reduced once.
-    The factor is set on every FSDP module, as torchtitan's
-    ``disable_fsdp_gradient_division`` does: on the root alone it leaves the
-    layers averaging."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-    optimizer.zero_grad(set_to_none=True)
-    global_valid_tokens = torch.tensor(sum(int(item_count(loss_fn, y)) for _, y in micro_batches))  # type: ignore[arg-type]
-    dist.all_reduce(global_valid_tokens)
-    for inputs, targets in micro_batches:
-        loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)  # type: ignore[arg-type]
-        (loss_sum / global_valid_tokens).backward()
-    if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
-    optimizer.step()
-
-
 def test_a_step_that_sums_over_ranks_and_divides_by_the_global_token_count_passes_on_gloo() -> None:
     # Gloo has no PREMUL_SUM, which FSDP2 picks for a float32 reduce-scatter
     # with a divide factor other than the world size; the check makes FSDP2

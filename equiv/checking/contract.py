@@ -42,6 +42,7 @@ __all__ = [
     "candidate_name",
     "candidate_reference",
     "load_candidate",
+    "shipped",
 ]
 
 #: Keywords a candidate may take, each passed only to a candidate that names it.
@@ -193,6 +194,27 @@ def load_candidate(spec: str) -> Callable[..., Any]:
     if not callable(target):
         raise ValueError(f"{spec!r} is a {type(target).__name__}, not a callable step")
     return target
+
+
+class _ByName:
+    """A step on its way to another process: it unpickles as the step loaded
+    there from its import path (a module loaded from a file is in no
+    ``sys.modules``, and a module found from the working directory is not on
+    a spawned rank's ``sys.path``, so pickling the function itself fails there)."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (load_candidate, (self.spec,))
+
+
+def shipped(candidate: Callable[..., Any]) -> Any:
+    """``candidate`` as it travels to spawned or torchrun ranks: by its import
+    path where it has one (:func:`candidate_reference`), else itself (an
+    instance of a module-level class is pickled whole)."""
+    spec = candidate_reference(candidate)
+    return candidate if spec is None else _ByName(spec)
 
 
 def candidate_reference(candidate: Callable[..., Any]) -> str | None:

@@ -53,11 +53,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.check import TIERS, ReferenceRuns, precision_fails_because, precision_finding
-from equiv.checking.contract import Candidate, bind
+from equiv.checking.contract import Candidate, bind, shipped
 from equiv.checking.trajectory import Snapshot, run_candidate
 from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
 from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
-from equiv.distributed.launcher import DistributedCheckError, run_on_ranks
+from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.distributed.matching import mark
 from equiv.distributed.sharding import (
     fsdp_modules,
@@ -341,7 +341,9 @@ class _CheckTask:
             if self.engine == "ddp":
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
-                    ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
+                    ddp = DistributedDataParallel(
+                        model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None
+                    )
                     ddp.register_comm_hook(None, counter.allreduce_hook)
                     counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
                     return ddp
@@ -395,6 +397,7 @@ def check_distributed(
     mp_policy: MixedPrecisionPolicy | None = None,
     train_dtype: torch.dtype | str | None = None,
     strict: bool = False,
+    launcher: Launcher = run_on_ranks,
 ) -> DistributedVerdict:
     """Run ``candidate`` on ``dcase.world_size`` local processes and compare
     every rank with the single-process full-batch step.
@@ -419,6 +422,10 @@ def check_distributed(
     Ranks whose collectives do not line up end the check at once with a
     :class:`DistributedCheckError` naming which rank called what, where
     (:mod:`equiv.distributed.matching`), not at the timeout.
+
+    ``launcher`` runs the ranks: :func:`run_on_ranks` spawns them here;
+    :meth:`equiv.distributed.torchrun.TorchrunRanks.run` runs them on the
+    ranks torchrun started (``equiv check-distributed`` under torchrun).
 
     ``candidate`` must be importable by name (a module-level function): the
     ranks are spawned processes that import it.  Raises
@@ -450,12 +457,13 @@ def check_distributed(
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     bound = bind(candidate)
+    sent = shipped(candidate)  # by its import path: each rank loads it (a file path included)
     try:
-        pickle.dumps(candidate)
+        pickle.dumps(sent)
     except Exception as exc:
         raise TypeError(
-            f"candidate {bound.name} cannot be sent to spawned ranks ({exc}); "
-            "define it at module level in an importable module"
+            f"candidate {bound.name} cannot be sent to the ranks ({exc}); "
+            "define it at module level in an importable module or a .py file"
         ) from None
     name = bound.name
     fsdp = engine == "fsdp2"
@@ -464,7 +472,8 @@ def check_distributed(
         verdict = Verdict(case=dcase.case, candidate=name, mismatches=(), not_applicable=reasons)
         return DistributedVerdict(case=dcase, candidate=name, ranks=(verdict,) * dcase.world_size,
                                   engine=engine, mp_policy=mp_policy)  # type: ignore[arg-type]
-    if dcase.case.device.startswith("cuda") and torch.cuda.device_count() < dcase.world_size:
+    if (launcher is run_on_ranks and dcase.case.device.startswith("cuda")
+            and torch.cuda.device_count() < dcase.world_size):
         raise ValueError(
             f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, {torch.cuda.device_count()} visible"
         )
@@ -479,10 +488,10 @@ def check_distributed(
     def launch(
         tiers_here: list[tuple[str, str]], policy: MixedPrecisionPolicy | None, default_dtype: str | None = None,
     ) -> list[dict[str, Any]]:
-        task = _CheckTask(candidate, dcase, tiers_here, engine, policy, default_dtype)  # type: ignore[arg-type]
+        task = _CheckTask(sent, dcase, tiers_here, engine, policy, default_dtype)  # type: ignore[arg-type]
         extra = "" if not fsdp else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
         extra += "" if default_dtype is None else f", with torch's default dtype set to {default_dtype}"
-        return run_on_ranks(
+        return launcher(
             task, dcase.world_size, device=dcase.case.device, backend=backend, timeout_s=timeout_s,
             describe=f"candidate {name}, case {dcase!r}{extra}", match_collectives=True,
         )

@@ -35,7 +35,8 @@ from equiv.checking.distributed import DistributedCase, DistributedVerdict, chec
 from equiv.distributed.launcher import DistributedCheckError
 from equiv.outcomes import Outcome
 
-__all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "distributed_cases", "verify_distributed"]
+__all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "distributed_cases", "standard_distributed_cases",
+           "verify_distributed"]
 
 #: The engines a search may draw (see :func:`~equiv.checking.distributed.check_distributed`).
 ENGINES = ("ddp", "fsdp2")
@@ -79,6 +80,35 @@ def distributed_cases(
     if clipping and draw(st.booleans()):
         case = case.replace(max_grad_norm=_CLIP_NORM)
     return DistributedCase.of(case, ranks)
+
+
+def standard_distributed_cases(world_size: int, engine: str = "ddp") -> dict[str, DistributedCase]:
+    """The cases ``equiv check-distributed`` runs when given none, for
+    ``world_size`` ranks: splits that expose what goes wrong across ranks
+    without a search.  Rank r holds 1 + (r + 2) samples in two micro-batches
+    (ranks differ in samples, so a per-rank mean is caught), on the MLP with
+    SGD and with Adam, and on the token model (ranks differ in real tokens);
+    under DDP also r + 1 micro-batches of 2 samples (ranks differ in
+    micro-batch counts: a count all-reduced per micro-batch, sync left on); and
+    an active clip norm (not applicable to a step that takes no
+    ``max_grad_norm``).  Two steps each, so state carried between steps counts."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    sizes = [[1, rank + 2] for rank in range(world_size)]
+    mlp = _BASES["mlp"].replace(steps=2)
+    adam = mlp.replace(optimizer="Adam", optimizer_kwargs=_OPTIMIZERS["Adam"])
+    cases = {
+        "uneven shards, SGD": DistributedCase.of(mlp.replace(optimizer_kwargs=_OPTIMIZERS["SGD"]), sizes),
+        "uneven shards, Adam": DistributedCase.of(adam, sizes),
+        "ragged real tokens": DistributedCase.of(_BASES["tokens"].replace(steps=2), sizes),
+    }
+    if engine == "ddp":
+        cases["uneven micro-batch counts, Adam"] = DistributedCase.of(
+            adam, [[2] * (rank + 1) for rank in range(world_size)])
+    cases["clipped (max_grad_norm), Adam"] = DistributedCase.of(adam.replace(max_grad_norm=_CLIP_NORM), sizes)
+    return cases
 
 
 def _check_bounds(max_world_size: int, max_micro_batches: int, max_micro_batch_size: int,

@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +28,7 @@ import torch.multiprocessing as mp
 
 from equiv.distributed.matching import CollectiveLog
 
-__all__ = ["DistributedCheckError", "RankTask", "run_on_ranks"]
+__all__ = ["DistributedCheckError", "Launcher", "RankOutcome", "RankState", "RankTask", "fault_report", "run_on_ranks", "run_rank_task"]
 
 #: Seconds a rank that already failed gives the others to report before all are stopped.
 _GRACE_S = 3.0
@@ -50,6 +51,56 @@ class RankTask(Protocol):
     def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> Any: ...
 
 
+class Launcher(Protocol):
+    """What runs a task on W ranks and returns what each returned, in rank
+    order, or raises :class:`DistributedCheckError`: :func:`run_on_ranks`
+    (spawned ranks), or :meth:`equiv.distributed.torchrun.TorchrunRanks.run`
+    (the ranks torchrun started, this process rank 0)."""
+
+    def __call__(
+        self, task: RankTask, world_size: int, *, device: str = "cpu", backend: str | None = None,
+        timeout_s: float = 120.0, describe: str = "", match_collectives: bool = False,
+    ) -> list[Any]: ...
+
+
+
+
+@dataclass
+class RankOutcome:
+    """How one rank's task ended: its result, or the traceback it raised (and
+    the collective mismatch found there, the root cause when set)."""
+
+    result: Any = None
+    error: str | None = None
+    mismatch: str | None = None
+    #: When it raised (``time.time()``): the first to raise is named first.
+    raised_at: float | None = None
+
+
+def run_rank_task(
+    task: RankTask, rank: int, world_size: int, progress: Callable[[str], None], where: Callable[[], str],
+    collective_store: dist.Store | None = None,
+) -> RankOutcome:
+    """Run ``task`` on this rank, in an initialised process group; with a
+    ``collective_store``, its collectives are recorded there and compared
+    with its peers' (:mod:`equiv.distributed.matching`).  What every launcher
+    runs on a rank (:func:`run_on_ranks`'s spawned ranks, torchrun's)."""
+    log: CollectiveLog | None = None
+    try:
+        if collective_store is not None:
+            log = CollectiveLog(collective_store, rank, world_size, where=where)
+            log.install()
+        result = task(rank, world_size, progress)
+        if log is not None:
+            progress("after its task")
+            log.end_of_task()
+        return RankOutcome(result=result)
+    except BaseException:
+        return RankOutcome(error=traceback.format_exc(), mismatch=None if log is None else log.mismatch,
+                           raised_at=time.time())
+    finally:
+        if log is not None:
+            log.uninstall()
 
 
 def _rank_main(
@@ -61,7 +112,6 @@ def _rank_main(
     its peers', see :mod:`equiv.distributed.matching`)."""
     out = Path(workdir)
     progress = out / f"rank{rank}.progress"
-    log: CollectiveLog | None = None
     try:
         torch.set_num_threads(1)
         if device_type == "cuda":
@@ -71,23 +121,22 @@ def _rank_main(
             timeout=timedelta(seconds=timeout_s),
         )
         progress.write_text("ready")
-        if match_collectives:
-            store = dist.FileStore(str(out / "collectives"), world_size)
-            log = CollectiveLog(store, rank, world_size, where=progress.read_text)
-            log.install()
+        store = dist.FileStore(str(out / "collectives"), world_size) if match_collectives else None
 
         def report(text: str) -> None:
             progress.write_text(text)
 
-        result = task(rank, world_size, report)
-        if log is not None:
-            progress.write_text("after its task")
-            log.end_of_task()
+        outcome = run_rank_task(task, rank, world_size, report, progress.read_text, store)
+        if outcome.error is not None:
+            if outcome.mismatch is not None:
+                (out / f"rank{rank}.mismatch").write_text(outcome.mismatch)
+            (out / f"rank{rank}.error").write_text(outcome.error)
+            raise SystemExit(1)
         progress.write_text("finished")
-        torch.save(result, out / f"rank{rank}.pt")
+        torch.save(outcome.result, out / f"rank{rank}.pt")
+    except SystemExit:
+        raise
     except BaseException:
-        if log is not None and log.mismatch is not None:
-            (out / f"rank{rank}.mismatch").write_text(log.mismatch)
         (out / f"rank{rank}.error").write_text(traceback.format_exc())
         raise SystemExit(1) from None
     finally:
@@ -209,38 +258,55 @@ def run_on_ranks(
                     process.join()
 
 
-def _progress(out: Path, rank: int) -> str:
-    progress_file = out / f"rank{rank}.progress"
-    return progress_file.read_text() if progress_file.exists() else "not started"
+@dataclass(frozen=True)
+class RankState:
+    """What a launcher knows of one rank when a run goes wrong."""
+
+    rank: int
+    #: Its last progress report ("not started" if none).
+    progress: str
+    #: The traceback it raised, if it did.
+    error: str | None = None
+    raised_at: float = 0.0
+    mismatch: str | None = None
+    #: True while it runs; else how it ended, e.g. "exit code 1" (None: ended cleanly).
+    running: bool = False
+    death: str | None = None
 
 
-def _failure_report(out: Path, processes: list[Any], describe: str, hung: bool = False) -> str:
-    found = [path.read_text() for path in (out / f"rank{rank}.mismatch" for rank in range(len(processes)))
-             if path.exists()]
+def fault_report(states: list[RankState], describe: str, hung: bool = False) -> str:
+    """The report of a run that went wrong, root causes first: a collective
+    mismatch; else ranks that raised (the first to raise first: the others
+    often fail because it left a collective waiting), then ranks that died
+    silently, then ranks still running (hung, or stopped)."""
+    found = [state.mismatch for state in states if state.mismatch is not None]
     if found:  # the root cause: the other ranks' errors (a peer left, a wait timed out) follow from it
         return f"{found[0]}; {describe}" if describe else found[0]
     lines = []
-    # Root causes first: ranks that failed before ranks still running; among
-    # those that raised, the first to raise (the others often fail because it
-    # left a collective, e.g. an FSDP all-gather, waiting), then silent deaths.
-    def raised_at(rank: int) -> tuple[bool, int, int]:
-        error = out / f"rank{rank}.error"
-        return (not error.exists(), error.stat().st_mtime_ns if error.exists() else 0, rank)
-
-    order = sorted(range(len(processes)), key=raised_at)
-    order.sort(key=lambda r: processes[r].exitcode in (None, 0))
-    for rank in order:
-        code = processes[rank].exitcode
-        error = out / f"rank{rank}.error"
-        progress = _progress(out, rank)
-        if error.exists():
-            last = error.read_text().strip().splitlines()[-1]
-            lines.append(f"rank {rank} raised ({progress}): {last}")
-        elif code not in (None, 0):
-            lines.append(f"rank {rank} died with {_describe_exit(code)} ({progress}) and reported nothing")
-        elif code is None:
-            lines.append(f"rank {rank} {'hung' if hung else 'was stopped'} ({progress})")
+    order = sorted(states, key=lambda s: (s.running, s.error is None and s.death is None, s.error is None,
+                                          s.raised_at, s.rank))
+    for state in order:
+        if state.error is not None:
+            lines.append(f"rank {state.rank} raised ({state.progress}): {state.error.strip().splitlines()[-1]}")
+        elif state.death is not None:
+            lines.append(f"rank {state.rank} died with {state.death} ({state.progress}) and reported nothing")
+        elif state.running:
+            lines.append(f"rank {state.rank} {'hung' if hung else 'was stopped'} ({state.progress})")
     if describe:
         lines.append(describe)
     return "; ".join(lines)
 
+
+def _failure_report(out: Path, processes: list[Any], describe: str, hung: bool = False) -> str:
+    states = []
+    for rank, process in enumerate(processes):
+        error, mismatch, progress = (out / f"rank{rank}.{name}" for name in ("error", "mismatch", "progress"))
+        code = process.exitcode
+        states.append(RankState(
+            rank=rank, progress=progress.read_text() if progress.exists() else "not started",
+            error=error.read_text() if error.exists() else None,
+            raised_at=error.stat().st_mtime if error.exists() else 0.0,
+            mismatch=mismatch.read_text() if mismatch.exists() else None,
+            running=code is None, death=_describe_exit(code) if code not in (None, 0) else None,
+        ))
+    return fault_report(states, describe, hung)

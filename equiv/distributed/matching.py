@@ -102,21 +102,36 @@ class CollectiveLog:
 
     def install(self) -> None:
         """Record every call of the :data:`COLLECTIVES` made in this process from
-        now on, and every :func:`mark`."""
+        now on, and every :func:`mark`, until :meth:`uninstall`.  The functions
+        are wrapped once per process (a process that runs several tasks, as
+        torchrun's ranks do, would otherwise record each call twice)."""
         global _installed
+        if not _wrapped:
+            for name in COLLECTIVES:
+                original = getattr(dist, name, None)
+                if original is not None:
+                    setattr(dist, name, _recording(name, original))
+            _wrapped.append(True)
         _installed = self
-        for name in COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is not None:
-                setattr(dist, name, self._recording(name, original))
 
-    def _recording(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            self.record(_describe(name, args, kwargs))
-            return original(*args, **kwargs)
+    def uninstall(self) -> None:
+        global _installed
+        if _installed is self:
+            _installed = None
 
-        return recorded
+
+#: Whether this process's collectives are wrapped (see :meth:`CollectiveLog.install`).
+_wrapped: list[bool] = []
+
+
+def _recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        if _installed is not None:
+            _installed.record(_describe(name, args, kwargs))
+        return original(*args, **kwargs)
+
+    return recorded
 
 
 def mark(point: str) -> None:

@@ -3,7 +3,8 @@
 Sections: the standard cases (reference and zoo), the property-suite record,
 the zoo searched with :func:`equiv.verify`, the reference's worst error by
 model family x optimizer, inherent non-equivalences, and the distributed and
-loss-scale sections (:mod:`equiv.reporting.distributed`).  Everything runs
+loss-scale sections (:mod:`equiv.reporting.distributed`), the distributed
+search and torchrun sections (:mod:`equiv.reporting.distributed_findings`).  Everything runs
 with fixed seeds, rows are sorted, and only what holds on every machine is
 printed (:mod:`equiv.checking.facts`: statuses, within or past the
 allowance, first divergences with their relative error as an order of
@@ -33,6 +34,7 @@ from equiv.checking.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
 from equiv.checking.verdict import Verdict
 from equiv.checking.verify import VerifyResult, verify
 from equiv.reporting.distributed import distributed_section
+from equiv.reporting.distributed_findings import distributed_search_section, torchrun_section
 from equiv.reporting.markdown import markdown_table
 from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
 
@@ -245,5 +247,5 @@ def equivalence_report(*, searches: bool = True, properties_record: Path = PROPE
         "shuffled batch, whichever is larger). Noise-floor tier: the working dtype.",
         _fixed_cases_section(results),
         *(search_sections(properties_record=properties_record) if searches else []),
-        *([distributed_section()] if searches else []),
+        *([distributed_section(), distributed_search_section(), torchrun_section()] if searches else []),
     ]) + "\n"

@@ -31,7 +31,9 @@ __all__ = [
     "FSDP2_BUGS",
     "LOSS_SCALE_BUGS",
     "RAGGED_TOKEN_STEPS",
+    "SEARCH_ZOO",
     "Fsdp2Entry",
+    "SearchEntry",
     "clip_shard_with_local_norm",
     "forward_outside_no_sync",
     "global_item_count",
@@ -40,6 +42,8 @@ __all__ = [
     "local_token_mean_per_rank",
     "no_sync_missing",
     "overflow_checked_on_last_micro_batch",
+    "scale_made_in_the_default_dtype",
+    "sum_over_ranks_divided_by_global_tokens",
     "sync_disabled_on_last_micro_batch",
     "sync_every_micro_batch",
 ]
@@ -290,6 +294,101 @@ FSDP2_BUGS: dict[str, Fsdp2Entry] = {
         what="accumulator_step under MixedPrecisionPolicy(reduce_dtype=bfloat16)"),
     "sync_every_micro_batch": Fsdp2Entry(
         sync_every_micro_batch, expected=Outcome.EQUIVALENT, what="equivalent, N reduce-scatters per unit per window"),
+}
+
+# ------------------------------------------------ correct real-world steps
+def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                    loss_fn: Callable[..., Tensor]) -> None:
+    """Correct under DDP (each summed loss times world / global sample count,
+    one all-reduce per window), but the count is a tensor made without a
+    dtype: float32, torch's default, so world / count is rounded to float32
+    inside the float64 run too."""
+    optimizer.zero_grad(set_to_none=True)
+    samples = torch.tensor(float(sum(len(targets) for _, targets in micro_batches)))  # no dtype
+    dist.all_reduce(samples)
+    scale = dist.get_world_size() / samples
+    for index, (inputs, targets) in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+            (loss_fn(model(inputs), targets) * len(targets) * scale).backward()
+    optimizer.step()
+
+
+def sum_over_ranks_divided_by_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    """torchtitan's recipe (pytorch/torchtitan #2206): FSDP2 sums gradients over
+    ranks (divide factor 1.0) and each micro-batch's summed loss is divided by
+    the count of valid tokens over every rank's whole window, all-reduced once.
+    The factor is set on every FSDP module, as torchtitan's
+    ``disable_fsdp_gradient_division`` does: on the root alone it leaves the
+    layers averaging."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    optimizer.zero_grad(set_to_none=True)
+    global_valid_tokens = torch.tensor(sum(int(item_count(loss_fn, y)) for _, y in micro_batches))
+    dist.all_reduce(global_valid_tokens)
+    for inputs, targets in micro_batches:
+        loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+        (loss_sum / global_valid_tokens).backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    optimizer.step()
+
+
+@dataclass(frozen=True, slots=True)
+class SearchEntry:
+    """A step for the distributed search (:func:`equiv.verify_distributed`):
+    what the search must conclude without a hand-picked split."""
+
+    step: Callable[..., Any]
+    engine: str
+    #: The models the search draws (``"mlp"``: per-sample mean; ``"tokens"``: padded sequences).
+    models: tuple[str, ...]
+    #: EQUIVALENT (nothing found), NOT_EQUIVALENT, or STEP_ERROR (a rank hung or
+    #: made mismatched collectives on some split).
+    expected: Outcome
+    #: The upstream report or recipe it reproduces ("" for equiv's own zoo).
+    upstream: str
+    what: str
+
+
+#: The distributed zoo as the search meets it: every bug found, every correct step passing.
+SEARCH_ZOO: dict[str, SearchEntry] = {
+    "accumulator_step (DDP)": SearchEntry(
+        accumulator_step, "ddp", ("mlp", "tokens"), Outcome.EQUIVALENT, "", "the reference accumulator"),
+    "local_mean_per_rank": SearchEntry(
+        local_mean_per_rank, "ddp", ("mlp",), Outcome.NOT_EQUIVALENT, "transformers #34191 / #34242",
+        "each rank's own sample mean, averaged by DDP"),
+    "local_token_mean_per_rank": SearchEntry(
+        local_token_mean_per_rank, "ddp", ("tokens",), Outcome.NOT_EQUIVALENT, "torchtune PR #2980",
+        "the GA=1 shortcut: each rank's own token mean"),
+    "global_item_count": SearchEntry(
+        global_item_count, "ddp", ("tokens",), Outcome.EQUIVALENT, "torchtitan PR #2206",
+        "summed loss / all-reduced global token count"),
+    "scale_made_in_the_default_dtype": SearchEntry(
+        scale_made_in_the_default_dtype, "ddp", ("mlp",), Outcome.EQUIVALENT, "",
+        "correct, with a float32 scale factor (a precision note in the float64 run)"),
+    "no_sync_missing": SearchEntry(
+        no_sync_missing, "ddp", ("mlp",), Outcome.STEP_ERROR, "",
+        "all-reduce every micro-batch: ranks with other micro-batch counts wait on each other"),
+    "forward_outside_no_sync": SearchEntry(
+        forward_outside_no_sync, "ddp", ("mlp",), Outcome.STEP_ERROR, "accelerate #1726",
+        "no_sync around the backward only: the same extra all-reduces"),
+    "accumulator_step (FSDP2)": SearchEntry(
+        accumulator_step, "fsdp2", ("mlp", "tokens"), Outcome.EQUIVALENT, "", "the reference accumulator"),
+    "sum_over_ranks_divided_by_global_tokens": SearchEntry(
+        sum_over_ranks_divided_by_global_tokens, "fsdp2", ("tokens",), Outcome.EQUIVALENT, "torchtitan PR #2206",
+        "divide factor 1.0, summed loss / all-reduced global token count"),
+    "sync_disabled_on_last_micro_batch": SearchEntry(
+        sync_disabled_on_last_micro_batch, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "",
+        "gradient sync switched back on after the last backward"),
+    "local_mean_per_rank_fsdp2": SearchEntry(
+        local_mean_per_rank_fsdp2, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "transformers #34191",
+        "each rank's own sample mean, averaged by the reduce-scatter"),
+    "clip_shard_with_local_norm": SearchEntry(
+        clip_shard_with_local_norm, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "",
+        "each gradient shard clipped with its own norm"),
 }
 
 #: name -> candidate, for suites and reports.
