@@ -20,6 +20,11 @@ and a failing one (the mean of per-micro-batch means, ``mean_of_means``):
   dispatch-level storage counter, byte-identical on every run; on the case's
   device, so GPU memory under ``EQUIV_BENCH_DEVICE=cuda``), per parameter.
 
+``EQUIV_BENCH_KEEP_FREED_MEMORY=1`` measures the check as the ``equiv``
+command runs it, with glibc keeping freed memory for reuse
+(:mod:`equiv.host_memory`); off by default, since it holds for the rest of the
+process and the other benchmarks measure training as users run it.
+
 Targets (issue "a check that costs little more than the runs it needs"): a
 passing check at most 8x the candidate's own float32 steps at 1M parameters
 and more on the CPU, a failing one at most 15x; at most 100 bytes per
@@ -29,6 +34,7 @@ reports.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +52,7 @@ from equiv.checking.check import clear_reference_cache
 from equiv.checking.trajectory import run_candidate
 from equiv.cost.memory import StorageCounter
 from equiv.cost.steps import synchronize
+from equiv.host_memory import keep_freed_host_memory
 from equiv.losses import TokenCrossEntropy
 from equiv.zoo.bugs import BUGS
 
@@ -167,6 +174,14 @@ def _ignore(step: int, snapshot: Any) -> None:
     """A run's snapshots, dropped: what is left is the run."""
 
 
+@pytest.fixture(scope="module")
+def host_allocator() -> str:
+    """How the host allocator was set for this module's checks (recorded with each row)."""
+    if os.environ.get("EQUIV_BENCH_KEEP_FREED_MEMORY", "0") == "1":
+        return keep_freed_host_memory() or "glibc default (keeping freed memory does not apply here)"
+    return "glibc default"
+
+
 def _checked(step: Callable[..., Any], case: equiv.Case) -> equiv.Verdict:
     """A check from scratch: no truth kept from an earlier check of the case."""
     clear_reference_cache()
@@ -177,7 +192,7 @@ def _checked(step: Callable[..., Any], case: equiv.Case) -> equiv.Verdict:
 
 @pytest.mark.parametrize("verdict_kind", list(CANDIDATES))
 @pytest.mark.parametrize("size", SIZES)
-def test_check_scaling(benchmark: Any, bench_settings: Any, size: str, verdict_kind: str) -> None:
+def test_check_scaling(benchmark: Any, bench_settings: Any, host_allocator: str, size: str, verdict_kind: str) -> None:
     if bench_settings.quick and size not in QUICK_SIZES:
         pytest.skip(f"{size} parameters only in a full run (EQUIV_BENCH_QUICK=0)")
     case = _case(size, bench_settings.device)
@@ -214,6 +229,7 @@ def test_check_scaling(benchmark: Any, bench_settings: Any, size: str, verdict_k
     benchmark.extra_info.update(
         bench_settings.extra_info(),
         scaling=True,
+        host_allocator=host_allocator,
         size=size,
         verdict=verdict_kind,
         candidate=getattr(step, "__name__", "step"),

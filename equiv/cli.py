@@ -63,6 +63,7 @@ from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.distributed.torchrun import TorchrunEnv, TorchrunRanks
+from equiv.host_memory import keep_freed_host_memory
 from equiv.names import on_sys_path, target_folder
 from equiv.outcomes import Outcome
 
@@ -698,6 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that build and free model copies run after run: glibc keeps the freed memory for them.
+_CHECKING_COMMANDS = ("check", "verify", "check-distributed", "verify-distributed")
+
+
 class _ElapsedFormatter(logging.Formatter):
     """``[equiv] message (12 s)``: seconds since the command started."""
 
@@ -716,6 +721,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous_level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    if args.command in _CHECKING_COMMANDS:
+        keep_freed_host_memory()  # a check builds and frees model copies: reuse their pages (EQUIV_KEEP_FREED_MEMORY=0: off)
     try:
         return int(args.handler(args))
     except UsageError as exc:

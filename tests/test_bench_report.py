@@ -261,6 +261,23 @@ def test_a_gpu_full_run_is_shown_beside_the_cpu_one_without_the_cpu_targets() ->
     assert "Full run on the GPU" in report and "building the case's model takes 5.3-5.3x" in report
 
 
+def test_a_full_run_says_how_the_host_allocator_was_set() -> None:
+    def run(allocator: str) -> dict[str, Any]:
+        return {"datetime": "2026-11-25T01:16:08", "benchmarks": [{
+            "name": "test_check_scaling[4M]",
+            "extra_info": {"scaling": True, "size": "4M", "parameters": 4_180_740, "check_median_s": 0.4,
+                           "own_steps_median_s": 0.05, "time_ratio": 8.0, "bare_runs_ratio": 5.0,
+                           "check_over_bare_runs": 1.6, "check_bytes_per_parameter": 92.0, "verdict": "passing",
+                           "threads": 1, "host_allocator": allocator}}]}
+
+    kept = "glibc malloc keeps freed memory (M_MMAP_THRESHOLD=33554432, M_TRIM_THRESHOLD=never)"
+    report = render_report(_fixture(), scaling_full=[("reports/check_scaling_full.json", run("glibc default")),
+                                                     ("reports/check_scaling_full_kept_memory.json", run(kept))])
+    assert "1 thread(s), 1-minute load ?-?, glibc's malloc as it comes." in report
+    assert "host memory as the `equiv` command sets it (`EQUIV_BENCH_KEEP_FREED_MEMORY=1`" in report
+    assert _table_after(report, "check_scaling_full_kept_memory.json")[0]["time target (>= 1M)"] == "met (<= 8x)"
+
+
 def test_verify_speed_rows_say_whether_the_correct_step_doubled() -> None:
     raw = _fixture()
     modes = VERIFY_MODES

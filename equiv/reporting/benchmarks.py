@@ -459,7 +459,8 @@ def _scaling_section(
             f"run of {str(run.get('datetime', 'unknown time'))[:19]} on "
             f"{run.get('machine_info', {}).get('cpu', {}).get('brand_raw', 'an unknown CPU')}, device `{device}`, "
             f"torch {full_rows[0].get('torch_version', '?')}, {full_rows[0].get('threads', '?')} thread(s), "
-            f"1-minute load {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}.",
+            f"1-minute load {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}"
+            f"{_allocator_note(full_rows)}.",
             "",
             markdown_table(_scaling_table(full_rows)),
             "",
@@ -469,6 +470,15 @@ def _scaling_section(
     on_gpu = [full_rows for _, _, full_rows in fulls if _scaling_device(full_rows).startswith("cuda")]
     return [*_scaling_intro(), *quick, *full_notes, *_scaling_why(on_cpu[0] if on_cpu else rows),
             *_scaling_gpu_why(on_gpu[0] if on_gpu else [])]
+
+
+def _allocator_note(rows: list[dict[str, Any]]) -> str:
+    """How the host allocator was set, where the run says (EQUIV_BENCH_KEEP_FREED_MEMORY)."""
+    allocator = str(rows[0].get("host_allocator", ""))
+    if allocator.startswith("glibc malloc keeps freed memory"):
+        return (", host memory as the `equiv` command sets it (`EQUIV_BENCH_KEEP_FREED_MEMORY=1`: glibc keeps "
+                "freed buffers for reuse, `equiv.host_memory`)")
+    return ", glibc's malloc as it comes" if allocator else ""
 
 
 def _scaling_device(rows: list[dict[str, Any]]) -> str:
