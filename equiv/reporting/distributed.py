@@ -26,7 +26,7 @@ from equiv.cost.workloads import WORKLOADS
 from equiv.distributed.launcher import run_on_ranks
 from equiv.outcomes import Outcome
 from equiv.reporting.markdown import markdown_table
-from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry
+from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry, upstream_report
 
 __all__ = ["distributed_section", "fsdp2_chart", "fsdp2_cost_table", "fsdp2_section", "fsdp2_verdict_table"]
 
@@ -58,6 +58,7 @@ def distributed_section() -> str:
             "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
             "all-reduces per step": ", ".join(map(str, sorted(verdict.allreduces_per_step()))),
             "first divergence": "-" if first is None else Divergence.of(first).describe(),
+            "reproduces": _reproduces(verdict.kind, upstream_report(candidate)),
         })
     verdicts = pd.DataFrame(rows)
 
@@ -130,7 +131,15 @@ def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: Distribu
         "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
         "reduce-scatters per step": ", ".join(map(str, sorted(verdict.reduce_scatters_per_step()))),
         "finding": finding,
+        "reproduces": _reproduces(verdict.kind, entry.upstream or upstream_report(entry.candidate)),
     }
+
+
+def _reproduces(kind: Outcome, upstream: str) -> str:
+    """The upstream report a failing row reproduces (each NOT names one, or says there is none)."""
+    if kind is Outcome.EQUIVALENT:
+        return "-"
+    return upstream or "equiv's zoo, no upstream report"
 
 
 def fsdp2_verdict_table(world_sizes: Sequence[int] = (2, 3)) -> pd.DataFrame:

@@ -46,6 +46,7 @@ __all__ = [
     "sum_over_ranks_divided_by_global_tokens",
     "sync_disabled_on_last_micro_batch",
     "sync_every_micro_batch",
+    "upstream_report",
 ]
 
 Batches = list[tuple[Tensor, Tensor]]
@@ -275,6 +276,8 @@ class Fsdp2Entry:
     expected: Outcome = Outcome.NOT_EQUIVALENT
     #: One line for reports.
     what: str = ""
+    #: The upstream report it reproduces ("": see :func:`upstream_report`).
+    upstream: str = ""
 
 
 #: name -> FSDP2 entry, for suites and reports.  The clipping bug needs a case
@@ -291,7 +294,8 @@ FSDP2_BUGS: dict[str, Fsdp2Entry] = {
     # in bfloat16 (what trl #2175 reported against FSDP1's mixed precision).
     "bfloat16_reduce": Fsdp2Entry(
         accumulator_step, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), expected=Outcome.PRECISION,
-        what="accumulator_step under MixedPrecisionPolicy(reduce_dtype=bfloat16)"),
+        what="accumulator_step under MixedPrecisionPolicy(reduce_dtype=bfloat16)",
+        upstream="trl #2175 (under FSDP1's mixed precision)"),
     "sync_every_micro_batch": Fsdp2Entry(
         sync_every_micro_batch, expected=Outcome.EQUIVALENT, what="equivalent, N reduce-scatters per unit per window"),
 }
@@ -407,3 +411,8 @@ DISTRIBUTED_BUGS: dict[str, Callable[..., Any]] = {
 LOSS_SCALE_BUGS: dict[str, Callable[..., Any]] = {
     "overflow_checked_on_last_micro_batch": overflow_checked_on_last_micro_batch,
 }
+
+
+def upstream_report(step: Callable[..., Any]) -> str:
+    """The upstream report ``step`` reproduces, from :data:`SEARCH_ZOO` ("" if none)."""
+    return next((entry.upstream for entry in SEARCH_ZOO.values() if entry.step is step and entry.upstream), "")
