@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "equiv.distributed": 0,
     "equiv.names": 0,
     "equiv.outcomes": 0,
+    "equiv.host_memory": 0,
     "equiv.cases": 1,
     "equiv.zoo": 1,
     "equiv.checking": 2,
@@ -165,7 +166,7 @@ def test_the_public_api_is_exactly_all() -> None:
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli",
-        "pytest_plugin", "testing", "names", "outcomes",
+        "pytest_plugin", "testing", "names", "outcomes", "host_memory",
     }
     assert public == set(equiv.__all__) - {"__version__"}
 
