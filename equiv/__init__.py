@@ -17,6 +17,7 @@ from equiv import strategies  # the public Hypothesis strategies: equiv.strategi
 from equiv.accumulator import Accumulator, WindowResult, accumulator_step
 from equiv.cases.case import Case, InvalidCase
 from equiv.cases.models import CausalLM, ModelBundle, register_model
+from equiv.cases.moe import MoELayer, MoEModel
 from equiv.checking.check import ReferenceRuns, check
 from equiv.checking.contract import Candidate, CandidateError, ContractError
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
@@ -29,7 +30,7 @@ from equiv.checking.verdict import CaseVerdicts, EquivalenceError, TensorDiff, V
 from equiv.checking.verify import VerifyResult, verify
 from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
 from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
-from equiv.losses import MSE, CrossEntropy, Loss, TokenCrossEntropy, loss_sum_and_count
+from equiv.losses import MSE, CrossEntropy, Loss, MSEWithAux, TokenCrossEntropy, loss_sum_and_count
 from equiv.outcomes import Outcome
 
 #: The one place the version is written (pyproject.toml reads it from here).
@@ -52,6 +53,9 @@ __all__ = [
     "EquivalenceError",
     "InvalidCase",
     "Loss",
+    "MSEWithAux",
+    "MoELayer",
+    "MoEModel",
     "ModelBundle",
     "NonFiniteLossError",
     "NothingFitsError",
