@@ -24,6 +24,7 @@ from equiv.checking.distributed import DistributedCase, DistributedCheckError, D
 from equiv.checking.distributed_search import DistributedSearchResult, verify_distributed
 from equiv.checking.facts import VerdictFacts
 from equiv.checking.inherent import inherent_non_equivalences
+from equiv.checking.pipeline import PipelineSetting, PipelineVerdict, check_pipeline
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.trajectory import NonFiniteLossError, full_batch_step
 from equiv.checking.verdict import CaseVerdicts, EquivalenceError, TensorDiff, Verdict
@@ -60,6 +61,8 @@ __all__ = [
     "NonFiniteLossError",
     "NothingFitsError",
     "Outcome",
+    "PipelineSetting",
+    "PipelineVerdict",
     "Plan",
     "PlanRow",
     "ReferenceRuns",
@@ -76,6 +79,7 @@ __all__ = [
     "accumulator_step",
     "check",
     "check_distributed",
+    "check_pipeline",
     "full_batch_step",
     "inherent_non_equivalences",
     "loss_sum_and_count",
