@@ -3,7 +3,7 @@
 A pipeline schedule owns the micro-batch loop, so what goes wrong is a
 setting, not a step function: the loss it is given, ``scale_grads``, how many
 ``schedule.step`` calls make one optimizer step, whether gradients survive
-between them.  Each entry is a :class:`equiv.checking.pipeline.PipelineSetting`
+between them.  Each entry is a :class:`equiv.cases.pipeline.PipelineSetting`
 with what :func:`equiv.checking.pipeline.check_pipeline` must conclude and the
 upstream report it reproduces.  Chunks hold equal samples and, with padding,
 different numbers of real items (the uneven token counts of real batches).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from equiv.checking.pipeline import PipelineSetting
+from equiv.cases.pipeline import PipelineSetting
 from equiv.outcomes import Outcome
 
 __all__ = ["PIPELINE_ZOO", "PipelineEntry"]
