@@ -57,7 +57,7 @@ def test_aux_divided_by_micro_batch_count_is_exact_for_equal_micro_batches_only(
 
 def test_moe_bugs_refuse_a_loss_without_an_aux_part() -> None:
     case = equiv.Case(batch_size=4, micro_batch_sizes=(2, 2))
-    with pytest.raises(Exception, match="needs loss 'mse_aux'"):
+    with pytest.raises(equiv.CandidateError, match="needs loss 'mse_aux'"):
         equiv.check(aux_loss_per_micro_batch, case)
 
 
