@@ -37,7 +37,8 @@ def inherent_non_equivalences(model: nn.Module) -> list[str]:
                 f"MoE layer '{label}' takes its load-balancing loss over the batch: the fraction of routed "
                 "tokens per expert times its mean router probability, a product of batch statistics that is "
                 "not linear in the samples, so each micro-batch balances its own routing and no accumulation "
-                "reproduces the full batch's loss (torchtitan PR #3000); a sequence-wise balance loss can be"
+                "reproduces the full batch's loss (torchtitan PR #3000); a sequence-wise balance loss, a mean over "
+                "samples, accumulates exactly"
             )
         elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0 and module.training:
             reasons.append(
