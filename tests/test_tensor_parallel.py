@@ -87,3 +87,12 @@ def test_distributed_case_with_tensor_parallel_round_trips_its_repr() -> None:
     assert dcase.rank_slice(1) == slice(0, 3) and dcase.rank_slice(2) == slice(3, 6)
     assert eval(repr(dcase), {"DistributedCase": DistributedCase, "Case": equiv.Case}) == dcase
     assert dcase.to_dict()["tensor_parallel"] == 2
+
+
+@pytest.mark.distributed
+def test_reference_accumulator_passes_drawn_splits_under_both_tp_engines() -> None:
+    # Drawn: data ranks with their own micro-batch sizes (uneven under FSDP2 + TP), SGD or Adam, clipped or not.
+    result = verify_distributed(equiv.accumulator_step, engines=("tp", "fsdp2+tp"), models=("mlp",), max_examples=6,
+                                seed=0)
+    assert not result.found, result.message()
+    assert result.examples == 6
