@@ -10,6 +10,11 @@ rank at once::
   ``DistributedDataParallel``; ``engine="fsdp2"`` applies FSDP2's
   ``fully_shard`` to each layer and then to the root, on a 1-D device mesh of
   the W ranks (parameters, gradients and optimizer state become DTensor shards);
+  ``engine="tp"`` applies tensor parallelism (``parallelize_module``) on a 1-D
+  mesh whose ranks all see the same micro-batches, and ``engine="fsdp2+tp"``
+  TP inside each data rank and FSDP2 over the data ranks on a 2-D mesh
+  (``DistributedCase.of(..., tensor_parallel=T)``; see
+  :mod:`equiv.distributed.tensor_parallel`);
 - ``micro_batches`` are THIS rank's micro-batches: each step's global batch is
   cut into consecutive rank shards (sizes may differ between ranks), and each
   shard into that rank's micro-batches;
