@@ -17,19 +17,21 @@ from equiv import strategies  # the public Hypothesis strategies: equiv.strategi
 from equiv.accumulator import Accumulator, WindowResult, accumulator_step
 from equiv.cases.case import Case, InvalidCase
 from equiv.cases.models import CausalLM, ModelBundle, register_model
+from equiv.cases.moe import MoELayer, MoEModel
 from equiv.checking.check import ReferenceRuns, check
 from equiv.checking.contract import Candidate, CandidateError, ContractError
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
 from equiv.checking.distributed_search import DistributedSearchResult, verify_distributed
 from equiv.checking.facts import VerdictFacts
 from equiv.checking.inherent import inherent_non_equivalences
+from equiv.checking.pipeline import PipelineSetting, PipelineVerdict, check_pipeline
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.trajectory import NonFiniteLossError, full_batch_step
 from equiv.checking.verdict import CaseVerdicts, EquivalenceError, TensorDiff, Verdict
 from equiv.checking.verify import VerifyResult, verify
 from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
 from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
-from equiv.losses import MSE, CrossEntropy, Loss, TokenCrossEntropy, loss_sum_and_count
+from equiv.losses import MSE, CrossEntropy, Loss, MSEWithAux, TokenCrossEntropy, loss_sum_and_count
 from equiv.outcomes import Outcome
 
 #: The one place the version is written (pyproject.toml reads it from here).
@@ -52,10 +54,15 @@ __all__ = [
     "EquivalenceError",
     "InvalidCase",
     "Loss",
+    "MSEWithAux",
+    "MoELayer",
+    "MoEModel",
     "ModelBundle",
     "NonFiniteLossError",
     "NothingFitsError",
     "Outcome",
+    "PipelineSetting",
+    "PipelineVerdict",
     "Plan",
     "PlanRow",
     "ReferenceRuns",
@@ -72,6 +79,7 @@ __all__ = [
     "accumulator_step",
     "check",
     "check_distributed",
+    "check_pipeline",
     "full_batch_step",
     "inherent_non_equivalences",
     "loss_sum_and_count",

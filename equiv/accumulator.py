@@ -353,10 +353,11 @@ class Accumulator:
                 "rank's gradient shard for inf/nan, so ranks could disagree on skipping a window"
             )
         meshes = {p.device_mesh for p in self.params if isinstance(p, DTensor)}
-        if len(meshes) != 1 or next(iter(meshes)).ndim != 1:
+        if len(meshes) != 1 or next(iter(meshes)).ndim > 2:
             shapes = sorted(str(tuple(m.shape)) for m in meshes)
             raise ValueError(
-                f"Accumulator under FSDP2 needs every parameter sharded on one 1-D device mesh, got meshes {shapes}"
+                "Accumulator under FSDP2 needs every parameter sharded on one device mesh, 1-D (FSDP2) or 2-D "
+                f"(FSDP2 over tensor parallel), got meshes {shapes}"
             )
         units = [m for m in cast(nn.Module, root).modules() if isinstance(m, FSDPModule)]
         missing = [name for name in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
@@ -371,7 +372,10 @@ class Accumulator:
             # PREMUL_SUM, which gloo lacks.
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
-        return next(iter(meshes)).get_group()
+        # FSDP2 over tensor parallel shards on the outer mesh dimension (the
+        # data ranks; it requires TP inside): the TP ranks of one data rank see
+        # the same items, so the count is summed over the data ranks only.
+        return next(iter(meshes)).get_group(0)
 
     def _accumulated(self) -> list[Tensor]:
         """The tensors holding the window's gradient sums (buffers, then plain .grad)."""

@@ -615,7 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "per rank")
     ddp_parser.add_argument("--case", help="the case as JSON (Case.to_dict()), or @file.json; its batch and "
                                            "micro-batch sizes come from --split (default: its split on every rank)")
-    ddp_parser.add_argument("--engine", choices=ENGINES, default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
+    # The standard splits are data-parallel ones: tensor-parallel engines are for equiv.check_distributed
+    # with DistributedCase.of(..., tensor_parallel=T), and for verify-distributed.
+    ddp_parser.add_argument("--engine", choices=ENGINES[:2], default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
     ddp_parser.add_argument("--nproc", type=int, default=None,
                             help="ranks to spawn without torchrun (default 2); under torchrun, its world size")
     ddp_parser.add_argument("--timeout", type=float, default=120.0,

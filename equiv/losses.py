@@ -22,6 +22,7 @@ __all__ = [
     "MSE",
     "CrossEntropy",
     "Loss",
+    "MSEWithAux",
     "TokenCrossEntropy",
     "build_loss",
     "item_count",
@@ -107,7 +108,33 @@ class TokenCrossEntropy(Loss):
         return f"TokenCrossEntropy(ignore_index={self.ignore_index})"
 
 
-LOSSES: dict[str, type[Loss]] = {cls.name: cls for cls in (MSE, CrossEntropy, TokenCrossEntropy)}
+class MSEWithAux(Loss):
+    """A task loss plus an auxiliary loss the model computed, as MoE training
+    adds its load-balancing loss: ``output`` is (batch, features + 1), the last
+    column each sample's weighted aux loss, ``target`` (batch, features).  An
+    item is a sample: the mean is the task MSE plus the mean aux loss, and
+    :meth:`task_sum` / :meth:`aux_mean` give the two parts apart (a step that
+    weights them differently is what NeMo Automodel PR #3359 fixed)."""
+
+    name = "mse_aux"
+
+    def task_sum(self, output: Tensor, target: Tensor) -> Tensor:
+        """The task loss summed over samples (each sample's MSE over its features)."""
+        features = output.shape[-1] - 1
+        if target.shape[-1] != features:
+            raise ValueError(f"loss 'mse_aux' needs targets with one column fewer than the output "
+                             f"(the aux loss); got output {tuple(output.shape)}, target {tuple(target.shape)}")
+        return F.mse_loss(output[..., :-1], target, reduction="sum") / features
+
+    def aux_mean(self, output: Tensor) -> Tensor:
+        """The micro-batch's aux loss as the model reports it: a mean over its samples."""
+        return output[..., -1].mean()
+
+    def sum(self, output: Tensor, target: Tensor) -> Tensor:
+        return self.task_sum(output, target) + output[..., -1].sum()
+
+
+LOSSES: dict[str, type[Loss]] = {cls.name: cls for cls in (MSE, CrossEntropy, TokenCrossEntropy, MSEWithAux)}
 
 
 def build_loss(name: str) -> Loss:

@@ -56,7 +56,7 @@ def test_fsdp2_draws_are_searched_too() -> None:
 
 def test_bad_search_input_is_refused() -> None:
     with pytest.raises(ValueError, match="engines must be a non-empty subset"):
-        verify_distributed(equiv.accumulator_step, engines=("tp",))
+        verify_distributed(equiv.accumulator_step, engines=("pp",))
     with pytest.raises(ValueError, match="max_examples must be a positive integer, got 0"):
         verify_distributed(equiv.accumulator_step, max_examples=0)
     with pytest.raises(ValueError, match="max_world_size must be an integer of at least 2, got 1"):
@@ -77,8 +77,11 @@ def test_the_search_runs_from_the_shell(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_bad_search_flags_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify-distributed", "equiv:accumulator_step", "--engines", "pp"]) == 2
+    assert "engines must be a non-empty subset of ('ddp', 'fsdp2', 'tp', 'fsdp2+tp'), got ('pp',)" in capsys.readouterr().err
+    # The tensor-parallel plan cannot shard the token model's embedding: named, not run.
     assert main(["verify-distributed", "equiv:accumulator_step", "--engines", "tp"]) == 2
-    assert "engines must be a non-empty subset of ('ddp', 'fsdp2'), got ('tp',)" in capsys.readouterr().err
+    assert "models must be a subset of ('mlp',)" in capsys.readouterr().err
 
 
 @pytest.mark.distributed

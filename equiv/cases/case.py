@@ -446,6 +446,10 @@ class Case:
                               f"loss {self.loss!r} pass data=your_batches as well")
         if self.loss == "mse":
             return torch.randn(batch, *output_shape, generator=generator)
+        if self.loss == "mse_aux":  # the model's last output column is its aux loss, with no target
+            if len(output_shape) != 1 or output_shape[0] < 2:
+                raise InvalidCase(f"loss 'mse_aux' needs a (features + 1,) output, model gives {output_shape}")
+            return torch.randn(batch, output_shape[0] - 1, generator=generator)
         if self.loss == "cross_entropy":
             if len(output_shape) != 1:
                 raise InvalidCase(f"loss 'cross_entropy' needs a (classes,) output, model gives {output_shape}")

@@ -10,6 +10,11 @@ rank at once::
   ``DistributedDataParallel``; ``engine="fsdp2"`` applies FSDP2's
   ``fully_shard`` to each layer and then to the root, on a 1-D device mesh of
   the W ranks (parameters, gradients and optimizer state become DTensor shards);
+  ``engine="tp"`` applies tensor parallelism (``parallelize_module``) on a 1-D
+  mesh whose ranks all see the same micro-batches, and ``engine="fsdp2+tp"``
+  TP inside each data rank and FSDP2 over the data ranks on a 2-D mesh
+  (``DistributedCase.of(..., tensor_parallel=T)``; see
+  :mod:`equiv.distributed.tensor_parallel`);
 - ``micro_batches`` are THIS rank's micro-batches: each step's global batch is
   cut into consecutive rank shards (sizes may differ between ranks), and each
   shard into that rank's micro-batches;
@@ -65,6 +70,7 @@ from equiv.distributed.sharding import (
     fully_shard_layers,
     sum_where_premul_sum_is_missing,
 )
+from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
 from equiv.outcomes import Outcome
 
 __all__ = [
@@ -77,9 +83,15 @@ __all__ = [
     "run_on_ranks",
 ]
 
-#: The data-parallel engines a distributed check wraps the model in.
-ENGINES: tuple[str, ...] = ("ddp", "fsdp2")
-Engine = Literal["ddp", "fsdp2"]
+#: The engines a distributed check wraps the model in: data parallel (DDP,
+#: FSDP2), tensor parallel on a 1-D mesh ("tp"), and FSDP2 over TP on a 2-D
+#: mesh ("fsdp2+tp"; see :mod:`equiv.distributed.tensor_parallel`).
+ENGINES: tuple[str, ...] = ("ddp", "fsdp2", "tp", "fsdp2+tp")
+Engine = Literal["ddp", "fsdp2", "tp", "fsdp2+tp"]
+#: The engines that shard with FSDP2 (reduce-scatters counted, equal micro-batch counts per rank).
+FSDP_ENGINES: tuple[str, ...] = ("fsdp2", "fsdp2+tp")
+#: The engines that shard weights over tensor-parallel ranks (``DistributedCase.tensor_parallel`` > 1).
+TP_ENGINES: tuple[str, ...] = ("tp", "fsdp2+tp")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DistributedCase:
@@ -89,13 +101,23 @@ class DistributedCase:
     shards are consecutive pieces of each step's global batch, in rank order.
     ``case`` supplies everything else; its ``batch_size`` and
     ``micro_batch_sizes`` are derived (all ranks' micro-batches, in order).
+
+    With ``tensor_parallel`` = T > 1 each entry of ``rank_micro_batch_sizes``
+    is a data rank served by T tensor-parallel ranks that all see its
+    micro-batches: ``world_size`` is data ranks x T, and rank r is data rank
+    r // T (engines "tp" with one data rank, "fsdp2+tp" with several).
     """
 
     case: Case
     rank_micro_batch_sizes: tuple[tuple[int, ...], ...]
+    tensor_parallel: int = 1
 
     @classmethod
-    def of(cls, base: Case, rank_micro_batch_sizes: Sequence[Sequence[int]]) -> DistributedCase:
+    def of(cls, base: Case, rank_micro_batch_sizes: Sequence[Sequence[int]], *,
+           tensor_parallel: int = 1) -> DistributedCase:
+        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise InvalidCase(f"tensor_parallel must be a positive int (ranks per tensor-parallel group), "
+                              f"got {tensor_parallel!r}")
         ranks = tuple(tuple(sizes) for sizes in rank_micro_batch_sizes)
         if not ranks:
             raise InvalidCase("rank_micro_batch_sizes needs at least one rank, got ()")
@@ -107,21 +129,36 @@ class DistributedCase:
                 )
         flat = tuple(size for sizes in ranks for size in sizes)
         case = base.replace(batch_size=sum(flat), micro_batch_sizes=list(flat))
-        return cls(case=case, rank_micro_batch_sizes=ranks)
+        return cls(case=case, rank_micro_batch_sizes=ranks, tensor_parallel=tensor_parallel)
+
+    @property
+    def data_ranks(self) -> int:
+        return len(self.rank_micro_batch_sizes)
 
     @property
     def world_size(self) -> int:
-        return len(self.rank_micro_batch_sizes)
+        return self.data_ranks * self.tensor_parallel
+
+    def data_rank(self, rank: int) -> int:
+        """Which entry of ``rank_micro_batch_sizes`` rank ``rank`` trains on."""
+        return rank // self.tensor_parallel
 
     def rank_slice(self, rank: int) -> slice:
-        start = sum(sum(sizes) for sizes in self.rank_micro_batch_sizes[:rank])
-        return slice(start, start + sum(self.rank_micro_batch_sizes[rank]))
+        data_rank = self.data_rank(rank)
+        start = sum(sum(sizes) for sizes in self.rank_micro_batch_sizes[:data_rank])
+        return slice(start, start + sum(self.rank_micro_batch_sizes[data_rank]))
+
+    def rank_micro_batches(self, rank: int) -> tuple[int, ...]:
+        """Rank ``rank``'s micro-batch sizes (its data rank's)."""
+        return self.rank_micro_batch_sizes[self.data_rank(rank)]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"case": self.case.to_dict(), "rank_micro_batch_sizes": [list(s) for s in self.rank_micro_batch_sizes]}
+        out = {"case": self.case.to_dict(), "rank_micro_batch_sizes": [list(s) for s in self.rank_micro_batch_sizes]}
+        return out if self.tensor_parallel == 1 else {**out, "tensor_parallel": self.tensor_parallel}
 
     def __repr__(self) -> str:
-        return f"DistributedCase.of({self.case!r}, {[list(s) for s in self.rank_micro_batch_sizes]!r})"
+        tp = "" if self.tensor_parallel == 1 else f", tensor_parallel={self.tensor_parallel}"
+        return f"DistributedCase.of({self.case!r}, {[list(s) for s in self.rank_micro_batch_sizes]!r}{tp})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +234,7 @@ class DistributedVerdict(Judgement):
     @property
     def collective(self) -> str:
         """The gradient collective counted: "all-reduce" (DDP) or "reduce-scatter" (FSDP2)."""
-        return "all-reduce" if self.engine == "ddp" else "reduce-scatter"
+        return {"ddp": "all-reduce", "tp": "none"}.get(self.engine, "reduce-scatter")
 
     def collectives_per_step(self, tier: str = "exact") -> set[int]:
         """The distinct gradient-collective counts per step seen on any rank."""
@@ -215,7 +252,7 @@ class DistributedVerdict(Judgement):
     def reduce_scatters_per_step(self, tier: str = "exact") -> set[int]:
         """The distinct FSDP2 reduce-scatter counts per step seen on any rank
         (all units together: ``fsdp_units`` per gradient sync)."""
-        if self.engine != "fsdp2":
+        if self.engine not in FSDP_ENGINES:
             raise ValueError(
                 f"reduce_scatters_per_step() counts FSDP2's reduce-scatters; this check ran engine={self.engine!r}: "
                 "use allreduces_per_step()"
@@ -261,9 +298,13 @@ class DistributedVerdict(Judgement):
         return f"Reproduce: {call}" if imports == "equiv" else f"Reproduce: import {imports}; {call}"
 
     def message(self) -> str:
-        engine = "DistributedDataParallel" if self.engine == "ddp" else "FSDP2 (fully_shard)"
+        engine = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2 (fully_shard)",
+                  "tp": f"tensor parallel ({self.case.tensor_parallel} ranks, parallelize_module)",
+                  "fsdp2+tp": f"FSDP2 over tensor parallel ({self.case.data_ranks} x {self.case.tensor_parallel} "
+                              "mesh)"}[self.engine]
+        per = "data rank" if self.case.tensor_parallel > 1 else "rank"
         lines = [
-            f"{self.case.world_size} ranks under {engine}, micro-batches per rank "
+            f"{self.case.world_size} ranks under {engine}, micro-batches per {per} "
             f"{[list(s) for s in self.case.rank_micro_batch_sizes]}"
         ]
         if self.kind is Outcome.PRECISION and self.precision_note:
@@ -288,8 +329,8 @@ class DistributedVerdict(Judgement):
             # one); the distributed reproduction follows.
             shown = next((v for v in self.ranks if v.precision_note), self.ranks[0])
             lines += [line for line in shown.message().splitlines() if not line.startswith("Reproduce:")]
-        for tier, _stats in sorted(self.comm.items()):
-            units = f" ({self.fsdp_units} FSDP units, one each per sync)" if self.engine == "fsdp2" else ""
+        for tier, _stats in sorted(self.comm.items() if self.engine != "tp" else ()):
+            units = f" ({self.fsdp_units} FSDP units, one each per sync)" if self.engine in FSDP_ENGINES else ""
             lines.append(
                 f"gradient {self.collective}s per step ({tier} tier): {sorted(self.collectives_per_step(tier))}"
                 f"{units}, up to {self.bytes_per_step(tier)} bytes per step per rank"
@@ -348,11 +389,22 @@ class _CheckTask:
                     counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
                     return ddp
 
+            elif self.engine == "tp":
+
+                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
+                    # No gradient collective of its own to count: DTensor's are inside the forward and backward.
+                    return parallelize(model, tensor_parallel_mesh(device.type, 1, world_size))
+
             else:
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     nonlocal units
-                    mesh = init_device_mesh(device.type, (world_size,))
+                    if self.engine == "fsdp2+tp":
+                        mesh2d = tensor_parallel_mesh(device.type, self.dcase.data_ranks, self.dcase.tensor_parallel)
+                        parallelize(model, mesh2d)
+                        mesh = mesh2d["dp"]
+                    else:
+                        mesh = init_device_mesh(device.type, (world_size,))
                     units = fully_shard_layers(model, mesh, self.mp_policy)
                     # A correct step may ask for a reduce op the CPU backend lacks (PREMUL_SUM).
                     sum_where_premul_sum_is_missing(model, mesh)
@@ -370,7 +422,7 @@ class _CheckTask:
 
             snapshots = run_candidate(
                 self.dcase.case, self.candidate, getattr(torch, dtype_name), wrap_model=wrap,
-                batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batch_sizes[rank],
+                batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batches(rank),
                 on_step=on_step, default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
             )
             own.stop()
@@ -381,6 +433,24 @@ class _CheckTask:
                 "own_calls": own.calls, "own_bytes": own.bytes,
             }
         return results
+
+
+def _check_tensor_parallel(dcase: DistributedCase, engine: str) -> None:
+    """The split must fit the engine: TP engines need T >= 2 ranks per TP group
+    ("tp" one data rank, "fsdp2+tp" two or more), data-parallel ones T = 1."""
+    tp, data = dcase.tensor_parallel, dcase.data_ranks
+    if engine in TP_ENGINES and tp < 2:
+        raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., tensor_parallel=T) with T >= 2 ranks per "
+                          f"tensor-parallel group, got tensor_parallel={tp}")
+    if engine not in TP_ENGINES and tp != 1:
+        raise InvalidCase(f"tensor_parallel={tp} needs engine 'tp' or 'fsdp2+tp', got engine={engine!r}")
+    if engine == "tp" and data != 1:
+        raise InvalidCase(f"engine='tp' runs one data rank (every TP rank sees the same micro-batches), got "
+                          f"{data} data ranks {[list(s) for s in dcase.rank_micro_batch_sizes]}; use "
+                          "engine='fsdp2+tp' to shard the data as well")
+    if engine == "fsdp2+tp" and data < 2:
+        raise InvalidCase(f"engine='fsdp2+tp' needs at least 2 data ranks for FSDP2 to shard over, got {data}; "
+                          "use engine='tp' for one")
 
 
 def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
@@ -404,7 +474,11 @@ def check_distributed(
 
     ``engine`` wraps the model: ``"ddp"`` in ``DistributedDataParallel``,
     ``"fsdp2"`` with ``fully_shard`` per layer and at the root (with
-    ``mp_policy``, an FSDP2 ``MixedPrecisionPolicy``, if given).  A candidate
+    ``mp_policy``, an FSDP2 ``MixedPrecisionPolicy``, if given); ``"tp"``
+    with ``parallelize_module`` (column-wise then row-wise ``nn.Linear``
+    pairs) on a 1-D mesh of ``dcase.tensor_parallel`` ranks that all see the
+    same micro-batches; ``"fsdp2+tp"`` with TP inside each group of
+    ``tensor_parallel`` ranks and FSDP2 over the data ranks (a 2-D mesh).  A candidate
     that fails only under a 16-bit ``mp_policy`` and matches without it is a
     precision finding (``verdict.kind == "precision"``), reported with the
     measured error.  Where the backend has no ``PREMUL_SUM`` (gloo), FSDP2
@@ -443,15 +517,16 @@ def check_distributed(
         raise TypeError(
             f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got {type(mp_policy).__name__}"
         )
-    if mp_policy is not None and engine != "fsdp2":
+    if mp_policy is not None and engine not in FSDP_ENGINES:
         raise ValueError(f"mp_policy is an FSDP2 setting: it needs engine='fsdp2', got engine={engine!r}")
+    _check_tensor_parallel(dcase, engine)
     counts = [len(sizes) for sizes in dcase.rank_micro_batch_sizes]
-    if engine == "fsdp2" and len(set(counts)) > 1:
+    if engine in FSDP_ENGINES and len(set(counts)) > 1:
         # Each forward all-gathers every unit's parameters (and each backward
         # again), so a rank with fewer micro-batches would leave the others
         # waiting in a collective.  Shard sizes may differ; counts may not.
         raise InvalidCase(
-            f"under engine='fsdp2' every rank needs the same number of micro-batches (each forward and backward "
+            f"under engine={engine!r} every rank needs the same number of micro-batches (each forward and backward "
             f"all-gathers the parameters), got {counts} micro-batches per rank in {dcase!r}"
         )
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
@@ -466,7 +541,7 @@ def check_distributed(
             "define it at module level in an importable module or a .py file"
         ) from None
     name = bound.name
-    fsdp = engine == "fsdp2"
+    fsdp = engine in FSDP_ENGINES
     reasons = bound.not_applicable_reasons(dcase.case)
     if reasons:  # nothing to run: every rank says why the case does not apply
         verdict = Verdict(case=dcase.case, candidate=name, mismatches=(), not_applicable=reasons)
@@ -489,7 +564,7 @@ def check_distributed(
         tiers_here: list[tuple[str, str]], policy: MixedPrecisionPolicy | None, default_dtype: str | None = None,
     ) -> list[dict[str, Any]]:
         task = _CheckTask(sent, dcase, tiers_here, engine, policy, default_dtype)  # type: ignore[arg-type]
-        extra = "" if not fsdp else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
+        extra = "" if engine == "ddp" else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
         extra += "" if default_dtype is None else f", with torch's default dtype set to {default_dtype}"
         return launcher(
             task, dcase.world_size, device=dcase.case.device, backend=backend, timeout_s=timeout_s,

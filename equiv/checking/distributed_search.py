@@ -39,7 +39,12 @@ __all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "distributed_cases", 
            "verify_distributed"]
 
 #: The engines a search may draw (see :func:`~equiv.checking.distributed.check_distributed`).
-ENGINES = ("ddp", "fsdp2")
+ENGINES = ("ddp", "fsdp2", "tp", "fsdp2+tp")
+#: Ranks per tensor-parallel group the search draws under "tp" and "fsdp2+tp"
+#: (the MLP's hidden width, 8, splits evenly over them).
+SEARCH_TENSOR_PARALLEL = 2
+#: The models the tensor-parallel plan can shard (nn.Linear pairs: not the token model's embedding).
+TP_MODELS = ("mlp",)
 #: The models drawn: a small MLP on a sample-mean loss, and a token model whose
 #: batches hold padding (each sample a different number of real tokens, some none).
 _BASES: dict[str, Case] = {
@@ -64,11 +69,21 @@ def distributed_cases(
     real tokens), one of ``models`` (:data:`MODELS`), an optimizer, 1 or 2
     steps, and an active clip norm when ``clipping``.  Under ``engine="fsdp2"``
     every rank has the same number of micro-batches (each forward and backward
-    all-gathers the parameters on every rank), of its own sizes.  Shrinks
-    towards 2 ranks of one 1-sample micro-batch."""
+    all-gathers the parameters on every rank), of its own sizes.  Under
+    ``engine="tp"`` one data rank served by :data:`SEARCH_TENSOR_PARALLEL`
+    TP ranks; under ``"fsdp2+tp"`` 2 to ``max_world_size // 2`` data ranks (at
+    least 2: 4 processes even when ``max_world_size`` is 3) of
+    ``SEARCH_TENSOR_PARALLEL`` each.  Shrinks towards 2 ranks of one 1-sample
+    micro-batch."""
     _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
-    world_size = draw(st.integers(2, max_world_size))
-    if engine == "fsdp2":
+    tensor_parallel = SEARCH_TENSOR_PARALLEL if engine in ("tp", "fsdp2+tp") else 1
+    if engine == "tp":
+        world_size = 1
+    elif engine == "fsdp2+tp":
+        world_size = draw(st.integers(2, max(2, max_world_size // tensor_parallel)))
+    else:
+        world_size = draw(st.integers(2, max_world_size))
+    if engine in ("fsdp2", "fsdp2+tp"):
         count = draw(st.integers(1, max_micro_batches))
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=count, max_size=count)
     else:
@@ -79,7 +94,7 @@ def distributed_cases(
     case = base.replace(optimizer=optimizer, optimizer_kwargs=_OPTIMIZERS[optimizer], steps=draw(st.integers(1, 2)))
     if clipping and draw(st.booleans()):
         case = case.replace(max_grad_norm=_CLIP_NORM)
-    return DistributedCase.of(case, ranks)
+    return DistributedCase.of(case, ranks, tensor_parallel=tensor_parallel)
 
 
 def standard_distributed_cases(world_size: int, engine: str = "ddp") -> dict[str, DistributedCase]:
@@ -92,8 +107,8 @@ def standard_distributed_cases(world_size: int, engine: str = "ddp") -> dict[str
     micro-batch counts: a count all-reduced per micro-batch, sync left on); and
     an active clip norm (not applicable to a step that takes no
     ``max_grad_norm``).  Two steps each, so state carried between steps counts."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine not in ENGINES[:2]:
+        raise ValueError(f"engine must be one of {ENGINES[:2]} (the data-parallel engines), got {engine!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     sizes = [[1, rank + 2] for rank in range(world_size)]
@@ -220,6 +235,10 @@ def verify_distributed(
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
         raise ValueError(f"max_examples must be a positive integer, got {max_examples!r}")
     _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
+    untensorable = [model for model in models if model not in TP_MODELS]
+    if untensorable and any(engine in ("tp", "fsdp2+tp") for engine in engines):
+        raise ValueError(f"engines 'tp' and 'fsdp2+tp' shard nn.Linear pairs: models must be a subset of {TP_MODELS} "
+                         f"with them, got {tuple(models)!r}")
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
     def on(engine: str) -> st.SearchStrategy[tuple[DistributedCase, str]]:
         return distributed_cases(

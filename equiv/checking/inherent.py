@@ -10,6 +10,8 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from equiv.cases.moe import MoELayer
+
 __all__ = ["inherent_non_equivalences"]
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -29,6 +31,14 @@ def inherent_non_equivalences(model: nn.Module) -> list[str]:
             reasons.append(
                 f"Dropout layer '{label}' (p={module.p}) draws its masks per forward pass, so micro-batch "
                 "passes drop other units than the full-batch pass"
+            )
+        elif isinstance(module, MoELayer) and module.balance == "batch" and module.training:
+            reasons.append(
+                f"MoE layer '{label}' takes its load-balancing loss over the batch: the fraction of routed "
+                "tokens per expert times its mean router probability, a product of batch statistics that is "
+                "not linear in the samples, so each micro-batch balances its own routing and no accumulation "
+                "reproduces the full batch's loss (torchtitan PR #3000); a sequence-wise balance loss, a mean over "
+                "samples, accumulates exactly"
             )
         elif isinstance(module, nn.MultiheadAttention) and module.dropout > 0 and module.training:
             reasons.append(

@@ -4,7 +4,9 @@ Sections: the standard cases (reference and zoo), the property-suite record,
 the zoo searched with :func:`equiv.verify`, the reference's worst error by
 model family x optimizer, inherent non-equivalences, and the distributed and
 loss-scale sections (:mod:`equiv.reporting.distributed`), the distributed
-search and torchrun sections (:mod:`equiv.reporting.distributed_findings`).  Everything runs
+search and torchrun sections (:mod:`equiv.reporting.distributed_findings`), the MoE section
+(:mod:`equiv.reporting.moe`), the tensor-parallel section (:mod:`equiv.reporting.tensor_parallel`)
+and the pipeline section (:mod:`equiv.reporting.pipeline`).  Everything runs
 with fixed seeds, rows are sorted, and only what holds on every machine is
 printed (:mod:`equiv.checking.facts`: statuses, within or past the
 allowance, first divergences with their relative error as an order of
@@ -36,6 +38,9 @@ from equiv.checking.verify import VerifyResult, verify
 from equiv.reporting.distributed import distributed_section
 from equiv.reporting.distributed_findings import distributed_search_section, torchrun_section
 from equiv.reporting.markdown import markdown_table
+from equiv.reporting.moe import moe_section
+from equiv.reporting.pipeline import pipeline_section
+from equiv.reporting.tensor_parallel import tensor_parallel_section
 from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
 
 __all__ = [
@@ -248,4 +253,6 @@ def equivalence_report(*, searches: bool = True, properties_record: Path = PROPE
         _fixed_cases_section(results),
         *(search_sections(properties_record=properties_record) if searches else []),
         *([distributed_section(), distributed_search_section(), torchrun_section()] if searches else []),
+        moe_section(),
+        *([tensor_parallel_section(), pipeline_section()] if searches else []),
     ]) + "\n"

@@ -1,0 +1,101 @@
+"""A small mixture-of-experts family (model ``"moe"``) with a load-balancing loss.
+
+Each token goes to its ``top_k`` experts (a softmax router, gates renormalised
+over the chosen experts), the tokens of a sample are pooled, and a linear head
+gives the task output.  The load-balancing loss is Switch Transformer's
+``experts x Σ_e f_e P_e`` (``f_e``: the fraction of routed slots that chose
+expert ``e``, ``P_e``: its mean router probability), taken either
+
+- per sequence (``balance="sequence"``, DeepSeek-V3's sequence-wise balance
+  loss): one value per sample, so the window's loss is a mean over samples and
+  accumulation can reproduce it exactly; or
+- over the whole batch (``balance="batch"``): ``f`` and ``P`` are batch means
+  and their product is not linear in the samples, so micro-batches each balance
+  their own statistics and no accumulation reproduces the full batch's loss
+  (torchtitan PR #3000 rejects a batch-wise aux loss under accumulation for
+  this reason).  :func:`equiv.inherent_non_equivalences` reports it, as it
+  reports BatchNorm.
+
+The model returns ``(batch, out_features + 1)``: the task output and, in the
+last column, each sample's weighted aux loss, so that a loss following the
+candidate contract sees both (:class:`equiv.losses.MSEWithAux`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from equiv.cases.models import ModelBundle, register_model
+
+__all__ = ["BALANCES", "MoELayer", "MoEModel", "moe"]
+
+#: Where the load-balancing statistics are taken: per sequence, or over the batch.
+BALANCES: tuple[str, ...] = ("sequence", "batch")
+
+
+class MoELayer(nn.Module):
+    """Top-k routed experts (one linear map each) and their load-balancing loss."""
+
+    def __init__(self, width: int, experts: int, top_k: int, balance: str) -> None:
+        super().__init__()
+        if balance not in BALANCES:
+            raise ValueError(f"unknown balance {balance!r}; expected one of {list(BALANCES)}")
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top_k must be in 1..experts ({experts}), got {top_k}")
+        self.balance = balance
+        self.top_k = top_k
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = nn.Parameter(torch.randn(experts, width, width) / width**0.5)
+
+    def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """``hidden`` (batch, seq, width) -> (mixed output, per-sample aux loss (batch,))."""
+        experts = self.experts.shape[0]
+        probs = torch.softmax(self.router(hidden), dim=-1)
+        top_probs, top_index = probs.topk(self.top_k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, top_index, top_probs / top_probs.sum(-1, keepdim=True))
+        # Every expert on every token, weighted by a gate that is zero off the top-k:
+        # the same gradients as dispatching, in one deterministic einsum.
+        outputs = torch.einsum("bsi,eoi->bseo", hidden, self.experts)
+        mixed = torch.einsum("bse,bseo->bso", gates, outputs)
+        # f_e counts routing decisions: no gradient flows through it (as in Switch).
+        chosen = torch.zeros_like(probs).scatter(-1, top_index, 1.0) / self.top_k
+        if self.balance == "sequence":
+            aux = experts * (chosen.mean(1) * probs.mean(1)).sum(-1)
+        else:
+            batch_aux = experts * (chosen.mean((0, 1)) * probs.mean((0, 1))).sum()
+            aux = batch_aux.expand(hidden.shape[0])
+        return mixed, aux
+
+
+class MoEModel(nn.Module):
+    """Input projection -> one MoE layer (residual) -> mean over tokens -> head;
+    the aux loss times ``aux_weight`` rides along as the last output column."""
+
+    def __init__(self, in_features: int, width: int, experts: int, top_k: int, out_features: int,
+                 balance: str, aux_weight: float) -> None:
+        super().__init__()
+        self.project = nn.Linear(in_features, width)
+        self.moe = MoELayer(width, experts, top_k, balance)
+        self.head = nn.Linear(width, out_features)
+        self.aux_weight = aux_weight
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        hidden = torch.tanh(self.project(inputs))
+        mixed, aux = self.moe(hidden)
+        task = self.head((hidden + mixed).mean(1))
+        return torch.cat([task, (self.aux_weight * aux).unsqueeze(-1)], dim=-1)
+
+
+@register_model("moe")
+def moe(*, in_features: int = 3, seq_len: int = 4, width: int = 4, experts: int = 4, top_k: int = 2,
+        out_features: int = 2, balance: str = "sequence", aux_weight: float = 0.1) -> ModelBundle:
+    """A one-layer top-k MoE on (seq_len, in_features) inputs; use it with
+    ``loss="mse_aux"``.  ``balance`` "sequence" (equivalent under accumulation)
+    or "batch" (inherently not: see the module docstring)."""
+
+    def make(batch_size: int, generator: torch.Generator) -> Tensor:
+        return torch.randn(batch_size, seq_len, in_features, generator=generator)
+
+    module = MoEModel(in_features, width, experts, top_k, out_features, balance, aux_weight)
+    return ModelBundle(module, make, (out_features + 1,))

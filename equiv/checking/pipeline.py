@@ -1,0 +1,232 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``) checked against the full batch.
+
+A pipeline schedule owns the micro-batch loop: it cuts the batch it is given
+into ``n_microbatches`` chunks (``torch.tensor_split`` along dim 0, so a batch
+that does not divide evenly gives uneven chunks), runs forward and backward on
+its stages, and, with ``scale_grads=True`` (its default), divides every
+stage's gradients by ``n_microbatches`` after the backward.  Whether one
+optimizer step then equals the full-batch step depends on the loss the
+schedule is given and on those settings, so what is checked here is a
+:class:`PipelineSetting`: the schedule, ``scale_grads``, the loss (each
+chunk's mean, or its sum over the window's item count), how many
+``schedule.step`` calls make one optimizer step (gradient accumulation
+around the pipeline), and whether the gradients are cleared between calls.
+
+Every rank builds the same float64 model (a stack of ``nn.Linear`` + tanh
+layers), keeps its stages' layers, runs ``steps`` optimizer steps (SGD) through
+the schedule, and compares its layers' parameters with one single-process
+float64 full-batch run of the same steps.  Verdict: equivalent when every
+parameter is within :data:`RELATIVE_ALLOWANCE` of the reference (float64
+rounding is ~1e-15; a weighting mistake is orders of magnitude past it).
+Ranks are spawned gloo processes (:func:`equiv.distributed.launcher.run_on_ranks`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from equiv.cases.pipeline import (
+    LOSS_MODES,
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    PipelineSetting,
+)
+from equiv.distributed.launcher import Launcher, run_on_ranks
+from equiv.outcomes import Outcome
+
+__all__ = [
+    "LOSS_MODES",
+    "MULTI_STAGE_SCHEDULES",
+    "RELATIVE_ALLOWANCE",
+    "SCHEDULES",
+    "PipelineSetting",
+    "PipelineVerdict",
+    "check_pipeline",
+    "settings_grid",
+]
+
+#: The largest relative difference of a parameter from the float64 reference that is rounding.
+RELATIVE_ALLOWANCE = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineVerdict:
+    setting: PipelineSetting
+    status: Outcome
+    #: The largest relative parameter difference from the float64 full-batch run (any rank).
+    max_relative_diff: float | None = None
+    #: Why it could not run: the first line of the rank's error (status STEP_ERROR).
+    error: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.status is Outcome.EQUIVALENT
+
+    def message(self) -> str:
+        if self.error is not None:
+            return f"{self.setting.describe()}: could not run on these ranks: {self.error}"
+        return (f"{self.setting.describe()}: {self.status.replace('_', ' ')} (largest relative parameter difference "
+                f"{self.max_relative_diff:.1e}, allowed {RELATIVE_ALLOWANCE:g})")
+
+
+_WIDTH = 4
+_FEATURES = 3
+
+
+def _layers(count: int) -> list[nn.Module]:
+    """``count`` blocks of Linear + tanh (the last a plain Linear), float64, fixed seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        blocks: list[nn.Module] = [
+            nn.Sequential(nn.Linear(_FEATURES if i == 0 else _WIDTH, _WIDTH), nn.Tanh()) for i in range(count - 1)]
+        blocks.append(nn.Linear(_WIDTH, _FEATURES))
+    return [block.double() for block in blocks]
+
+
+def _batches(setting: PipelineSetting) -> list[list[tuple[Tensor, Tensor]]]:
+    """Per optimizer step, per call: (inputs, targets), float64, fixed seed;
+    with ``padding`` about 40% of the target entries are NaN (padding), each
+    sample keeping at least one real entry."""
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(setting.steps):
+        calls = []
+        for _ in range(setting.calls_per_step):
+            inputs = torch.randn(setting.batch_size, _FEATURES, generator=generator, dtype=torch.float64)
+            targets = torch.randn(setting.batch_size, _FEATURES, generator=generator, dtype=torch.float64)
+            if setting.padding:
+                padded = torch.rand(setting.batch_size, _FEATURES, generator=generator) < 0.4
+                padded[:, 0] = False
+                targets = targets.masked_fill(padded, math.nan)
+            calls.append((inputs, targets))
+        out.append(calls)
+    return out
+
+
+def _squared_error_sum(output: Tensor, target: Tensor) -> Tensor:
+    """Summed squared error over the real (non-NaN) target entries."""
+    real = ~target.isnan()
+    return (output - target.nan_to_num()).pow(2)[real].sum()
+
+
+def _real_items(target: Tensor) -> int:
+    return int((~target.isnan()).sum())
+
+
+_LR = 0.1
+
+
+def _reference(setting: PipelineSetting, stages: int) -> list[dict[str, Tensor]]:
+    """Each stage's parameters after the full-batch steps (one process, float64)."""
+    blocks = _layers(stages)
+    model = nn.Sequential(*blocks)
+    optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+    for calls in _batches(setting):
+        inputs = torch.cat([x for x, _ in calls])
+        targets = torch.cat([y for _, y in calls])
+        optimizer.zero_grad(set_to_none=True)
+        (_squared_error_sum(model(inputs), targets) / _real_items(targets)).backward()
+        optimizer.step()
+    return [{name: p.detach().clone() for name, p in block.named_parameters()} for block in blocks]
+
+
+def _stage_indices(setting: PipelineSetting, rank: int) -> list[int]:
+    if setting.stages_per_rank == 1:
+        return [rank]
+    if setting.schedule in V_SHAPED_SCHEDULES:
+        return [rank, 2 * setting.ranks - 1 - rank]
+    return [rank + setting.ranks * k for k in range(setting.stages_per_rank)]
+
+
+@dataclass(frozen=True)
+class _PipelineTask:
+    setting: PipelineSetting
+
+    def __call__(self, rank: int, world_size: int, progress: Any) -> dict[str, Any]:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as pipelining
+
+        setting = self.setting
+        stages = setting.ranks * setting.stages_per_rank
+        blocks = _layers(stages)
+        indices = _stage_indices(setting, rank)
+        pipeline_stages = [PipelineStage(blocks[i], i, stages, torch.device("cpu"), group=dist.group.WORLD)
+                           for i in indices]
+        params = [p for i in indices for p in blocks[i].parameters()]
+        optimizer = torch.optim.SGD(params, lr=_LR)
+        window_items = [sum(_real_items(y) for _, y in calls) for calls in _batches(setting)]
+        current = {"step": 0}
+
+        def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+            if setting.loss == "mean":  # this chunk's mean over its real items
+                return _squared_error_sum(output, target) / _real_items(target)
+            return _squared_error_sum(output, target) / window_items[current["step"]]
+
+        schedule_class = getattr(pipelining, f"Schedule{setting.schedule}")
+        schedule = schedule_class(pipeline_stages if setting.stages_per_rank > 1 else pipeline_stages[0],
+                                  setting.n_microbatches, loss_fn=loss_fn, scale_grads=setting.scale_grads)
+        first, last = 0 in indices, stages - 1 in indices
+        for step, calls in enumerate(_batches(setting)):
+            current["step"] = step
+            optimizer.zero_grad(set_to_none=True)
+            for call, (inputs, targets) in enumerate(calls):
+                progress(f"step {step}, call {call}")
+                if setting.clear_between_calls:
+                    for p in params:
+                        p.grad = None
+                args = (inputs,) if first else ()
+                try:
+                    schedule.step(*args, target=targets if last else None)
+                except RuntimeError as exc:
+                    # torch's stage errors span lines; one line keeps the cause in the fault report.
+                    raise RuntimeError(" ".join(str(exc).split())) from None
+            optimizer.step()
+        reference = _reference(setting, stages)
+        worst = 0.0
+        for i in indices:
+            for name, p in blocks[i].named_parameters():
+                expected = reference[i][name]
+                scale = max(float(expected.abs().max()), 1e-30)
+                worst = max(worst, float((p.detach() - expected).abs().max()) / scale)
+        return {"max_relative_diff": worst}
+
+
+def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
+                   launcher: Launcher = run_on_ranks) -> PipelineVerdict:
+    """Run ``setting`` on ``setting.ranks`` spawned gloo ranks and compare every
+    stage's parameters with the single-process float64 full-batch steps.  A
+    schedule that raises on these ranks is a STEP_ERROR verdict carrying the
+    first line of the error (what could not run, and why), never a pass."""
+    from equiv.distributed.launcher import DistributedCheckError
+
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    try:
+        results = launcher(_PipelineTask(setting), setting.ranks, timeout_s=timeout_s,
+                           describe=f"pipeline {setting.describe()}")
+    except DistributedCheckError as exc:
+        return PipelineVerdict(setting, Outcome.STEP_ERROR, error=_root_cause(str(exc)))
+    worst = max(r["max_relative_diff"] for r in results)
+    status = Outcome.EQUIVALENT if worst <= RELATIVE_ALLOWANCE else Outcome.NOT_EQUIVALENT
+    return PipelineVerdict(setting, status, max_relative_diff=worst)
+
+
+def _root_cause(report: str) -> str:
+    """The last exception line of a rank's traceback (the error itself)."""
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error:" in line or "Exception:" in line]
+    return (errors[-1] if errors else lines[0])[:300]
+
+
+def settings_grid(schedules: Sequence[str] = SCHEDULES) -> list[PipelineSetting]:
+    """Every schedule with each ``scale_grads`` x loss setting, on uneven chunks."""
+    return [PipelineSetting(schedule=schedule, scale_grads=scale, loss=loss)
+            for schedule in schedules for scale in (True, False) for loss in LOSS_MODES]
+
