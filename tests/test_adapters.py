@@ -244,3 +244,21 @@ def test_stateful_adapters_start_afresh_for_each_run() -> None:
 def test_bad_adapter_arguments_name_the_value(build: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()  # type: ignore[operator]
+
+
+def test_a_missing_peer_is_named_by_the_package_that_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers present without accelerate: the Trainer cannot train, and the report
+    # must name accelerate (it once said "transformers is not installed").
+    import importlib.util
+
+    from equiv.reporting import peers as peers_report
+
+    installed = {"transformers", "pytorch_lightning"}
+    monkeypatch.setattr(peers_report.importlib.util, "find_spec",
+                        lambda name, *args: importlib.machinery.ModuleSpec(name, None) if name in installed else None)
+    reasons = peers_report.not_measured()
+    assert reasons == {
+        "Accelerate": "accelerate is not installed (pip install equiv[peers])",
+        "the transformers Trainer": "accelerate is not installed, which the transformers Trainer needs "
+                                    "(pip install equiv[peers])",
+    }
