@@ -10,11 +10,13 @@ The public API.  The code is grouped by layer, and imports flow one way::
 - ``zoo``: known bugs and adapters to other libraries' accumulation;
 - ``checking``: truth, floors and candidate runs, comparison, verdicts, search, distributed;
 - ``cost``: memory, workloads, train steps, the cost model and the planner;
+- ``auditing``: a real run watched through hooks, sampled steps judged against the full batch;
 - ``reporting``: the markdown reports; ``cli``: the ``equiv`` command.
 """
 
 from equiv import strategies  # the public Hypothesis strategies: equiv.strategies
 from equiv.accumulator import Accumulator, WindowResult, accumulator_step
+from equiv.auditing import Audit, AuditFailure, WindowAudit, audit
 from equiv.cases.case import Case, InvalidCase
 from equiv.cases.models import CausalLM, ModelBundle, register_model
 from equiv.cases.moe import MoELayer, MoEModel
@@ -31,7 +33,15 @@ from equiv.checking.verdict import CaseVerdicts, EquivalenceError, TensorDiff, V
 from equiv.checking.verify import VerifyResult, verify
 from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
 from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
-from equiv.losses import MSE, CrossEntropy, Loss, MSEWithAux, TokenCrossEntropy, loss_sum_and_count
+from equiv.losses import (
+    MSE,
+    CrossEntropy,
+    Loss,
+    MSEWithAux,
+    NextTokenCrossEntropy,
+    TokenCrossEntropy,
+    loss_sum_and_count,
+)
 from equiv.outcomes import Outcome
 
 #: The one place the version is written (pyproject.toml reads it from here).
@@ -40,6 +50,8 @@ __version__ = "0.1.0"
 __all__ = [
     "MSE",
     "Accumulator",
+    "Audit",
+    "AuditFailure",
     "Candidate",
     "CandidateError",
     "Case",
@@ -58,6 +70,7 @@ __all__ = [
     "MoELayer",
     "MoEModel",
     "ModelBundle",
+    "NextTokenCrossEntropy",
     "NonFiniteLossError",
     "NothingFitsError",
     "Outcome",
@@ -74,9 +87,11 @@ __all__ = [
     "Verdict",
     "VerdictFacts",
     "VerifyResult",
+    "WindowAudit",
     "WindowResult",
     "__version__",
     "accumulator_step",
+    "audit",
     "check",
     "check_distributed",
     "check_pipeline",

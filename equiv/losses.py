@@ -23,6 +23,7 @@ __all__ = [
     "CrossEntropy",
     "Loss",
     "MSEWithAux",
+    "NextTokenCrossEntropy",
     "TokenCrossEntropy",
     "build_loss",
     "item_count",
@@ -106,6 +107,24 @@ class TokenCrossEntropy(Loss):
 
     def __repr__(self) -> str:
         return f"TokenCrossEntropy(ignore_index={self.ignore_index})"
+
+
+class NextTokenCrossEntropy(TokenCrossEntropy):
+    """A causal LM's next-token loss as transformers computes it from ``labels``:
+    the logits at position t predict the label at t + 1 (shifted here), labels
+    ``ignore_index`` (-100) are padding; items are the real next-token targets."""
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        return super().__call__(output[:, :-1], target[:, 1:])
+
+    def sum(self, output: Tensor, target: Tensor) -> Tensor:
+        return super().sum(output[:, :-1], target[:, 1:])
+
+    def count(self, target: Tensor) -> Tensor:
+        return super().count(target[:, 1:])
+
+    def __repr__(self) -> str:
+        return f"NextTokenCrossEntropy(ignore_index={self.ignore_index})"
 
 
 class MSEWithAux(Loss):

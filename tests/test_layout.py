@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "equiv.checking": 2,
     "equiv.cost": 2,
     "equiv.reporting": 3,
+    "equiv.auditing": 3,
     "equiv.cli": 4,
     "equiv.strategies": 5,
     "equiv.testing": 5,
@@ -166,7 +167,7 @@ def test_the_public_api_is_exactly_all() -> None:
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli",
-        "pytest_plugin", "testing", "names", "outcomes", "host_memory",
+        "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing",
     }
     assert public == set(equiv.__all__) - {"__version__"}
 

@@ -1,0 +1,211 @@
+"""Judge one recorded optimizer step of a real run against the full-batch step
+of the same window: the comparison and derived allowances of ``equiv.check``.
+
+A :class:`RecordedWindow` holds what the audit's hooks saw (the weights and
+optimizer state when the window began, the calls made to the model's
+``forward`` in it, the optimizer's hyperparameters when it stepped).
+:func:`judge_window` replays those micro-batches
+
+* in float64 on a copy of the window-start model and optimizer: the truth,
+  ``Σ item losses / Σ items`` over the whole window (the loss the user names,
+  computed independently of how the user's code normalised), clipped once if
+  the run clips, stepped with the learning rate the run used;
+* in the working dtype a few ways that round differently but mean the same
+  (in order, in reverse, normalised after backward): the floor samples;
+
+and compares the update the user's code actually applied (and the optimizer
+state it left) with the truth through :class:`equiv.checking.compare.StepComparer`.
+The user's update exists only in the dtype it trained in, so a window is
+judged in one tier: the noise tier of ``equiv.check`` for float32 / bfloat16 /
+float16 training (the working dtype's floors), the exact tier for float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory
+from equiv.checking.trajectory import Snapshot
+from equiv.checking.trajectory import _snapshot as snapshot_of
+from equiv.checking.verdict import TensorDiff, Tier
+
+__all__ = ["Call", "RecordedWindow", "WindowAudit", "judge_window"]
+
+#: One call of the model's forward: (positional arguments, keyword arguments), detached copies.
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedWindow:
+    """What the audit saw of one optimizer step's window."""
+
+    #: the optimizer step's position in the audited run (0: the first step taken inside the audit)
+    step: int
+    #: the model's parameters and floating buffers when the window began (detached copies, the run's dtype)
+    start_params: dict[str, Tensor]
+    start_buffers: dict[str, Tensor]
+    #: ``optimizer.state_dict()`` when the window began (tensors cloned)
+    start_optimizer: dict[str, Any]
+    #: every training-mode forward call of the window, in order
+    calls: tuple[Call, ...]
+    #: per param group, its hyperparameters when the optimizer stepped (a scheduler's LR included)
+    hyperparameters: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowAudit:
+    """The verdict on one audited optimizer step."""
+
+    step: int
+    #: forward calls (micro-batches) in the window
+    micro_batches: int
+    #: items the loss counts in each micro-batch (real tokens, samples)
+    items: tuple[int, ...]
+    tier: Tier
+    #: every tensor past its allowance (empty: equivalent)
+    mismatches: tuple[TensorDiff, ...]
+    #: the tensor closest to (or furthest past) its allowance
+    worst: TensorDiff | None
+    #: the micro-batch count of the run's usual window, when this one is shorter or longer
+    usual_micro_batches: int | None = None
+
+    @property
+    def equivalent(self) -> bool:
+        return not self.mismatches
+
+    def line(self) -> str:
+        """One line: the step, the window, the verdict and its magnitude."""
+        where = f"step {self.step}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, " \
+                f"items {list(self.items)}"
+        if self.equivalent:
+            ratio = f" (worst {self.worst.ratio:.2g} of its allowance)" if self.worst is not None else ""
+            return f"{where}: equivalent{ratio}"
+        first = self.mismatches[0]
+        magnitude = ""
+        if not math.isnan(first.update_ratio) and not math.isnan(first.cosine):
+            magnitude = f"; update {first.update_ratio:.4g}x the full-batch one, cosine {first.cosine:.4f}"
+        tail = ""
+        if self.usual_micro_batches is not None and self.micro_batches != self.usual_micro_batches:
+            tail = f"; a window of {self.micro_batches} where the run's others have {self.usual_micro_batches}"
+        return (f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
+                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{tail})")
+
+    def message(self) -> str:
+        """The line, and the first mismatch as ``assert_close`` would show it."""
+        if self.equivalent:
+            return self.line()
+        return self.line() + "\n" + self.mismatches[0].describe(self.micro_batches)
+
+
+Extract = Callable[[Call], Tensor]
+OutputOf = Callable[[Any], Tensor]
+CallModel = Callable[[nn.Module, Call], Any]
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating tensor in it cast to ``dtype`` (ids and masks left alone)."""
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast(item, dtype) for key, item in value.items()}
+    return value
+
+
+def _replica(template: nn.Module, user: nn.Module, optimizer: torch.optim.Optimizer, window: RecordedWindow,
+             dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A copy of the window-start model in ``dtype`` and an optimizer of the
+    user's class over it, in the same param groups, with the window-start
+    state and the hyperparameters the run stepped with."""
+    model = copy.deepcopy(template).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(window.start_params[name])
+        for name, buffer in model.named_buffers():
+            if name in window.start_buffers:
+                buffer.copy_(window.start_buffers[name])
+    by_identity = {id(param): name for name, param in user.named_parameters()}
+    own = dict(model.named_parameters())
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [own[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
+    # The constructor's own keywords only (defaults may hold derived ones, e.g.
+    # AdamW's decoupled_weight_decay); every group carries its hyperparameters anyway.
+    accepted = inspect.signature(type(optimizer)).parameters
+    replica = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    replica.load_state_dict(copy.deepcopy(window.start_optimizer))  # state cast to the replica's dtype
+    for group, hyper in zip(replica.param_groups, window.hyperparameters, strict=True):
+        group.update(hyper)
+    return model, replica
+
+
+def _full_batch(model: nn.Module, optimizer: torch.optim.Optimizer, window: RecordedWindow, loss: Any,
+                output_of: OutputOf, targets_of: Extract, call_model: CallModel, *, order: Sequence[int],
+                after_backward: bool, max_grad_norm: float | None) -> None:
+    """One optimizer step on the window's micro-batches as one batch: the sum of
+    item losses over the window divided by the window's item count (each
+    micro-batch back-propagated on its own: the same gradient, in bounded memory)."""
+    dtype = next(model.parameters()).dtype
+    optimizer.zero_grad(set_to_none=True)
+    targets = [targets_of(call) for call in window.calls]
+    total = sum(float(loss.count(target)) for target in targets)
+    for position in order:
+        summed = loss.sum(output_of(call_model(model, _cast(window.calls[position], dtype))), targets[position])
+        (summed if after_backward else summed / total).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if after_backward and grads:
+        torch._foreach_div_(grads, total)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    optimizer.step()
+
+
+def judge_window(window: RecordedWindow, *, template: nn.Module, optimizer: torch.optim.Optimizer,
+                 model: nn.Module, loss: Any, output_of: OutputOf, targets_of: Extract, call_model: CallModel,
+                 max_grad_norm: float | None, usual_micro_batches: int | None = None) -> WindowAudit:
+    """The verdict on the step the user's ``model`` and ``optimizer`` just took
+    (their tensors read as they are now: call this before the run goes on)."""
+    working = next(iter(window.start_params.values())).dtype
+    tier: Tier = "exact" if working == torch.float64 else "noise"
+    start = Snapshot(params=window.start_params, buffers=window.start_buffers, optimizer_state={})
+    items = tuple(int(loss.count(targets_of(call))) for call in window.calls)
+
+    def run(dtype: torch.dtype, order: Sequence[int], after_backward: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        replica, replica_optimizer = _replica(template, model, optimizer, window, dtype)
+        _full_batch(replica, replica_optimizer, window, loss, output_of, targets_of, call_model, order=order,
+                    after_backward=after_backward, max_grad_norm=max_grad_norm)
+        return replica, replica_optimizer
+
+    in_order = range(len(window.calls))
+    truth = TruthTrajectory(steps=1)
+    truth.add(0, start)
+    truth.add(1, snapshot_of(*run(torch.float64, in_order, False), copy_tensors=False))
+    floors = FloorErrors(truth)
+    # Three roundings of the same mathematics in the working dtype (see
+    # equiv.checking.check.floor_samples): in order, in reverse, normalised after backward.
+    for order, after_backward in ((in_order, False), (in_order[::-1], False), (in_order, True)):
+        floors.add(0, start, 1.0)
+        floors.add(1, snapshot_of(*run(working, order, after_backward), copy_tensors=False), 1.0)
+        floors.end_run()
+    comparer = StepComparer(tier=tier, dtype=working, floors=floors, details=True)
+    comparer.add(0, start)
+    comparer.add(1, _named_snapshot(model, optimizer))
+    comparer.end_run()
+    rows = comparer.diffs
+    worst = max(rows, key=lambda row: row.ratio, default=None)
+    return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier,
+                       mismatches=tuple(row for row in rows if not row.ok), worst=worst,
+                       usual_micro_batches=usual_micro_batches)
+
+
+def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
+    """The user's state after its step, its own tensors lent (read at once)."""
+    return snapshot_of(model, optimizer, copy_tensors=False)

@@ -1,0 +1,253 @@
+"""Watch a real training run through hooks and audit sampled optimizer steps.
+
+::
+
+    with equiv.audit(model, optimizer, loss=equiv.NextTokenCrossEntropy(), every=50) as audit:
+        train()                      # the user's loop, unmodified
+    print(audit.summary())
+
+What the hooks see (no adapter, no change to the loop):
+
+* a forward pre-hook on ``model`` records every training-mode call made with
+  gradients enabled since the last optimizer step (detached copies of its
+  arguments), for the windows that will be audited only;
+* when an audited window begins (on entering, and after each optimizer step)
+  the model's weights and the optimizer's ``state_dict()`` are copied;
+* an optimizer step pre-hook records the hyperparameters the step uses (so a
+  scheduler's learning rate is the one replayed); the post-hook judges the
+  update the user's code just applied against the full-batch step of the same
+  window (:func:`equiv.auditing.replay.judge_window`), before the run goes on.
+
+The reference loss is the user's named sum + count loss (``loss.sum(output,
+targets)``, ``loss.count(targets)``: any :class:`equiv.Loss`), computed on what
+the model's forward received: ``targets`` maps a recorded call to its targets
+(by default the ``labels`` keyword, as transformers models take them, else the
+second positional argument); ``output`` maps the model's output to what the
+loss takes (by default ``.logits``, else the first element of a tuple, else the
+output itself).  Targets that never reach ``forward`` (``loss_fn(model(x), y)``)
+cannot be seen by a hook: pass them into ``forward`` or use ``targets=``.
+
+Cost: one copy of the model (the replay's template, made on entering); per
+audited window its inputs, its start weights and optimizer state, and during
+the replay one float64 model and optimizer plus one working-dtype replica at a
+time; unaudited windows record nothing.
+
+Scope: one process.  Under DDP or FSDP2 each rank would audit its own view
+(its micro-batches, its all-reduced update) against a full batch of its own
+inputs only, which is not the global full batch: not supported yet; run the
+audit in a single-process run of the same loop, or use
+``equiv.check_distributed`` for the distributed step.  A GradScaler that skips
+a step (an overflow) calls no ``optimizer.step``: that window runs on into the
+next one, and its replay is then not the run's step (audit loss-scaled runs
+with the scaler off, or expect such windows flagged).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from equiv.auditing.replay import Call, RecordedWindow, WindowAudit, judge_window
+
+__all__ = ["Audit", "AuditFailure", "audit"]
+
+
+class AuditFailure(AssertionError):
+    """An audited window was not equivalent and the audit was asked to stop there."""
+
+    def __init__(self, window: WindowAudit) -> None:
+        super().__init__(window.message())
+        self.window = window
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _detached(item) for key, item in value.items()}
+    return value
+
+
+def default_targets(call: Call) -> Tensor:
+    """The targets of a recorded forward call: the ``labels`` keyword (transformers),
+    else the second positional argument (``model(x, y)``, nanoGPT)."""
+    args, kwargs = call
+    if isinstance(kwargs.get("labels"), Tensor):
+        return kwargs["labels"]
+    if len(args) >= 2 and isinstance(args[1], Tensor):
+        return args[1]
+    raise ValueError(
+        "the audit cannot find the targets in the model's forward call (no 'labels' keyword, no second positional "
+        f"tensor; got {len(args)} positional arguments and keywords {sorted(kwargs)}): pass targets=lambda call: ..."
+        " mapping (args, kwargs) to the targets tensor, or hand the targets to forward")
+
+
+def default_call(model: nn.Module, call: Call) -> Any:
+    """Replay a recorded forward call as it was made."""
+    args, kwargs = call
+    return model(*args, **kwargs)
+
+
+def default_output(output: Any) -> Tensor:
+    """What the loss takes from the model's output: ``.logits``, a tuple's first element, or the output."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    if isinstance(output, Tensor):
+        return output
+    raise ValueError(f"the audit cannot take a tensor from the model's output of type {type(output).__name__}: "
+                     "pass output=lambda out: ...")
+
+
+class Audit:
+    """The audit of one run (see the module's docstring); use :func:`audit`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
+                 targets: Callable[[Call], Tensor] = default_targets,
+                 output: Callable[[Any], Tensor] = default_output,
+                 max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
+                 on_window: Callable[[WindowAudit], None] | None = None,
+                 call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not (hasattr(loss, "sum") and hasattr(loss, "count")):
+            raise TypeError(f"loss must offer sum(output, targets) and count(targets) (an equiv.Loss such as "
+                            f"equiv.NextTokenCrossEntropy()), got {loss!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int (audit one window in every), got {every!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        self.model, self.optimizer, self.loss, self.every = model, optimizer, loss, every
+        self.targets, self.output, self.max_grad_norm = targets, output, max_grad_norm
+        self.stop_at_first_failure, self.on_window = stop_at_first_failure, on_window
+        self.call_model, self.record_forward = call_model, record_forward
+        #: every audited window's verdict, in order
+        self.windows: list[WindowAudit] = []
+        #: optimizer steps seen inside the audit
+        self.steps = 0
+        self._handles: list[RemovableHandle] = []
+        self._template: nn.Module | None = None
+        self._window: dict[str, Any] | None = None
+        self._hyper: tuple[dict[str, Any], ...] = ()
+        self._window_sizes: Counter[int] = Counter()
+
+    # -- the hooks ---------------------------------------------------------
+
+    def __enter__(self) -> Audit:
+        self._template = copy.deepcopy(self.model)  # before our hooks are on it
+        self._handles = [
+            self.optimizer.register_step_pre_hook(self._on_step_begin),
+            self.optimizer.register_step_post_hook(self._on_step_end),
+        ]
+        if self.record_forward:
+            self._handles.append(self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._begin_window()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._window, self._template = [], None, None
+
+    def _begin_window(self) -> None:
+        """Copy what the next window starts from, if it will be audited."""
+        if self.steps % self.every:
+            self._window = None
+            return
+        self._window = {
+            "params": {name: p.detach().clone() for name, p in self.model.named_parameters()},
+            "buffers": {name: b.detach().clone() for name, b in self.model.named_buffers() if b.is_floating_point()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "calls": [],
+        }
+
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.record(*args, **kwargs)
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        """Record one micro-batch of the current window by hand, as ``call_model``
+        will replay it (for trainers whose targets never reach ``forward``: a
+        Lightning callback records each training batch)."""
+        if self._window is not None:
+            self._window["calls"].append((_detached(args), _detached(kwargs)))
+
+    def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
+                            for group in optimizer.param_groups)
+
+    def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        window, step = self._window, self.steps
+        self.steps += 1
+        try:
+            if window is not None:
+                self._judge(window, step)
+        finally:
+            self._begin_window()
+
+    def _judge(self, window: dict[str, Any], step: int) -> None:
+        calls: list[Call] = window["calls"]
+        if not calls:
+            raise RuntimeError(
+                f"optimizer step {step} of the audit saw no training-mode forward call of the audited model since "
+                "the step before: is the model the audit watches the one the loop calls (not a wrapper or a copy)?")
+        self._window_sizes[len(calls)] += 1
+        usual = self._window_sizes.most_common(1)[0][0]
+        recorded = RecordedWindow(step=step, start_params=window["params"], start_buffers=window["buffers"],
+                                  start_optimizer=window["optimizer"], calls=tuple(calls), hyperparameters=self._hyper)
+        assert self._template is not None
+        verdict = judge_window(recorded, template=self._template, optimizer=self.optimizer, model=self.model,
+                               loss=self.loss, output_of=self.output, targets_of=self.targets, call_model=self.call_model,
+                               max_grad_norm=self.max_grad_norm, usual_micro_batches=usual)
+        self.windows.append(verdict)
+        if self.on_window is not None:
+            self.on_window(verdict)
+        if self.stop_at_first_failure and not verdict.equivalent:
+            raise AuditFailure(verdict)
+
+    # -- the outcome -------------------------------------------------------
+
+    @property
+    def failures(self) -> list[WindowAudit]:
+        return [window for window in self.windows if not window.equivalent]
+
+    def __bool__(self) -> bool:
+        return bool(self.windows) and not self.failures
+
+    def summary(self) -> str:
+        """Every audited window, one line each, and the count."""
+        head = (f"equiv audit: {len(self.windows)} of {self.steps} optimizer steps audited (every {self.every}), "
+                f"{len(self.failures)} not equivalent to the full-batch step of their window")
+        return "\n".join([head, *(f"  {window.line()}" for window in self.windows)])
+
+
+def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
+          targets: Callable[[Call], Tensor] = default_targets, output: Callable[[Any], Tensor] = default_output,
+          max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
+          on_window: Callable[[WindowAudit], None] | None = None,
+          call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True) -> Audit:
+    """Audit the optimizer steps of the run made inside ``with`` (see :mod:`equiv.auditing.watch`).
+
+    ``loss``: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
+    for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``);
+    ``every``: audit one optimizer step in every ``every`` (the first one included);
+    ``max_grad_norm``: the norm the run clips to, once per step (None: it does not clip);
+    ``stop_at_first_failure``: raise :class:`AuditFailure` from the step that is not equivalent;
+    ``on_window``: called with each audited window's verdict as it is made;
+    ``record_forward=False`` and ``call_model``: micro-batches recorded with :meth:`Audit.record`
+    instead of by the forward hook, and replayed as ``call_model(model, (args, kwargs))``."""
+    return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
+                 max_grad_norm=max_grad_norm, stop_at_first_failure=stop_at_first_failure, on_window=on_window,
+                 call_model=call_model, record_forward=record_forward)

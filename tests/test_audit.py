@@ -1,0 +1,238 @@
+"""The audit of a run the user already has (equiv.audit): plain PyTorch loops,
+unmodified, watched through hooks; each audited optimizer step judged against
+the full-batch step of its window with equiv.check's allowances."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+import equiv
+from equiv.auditing import AuditFailure, audit
+from equiv.losses import NextTokenCrossEntropy
+
+VOCAB, LENGTH = 13, 8
+TOKENS = NextTokenCrossEntropy()
+
+
+class TinyLM(nn.Module):
+    """A causal LM's shape in miniature, called as nanoGPT's is: ``model(idx, targets)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(input_ids))))  # type: ignore[no-any-return]
+
+
+def padded_sequences(real_lengths: list[int], seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    """One sequence per entry, right-padded to LENGTH; labels -100 on padding."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for real in real_lengths:
+        ids = torch.randint(0, VOCAB, (LENGTH,), generator=generator)
+        labels = ids.clone()
+        labels[real:] = -100
+        out.append((ids, labels))
+    return out
+
+
+def _loader(real_lengths: list[int], micro_batch: int = 2) -> DataLoader[tuple[Tensor, Tensor]]:
+    return DataLoader(padded_sequences(real_lengths), batch_size=micro_batch, shuffle=False)  # type: ignore[arg-type]
+
+
+def _windows(loader: DataLoader[tuple[Tensor, Tensor]], n: int) -> Iterator[list[tuple[Tensor, Tensor]]]:
+    window: list[tuple[Tensor, Tensor]] = []
+    for micro_batch in loader:
+        window.append(micro_batch)
+        if len(window) == n:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def nanogpt_loop(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader[tuple[Tensor, Tensor]],
+                 n: int, *, normalise_by_window_tokens: bool = False, scale: float = 1.0) -> list[float]:
+    """nanoGPT's accumulation (each micro-batch's token mean / N), or the window's
+    token count as the normaliser; returns the logged losses (the loss curve)."""
+    logged = []
+    for window in _windows(loader, n):
+        tokens = sum(int(TOKENS.count(labels)) for _, labels in window)
+        for ids, labels in window:
+            logits = model(ids, labels)
+            if normalise_by_window_tokens:
+                loss = TOKENS.sum(logits, labels) / tokens
+            else:
+                loss = TOKENS(logits, labels) / n
+            (loss * scale).backward()
+            logged.append(float(loss.detach()))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return logged
+
+
+def _model_and_optimizer(optimizer: str = "AdamW") -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "AdamW"
+                                  else torch.optim.SGD(model.parameters(), lr=0.5))
+    return model, opt
+
+
+#: 16 sequences, micro-batches of 2, N = 2: windows 0 and 2 hold micro-batches of
+#: equal real-token counts, the others do not.
+REAL_LENGTHS = [8, 8, 8, 8, 3, 7, 2, 2, 5, 5, 5, 5, 1, 8, 8, 2]
+
+
+def _window_token_counts() -> list[list[int]]:
+    return [[int(TOKENS.count(labels)) for _, labels in window] for window in _windows(_loader(REAL_LENGTHS), 2)]
+
+
+def test_nanogpts_loss_over_n_is_flagged_exactly_on_windows_whose_token_counts_differ() -> None:
+    model, optimizer = _model_and_optimizer()
+    with audit(model, optimizer, loss=TOKENS) as watched:
+        nanogpt_loop(model, optimizer, _loader(REAL_LENGTHS), 2)
+    counts = _window_token_counts()
+    assert counts == [[14, 14], [8, 2], [8, 8], [7, 8]]
+    assert [window.items for window in watched.windows] == [tuple(c) for c in counts]
+    assert [window.equivalent for window in watched.windows] == [len(set(c)) == 1 for c in counts]
+    failing = watched.failures[0]
+    assert "NOT equivalent" in failing.line() and "the full-batch one" in failing.line()
+    assert "Mismatched elements" in failing.message()
+
+
+def test_the_same_loop_normalising_by_the_windows_tokens_is_clean() -> None:
+    model, optimizer = _model_and_optimizer()
+    with audit(model, optimizer, loss=TOKENS) as watched:
+        nanogpt_loop(model, optimizer, _loader(REAL_LENGTHS), 2, normalise_by_window_tokens=True)
+    assert len(watched.windows) == 4 and watched, watched.summary()
+
+
+def test_a_short_tail_window_divided_by_n_is_flagged_and_named() -> None:
+    # 7 micro-batches of equal sample counts, N = 3: the last window holds one micro-batch
+    # still divided by 3 (Lightning #19987, Accelerate's accumulate() at an epoch's end).
+    model, optimizer = _model_and_optimizer("SGD")
+    loader = _loader([8] * 14)
+    with audit(model, optimizer, loss=TOKENS) as watched:
+        nanogpt_loop(model, optimizer, loader, 3)
+    assert [w.equivalent for w in watched.windows] == [True, True, False]
+    tail = watched.windows[-1]
+    assert tail.micro_batches == 1 and tail.usual_micro_batches == 3
+    assert "a window of 1 where the run's others have 3" in tail.line()
+    first = tail.mismatches[0]
+    assert first.kind == "update" and abs(first.update_ratio - 1 / 3) < 1e-3
+
+
+def test_a_users_own_bug_hidden_by_the_loss_curve_is_found() -> None:
+    # The loss is scaled by the accumulation steps before backward (as RL normalisers
+    # rescaled by GA were, trl #6024): the logged loss is the right one, the gradient is N x.
+    model, optimizer = _model_and_optimizer()
+    with audit(model, optimizer, loss=TOKENS) as watched:
+        logged = nanogpt_loop(model, optimizer, _loader([8] * 8), 2, normalise_by_window_tokens=True, scale=2.0)
+    reference_model, reference_optimizer = _model_and_optimizer()
+    clean = nanogpt_loop(reference_model, reference_optimizer, _loader([8] * 8), 2, normalise_by_window_tokens=True)
+    # The loss curve cannot tell: AdamW absorbs a constant gradient scale (to eps's share).
+    assert max(abs(a - b) for a, b in zip(logged, clean, strict=True)) < 1e-3
+    assert watched.windows and not any(w.equivalent for w in watched.windows), watched.summary()
+    assert any(row.kind == "state" for row in watched.windows[0].mismatches)  # Adam's moments hold the 2x
+
+
+def test_every_audits_one_window_in_k_and_records_nothing_in_between() -> None:
+    model, optimizer = _model_and_optimizer()
+    with audit(model, optimizer, loss=TOKENS, every=3) as watched:
+        nanogpt_loop(model, optimizer, _loader([8] * 16), 1)
+    assert watched.steps == 8
+    assert [w.step for w in watched.windows] == [0, 3, 6]
+    assert "3 of 8 optimizer steps audited (every 3)" in watched.summary()
+
+
+def test_stop_at_first_failure_raises_from_the_failing_step() -> None:
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(AuditFailure, match=r"step 1: 2 micro-batches.*NOT equivalent") as raised:
+        with audit(model, optimizer, loss=TOKENS, stop_at_first_failure=True):
+            nanogpt_loop(model, optimizer, _loader(REAL_LENGTHS), 2)
+    assert not raised.value.window.equivalent
+
+
+def test_a_scheduler_and_clipping_are_replayed_as_the_run_used_them() -> None:
+    model, optimizer = _model_and_optimizer("SGD")
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with audit(model, optimizer, loss=TOKENS, max_grad_norm=0.05) as watched:
+        for window in _windows(_loader(REAL_LENGTHS), 2):
+            tokens = sum(int(TOKENS.count(labels)) for _, labels in window)
+            for ids, labels in window:
+                (TOKENS.sum(model(ids, labels), labels) / tokens).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            assert norm > 0.05  # the clip is active
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    assert len(watched.windows) == 4 and watched, watched.summary()
+
+
+def test_a_loop_that_does_not_clip_is_flagged_when_the_audit_is_told_it_clips() -> None:
+    model, optimizer = _model_and_optimizer("SGD")
+    with audit(model, optimizer, loss=TOKENS, max_grad_norm=0.05) as watched:
+        nanogpt_loop(model, optimizer, _loader([8] * 4), 2, normalise_by_window_tokens=True)
+    assert watched.windows and not any(w.equivalent for w in watched.windows)
+
+
+def test_evaluation_forwards_are_not_recorded_and_the_hooks_go_on_exit() -> None:
+    model, optimizer = _model_and_optimizer()
+    loader = _loader(REAL_LENGTHS[:8])
+    with audit(model, optimizer, loss=TOKENS) as watched:
+        for window in _windows(loader, 2):
+            tokens = sum(int(TOKENS.count(labels)) for _, labels in window)
+            for ids, labels in window:
+                (TOKENS.sum(model(ids, labels), labels) / tokens).backward()
+                with torch.no_grad():
+                    model(ids)  # a logging forward: no gradient, not part of the step
+            optimizer.step()
+            optimizer.zero_grad()
+    assert watched and all(w.micro_batches == 2 for w in watched.windows)
+    assert not model._forward_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+def test_bad_input_names_the_value() -> None:
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(ValueError, match=r"every must be a positive int.*0"):
+        audit(model, optimizer, loss=TOKENS, every=0)
+    with pytest.raises(TypeError, match="loss must offer sum"):
+        audit(model, optimizer, loss=torch.nn.functional.cross_entropy)
+    with pytest.raises(TypeError, match="optimizer must be"):
+        audit(model, "adam", loss=TOKENS)  # type: ignore[arg-type]
+
+
+def test_a_step_with_no_recorded_forward_says_what_to_check() -> None:
+    model, optimizer = _model_and_optimizer()
+    other, _ = _model_and_optimizer()  # the audit watches a copy the loop never calls
+    with pytest.raises(RuntimeError, match="saw no training-mode forward call"):
+        with audit(other, optimizer, loss=TOKENS):
+            ids, labels = next(iter(_loader([8, 8])))
+            TOKENS(model(ids), labels).backward()
+            optimizer.step()
+
+
+def test_targets_that_never_reach_forward_are_asked_for() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    with pytest.raises(ValueError, match="cannot find the targets"):
+        with audit(model, optimizer, loss=equiv.CrossEntropy()):
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+    # Told where they are (here: the loop's own targets), it judges.
+    with audit(model, optimizer, loss=equiv.CrossEntropy(), targets=lambda call: targets) as watched:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    assert watched and watched.windows[0].items == (6,)
