@@ -4,92 +4,26 @@ the full-batch step of its window with equiv.check's allowances."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch import nn
 
 import equiv
 from equiv.auditing import AuditFailure, audit
+from equiv.auditing.runs import (
+    REAL_LENGTHS,
+    nanogpt_loop,
+    nanogpt_run,
+    scaled_loss_run,
+    tail_run,
+    tiny_lm_and_optimizer,
+    token_loader,
+    windows,
+)
 from equiv.losses import NextTokenCrossEntropy
 
-VOCAB, LENGTH = 13, 8
 TOKENS = NextTokenCrossEntropy()
-
-
-class TinyLM(nn.Module):
-    """A causal LM's shape in miniature, called as nanoGPT's is: ``model(idx, targets)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 16)
-        self.mix = nn.Linear(16, 16)
-        self.head = nn.Linear(16, VOCAB)
-
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
-        return self.head(torch.tanh(self.mix(self.embed(input_ids))))  # type: ignore[no-any-return]
-
-
-def padded_sequences(real_lengths: list[int], seed: int = 0) -> list[tuple[Tensor, Tensor]]:
-    """One sequence per entry, right-padded to LENGTH; labels -100 on padding."""
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for real in real_lengths:
-        ids = torch.randint(0, VOCAB, (LENGTH,), generator=generator)
-        labels = ids.clone()
-        labels[real:] = -100
-        out.append((ids, labels))
-    return out
-
-
-def _loader(real_lengths: list[int], micro_batch: int = 2) -> DataLoader[tuple[Tensor, Tensor]]:
-    return DataLoader(padded_sequences(real_lengths), batch_size=micro_batch, shuffle=False)  # type: ignore[arg-type]
-
-
-def _windows(loader: DataLoader[tuple[Tensor, Tensor]], n: int) -> Iterator[list[tuple[Tensor, Tensor]]]:
-    window: list[tuple[Tensor, Tensor]] = []
-    for micro_batch in loader:
-        window.append(micro_batch)
-        if len(window) == n:
-            yield window
-            window = []
-    if window:
-        yield window
-
-
-def nanogpt_loop(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader[tuple[Tensor, Tensor]],
-                 n: int, *, normalise_by_window_tokens: bool = False, scale: float = 1.0) -> list[float]:
-    """nanoGPT's accumulation (each micro-batch's token mean / N), or the window's
-    token count as the normaliser; returns the logged losses (the loss curve)."""
-    logged = []
-    for window in _windows(loader, n):
-        tokens = sum(int(TOKENS.count(labels)) for _, labels in window)
-        for ids, labels in window:
-            logits = model(ids, labels)
-            if normalise_by_window_tokens:
-                loss = TOKENS.sum(logits, labels) / tokens
-            else:
-                loss = TOKENS(logits, labels) / n
-            (loss * scale).backward()
-            logged.append(float(loss.detach()))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return logged
-
-
-def _model_and_optimizer(optimizer: str = "AdamW") -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = TinyLM()
-    opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "AdamW"
-                                  else torch.optim.SGD(model.parameters(), lr=0.5))
-    return model, opt
-
-
-#: 16 sequences, micro-batches of 2, N = 2: windows 0 and 2 hold micro-batches of
-#: equal real-token counts, the others do not.
-REAL_LENGTHS = [8, 8, 8, 8, 3, 7, 2, 2, 5, 5, 5, 5, 1, 8, 8, 2]
+_loader, _windows, _model_and_optimizer = token_loader, windows, tiny_lm_and_optimizer
 
 
 def _window_token_counts() -> list[list[int]]:
@@ -97,9 +31,7 @@ def _window_token_counts() -> list[list[int]]:
 
 
 def test_nanogpts_loss_over_n_is_flagged_exactly_on_windows_whose_token_counts_differ() -> None:
-    model, optimizer = _model_and_optimizer()
-    with audit(model, optimizer, loss=TOKENS) as watched:
-        nanogpt_loop(model, optimizer, _loader(REAL_LENGTHS), 2)
+    watched = nanogpt_run(normalise_by_window_tokens=False)
     counts = _window_token_counts()
     assert counts == [[14, 14], [8, 2], [8, 8], [7, 8]]
     assert [window.items for window in watched.windows] == [tuple(c) for c in counts]
@@ -110,19 +42,14 @@ def test_nanogpts_loss_over_n_is_flagged_exactly_on_windows_whose_token_counts_d
 
 
 def test_the_same_loop_normalising_by_the_windows_tokens_is_clean() -> None:
-    model, optimizer = _model_and_optimizer()
-    with audit(model, optimizer, loss=TOKENS) as watched:
-        nanogpt_loop(model, optimizer, _loader(REAL_LENGTHS), 2, normalise_by_window_tokens=True)
+    watched = nanogpt_run(normalise_by_window_tokens=True)
     assert len(watched.windows) == 4 and watched, watched.summary()
 
 
 def test_a_short_tail_window_divided_by_n_is_flagged_and_named() -> None:
     # 7 micro-batches of equal sample counts, N = 3: the last window holds one micro-batch
     # still divided by 3 (Lightning #19987, Accelerate's accumulate() at an epoch's end).
-    model, optimizer = _model_and_optimizer("SGD")
-    loader = _loader([8] * 14)
-    with audit(model, optimizer, loss=TOKENS) as watched:
-        nanogpt_loop(model, optimizer, loader, 3)
+    watched = tail_run()
     assert [w.equivalent for w in watched.windows] == [True, True, False]
     tail = watched.windows[-1]
     assert tail.micro_batches == 1 and tail.usual_micro_batches == 3
@@ -134,11 +61,7 @@ def test_a_short_tail_window_divided_by_n_is_flagged_and_named() -> None:
 def test_a_users_own_bug_hidden_by_the_loss_curve_is_found() -> None:
     # The loss is scaled by the accumulation steps before backward (as RL normalisers
     # rescaled by GA were, trl #6024): the logged loss is the right one, the gradient is N x.
-    model, optimizer = _model_and_optimizer()
-    with audit(model, optimizer, loss=TOKENS) as watched:
-        logged = nanogpt_loop(model, optimizer, _loader([8] * 8), 2, normalise_by_window_tokens=True, scale=2.0)
-    reference_model, reference_optimizer = _model_and_optimizer()
-    clean = nanogpt_loop(reference_model, reference_optimizer, _loader([8] * 8), 2, normalise_by_window_tokens=True)
+    watched, logged, clean = scaled_loss_run()
     # The loss curve cannot tell: AdamW absorbs a constant gradient scale (to eps's share).
     assert max(abs(a - b) for a, b in zip(logged, clean, strict=True)) < 1e-3
     assert watched.windows and not any(w.equivalent for w in watched.windows), watched.summary()

@@ -95,8 +95,11 @@ class WindowAudit:
         tail = ""
         if self.usual_micro_batches is not None and self.micro_batches != self.usual_micro_batches:
             tail = f"; a window of {self.micro_batches} where the run's others have {self.usual_micro_batches}"
+        furthest = max(self.mismatches, key=lambda row: row.relative_error)
+        furthest_text = "" if furthest is first else \
+            f"; furthest off {furthest.label}, by {furthest.relative_error:.3g} of its scale"
         return (f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
-                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{tail})")
+                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail})")
 
     def message(self) -> str:
         """The line, and the first mismatch as ``assert_close`` would show it."""

@@ -335,7 +335,41 @@ def render_report(
     lines += _regret_section(raw)
     lines += _scaling_section(raw, scaling_full)
     lines += _verify_speed_section(raw)
+    lines += _audit_section(raw)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _audit_section(raw: dict[str, Any]) -> list[str]:
+    """What equiv.audit costs a run (benchmarks/test_audit_overhead.py)."""
+    infos = [b["extra_info"] for b in raw.get("benchmarks", []) if b.get("extra_info", {}).get("audit_overhead")]
+    if not infos:
+        return []
+    table = pd.DataFrame([
+        {
+            "parameters": f"{info['parameters'] / 1e6:.2f}M",
+            "micro-batches per step": info["micro_batches"],
+            "plain step s (median)": f"{info['plain_step_median_s']:.4f}",
+            "unaudited step / plain": f"{info['unaudited_ratio']:.2f}x",
+            "audited step / plain": f"{info['audited_ratio']:.1f}x",
+            "new storage, plain step (B/param)": f"{info['plain_peak_bytes_per_parameter']:.0f}",
+            "new storage, audited step (B/param)": f"{info['audited_peak_bytes_per_parameter']:.0f}",
+        }
+        for info in infos
+    ])
+    return [
+        "## equiv.audit: what watching a real run costs",
+        "",
+        "A user's loop (an MLP classifier called as `model(x, y)`, AdamW, N micro-batches of 16 samples per "
+        "optimizer step) timed plain, inside `equiv.audit` on a step it does not audit (the hooks only), and on "
+        "a step it audits (the window's inputs and start state copied, the full batch replayed in float64 and "
+        "three times in float32, the update compared), alternately in the same rounds (medians of per-round "
+        "ratios). `every=k` audits one step in k, so a run pays (k - 1 + audited/plain) / k on average. "
+        "Memory: the peak of tensor storages made during one step (the model's weights and AdamW's state, "
+        "which exist before, not counted), plain and audited.",
+        "",
+        markdown_table(table),
+        "",
+    ]
 
 
 #: The planner's goal: its pick at most this much slower than the fastest N that fits.

@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
 from equiv.accumulator import accumulator_step
+from equiv.auditing.runs import AUDIT_RUNS
 from equiv.cases import strategies
 from equiv.cases.case import Case
 from equiv.checking.check import check
@@ -295,6 +296,35 @@ def not_measured() -> dict[str, str]:
     return reasons
 
 
+def _audit_section() -> list[str]:
+    """The real runs of :mod:`equiv.auditing.runs`, audited (``equiv.audit``)."""
+    rows = []
+    for name, entry in AUDIT_RUNS.items():
+        missing = [package for package in entry.needs if importlib.util.find_spec(package) is None]
+        if missing:
+            rows.append({"run": name, "what": entry.what, "audited steps": "-", "not equivalent": "-",
+                         "first flagged": f"not run: {missing[0]} is not installed (pip install equiv[peers])",
+                         "reproduces": entry.reproduces, "command": f"`pytest {entry.test}`"})
+            continue
+        watched = entry.run()
+        failures = watched.failures
+        rows.append({
+            "run": name, "what": entry.what, "audited steps": str(len(watched.windows)),
+            "not equivalent": ", ".join(str(w.step) for w in failures) or "none",
+            "first flagged": failures[0].line() if failures else "-",
+            "reproduces": entry.reproduces if failures else "-", "command": f"`pytest {entry.test}`",
+        })
+    return [
+        "## Auditing runs as users write them",
+        "`equiv.audit(model, optimizer, loss=...)` (or its transformers / Lightning callback) watches an "
+        "unmodified run through hooks and judges each optimizer step against the full-batch step of the same "
+        "window, replayed in float64 from the window's start with the named sum + count loss, with the same "
+        "derived allowances as `equiv.check` (noise tier: the user's update exists in float32 only). The runs "
+        "are in `equiv/auditing/runs.py`; each row's test asserts its verdicts.",
+        markdown_table(pd.DataFrame(rows)),
+    ]
+
+
 def _trainer_rows(saved: Path) -> list[_Row]:
     """The installed transformers' Trainer, then releases measured in their own
     env (``peers-trainer-*.json`` in ``saved``), oldest first."""
@@ -528,6 +558,7 @@ def peers_report(saved: Path = Path("reports")) -> str:
         "fails with that kind of failure. Tails and token counts are outside this space: the tables above "
         "measure them.",
         markdown_table(pd.DataFrame(searches)),
+        *_audit_section(),
         "## Known non-equivalences",
         "Reported upstream; measured where equiv runs the configuration, quoted otherwise.",
         markdown_table(pd.DataFrame(known)),

@@ -1,0 +1,98 @@
+"""What auditing a real run costs: an optimizer step of a plain loop, the same
+step inside ``equiv.audit`` when the window is not audited (the hooks only),
+and when it is (its inputs and start state copied, the full batch replayed in
+float64 and three times in float32, compared), timed alternately in the same
+rounds; and the peak of live tensor storages of an audited step against a
+plain one, per parameter.
+
+A 0.70M-parameter MLP classifier called as ``model(x, y)``, AdamW, windows of
+N = 4 micro-batches of 16 samples.  Reported (reports/benchmarks.md), never
+asserted: an unaudited step should cost ~1.0x a plain one, and ``every=`` sets
+how many steps pay the audited price.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import Tensor, nn
+
+import equiv
+from equiv.cost.memory import StorageCounter
+
+WIDTH, MICRO_BATCHES, MICRO_BATCH = 590, 4, 16
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                                 nn.Linear(WIDTH, 10))
+
+    def forward(self, inputs: Tensor, targets: Tensor | None = None) -> Tensor:
+        return self.net(inputs)  # type: ignore[no-any-return]
+
+
+def _window(generator: torch.Generator) -> list[tuple[Tensor, Tensor]]:
+    return [(torch.randn(MICRO_BATCH, WIDTH, generator=generator), torch.randint(0, 10, (MICRO_BATCH,),
+                                                                              generator=generator))
+            for _ in range(MICRO_BATCHES)]
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, window: list[tuple[Tensor, Tensor]]) -> float:
+    """One optimizer step of the user's loop (sample means / N: exact for equal micro-batches); its seconds."""
+    start = time.perf_counter()
+    for inputs, targets in window:
+        (nn.functional.cross_entropy(model(inputs, targets), targets) / len(window)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def test_audit_overhead(benchmark, bench_settings) -> None:  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    parameters = sum(p.numel() for p in model.parameters())
+    loss = equiv.CrossEntropy()
+    _step(model, optimizer, _window(generator))  # AdamW's state exists from here on, as in a running loop
+
+    plain: list[float] = []
+    unaudited: list[float] = []
+    audited: list[float] = []
+    verdicts: list[bool] = []
+
+    def one_round() -> None:
+        plain.append(_step(model, optimizer, _window(generator)))
+        with equiv.audit(model, optimizer, loss=loss, every=3) as watched:
+            _step(model, optimizer, _window(generator))  # step 0: audited (every=3), not timed
+            _step(model, optimizer, _window(generator))  # step 1: not timed (the replay's freed memory settles)
+            unaudited.append(_step(model, optimizer, _window(generator)))  # step 2: hooks only
+            audited.append(_step(model, optimizer, _window(generator)))  # step 3: audited
+        verdicts.extend(window.equivalent for window in watched.windows)
+
+    rounds = 3 if bench_settings.quick else 10
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=0)
+    # The loop is correct for equal micro-batches: an audit that flags it measures something else.
+    assert verdicts and all(verdicts)
+
+    with StorageCounter() as plain_memory:
+        _step(model, optimizer, _window(generator))
+    with StorageCounter() as audited_memory:
+        with equiv.audit(model, optimizer, loss=loss):
+            _step(model, optimizer, _window(generator))
+    benchmark.extra_info.update(
+        bench_settings.extra_info(),
+        audit_overhead=True,
+        parameters=parameters,
+        micro_batches=MICRO_BATCHES,
+        rounds=rounds,
+        plain_step_median_s=statistics.median(plain),
+        unaudited_ratio=statistics.median(u / p for u, p in zip(unaudited, plain, strict=True)),
+        audited_ratio=statistics.median(a / p for a, p in zip(audited, plain, strict=True)),
+        plain_peak_bytes_per_parameter=plain_memory.peak_bytes / parameters,
+        audited_peak_bytes_per_parameter=audited_memory.peak_bytes / parameters,
+    )
