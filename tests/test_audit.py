@@ -159,3 +159,18 @@ def test_targets_that_never_reach_forward_are_asked_for() -> None:
         torch.nn.functional.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
     assert watched and watched.windows[0].items == (6,)
+
+
+def test_a_model_with_dropout_is_reported_inherent_not_replayed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    with audit(model, optimizer, loss=equiv.CrossEntropy(), targets=lambda call: targets) as watched:
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    window = watched.windows[0]
+    assert window.inherent and not window.equivalent and not window.mismatches
+    assert not watched and watched.failures == []
+    assert "inherently not equivalent, not replayed (Dropout layer '1' (p=0.5)" in window.line()
+    assert "1 inherently not equivalent" in watched.summary()

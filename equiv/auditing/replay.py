@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory
+from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.trajectory import Snapshot
 from equiv.checking.trajectory import _snapshot as snapshot_of
 from equiv.checking.verdict import TensorDiff, Tier
@@ -76,15 +77,20 @@ class WindowAudit:
     worst: TensorDiff | None
     #: the micro-batch count of the run's usual window, when this one is shorter or longer
     usual_micro_batches: int | None = None
+    #: why no accumulation can reproduce this model's full-batch step (Dropout, BatchNorm in
+    #: train mode): then the window is not replayed, and is neither equivalent nor a failure
+    inherent: tuple[str, ...] = ()
 
     @property
     def equivalent(self) -> bool:
-        return not self.mismatches
+        return not self.mismatches and not self.inherent
 
     def line(self) -> str:
         """One line: the step, the window, the verdict and its magnitude."""
         where = f"step {self.step}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, " \
                 f"items {list(self.items)}"
+        if self.inherent:
+            return f"{where}: inherently not equivalent, not replayed ({'; '.join(self.inherent)})"
         if self.equivalent:
             ratio = f" (worst {self.worst.ratio:.2g} of its allowance)" if self.worst is not None else ""
             return f"{where}: equivalent{ratio}"
@@ -103,7 +109,7 @@ class WindowAudit:
 
     def message(self) -> str:
         """The line, and the first mismatch as ``assert_close`` would show it."""
-        if self.equivalent:
+        if not self.mismatches:
             return self.line()
         return self.line() + "\n" + self.mismatches[0].describe(self.micro_batches)
 
@@ -180,6 +186,10 @@ def judge_window(window: RecordedWindow, *, template: nn.Module, optimizer: torc
     tier: Tier = "exact" if working == torch.float64 else "noise"
     start = Snapshot(params=window.start_params, buffers=window.start_buffers, optimizer_state={})
     items = tuple(int(loss.count(targets_of(call))) for call in window.calls)
+    reasons = tuple(inherent_non_equivalences(model))
+    if reasons:  # a replay would draw other dropout masks, or normalise by other statistics
+        return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier, mismatches=(),
+                           worst=None, usual_micro_batches=usual_micro_batches, inherent=reasons)
 
     def run(dtype: torch.dtype, order: Sequence[int], after_backward: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
         replica, replica_optimizer = _replica(template, model, optimizer, window, dtype)

@@ -214,22 +214,26 @@ class Audit:
         self.windows.append(verdict)
         if self.on_window is not None:
             self.on_window(verdict)
-        if self.stop_at_first_failure and not verdict.equivalent:
+        if self.stop_at_first_failure and verdict.mismatches:
             raise AuditFailure(verdict)
 
     # -- the outcome -------------------------------------------------------
 
     @property
     def failures(self) -> list[WindowAudit]:
-        return [window for window in self.windows if not window.equivalent]
+        """The audited windows whose update is not the full-batch one."""
+        return [window for window in self.windows if window.mismatches]
 
     def __bool__(self) -> bool:
-        return bool(self.windows) and not self.failures
+        """Every audited window equivalent (none inherently not, none failing), and at least one."""
+        return bool(self.windows) and all(window.equivalent for window in self.windows)
 
     def summary(self) -> str:
         """Every audited window, one line each, and the count."""
+        inherent = sum(1 for window in self.windows if window.inherent)
         head = (f"equiv audit: {len(self.windows)} of {self.steps} optimizer steps audited (every {self.every}), "
-                f"{len(self.failures)} not equivalent to the full-batch step of their window")
+                f"{len(self.failures)} not equivalent to the full-batch step of their window"
+                + (f", {inherent} inherently not equivalent (not replayed)" if inherent else ""))
         return "\n".join([head, *(f"  {window.line()}" for window in self.windows)])
 
 
