@@ -28,6 +28,7 @@ def test_the_trainer_on_a_model_without_kwargs_is_flagged_where_token_counts_dif
     # TRAINER_LENGTHS: windows 1 and 3 hold micro-batches of different real-token counts (transformers #37766).
     audited = trainer_run(loss_kwargs=False)
     assert [w.equivalent for w in audited.windows] == [True, False, True, False], audited.summary()
+    assert [w.position for w in audited.windows] == ["epoch 0.00", "epoch 0.25", "epoch 0.50", "epoch 0.75"]
 
 
 @_needs("pytorch_lightning")
@@ -36,6 +37,7 @@ def test_lightning_divides_the_epochs_short_tail_window_by_n_and_the_audit_flags
     assert [w.micro_batches for w in audited.windows] == [3, 3, 1]
     assert [w.equivalent for w in audited.windows] == [True, True, False], audited.summary()
     assert "a window of 1 where the run's others have 3" in audited.windows[-1].line()
+    assert audited.windows[-1].line().startswith("step 2 (epoch 0, batch 6): 1 micro-batch")
     assert abs(audited.windows[-1].mismatches[0].update_ratio - 1 / 3) < 1e-3
 
 

@@ -80,6 +80,8 @@ class WindowAudit:
     #: why no accumulation can reproduce this model's full-batch step (Dropout, BatchNorm in
     #: train mode): then the window is not replayed, and is neither equivalent nor a failure
     inherent: tuple[str, ...] = ()
+    #: where in the run the step fell, as the trainer tells it (e.g. "epoch 0, batch 6"), when it does
+    position: str | None = None
 
     @property
     def equivalent(self) -> bool:
@@ -87,7 +89,8 @@ class WindowAudit:
 
     def line(self) -> str:
         """One line: the step, the window, the verdict and its magnitude."""
-        where = f"step {self.step}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, " \
+        at = f" ({self.position})" if self.position else ""
+        where = f"step {self.step}{at}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, " \
                 f"items {list(self.items)}"
         if self.inherent:
             return f"{where}: inherently not equivalent, not replayed ({'; '.join(self.inherent)})"

@@ -63,6 +63,10 @@ def transformers_callback(**settings: Any) -> Any:
                            optimizer: Any = None, **kwargs: Any) -> None:
             self.audit = _start(model, optimizer, settings)
 
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.audit is not None:  # the epoch as a fraction (the Trainer's own count)
+                self.audit.position = f"epoch {state.epoch:.2f}" if state.epoch is not None else None
+
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.audit is not None:
                 self.audit.__exit__(None, None, None)
@@ -88,6 +92,7 @@ def lightning_callback(**settings: Any) -> Any:
 
         def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
             if self.audit is not None:
+                self.audit.position = f"epoch {trainer.current_epoch}, batch {batch_idx}"
                 self.audit.record(batch)
 
         def on_train_end(self, trainer: Any, pl_module: nn.Module) -> None:

@@ -45,6 +45,7 @@ with the scaler off, or expect such windows flagged).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -137,6 +138,9 @@ class Audit:
         self.windows: list[WindowAudit] = []
         #: optimizer steps seen inside the audit
         self.steps = 0
+        #: where the run is, as a trainer's callback (or the loop) sets it: "epoch 1, batch 6";
+        #: each audited window keeps the value it had when its step was taken
+        self.position: str | None = None
         self._handles: list[RemovableHandle] = []
         self._template: nn.Module | None = None
         self._window: dict[str, Any] | None = None
@@ -211,6 +215,7 @@ class Audit:
         verdict = judge_window(recorded, template=self._template, optimizer=self.optimizer, model=self.model,
                                loss=self.loss, output_of=self.output, targets_of=self.targets, call_model=self.call_model,
                                max_grad_norm=self.max_grad_norm, usual_micro_batches=usual)
+        verdict = dataclasses.replace(verdict, position=self.position)
         self.windows.append(verdict)
         if self.on_window is not None:
             self.on_window(verdict)
