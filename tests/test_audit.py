@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import equiv
 from equiv.auditing import AuditFailure, audit
@@ -174,3 +174,34 @@ def test_a_model_with_dropout_is_reported_inherent_not_replayed() -> None:
     assert not watched and watched.failures == []
     assert "inherently not equivalent, not replayed (Dropout layer '1' (p=0.5)" in window.line()
     assert "1 inherently not equivalent" in watched.summary()
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, inputs: Tensor, targets: Tensor | None = None) -> Tensor:
+        return self.net(inputs)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("sample_weighted", [True, False])
+def test_a_regression_loop_with_float_targets_is_replayed_in_float64(sample_weighted: bool) -> None:
+    # Float targets are cast with the replay (the truth in float64); uneven micro-batches
+    # 2 + 5 and 1 + 4: the sample-weighted mean is exact, the mean of means is not.
+    torch.manual_seed(0)
+    model = Regressor()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    batches = [(torch.randn(n, 3), torch.randn(n, 1)) for n in (2, 5, 1, 4)]
+    with audit(model, optimizer, loss=equiv.MSE()) as watched:
+        for window in (batches[:2], batches[2:]):
+            samples = sum(len(targets) for _, targets in window)
+            for inputs, targets in window:
+                output = model(inputs, targets)
+                loss = (torch.nn.functional.mse_loss(output, targets, reduction="sum") / samples if sample_weighted
+                        else torch.nn.functional.mse_loss(output, targets) / len(window))
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert [w.items for w in watched.windows] == [(2, 5), (1, 4)]
+    assert [w.equivalent for w in watched.windows] == [sample_weighted] * 2, watched.summary()

@@ -167,7 +167,7 @@ def _full_batch(model: nn.Module, optimizer: torch.optim.Optimizer, window: Reco
     micro-batch back-propagated on its own: the same gradient, in bounded memory)."""
     dtype = next(model.parameters()).dtype
     optimizer.zero_grad(set_to_none=True)
-    targets = [targets_of(call) for call in window.calls]
+    targets = [_cast(targets_of(call), dtype) for call in window.calls]  # float targets (MSE) in dtype too
     total = sum(float(loss.count(target)) for target in targets)
     for position in order:
         summed = loss.sum(output_of(call_model(model, _cast(window.calls[position], dtype))), targets[position])
