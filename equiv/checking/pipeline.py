@@ -16,8 +16,12 @@ Every rank builds the same float64 model (a stack of ``nn.Linear`` + tanh
 layers), keeps its stages' layers, runs ``steps`` optimizer steps (SGD) through
 the schedule, and compares its layers' parameters with one single-process
 float64 full-batch run of the same steps.  Verdict: equivalent when every
-parameter is within :data:`RELATIVE_ALLOWANCE` of the reference (float64
-rounding is ~1e-15; a weighting mistake is orders of magnitude past it).
+parameter is within the allowance :func:`equiv.checking.tolerances.allowance`
+derives for the exact tier, as :func:`equiv.check` does: ``32 x floor + 16 x
+steps x u(float64) x scale``, where the floor is how far the same full-batch
+steps land when their batch is summed in another order (a shuffled batch:
+another rounding of the same sums) and the scale is the parameter's magnitude.
+A weighting mistake is orders of magnitude past it.
 Ranks are spawned gloo processes (:func:`equiv.distributed.launcher.run_on_ranks`).
 """
 
@@ -39,13 +43,13 @@ from equiv.cases.pipeline import (
     V_SHAPED_SCHEDULES,
     PipelineSetting,
 )
+from equiv.checking.tolerances import allowance
 from equiv.distributed.launcher import Launcher, run_on_ranks
 from equiv.outcomes import Outcome
 
 __all__ = [
     "LOSS_MODES",
     "MULTI_STAGE_SCHEDULES",
-    "RELATIVE_ALLOWANCE",
     "SCHEDULES",
     "PipelineSetting",
     "PipelineVerdict",
@@ -53,16 +57,15 @@ __all__ = [
     "settings_grid",
 ]
 
-#: The largest relative difference of a parameter from the float64 reference that is rounding.
-RELATIVE_ALLOWANCE = 1e-9
-
-
 @dataclass(frozen=True, slots=True)
 class PipelineVerdict:
     setting: PipelineSetting
     status: Outcome
-    #: The largest relative parameter difference from the float64 full-batch run (any rank).
-    max_relative_diff: float | None = None
+    #: The largest parameter difference from the float64 full-batch run as a multiple of its derived
+    #: allowance (any rank): at most 1 when equivalent.
+    worst_ratio: float | None = None
+    #: Which stage parameter that worst ratio belongs to, and the allowance's terms there.
+    worst_where: str | None = None
     #: Why it could not run: the first line of the rank's error (status STEP_ERROR).
     error: str | None = None
 
@@ -72,8 +75,8 @@ class PipelineVerdict:
     def message(self) -> str:
         if self.error is not None:
             return f"{self.setting.describe()}: could not run on these ranks: {self.error}"
-        return (f"{self.setting.describe()}: {self.status.replace('_', ' ')} (largest relative parameter difference "
-                f"{self.max_relative_diff:.1e}, allowed {RELATIVE_ALLOWANCE:g})")
+        return (f"{self.setting.describe()}: {self.status.replace('_', ' ')} (worst parameter {self.worst_ratio:.3g} "
+                f"x allowed: {self.worst_where})")
 
 
 _WIDTH = 4
@@ -123,18 +126,42 @@ def _real_items(target: Tensor) -> int:
 _LR = 0.1
 
 
-def _reference(setting: PipelineSetting, stages: int) -> list[dict[str, Tensor]]:
-    """Each stage's parameters after the full-batch steps (one process, float64)."""
+def _reference(setting: PipelineSetting, stages: int, *, shuffled: bool = False) -> list[dict[str, Tensor]]:
+    """Each stage's parameters after the full-batch steps (one process, float64).
+    ``shuffled`` permutes each step's batch (a fixed permutation): the same
+    sums rounded in another order, the floor sample of the exact tier."""
     blocks = _layers(stages)
     model = nn.Sequential(*blocks)
     optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+    generator = torch.Generator().manual_seed(2)
     for calls in _batches(setting):
         inputs = torch.cat([x for x, _ in calls])
         targets = torch.cat([y for _, y in calls])
+        if shuffled:
+            order = torch.randperm(len(inputs), generator=generator)
+            inputs, targets = inputs[order], targets[order]
         optimizer.zero_grad(set_to_none=True)
         (_squared_error_sum(model(inputs), targets) / _real_items(targets)).backward()
         optimizer.step()
     return [{name: p.detach().clone() for name, p in block.named_parameters()} for block in blocks]
+
+
+def _worst_against_allowance(blocks: list[nn.Module], indices: list[int], setting: PipelineSetting,
+                             stages: int) -> tuple[float, str]:
+    """The largest ``max|p - truth| / allowed`` over this rank's stage parameters, and where."""
+    truth = _reference(setting, stages)
+    floor_sample = _reference(setting, stages, shuffled=True)
+    worst, where = -1.0, ""
+    for i in indices:
+        for name, p in blocks[i].named_parameters():
+            expected = truth[i][name]
+            limit = allowance(floor=float((floor_sample[i][name] - expected).abs().max()), dtype=torch.float64,
+                              scale=float(expected.abs().max()), steps=setting.steps)
+            diff = float((p.detach() - expected).abs().max())
+            ratio = diff / limit.allowed if limit.allowed > 0 else (math.inf if diff > 0 else 0.0)
+            if ratio > worst:
+                worst, where = ratio, f"stage {i} '{name}', off by {diff:.3g}, allowed {limit.allowed:.3g} = {limit.explain()}"
+    return worst, where
 
 
 def _stage_indices(setting: PipelineSetting, rank: int) -> list[int]:
@@ -188,14 +215,8 @@ class _PipelineTask:
                     # torch's stage errors span lines; one line keeps the cause in the fault report.
                     raise RuntimeError(" ".join(str(exc).split())) from None
             optimizer.step()
-        reference = _reference(setting, stages)
-        worst = 0.0
-        for i in indices:
-            for name, p in blocks[i].named_parameters():
-                expected = reference[i][name]
-                scale = max(float(expected.abs().max()), 1e-30)
-                worst = max(worst, float((p.detach() - expected).abs().max()) / scale)
-        return {"max_relative_diff": worst}
+        worst, where = _worst_against_allowance(blocks, indices, setting, stages)
+        return {"worst_ratio": worst, "worst_where": where}
 
 
 def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
@@ -213,9 +234,9 @@ def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
                            describe=f"pipeline {setting.describe()}")
     except DistributedCheckError as exc:
         return PipelineVerdict(setting, Outcome.STEP_ERROR, error=_root_cause(str(exc)))
-    worst = max(r["max_relative_diff"] for r in results)
-    status = Outcome.EQUIVALENT if worst <= RELATIVE_ALLOWANCE else Outcome.NOT_EQUIVALENT
-    return PipelineVerdict(setting, status, max_relative_diff=worst)
+    worst = max(results, key=lambda r: r["worst_ratio"])
+    status = Outcome.EQUIVALENT if worst["worst_ratio"] <= 1.0 else Outcome.NOT_EQUIVALENT
+    return PipelineVerdict(setting, status, worst_ratio=worst["worst_ratio"], worst_where=worst["worst_where"])
 
 
 def _root_cause(report: str) -> str:
