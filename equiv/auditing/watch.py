@@ -34,8 +34,9 @@ time; unaudited windows record nothing.
 
 Scope: one process.  Under DDP or FSDP2 each rank would audit its own view
 (its micro-batches, its all-reduced update) against a full batch of its own
-inputs only, which is not the global full batch: not supported yet; run the
-audit in a single-process run of the same loop, or use
+inputs only, which is not the global full batch: entering an audit on a rank
+of a world larger than one raises, saying so; run the audit in a
+single-process run of the same loop, or use
 ``equiv.check_distributed`` for the distributed step.  A GradScaler that skips
 a step (an overflow) calls no ``optimizer.step``: that window runs on into the
 next one, and its replay is then not the run's step (audit loss-scaled runs
@@ -150,6 +151,7 @@ class Audit:
     # -- the hooks ---------------------------------------------------------
 
     def __enter__(self) -> Audit:
+        _refuse_a_rank_of_many()
         self._template = copy.deepcopy(self.model)  # before our hooks are on it
         self._handles = [
             self.optimizer.register_step_pre_hook(self._on_step_begin),
@@ -240,6 +242,21 @@ class Audit:
                 f"{len(self.failures)} not equivalent to the full-batch step of their window"
                 + (f", {inherent} inherently not equivalent (not replayed)" if inherent else ""))
         return "\n".join([head, *(f"  {window.line()}" for window in self.windows)])
+
+
+def _refuse_a_rank_of_many() -> None:
+    """A rank of a multi-process run sees only its own micro-batches while its
+    update is the all-reduced one: a replay of its inputs alone is not the
+    global full batch, so a correct step would be flagged.  Refuse, naming why
+    (a verdict on a case that does not apply is never given)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"equiv.audit watches one process, but this is rank {dist.get_rank()} of {dist.get_world_size()} "
+            "(torch.distributed is initialized): a rank sees only its own micro-batches, so replaying them is "
+            "not the global full-batch step and a correct run would be flagged. Audit a single-process run of "
+            "the same loop, or check the distributed step with equiv.check_distributed.")
 
 
 def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
