@@ -15,9 +15,7 @@ import torch
 import equiv
 from equiv.cases.standard import TOY_CASE
 from equiv.checking.trajectory import run_candidate
-from equiv.reporting.peer_runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs, update_gap
-from equiv.reporting.peers import CONFIGURATIONS, EPOCH_RUNS, TRAINER_RUNS, smallest_counterexample
-from equiv.zoo.adapters import (
+from equiv.peers.adapters import (
     MindSporeAccumulator,
     MindSporeAccuStepsWithLossScale,
     MindSporeGradAccumulation,
@@ -25,6 +23,10 @@ from equiv.zoo.adapters import (
     textbook_step,
     torchtitan_step,
 )
+from equiv.peers.catalogue import CONFIGURATIONS, EPOCH_RUNS, TRAINER_RUNS
+from equiv.peers.judge import update_gap
+from equiv.peers.runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs
+from equiv.peers.search import smallest_counterexample
 from equiv.zoo.bugs import clip_per_micro_batch, unscaled_sum
 
 EVEN = CONFIGURATIONS["equal splits, SGD"]
@@ -97,7 +99,7 @@ def test_mindspore_2_port_cannot_clip_and_misses_short_tails() -> None:
 
 
 def test_accelerate_averages_micro_batch_means_on_the_toy_and_its_recipe_does_not() -> None:
-    accelerate = pytest.importorskip("equiv.zoo.adapters.accelerate", reason="needs the accelerate extra")
+    accelerate = pytest.importorskip("equiv.peers.adapters.accelerate", reason="needs the accelerate extra")
     assert abs(toy_w(accelerate.AccelerateStep()) - 0.02 * 4 * (14 / 3 + 77 / 3 + 113 / 2) / 3) < 1e-12
     assert round(toy_w(accelerate.AccelerateStep()), 5) == 2.31556
     # The guide's variable-size recipe (num_items_in_batch, loss * N) lands on the full-batch 2.04.
@@ -109,7 +111,7 @@ def test_accelerate_averages_micro_batch_means_on_the_toy_and_its_recipe_does_no
 
 
 def test_accelerate_one_dataloader_divides_the_epoch_tail_by_n() -> None:
-    accelerate = pytest.importorskip("equiv.zoo.adapters.accelerate", reason="needs the accelerate extra")
+    accelerate = pytest.importorskip("equiv.peers.adapters.accelerate", reason="needs the accelerate extra")
     assert measure_epochs(accelerate.AccelerateStep(3), MID_EPOCH).equivalent  # the mid-epoch counter is right
     tail = measure_epochs(accelerate.AccelerateStep(3), LONG_TAIL)
     assert tail.kind_name() == "tail divided by N" and tail.gap is not None
@@ -124,7 +126,7 @@ def test_accelerate_one_dataloader_divides_the_epoch_tail_by_n() -> None:
 
 
 def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means() -> None:
-    lightning = pytest.importorskip("equiv.zoo.adapters.lightning", reason="needs the lightning extra")
+    lightning = pytest.importorskip("equiv.peers.adapters.lightning", reason="needs the lightning extra")
     assert equiv.check(lightning.LightningStep(), EVEN)
     assert equiv.check(lightning.LightningStep(), CLIPPED)  # clips once, after accumulation
     assert round(toy_w(lightning.LightningStep()), 5) == 2.31556
@@ -139,7 +141,7 @@ def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means(
 def test_transformers_trainer_is_exact_with_num_items_in_batch_and_averages_token_means_without() -> None:
     # 5.x: the release the peers extra installs (4.45.2 is measured in tox -e peers-transformers445).
     pytest.importorskip("transformers", minversion="5.0", reason="needs the transformers 5.x of the peers extra")
-    from equiv.zoo.adapters.transformers import TrainerRun
+    from equiv.peers.adapters.transformers import TrainerRun
 
     def trainer_measure(run: TokenRun) -> Measure:
         return measure(lambda model, optimizer, micro: TrainerRun(run.n).train(model, optimizer, micro,
@@ -251,12 +253,12 @@ def test_a_missing_peer_is_named_by_the_package_that_is_missing(monkeypatch: pyt
     # must name accelerate (it once said "transformers is not installed").
     import importlib.util
 
-    from equiv.reporting import peers as peers_report
+    from equiv.peers import catalogue
 
     installed = {"transformers", "pytorch_lightning"}
-    monkeypatch.setattr(peers_report.importlib.util, "find_spec",
+    monkeypatch.setattr(catalogue.importlib.util, "find_spec",
                         lambda name, *args: importlib.machinery.ModuleSpec(name, None) if name in installed else None)
-    reasons = peers_report.not_measured()
+    reasons = catalogue.not_measured()
     assert reasons == {
         "Accelerate": "accelerate is not installed (pip install equiv[peers])",
         "the transformers Trainer": "accelerate is not installed, which the transformers Trainer needs "
