@@ -83,13 +83,16 @@ def _mermaid(chart: Chart) -> list[str]:
 
 
 def _precision_notes(results: PeersResults) -> list[str]:
-    """Equivalent cells whose float64 run differs by float32 rounding only, grouped by row."""
+    """Equivalent cells whose float64 run differs by float32 rounding only: per
+    row, each situation's size, then the cause and effect once (the same words)."""
     lines = []
     for row in results.rows:
         noted = [(name, cell.note) for name, cell in row.cells.items() if cell.note]
-        if noted:
-            situations = ", ".join(_short(name) for name, _ in noted)
-            lines.append(f"- **{row.name}** ({situations}): {noted[0][1]}")
+        if not noted:
+            continue
+        sizes = "; ".join(f"{_short(name)}: {note.split('. Cause:')[0]}" for name, note in noted)
+        causes = dict.fromkeys("Cause:" + note.split(". Cause:", 1)[1] for _, note in noted if ". Cause:" in note)
+        lines.append(f"- **{row.name}**: {sizes}. {' '.join(causes)}")
     return lines
 
 
