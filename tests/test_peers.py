@@ -329,7 +329,7 @@ def test_the_report_starts_with_a_table_read_at_a_glance_and_charts_measured_num
               PeerRow("Recipe", cells={"tail of a long epoch": Cell("equivalent"),
                                        "equal splits, SGD": Cell("not applicable", detail="takes no clip")})],
         kinds=[("tail divided by N", "a short window divided by N")], known=[],
-        charts=[Chart("Update per window", "window", ("1 (3)", "2 (3)", "3 (1)"), "update / full-batch update",
+        charts=[Chart("Update per window", "Update per window, epoch tail", "window", ("1 (3)", "2 (3)", "3 (1)"), "update / full-batch update",
                       (("Lightning", (1.0, 1.0, 0.333)), ("Recipe", (1.0, 1.0, 1.0))))],
     )
     text = render_peers(results)

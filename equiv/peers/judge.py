@@ -224,7 +224,9 @@ class StepMagnitude:
             return f"step {self.step}: no update where full batch updates"
         if math.isinf(self.scale):
             return f"step {self.step}: an update where full batch skips the step"
-        direction = "sign flipped" if self.cosine < -0.99 else f"cos {self.cosine:.2f}"
+        # Words for the direction only (the checker has judged the step): Adam's first step,
+        # about lr * sign(g), reads as a flip when the cosine rounds to -1 at two decimals.
+        direction = "sign flipped" if round(self.cosine, 2) == -1.0 else f"cos {self.cosine:.2f}"
         # The gap too: under Adam a 3x gradient moves the update only through eps (scale "1x").
         return (f"step {self.step}: update {self.scale:.3g}x the full-batch one, {direction}, "
                 f"off by {self.relative:.2g} of it")

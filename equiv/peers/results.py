@@ -97,6 +97,8 @@ class PeerRow:
 class Chart:
     """Measured series over one axis (an xychart)."""
 
+    #: the section it opens
+    heading: str
     title: str
     x_label: str
     x: tuple[str, ...]

@@ -233,13 +233,17 @@ class Measure:
     def boundary(self) -> bool:
         return (self.steps is not None and self.steps[0] != self.steps[1]) or self.later is not None
 
-    def describe(self) -> str:
-        parts = [self.kind_name()]
+    def magnitude(self) -> str:
+        """What the run did where it failed: steps missing or extra, the first failing step's size and direction."""
+        parts = []
         if self.steps is not None and self.steps[0] != self.steps[1]:
             parts.append(f"{self.steps[0]} optimizer steps where full batch takes {self.steps[1]}")
         if self.gap is not None:
             parts.append(self.gap.describe())
         return "; ".join(parts)
+
+    def describe(self) -> str:
+        return "; ".join(part for part in (self.kind_name(), self.magnitude()) if part)
 
     def checker(self) -> str:
         """The checker's own words for the first tensor past its allowance."""

@@ -64,8 +64,7 @@ def _cell(result: Measure, issues: dict[str, str]) -> Cell:
         return Cell(EQUIVALENT, note=result.note or "")
     kind = result.kind_name()
     upstream = "; ".join(issues[name] for name in kind.split(" + ") if issues.get(name))
-    detail = result.describe().removeprefix(kind).removeprefix("; ")
-    return Cell(NOT_EQUIVALENT, kind=kind, detail=detail, upstream=upstream, checker=result.checker())
+    return Cell(NOT_EQUIVALENT, kind=kind, detail=result.magnitude(), upstream=upstream, checker=result.checker())
 
 
 def _window_cell(peer: Peer, case: Case) -> tuple[Cell, str | None]:
@@ -143,8 +142,11 @@ def _trainer_rows(saved: Path) -> list[PeerRow]:
                           drives="Trainer(args=TrainingArguments(gradient_accumulation_steps=N)).train()")
             for column in TRAINER_RUNS:
                 saved_cell = cells.get(column)
-                row.cells[column] = (Cell.from_dict(saved_cell) if isinstance(saved_cell, dict) else
-                                     Cell(NOT_RUN, detail="not in the saved results (measure it again)"))
+                if isinstance(saved_cell, dict):
+                    row.cells[column] = Cell.from_dict(saved_cell)
+                else:  # missing, or a cell saved as text by an older equiv: no verdict to trust
+                    why = "not in the saved results" if saved_cell is None else "saved by an older equiv as text"
+                    row.cells[column] = Cell(NOT_RUN, detail=f"{why}: measure it again (tox -e peers-transformers445)")
             rows.append(row)
     return rows
 
@@ -218,6 +220,7 @@ def _tail_chart(measured: list[tuple[str, Measure]]) -> Chart | None:
             by_values.setdefault(tuple(round(s, 3) for s in m.scales), []).append(name)
         series += [(" and ".join(names), values) for values, names in by_values.items()]
     return Chart(
+        heading="Update per window over an epoch's tail",
         title=f"Update per window against the full-batch update, {SHORT[_CHARTED].removeprefix('run: ')} "
               f"({run.describe()})",
         x_label="window (micro-batches in it)",

@@ -140,8 +140,7 @@ def render_peers(results: PeersResults) -> str:
         "|update - full-batch update| / |full-batch update|. `checker:` names the first tensor past its "
         "allowance and by how many times.",
         markdown_table(pd.DataFrame([{"kind of failure": name, "what it is": means} for name, means in results.kinds])),
-        *([f"## {results.charts[0].title.split(',')[0]}", *(line for chart in results.charts for line in _mermaid(chart))]
-          if results.charts else []),
+        *(line for chart in results.charts for line in (f"## {chart.heading}", *_mermaid(chart))),
         f"## {_GROUPS['window']}",
         "The candidate contract (`equiv.check`): each window is handed to the implementation on its own, "
         "N = the window's micro-batch count. The loss-scale column runs a torch GradScaler: the full-batch step "
