@@ -2,15 +2,18 @@
 
 The public API.  The code is grouped by layer, and imports flow one way::
 
-    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches, distributed
+    cli  ->  reporting  ->  peers  ->  auditing  ->  checking, cost  ->  cases, zoo, peers.adapters
+         ->  accumulator, losses, batches, distributed
 
 - ``accumulator``, ``losses``, ``batches``: the reference accumulator and the loss protocol;
 - ``distributed``: spawning ranks, FSDP2 sharding and counted collectives (under checking and cost);
 - ``cases``: what to run (:class:`Case`, models, standard cases, strategies);
-- ``zoo``: known bugs and adapters to other libraries' accumulation;
+- ``zoo``: known bugs the checker must catch;
 - ``checking``: truth, floors and candidate runs, comparison, verdicts, search, distributed;
 - ``cost``: memory, workloads, train steps, the cost model and the planner;
 - ``auditing``: a real run watched through hooks, sampled steps judged against the full batch;
+- ``peers``: other libraries' accumulation (adapters), driven as their users drive it and judged
+  by the checker, one window or whole epochs (what reports/peers.md shows);
 - ``reporting``: the markdown reports; ``cli``: the ``equiv`` command.
 """
 

@@ -492,11 +492,12 @@ def _cmd_report_equivalence(args: argparse.Namespace) -> int:
 
 
 def _cmd_report_peers(args: argparse.Namespace) -> int:
-    from equiv.reporting.peers import peers_report
+    from equiv.peers.survey import survey
+    from equiv.reporting.peers import render_peers
 
     out = _output(args.out, "--out")
     assert out is not None
-    _write(out, peers_report())
+    _write(out, render_peers(survey()))
     return 0
 
 

@@ -1,9 +1,12 @@
 """The package's shape: imports flow one way, nothing below the CLI imports it, no cycle.
 
-    cli  ->  reporting  ->  checking, cost  ->  cases, zoo  ->  accumulator, losses, batches, distributed
+    cli  ->  reporting  ->  peers  ->  auditing  ->  checking, cost  ->  cases, zoo, peers.adapters
+         ->  accumulator, losses, batches, distributed
 
 (``distributed``: the launcher, the FSDP2 sharding helpers and the counted
-collectives, below both ``checking`` and ``cost``, which share them.)
+collectives, below both ``checking`` and ``cost``, which share them.  ``peers``
+measures other libraries with the checker, ``reporting`` renders what it measured;
+the peers' adapters need only the loss protocol, so the audit's runs drive them.)
 
 The graph is read from the source (every ``import``, module level or inside
 a function), so a lazy import cannot hide a cycle.
@@ -36,17 +39,20 @@ LAYERS: dict[str, int] = {
     "equiv.host_memory": 0,
     "equiv.cases": 1,
     "equiv.zoo": 1,
+    "equiv.peers.adapters": 1,
     "equiv.checking": 2,
     "equiv.cost": 2,
-    "equiv.reporting": 3,
     "equiv.auditing": 3,
-    "equiv.cli": 4,
-    "equiv.strategies": 5,
-    "equiv.testing": 5,
-    "equiv.pytest_plugin": 5,
-    "equiv.__main__": 5,
-    "equiv": 5,
+    "equiv.peers": 4,
+    "equiv.reporting": 5,
+    "equiv.cli": 6,
+    "equiv.strategies": 7,
+    "equiv.testing": 7,
+    "equiv.pytest_plugin": 7,
+    "equiv.__main__": 7,
+    "equiv": 7,
 }
+FACADE = 7
 
 
 def _modules() -> dict[str, Path]:
@@ -85,7 +91,7 @@ GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 
 def test_every_module_is_placed_in_a_layer() -> None:
-    assert {module for module in MODULES if _layer(module) == 5} == {
+    assert {module for module in MODULES if _layer(module) == FACADE} == {
         "equiv", "equiv.strategies", "equiv.testing", "equiv.pytest_plugin", "equiv.__main__"
     }
 
@@ -108,6 +114,14 @@ def test_checking_and_cost_do_not_import_each_other() -> None:
         if {_subpackage(module), _subpackage(target)} == {"checking", "cost"}
     ]
     assert crossing == []
+
+
+def test_the_peers_report_only_renders() -> None:
+    # Measurement lives in equiv.peers; the report renders its results and imports nothing that measures.
+    assert GRAPH["equiv.reporting.peers"] <= {"equiv.peers.results", "equiv.reporting.markdown"}, \
+        GRAPH["equiv.reporting.peers"]
+    assert not [module for module in GRAPH if module.startswith("equiv.peers")
+                and any(target.startswith("equiv.reporting") for target in GRAPH[module])]
 
 
 def test_only_the_entry_point_imports_the_cli() -> None:
@@ -136,7 +150,7 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_every_module_imports_in_a_fresh_interpreter_in_dependency_order() -> None:
     order: list[str] = []
     # The optional peers' adapters need their extras (their importers guard the import).
-    optional = {"equiv.zoo.adapters.accelerate": "accelerate", "equiv.zoo.adapters.lightning": "pytorch_lightning"}
+    optional = {"equiv.peers.adapters.accelerate": "accelerate", "equiv.peers.adapters.lightning": "pytorch_lightning"}
     missing = {module for module, extra in optional.items() if importlib.util.find_spec(extra) is None}
 
     def place(module: str) -> None:
@@ -166,7 +180,7 @@ def test_the_public_api_is_exactly_all() -> None:
     # that ships a pytest11 plugin (equiv's does) when it is installed as a wheel.
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
-        "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli",
+        "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli", "peers",
         "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing",
     }
     assert public == set(equiv.__all__) - {"__version__"}

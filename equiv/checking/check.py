@@ -37,7 +37,10 @@ from equiv.checking.tolerances import ROUNDOFF_UNITS_PER_STEP, unit_roundoff
 from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
 from equiv.checking.verdict import CaseVerdicts, PrecisionFinding, TensorDiff, Tier, Verdict
 
-__all__ = ["FloorSample", "ReferenceRuns", "check", "check_cases", "floor_samples", "reference_runs"]
+__all__ = [
+    "FloorSample", "ReferenceRuns", "check", "check_cases", "float32_sized", "floor_samples", "precision_finding",
+    "reference_runs",
+]
 
 TIERS: tuple[Tier, ...] = ("exact", "noise")
 #: Offsets of the shuffling seeds from the case seed (any fixed values; fixed so reruns agree).
@@ -296,11 +299,18 @@ def precision_finding(
     failing = sorted({d.tier for d in mismatches})
     if all(d.ok for d in rerun_with_float64_default(failing)):
         return PrecisionFinding("default_dtype", fails_because)
-    float32_sized = all(
-        d.max_abs_diff <= ROUNDOFF_UNITS_PER_STEP * d.step * unit_roundoff(torch.float32) * d.scale
-        for d in mismatches
+    return PrecisionFinding("float32_sized", fails_because) if float32_sized(mismatches) else None
+
+
+def float32_sized(diffs: Sequence[TensorDiff]) -> bool:
+    """Whether every difference is within the roundoff term of the float32 tier's
+    allowance (ROUNDOFF_UNITS_PER_STEP x steps x u(float32) x scale): a difference
+    float32 arithmetic inside a float64 run makes, which a float32 check passes
+    whatever its floor.  The one rule for precision findings (also for whole runs,
+    :mod:`equiv.peers.judge`)."""
+    return all(
+        d.max_abs_diff <= ROUNDOFF_UNITS_PER_STEP * d.step * unit_roundoff(torch.float32) * d.scale for d in diffs
     )
-    return PrecisionFinding("float32_sized", fails_because) if float32_sized else None
 
 
 def check_cases(

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from equiv.losses import Loss
-from equiv.zoo.adapters._state import PerRun, describe
+from equiv.peers.adapters._state import PerRun, describe
 
 __all__ = ["AccelerateStep", "AccelerateVariableSizeStep"]
 

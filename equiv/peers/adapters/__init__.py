@@ -3,20 +3,20 @@
 Each adapter is a candidate ``step(model, optimizer, micro_batches, loss_fn)``
 driving someone else's code, faithfully, bugs and all:
 
-- :mod:`equiv.zoo.adapters.loops`: the textbook ``loss / N`` loop (nanoGPT) and
+- :mod:`equiv.peers.adapters.loops`: the textbook ``loss / N`` loop (nanoGPT) and
   equiv's own loop in torchtitan's style (normalised by the window's item count;
   a reference point, not torchtitan's code).
-- :mod:`equiv.zoo.adapters.mindspore_ports`: the MindSpore tutorials' patterns
+- :mod:`equiv.peers.adapters.mindspore_ports`: the MindSpore tutorials' patterns
   (r1.0/r1.3 ``GradientAccumulation``, the r1.3 parallel-mode loss-scale cell,
   2.0 ``Accumulator``, r2.6 ``GradAccumulation``) ported to PyTorch.
-- :mod:`equiv.zoo.adapters.accelerate`: Hugging Face Accelerate (extra ``accelerate``).
-- :mod:`equiv.zoo.adapters.lightning`: PyTorch Lightning's Trainer (extra ``lightning``).
-- :mod:`equiv.zoo.adapters.transformers`: Hugging Face transformers' ``Trainer``
+- :mod:`equiv.peers.adapters.accelerate`: Hugging Face Accelerate (extra ``accelerate``).
+- :mod:`equiv.peers.adapters.lightning`: PyTorch Lightning's Trainer (extra ``lightning``).
+- :mod:`equiv.peers.adapters.transformers`: Hugging Face transformers' ``Trainer``
   (extra ``peers``; transformers is imported only when a run starts).
 
 Libraries with an epoch loop of their own also offer ``run_epochs`` (or, for
 the transformers Trainer, ``train``): one run over whole epochs, as their users
-drive them, measured by :mod:`equiv.reporting.peer_runs`.
+drive them, judged by :mod:`equiv.peers.runs`.
 
 Adapters with state that outlives one window (a step counter, a framework's
 global state) start afresh when they are handed a model they have not seen,
@@ -24,8 +24,8 @@ which is what happens at the start of every run of a case: cases stay
 independent.  The optional frameworks are imported only by their modules.
 """
 
-from equiv.zoo.adapters.loops import textbook_step, torchtitan_step
-from equiv.zoo.adapters.mindspore_ports import (
+from equiv.peers.adapters.loops import textbook_step, torchtitan_step
+from equiv.peers.adapters.mindspore_ports import (
     MindSporeAccumulator,
     MindSporeAccuStepsWithLossScale,
     MindSporeGradAccumulation,

@@ -1,0 +1,65 @@
+"""The smallest counterexample of a peer, found and shrunk by Hypothesis.
+
+A derandomized search over sample-mean MLP cases the peer can take, each judged
+by :func:`equiv.check`, a failure of a given kind named by
+:func:`equiv.peers.runs.classify_step` (the same checker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, find, settings
+from hypothesis.errors import NoSuchExample
+
+from equiv.cases import strategies
+from equiv.cases.case import Case
+from equiv.checking.check import check
+from equiv.checking.contract import CandidateError, bind
+from equiv.peers.adapters._state import UnsupportedWindow
+from equiv.peers.runs import classify_step
+
+__all__ = ["SEARCHABLE", "smallest_counterexample"]
+
+#: Kinds a sample-mean MLP search can reach (tails and token counts are not in its space).
+SEARCHABLE = ("mean of means", "sum without division", "per-micro-batch clipping", "window boundary")
+
+
+def _search_space(candidate: Callable[..., Any]) -> Any:
+    # Only cases the candidate can take: no clipping case for a step that cannot clip.
+    clipping = strategies.CLIPPING if bind(candidate).takes("max_grad_norm") else ("none",)
+    return strategies.cases(max_batch_size=8, families=["mlp"], optimizer_names=["SGD", "Adam"],
+                            loss_names=["mse"], dtypes=["float32"], max_steps=2, clipping=clipping)
+
+
+def smallest_counterexample(candidate: Callable[..., Any], *, kind: str | None = None,
+                            max_examples: int = 40) -> tuple[Case | None, int]:
+    """(the shrunk failing case or None, cases tried) over sample-mean MLP cases
+    the candidate can take; with ``kind``, only failures of that kind.  Cases
+    the ported framework refuses (:class:`UnsupportedWindow`) are not counted."""
+    tried = 0
+
+    def fails(case: Case) -> bool:
+        nonlocal tried
+        try:
+            verdict = check(candidate, case)
+        except CandidateError as exc:
+            if isinstance(exc.__cause__, UnsupportedWindow):
+                return False  # the framework refuses this window (not counted): no counterexample
+            raise
+        tried += 1
+        if verdict:
+            return False
+        if kind is None:
+            return True
+        measured = classify_step(candidate, case, verdict=verdict)
+        return measured.gap is not None and measured.kind_name() == kind
+
+    try:
+        found = find(_search_space(candidate), fails, settings=settings(
+            max_examples=max_examples, derandomize=True, database=None, deadline=None,
+            phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck)))
+    except NoSuchExample:
+        return None, tried
+    return found, tried
