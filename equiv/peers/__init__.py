@@ -1,0 +1,1 @@
+"""Peers: other libraries' trainers driven as their users drive them, their steps judged by equiv."""
