@@ -40,6 +40,8 @@ LAYERS: dict[str, int] = {
     "equiv.cost": 2,
     "equiv.reporting": 3,
     "equiv.auditing": 3,
+    # other libraries' trainers driven and audited (imports auditing; reporting renders what it saved)
+    "equiv.peers": 3,
     "equiv.cli": 4,
     "equiv.strategies": 5,
     "equiv.testing": 5,
@@ -167,7 +169,7 @@ def test_the_public_api_is_exactly_all() -> None:
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli",
-        "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing",
+        "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing", "peers",
     }
     assert public == set(equiv.__all__) - {"__version__"}
 

@@ -69,6 +69,7 @@ __all__ = [
     "SETTINGS",
     "SPG_ABOVE_GA",
     "SPG_BELOW_GA",
+    "SPG_WITHOUT_GA",
     "GRPOObjective",
     "Setting",
     "grpo_row",
@@ -138,7 +139,9 @@ DEFAULT = Setting("GA=2, steps_per_generation=GA (the default)", 2, None, 3)
 SPG_ABOVE_GA = Setting("GA=2, steps_per_generation=4", 2, 4, 4)
 #: trl #6024's second kind: a window spans two generation batches
 SPG_BELOW_GA = Setting("GA=4, steps_per_generation=2", 4, 2, 2)
-SETTINGS = (DEFAULT, SPG_ABOVE_GA, SPG_BELOW_GA)
+#: the control: the generation batch spans two steps without accumulation (a normaliser error here is not accumulation's)
+SPG_WITHOUT_GA = Setting("GA=1, steps_per_generation=2 (no accumulation)", 1, 2, 2, per_device_train_batch_size=8)
+SETTINGS = (DEFAULT, SPG_ABOVE_GA, SPG_BELOW_GA, SPG_WITHOUT_GA)
 
 #: loss_type -> (what it normalises by, the full-batch objective it documents)
 GRPO_LOSS_TYPES: dict[str, tuple[str, str]] = {
@@ -166,8 +169,9 @@ HYPOTHESES: dict[str, tuple[str, Normaliser]] = {
         "generation-batch tokens",
         lambda batch, ga, spg: float(batch["num_items_in_batch"])),
     "generation batch tokens x GA/spg": (
-        "normaliser is the generation batch's token count × GA / steps_per_generation (trl #6024's rescaling): "
-        "the window's own token count only when the generation batch's windows hold equal numbers of tokens",
+        "normaliser is the generation batch's token count × GA / steps_per_generation (trl #6024's rescaling: the "
+        "token count expected in a window, the window's own only when the generation batch's windows hold equal "
+        "numbers of tokens)",
         lambda batch, ga, spg: float(batch["num_items_in_batch"]) * ga / spg),
     "local tokens": (
         "each micro-batch normalised by its own active tokens, then divided by gradient_accumulation_steps "
@@ -458,6 +462,13 @@ def versions() -> dict[str, str]:
     return out
 
 
+def _scales(windows: Sequence[WindowAudit]) -> dict[str, list[float]]:
+    """Per step past its allowance, its first update row's size along the full batch's and cosine."""
+    rows = [next((row for row in window.mismatches if row.kind == "update"), window.mismatches[0])
+            for window in windows if window.mismatches]
+    return {"update_ratios": [row.update_ratio for row in rows], "cosines": [row.cosine for row in rows]}
+
+
 def _magnitude(windows: Sequence[WindowAudit]) -> str:
     """The update's size along the full batch's and its cosine, over the windows past their allowance
     (the first update row of each, as the audit's line shows it); the worst allowance use otherwise."""
@@ -485,13 +496,16 @@ def _explained(audits: dict[str, Audit]) -> list[str]:
     return [name for name, watching in audits.items() if name != "documented" and bool(watching)]
 
 
-def _upstream(loss_type: str, setting: Setting, explained: list[str], trl_version: str) -> str:
+def _upstream(loss_type: str, setting: Setting, explained: list[str]) -> str:
     if loss_type == "bnpo":
         return "by design (TRL's GRPOConfig docs: local-batch normalisation)"
-    if "generation batch tokens" in explained and setting.steps_per_generation not in (None, setting.gradient_accumulation_steps):
-        return "trl #6024 (also #5619; fixed in trl 1.9.1)"
-    if "generation batch tokens x GA/spg" in explained and setting.steps_per_generation not in (None, setting.gradient_accumulation_steps):
-        return "after trl #6024's rescaling (1.9.1+): not reported upstream that we found"
+    if setting.generation_steps == setting.gradient_accumulation_steps:
+        return ""
+    if "generation batch tokens" in explained:
+        return "trl #6024 (and #5619): the rescaling released in trl 1.9.1"
+    if "generation batch tokens x GA/spg" in explained:
+        return ("trl #6024's rescaling (1.9.1 on) normalises by the expected window token count; "
+                "not reported upstream that we found")
     return ""
 
 
@@ -516,9 +530,9 @@ def grpo_row(loss_type: str, setting: Setting, *, seed: int = 0) -> dict[str, An
     return {
         "trainer": "GRPOTrainer", "loss_type": loss_type, "setting": setting.name,
         "objective": GRPO_LOSS_TYPES[loss_type][1], "verdict": verdict, "measured_against_window": measured,
-        "kind": kind, "explained_by": explained, "magnitude": _magnitude(windows),
+        "kind": kind, "explained_by": explained, "magnitude": _magnitude(windows), **_scales(windows),
         "steps": [window.line() for window in windows],
-        "upstream": _upstream(loss_type, setting, explained, versions()["trl"]), "versions": versions(),
+        "upstream": _upstream(loss_type, setting, explained), "versions": versions(),
     }
 
 
@@ -531,7 +545,8 @@ def sft_row(loss_type: str = "nll") -> dict[str, Any]:
                      + (" (each weighted by its probability, detached)" if loss_type == "dft" else ""),
         "verdict": verdict, "measured_against_window": verdict,
         "kind": "" if verdict == "equivalent" else "unexplained", "explained_by": [],
-        "magnitude": _magnitude(windows), "steps": [window.line() for window in windows], "upstream": "",
+        "magnitude": _magnitude(windows), **_scales(windows), "steps": [window.line() for window in windows],
+        "upstream": "",
         "versions": versions(),
     }
 
