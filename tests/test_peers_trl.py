@@ -135,3 +135,9 @@ def test_the_section_renders_saved_rows_and_says_when_there_are_none(tmp_path: P
                       "magnitude": "update 0.41x to 0.59x the full-batch one", "upstream issue": "trl #6024"}]
     assert "torch 2.13.0, trl 1.9.0" in section
     assert "Not measured" in trl_section(tmp_path / "absent.json")
+
+
+@needs_trl
+def test_bnpo_without_accumulation_is_judged_as_measured() -> None:
+    row = _row("bnpo", _setting("SPG_WITHOUT_GA"))  # GA = 1: the local batch is the window
+    assert row["verdict"] == "equivalent", "\n".join(row["steps"])

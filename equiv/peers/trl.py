@@ -497,7 +497,7 @@ def _explained(audits: dict[str, Audit]) -> list[str]:
 
 
 def _upstream(loss_type: str, setting: Setting, explained: list[str]) -> str:
-    if loss_type == "bnpo":
+    if loss_type == "bnpo" and setting.gradient_accumulation_steps > 1:
         return "by design (TRL's GRPOConfig docs: local-batch normalisation)"
     if setting.generation_steps == setting.gradient_accumulation_steps:
         return ""
@@ -514,9 +514,11 @@ def grpo_row(loss_type: str, setting: Setting, *, seed: int = 0) -> dict[str, An
     audits = grpo_run(loss_type, setting, seed=seed)
     windows = audits["documented"].windows
     verdict = _verdict(windows)
-    explained = _explained(audits)
-    by_design = loss_type == "bnpo"
+    explained = _explained(audits) if verdict != "equivalent" else []
+    # bnpo's local batch is the window only without accumulation (GA = 1): then it is judged as it measures
+    by_design = loss_type == "bnpo" and setting.gradient_accumulation_steps > 1
     if by_design:
+        explained = _explained(audits)
         kind = ("not a full-batch objective by design; the local-batch normaliser confirmed by the judge"
                 if "local tokens" in explained else "not a full-batch objective by design")
         measured = verdict
