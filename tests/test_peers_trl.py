@@ -7,7 +7,8 @@ full-batch one are equivalent under accumulation; dapo / cispo with steps_per_ge
 != gradient_accumulation_steps are not, before trl #6024 (trl <= 1.9.0: the generation
 batch's token count) and after it (trl >= 1.9.1: that count × GA / steps_per_generation,
 the expected window count), the kind shown by the judge itself, the scale predicted from
-the token counts; bnpo is local by design."""
+the token counts; #6024's published 0.5x / 2x / 4x before its rescaling and exactness after it
+when every window holds the same number of tokens; bnpo is local by design."""
 
 from __future__ import annotations
 
@@ -78,6 +79,22 @@ def test_token_normalised_losses_are_mis_normalised_when_a_generation_batch_is_n
     expected = "generation batch tokens x GA/spg" if _rescaled() else "generation batch tokens"
     assert row["explained_by"] == [expected]
     assert "6024" in row["upstream"]
+
+
+@needs_trl
+@pytest.mark.parametrize(("setting", "scale"), [("SPG_ABOVE_GA_EQUAL", 0.5), ("SPG_BELOW_GA_EQUAL", 2.0),
+                                                ("LITE_PPO_EQUAL", 4.0)])
+def test_6024s_published_scales_before_its_rescaling_and_exact_after_when_windows_hold_equal_tokens(
+        setting: str, scale: float) -> None:
+    # trl #6024: GA / steps_per_generation = 2 / 4 gives 0.5x, 32 / 8 gives 4x; every completion max length here.
+    row = _row("dapo", _setting(setting))
+    if _rescaled():
+        assert row["verdict"] == "equivalent", "\n".join(row["steps"])
+        assert "exact here" in row["upstream"]
+        return
+    assert row["verdict"] == "NOT equivalent", "\n".join(row["steps"])
+    assert row["explained_by"] == ["generation batch tokens"]
+    assert row["update_ratios"] == pytest.approx([scale] * len(row["steps"]), rel=1e-4)
 
 
 @needs_trl

@@ -66,9 +66,12 @@ __all__ = [
     "DEFAULT",
     "GRPO_LOSS_TYPES",
     "HYPOTHESES",
+    "LITE_PPO_EQUAL",
     "SETTINGS",
     "SPG_ABOVE_GA",
+    "SPG_ABOVE_GA_EQUAL",
     "SPG_BELOW_GA",
+    "SPG_BELOW_GA_EQUAL",
     "SPG_WITHOUT_GA",
     "GRPOObjective",
     "Setting",
@@ -128,6 +131,9 @@ class Setting:
     max_steps: int
     per_device_train_batch_size: int = 4
     num_generations: int = 4
+    #: every completion max_completion_length long (generation_kwargs min_new_tokens): every
+    #: micro-batch, window and generation batch then holds the same number of tokens
+    equal_lengths: bool = False
 
     @property
     def generation_steps(self) -> int:
@@ -141,7 +147,13 @@ SPG_ABOVE_GA = Setting("GA=2, steps_per_generation=4", 2, 4, 4)
 SPG_BELOW_GA = Setting("GA=4, steps_per_generation=2", 4, 2, 2)
 #: the control: the generation batch spans two steps without accumulation (a normaliser error here is not accumulation's)
 SPG_WITHOUT_GA = Setting("GA=1, steps_per_generation=2 (no accumulation)", 1, 2, 2, per_device_train_batch_size=8)
-SETTINGS = (DEFAULT, SPG_ABOVE_GA, SPG_BELOW_GA, SPG_WITHOUT_GA)
+#: trl #6024's two settings where every window holds the same number of tokens: its rescaling is then exact
+SPG_ABOVE_GA_EQUAL = Setting("GA=2, steps_per_generation=4, completions all max length", 2, 4, 4, equal_lengths=True)
+SPG_BELOW_GA_EQUAL = Setting("GA=4, steps_per_generation=2, completions all max length", 4, 2, 2, equal_lengths=True)
+#: trl #6024's second example (the Lite PPO reproduction's steps_per_generation=8, GA=32), one optimizer step
+LITE_PPO_EQUAL = Setting("GA=32, steps_per_generation=8, completions all max length", 32, 8, 1, equal_lengths=True)
+SETTINGS = (DEFAULT, SPG_ABOVE_GA, SPG_BELOW_GA, SPG_WITHOUT_GA, SPG_ABOVE_GA_EQUAL, SPG_BELOW_GA_EQUAL,
+            LITE_PPO_EQUAL)
 
 #: loss_type -> (what it normalises by, the full-batch objective it documents)
 GRPO_LOSS_TYPES: dict[str, tuple[str, str]] = {
@@ -350,6 +362,8 @@ def grpo_run(loss_type: str, setting: Setting, *, seed: int = 0,
         hypotheses = tuple(HYPOTHESES) if loss_type in _TOKEN_NORMALISED else ()
     with tempfile.TemporaryDirectory() as output_dir, _quiet():
         extra: dict[str, Any] = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+        if setting.equal_lengths:
+            extra["generation_kwargs"] = {"min_new_tokens": 8}
         if loss_type == "cispo":
             extra["epsilon_high"] = 5.0  # the MiniMax-M1 / ScaleRL setting TRL's docs cite
         args = GRPOConfig(
@@ -378,7 +392,9 @@ def grpo_run(loss_type: str, setting: Setting, *, seed: int = 0,
         for name in hypotheses:
             objectives[name] = (GRPOObjective(loss_type, per_micro_batch=True, **settings), hypothesis_targets(name))
         recorder = _Recorder(objectives, lambda model, call: completion_log_probs(model, call[0][0], 1.0))
-        dataset = Dataset.from_dict({"prompt": PROMPTS})
+        # enough prompts for every window in one epoch (the Trainer ends a window at an epoch's end)
+        needed = setting.gradient_accumulation_steps * setting.per_device_train_batch_size * setting.max_steps
+        dataset = Dataset.from_dict({"prompt": PROMPTS * -(-needed // (setting.num_generations * len(PROMPTS)))})
         reward: Any = reward_a
         trainer: Any = GRPOTrainer(model=tiny_policy(seed), reward_funcs=[reward], args=args, train_dataset=dataset,
                                    processing_class=tiny_tokenizer(), callbacks=[_callback(recorder)])
@@ -496,11 +512,13 @@ def _explained(audits: dict[str, Audit]) -> list[str]:
     return [name for name, watching in audits.items() if name != "documented" and bool(watching)]
 
 
-def _upstream(loss_type: str, setting: Setting, explained: list[str]) -> str:
+def _upstream(loss_type: str, setting: Setting, explained: list[str], verdict: str) -> str:
     if loss_type == "bnpo" and setting.gradient_accumulation_steps > 1:
         return "by design (TRL's GRPOConfig docs: local-batch normalisation)"
-    if setting.generation_steps == setting.gradient_accumulation_steps:
+    if setting.generation_steps == setting.gradient_accumulation_steps or loss_type not in ("dapo", "cispo"):
         return ""
+    if verdict == "equivalent":
+        return "trl #6024: its rescaling is exact here (every window holds the same number of tokens)"
     if "generation batch tokens" in explained:
         return "trl #6024 (and #5619): the rescaling released in trl 1.9.1"
     if "generation batch tokens x GA/spg" in explained:
@@ -534,7 +552,7 @@ def grpo_row(loss_type: str, setting: Setting, *, seed: int = 0) -> dict[str, An
         "objective": GRPO_LOSS_TYPES[loss_type][1], "verdict": verdict, "measured_against_window": measured,
         "kind": kind, "explained_by": explained, "magnitude": _magnitude(windows), **_scales(windows),
         "steps": [window.line() for window in windows],
-        "upstream": _upstream(loss_type, setting, explained), "versions": versions(),
+        "upstream": _upstream(loss_type, setting, explained, verdict), "versions": versions(),
     }
 
 
@@ -554,9 +572,13 @@ def sft_row(loss_type: str = "nll") -> dict[str, Any]:
 
 
 def _settings_for(loss_type: str) -> tuple[Setting, ...]:
-    """Every loss type under the default; the two #6024 settings for the token-normalised ones
-    (their normaliser is the one num_items_in_batch feeds) and for grpo, as a control."""
-    return SETTINGS if loss_type in (*_TOKEN_NORMALISED, "grpo") else (DEFAULT,)
+    """Every loss type under the default; the #6024 settings (and the GA = 1 control) for the
+    token-normalised ones (their normaliser is the one num_items_in_batch feeds) and for grpo, as a control."""
+    if loss_type == "bnpo":  # with equal lengths its local mean is the window's: nothing to tell apart
+        return tuple(setting for setting in SETTINGS if not setting.equal_lengths)
+    if loss_type in ("cispo", "grpo"):  # the one-step GA=32 run (~10 s) for dapo, the loss type #6024 measured
+        return tuple(setting for setting in SETTINGS if setting is not LITE_PPO_EQUAL)
+    return SETTINGS if loss_type == "dapo" else (DEFAULT,)
 
 
 def results(loss_types: Sequence[str] | None = None, *, sft: bool = True) -> list[dict[str, Any]]:
