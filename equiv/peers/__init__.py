@@ -12,6 +12,10 @@
 - :mod:`equiv.peers.catalogue`: the peers, the situations they are measured
   in, and the known upstream issues;
 - :mod:`equiv.peers.search`: the smallest counterexample (Hypothesis);
+- :mod:`equiv.peers.trl`, :mod:`equiv.peers.torchtune`: TRL's GRPOTrainer /
+  SFTTrainer and torchtune's full fine-tune recipe run as their users run them,
+  every optimizer step audited (:func:`equiv.audit`) against the documented
+  full-batch objective;
 - :mod:`equiv.peers.survey`: everything reports/peers.md shows, measured into
   :mod:`equiv.peers.results` (plain data that :mod:`equiv.reporting.peers` renders).
 

@@ -1,0 +1,152 @@
+"""torchtune's full fine-tune recipe (``recipes/full_finetune_single_device.py``) under
+gradient accumulation, its training loop run unmodified and audited (:mod:`equiv.auditing`).
+
+The recipe's loop (torchtune 0.6.1, the last release; torchtune #1875) normalises by a
+running token count: each micro-batch's mean loss times its count of labels that are not
+``ignore_index``, the gradients scaled by 1 / the window's count before the step.  The
+count is taken on the labels *before* the recipe shifts them (``labels[..., 1:]``), so a
+sequence whose first label is not masked adds a token that no loss term has (the shift
+moved into the datasets after 0.6.1, torchtune #2613).  Two datasets show it:
+
+* ``first_label_masked=True`` (an SFT sample whose prompt is masked: its first label is
+  ``ignore_index``): the count is the window's next-token count, equivalent;
+* ``first_label_masked=False`` (text completion: labels are the tokens): not equivalent,
+  each micro-batch weighted by its unshifted over its shifted count; the run is audited a
+  second time against that normaliser (:class:`UnshiftedCount`), which the judge finds equivalent.
+
+The recipe object is the installed recipe's class, built by its ``__init__`` from a
+config; the components its ``setup`` would instantiate from checkpoint and tokenizer files
+(none are downloaded here) are torchtune's own, set on it: a one-layer ``llama3`` from its
+component builder, ``CEWithChunkedOutputLoss``, ``padded_collate_sft`` over a
+``DistributedSampler``, SGD.  Each micro-batch ``_loss_step`` receives is recorded for the
+replay (its labels never reach the model's ``forward``).  float32 (torchtune's RMSNorm
+computes in float32 whatever the model's dtype).  Needs torchtune and torchao (see
+README: torchao 0.15, the last whose names torchtune 0.6.1 imports on torch 2.13).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import tempfile
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from equiv.auditing.replay import Call
+from equiv.auditing.watch import Audit, audit
+from equiv.losses import NextTokenCrossEntropy
+
+__all__ = ["UnshiftedCount", "full_finetune_run", "recipe_class", "versions"]
+
+VOCAB = 16
+#: real lengths of 12 sequences, micro-batches of 2 in order: unequal counts per micro-batch
+LENGTHS = [8, 3, 5, 5, 2, 7, 6, 1, 4, 8, 3, 3]
+
+
+def versions() -> dict[str, str]:
+    return {package: importlib.metadata.version(package) for package in ("torchtune", "torchao", "torch")}
+
+
+def recipe_class() -> Any:
+    """``FullFinetuneRecipeSingleDevice`` from the installed torchtune's ``recipes/`` folder
+    (not an importable package: torchtune runs recipes as scripts, ``tune run``)."""
+    spec = importlib.util.find_spec("recipes")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("torchtune's recipes folder is not installed (pip install torchtune)")
+    path = f"{next(iter(spec.submodule_search_locations))}/full_finetune_single_device.py"
+    module_spec = importlib.util.spec_from_file_location("equiv_torchtune_full_finetune_single_device", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.FullFinetuneRecipeSingleDevice
+
+
+class UnshiftedCount(NextTokenCrossEntropy):
+    """The hypothesis: each micro-batch's next-token mean weighted by its count of labels
+    before the shift, the window divided by the sum of those counts."""
+
+    def sum(self, output: Tensor, target: Tensor) -> Tensor:
+        return super().sum(output, target) * (target != self.ignore_index).sum() / super().count(target)
+
+    def count(self, target: Tensor) -> Tensor:
+        return (target != self.ignore_index).sum()
+
+
+def _call(model: nn.Module, call: Call) -> Any:
+    return model(tokens=call[0][0]["tokens"])
+
+
+def _output(output: Any) -> Tensor:
+    """The chunked output (a list of sequence chunks, CEWithChunkedOutputLoss) put back together."""
+    return torch.cat(output, dim=1) if isinstance(output, list) else output
+
+
+def _targets(call: Call) -> Tensor:
+    labels: Tensor = call[0][0]["labels"]
+    return labels
+
+
+def full_finetune_run(*, first_label_masked: bool, gradient_accumulation_steps: int = 2,
+                      seed: int = 0) -> dict[str, Audit]:
+    """The recipe's ``train()`` for 3 optimizer steps over ``LENGTHS``, audited against the
+    window's next-token mean (``"documented"``) and against :class:`UnshiftedCount` (``"unshifted count"``)."""
+    from omegaconf import OmegaConf
+    from torchtune import training
+    from torchtune.data import padded_collate_sft
+    from torchtune.models.llama3 import llama3
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+    from torchtune.training.metric_logging import DiskLogger
+
+    micro_batch, steps = 2, 3
+    with tempfile.TemporaryDirectory() as output_dir:
+        cfg = OmegaConf.create({
+            "device": "cpu", "dtype": "fp32", "output_dir": output_dir, "resume_from_checkpoint": False,
+            "gradient_accumulation_steps": gradient_accumulation_steps, "optimizer_in_bwd": False,
+            "clip_grad_norm": None, "seed": seed, "epochs": 1, "max_steps_per_epoch": steps,
+            "batch_size": micro_batch, "checkpointer": {"model_type": "LLAMA3"}, "log_every_n_steps": 1})
+        recipe = recipe_class()(cfg)
+        torch.manual_seed(seed)
+        model = llama3(vocab_size=VOCAB, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16, max_seq_len=32,
+                       intermediate_dim=32)
+        loss_fn = CEWithChunkedOutputLoss(num_output_chunks=2)
+        model.set_num_output_chunks(loss_fn.num_output_chunks)
+        generator = torch.Generator().manual_seed(seed)
+        data = []
+        for length in LENGTHS:
+            tokens = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+            data.append({"tokens": tokens, "labels": [loss_fn.ignore_index, *tokens[1:]] if first_label_masked
+                         else tokens})
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=False)  # type: ignore[var-annotated,arg-type]
+        recipe._model, recipe._loss_fn = model, loss_fn
+        recipe._dataloader = torch.utils.data.DataLoader(data, batch_size=micro_batch, sampler=sampler,  # type: ignore[arg-type]
+                                                         collate_fn=padded_collate_sft)
+        recipe._optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        recipe._lr_scheduler, recipe._compile, recipe.profiler_profile_memory = None, False, False
+        recipe._metric_logger, recipe._profiler = DiskLogger(log_dir=output_dir), training.DummyProfiler()
+        recipe._steps_per_epoch, recipe.global_step, recipe.epochs_run = steps, 0, 0
+        recipe.ignore_labels_cache = torch.full((micro_batch, 1), loss_fn.ignore_index)
+        recipe.activations_handling_ctx = training.get_act_offloading_ctx_manager(model, False)
+        recipe.save_checkpoint = lambda epoch: None  # no checkpoint files: nothing was loaded from one
+        settings: dict[str, Any] = {"record_forward": False, "call_model": _call, "output": _output,
+                                    "targets": _targets}
+        audits = {"documented": audit(model, recipe._optimizer, loss=NextTokenCrossEntropy(), **settings),
+                  "unshifted count": audit(model, recipe._optimizer, loss=UnshiftedCount(), **settings)}
+        loss_step = recipe._loss_step
+
+        def recording(batch: dict[str, Tensor]) -> Tensor:
+            for watching in audits.values():
+                watching.record(dict(batch))
+            return loss_step(batch)
+
+        recipe._loss_step = recording
+        for watching in audits.values():
+            watching.__enter__()
+        try:
+            recipe.train()
+        finally:
+            for watching in audits.values():
+                watching.__exit__(None, None, None)
+            recipe.cleanup()
+    return audits
