@@ -120,6 +120,7 @@ def test_the_peers_report_only_renders() -> None:
     # Measurement lives in equiv.peers; the report renders its results and imports nothing that measures.
     assert GRAPH["equiv.reporting.peers"] <= {"equiv.peers.results", "equiv.reporting.markdown"}, \
         GRAPH["equiv.reporting.peers"]
+    assert GRAPH["equiv.reporting.trl"] <= {"equiv.reporting.markdown"}, GRAPH["equiv.reporting.trl"]
     assert not [module for module in GRAPH if module.startswith("equiv.peers")
                 and any(target.startswith("equiv.reporting") for target in GRAPH[module])]
 

@@ -145,7 +145,10 @@ def test_the_section_renders_saved_rows_and_says_when_there_are_none(tmp_path: P
     saved.write_text(json.dumps(rows))
     section = trl_section(saved)
     assert section.startswith("## TRL")
-    table = read_markdown_table(section)
+    glance = read_markdown_table(section)  # first: one line per trainer, loss type and release
+    assert glance == [{"trainer, loss type (release)": "GRPOTrainer dapo (trl 1.9.0)",
+                       "GA=2, steps_per_generation=4": "✗ (generation-batch tokens)"}]
+    table = read_markdown_table([part for part in section.split("\n\n") if part.startswith("|")][1])
     assert table == [{"trainer": "GRPOTrainer", "loss_type": "dapo", "setting": "GA=2, steps_per_generation=4",
                       "trl": "1.9.0", "verdict": "NOT equivalent",
                       "kind": "normaliser is the generation batch's token count",
@@ -158,3 +161,34 @@ def test_the_section_renders_saved_rows_and_says_when_there_are_none(tmp_path: P
 def test_bnpo_without_accumulation_is_judged_as_measured() -> None:
     row = _row("bnpo", _setting("SPG_WITHOUT_GA"))  # GA = 1: the local batch is the window
     assert row["verdict"] == "equivalent", "\n".join(row["steps"])
+
+
+def test_the_glance_names_each_kind_short_and_tells_the_rescaled_normaliser_apart() -> None:
+    from equiv.reporting.trl import trl_glance
+
+    kinds = {"1.9.0": "normaliser is the generation batch's token count (num_items_in_batch spans ...)",
+             "1.16.0": "normaliser is the generation batch's token count × GA / steps_per_generation (...)"}
+    rows = [{"trainer": "GRPOTrainer", "loss_type": "dapo", "setting": "GA=2, spg=4", "verdict": "NOT equivalent",
+             "kind": kind, "versions": {"trl": release}} for release, kind in kinds.items()]
+    rows.append({"trainer": "GRPOTrainer", "loss_type": "bnpo", "setting": "GA=2, spg=4",
+                 "verdict": "by design not full-batch", "kind": "not a full-batch objective by design; ...",
+                 "versions": {"trl": "1.16.0"}})
+    rows.append({"trainer": "GRPOTrainer", "loss_type": "grpo", "setting": "GA=2, spg=4", "verdict": "equivalent",
+                 "kind": "", "versions": {"trl": "1.16.0"}})
+    assert [row["GA=2, spg=4"] for row in read_markdown_table(trl_glance(rows))] == [
+        "✗ (generation-batch tokens)", "✗ (expected window tokens)", "by design", "✓"]
+
+
+def test_the_torchtune_section_renders_saved_rows_and_says_when_there_are_none(tmp_path: Path) -> None:
+    from equiv.reporting.trl import torchtune_section
+
+    rows = [{"setting": "GA=2, text completion", "verdict": "NOT equivalent", "kind": "counts before the shift",
+             "magnitude": "update 0.99-1.007x", "upstream": "torchtune #2613", "versions": {"torchtune": "0.6.1"}}]
+    saved = tmp_path / "peers-torchtune.json"
+    saved.write_text(json.dumps(rows))
+    section = torchtune_section(saved)
+    assert read_markdown_table(section) == [{"setting": "GA=2, text completion", "verdict": "NOT equivalent",
+                                             "kind": "counts before the shift", "magnitude": "update 0.99-1.007x",
+                                             "upstream": "torchtune #2613"}]
+    assert "torchtune 0.6.1" in section
+    assert "Not measured" in torchtune_section(tmp_path / "absent.json")

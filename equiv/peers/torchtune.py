@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +40,7 @@ from equiv.auditing.replay import Call
 from equiv.auditing.watch import Audit, audit
 from equiv.losses import NextTokenCrossEntropy
 
-__all__ = ["UnshiftedCount", "full_finetune_run", "recipe_class", "versions"]
+__all__ = ["UnshiftedCount", "full_finetune_run", "recipe_class", "results", "versions", "write_results"]
 
 VOCAB = 16
 #: real lengths of 12 sequences, micro-batches of 2 in order: unequal counts per micro-batch
@@ -150,3 +152,45 @@ def full_finetune_run(*, first_label_masked: bool, gradient_accumulation_steps: 
                 watching.__exit__(None, None, None)
             recipe.cleanup()
     return audits
+
+
+#: What each dataset is, and what the recipe's count is off by when it is not equivalent.
+_DATASETS = {
+    True: "SFT: each sequence's first label masked (a prompt)",
+    False: "text completion: every label a token",
+}
+_UNSHIFTED_KIND = ("normaliser counts the labels before the recipe's shift (one token per sequence that no loss "
+                   "term has)")
+
+
+def results() -> list[dict[str, Any]]:
+    """The recipe on both datasets, as rows the peers report renders (the fields of
+    :func:`equiv.peers.trl.results`' rows): each audited against the window's next-token mean,
+    and a failing one again against the count the recipe used (its kind, when that explains every step)."""
+    rows = []
+    for masked in (True, False):
+        audits = full_finetune_run(first_label_masked=masked)
+        documented, unshifted = audits["documented"], audits["unshifted count"]
+        failing = [w for w in documented.windows if not w.equivalent]
+        ratios = [w.mismatches[0].update_ratio for w in failing]
+        cosines = [w.mismatches[0].cosine for w in failing]
+        magnitude = (f"update {min(ratios):.3g}-{max(ratios):.3g}x the full-batch one, cosine >= {min(cosines):.3f}"
+                     if failing else "within the allowance")
+        rows.append({
+            "trainer": "torchtune full_finetune_single_device", "loss_type": "CEWithChunkedOutputLoss",
+            "setting": f"GA=2, {_DATASETS[masked]}",
+            "verdict": "NOT equivalent" if failing else "equivalent",
+            "kind": _UNSHIFTED_KIND if failing and unshifted else ("" if not failing else "not explained"),
+            "magnitude": magnitude,
+            "upstream": "torchtune #2613 (the shift moved into the datasets after 0.6.1)" if failing else "",
+            "steps": [w.line() for w in documented.windows],
+            "versions": versions(),
+        })
+    return rows
+
+
+def write_results(path: str | Path) -> list[dict[str, Any]]:
+    """Measure the installed torchtune into ``path`` (JSON rows) for the peers report."""
+    rows = results()
+    Path(path).write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
+    return rows

@@ -10,6 +10,8 @@ Written by ``equiv report peers`` (``tox -e peers``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 
 from equiv.peers.results import EQUIVALENT, NOT_APPLICABLE, NOT_EQUIVALENT, Cell, Chart, PeerRow, PeersResults
@@ -96,8 +98,9 @@ def _precision_notes(results: PeersResults) -> list[str]:
     return lines
 
 
-def render_peers(results: PeersResults) -> str:
-    """The markdown of reports/peers.md."""
+def render_peers(results: PeersResults, *, trainer_sections: Sequence[str] = ()) -> str:
+    """The markdown of reports/peers.md; ``trainer_sections``: the RL and fine-tuning trainers'
+    sections (:mod:`equiv.reporting.trl`), placed after the transformers Trainer's."""
     peer_rows = [r for r in results.rows if r.group == "peer"]
     trainer = [r for r in results.rows if r.group == "trainer"]
     own = [r for r in results.rows if r.group == "own"]
@@ -119,7 +122,8 @@ def render_peers(results: PeersResults) -> str:
         "✓ equivalent to full-batch training; ✗ not, with the kind of failure; n/a: the situation does not apply "
         "to the implementation (the reason is in the details); -: not measured for it. Columns: one window per "
         "call (equal, Adam, ..., loss scale), one run of the library over whole epochs (`run:`), one "
-        "`Trainer.train()` (`train():`); each is described below.",
+        "`Trainer.train()` (`train():`); each is described below. TRL's trainers and torchtune's recipe, "
+        "measured in settings of their own, have a table like this at the head of their sections.",
         _glance(results),
         "\n".join(_summary(peer_rows + trainer)),
         "## How a verdict is reached",
@@ -170,6 +174,7 @@ def render_peers(results: PeersResults) -> str:
         _table(trainer, by_group["trainer"]) if trainer else
         f"The transformers Trainer: not measured ({trainer_missing}).",
         "Data: " + "; ".join(f"{s.name}: {s.data}" for s in results.situations if s.group == "trainer"),
+        *(section.strip() for section in trainer_sections),
         "## equiv's own loops (reference points, not peers)",
         "These call equiv's helpers (`equiv.losses`); the torchtitan-style loop is equiv's code written in "
         "torchtitan's manner (loss sum / the window's valid-token count), not torchtitan's.",
