@@ -1,9 +1,12 @@
 """TRL's trainers under gradient accumulation, driven as their users drive them
 and judged by equiv's audit (:mod:`equiv.auditing`).
 
-What a user writes, here on a one-layer Llama built from a config (float64, so
-the exact tier applies) with a character tokenizer built locally, on CPU, with
-a reward function of our own (nothing downloaded)::
+What a user writes, here on a one-layer Llama built from a config (float32:
+TRL 1.16's fused LM head, ``trl/kernels/chunked_logprob.py``, takes log-probs in
+float32 whatever the model's dtype, so a float64 run would differ from its
+float64 replay by float32 rounding on every step; the audit judges the float32
+update in the noise tier, with float32 floors) with a character tokenizer built
+locally, on CPU, with a reward function of our own (nothing downloaded)::
 
     args = GRPOConfig(loss_type=..., gradient_accumulation_steps=N, steps_per_generation=S, ...)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=prompts,
