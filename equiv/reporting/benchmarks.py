@@ -350,6 +350,9 @@ def _audit_section(raw: dict[str, Any]) -> list[str]:
             "micro-batches per step": info["micro_batches"],
             "plain step s (median)": f"{info['plain_step_median_s']:.4f}",
             "unaudited step / plain": f"{info['unaudited_ratio']:.2f}x",
+            # Absent from runs made before it was timed apart (it was then inside the unaudited ratio).
+            "step before an audited one / plain": (f"{info['before_audited_ratio']:.2f}x"
+                                                   if "before_audited_ratio" in info else "-"),
             "audited step / plain": f"{info['audited_ratio']:.1f}x",
             "new storage, plain step (B/param)": f"{info['plain_peak_bytes_per_parameter']:.0f}",
             "new storage, audited step (B/param)": f"{info['audited_peak_bytes_per_parameter']:.0f}",
@@ -360,10 +363,13 @@ def _audit_section(raw: dict[str, Any]) -> list[str]:
         "## equiv.audit: what watching a real run costs",
         "",
         "A user's loop (an MLP classifier called as `model(x, y)`, AdamW, N micro-batches of 16 samples per "
-        "optimizer step) timed plain, inside `equiv.audit` on a step it does not audit (the hooks only), and on "
+        "optimizer step) timed plain, inside `equiv.audit` on a step it does not audit (the hooks only), on the "
+        "step before an audited window (its optimizer step's post-hook copies the weights and optimizer state "
+        "the audited window starts from: a cost of the audit, paid one step early), and on "
         "a step it audits (the window's inputs and start state copied, the full batch replayed in float64 and "
         "three times in float32, the update compared), alternately in the same rounds (medians of per-round "
-        "ratios). `every=k` audits one step in k, so a run pays (k - 1 + audited/plain) / k on average. "
+        "ratios). `every=k` audits one step in k, so a run pays (k - 2 + the step before + the audited step) / k "
+        "plain steps per step on average, the other k - 2 at the unaudited ratio. "
         "Memory: the peak of tensor storages made during one step (the model's weights and AdamW's state, "
         "which exist before, not counted), plain and audited.",
         "",
