@@ -2,7 +2,7 @@
 
 The public API.  The code is grouped by layer, and imports flow one way::
 
-    cli  ->  reporting  ->  peers  ->  auditing  ->  checking, cost  ->  cases, zoo, peers.adapters
+    cli  ->  reporting  ->  findings  ->  peers  ->  auditing  ->  checking, cost  ->  cases, zoo, peers.adapters
          ->  accumulator, losses, batches, distributed
 
 - ``accumulator``, ``losses``, ``batches``: the reference accumulator and the loss protocol;
@@ -14,7 +14,9 @@ The public API.  The code is grouped by layer, and imports flow one way::
 - ``auditing``: a real run watched through hooks, sampled steps judged against the full batch;
 - ``peers``: other libraries' accumulation (adapters), driven as their users drive it and judged
   by the checker, one window or whole epochs (what reports/peers.md shows);
-- ``reporting``: the markdown reports; ``cli``: the ``equiv`` command.
+- ``findings``: what reports/equivalence.md shows, measured, as plain results;
+- ``reporting``: the markdown reports, rendered from findings and peers' results (nothing there measures);
+  ``cli``: the ``equiv`` command.
 """
 
 from equiv import strategies  # the public Hypothesis strategies: equiv.strategies

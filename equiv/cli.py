@@ -481,13 +481,14 @@ def _write(out: Path, text: str) -> None:
     log.info("wrote %s", out)
 
 
-# The reporting modules import pandas: loaded only when a report is asked for.
+# The findings and reporting modules import pandas: loaded only when a report is asked for.
 def _cmd_report_equivalence(args: argparse.Namespace) -> int:
-    from equiv.reporting.equivalence import equivalence_report
+    from equiv.findings.equivalence import measure_equivalence
+    from equiv.reporting.equivalence import render_equivalence
 
     out = _output(args.out, "--out")
     assert out is not None
-    _write(out, equivalence_report(searches=not args.no_search))
+    _write(out, render_equivalence(measure_equivalence(searches=not args.no_search)))
     return 0
 
 

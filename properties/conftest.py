@@ -2,7 +2,7 @@
 
 At the end of the session the outcome and duration of every property, with
 the Hypothesis profile and its max_examples, go to reports/properties.json
-(gitignored), which ``python -m equiv.reporting.equivalence`` tabulates.
+(gitignored), which ``equiv report equivalence`` tabulates (``equiv.reporting.equivalence``).
 """
 
 import json

@@ -23,6 +23,7 @@ from equiv import strategies as eqst
 from equiv.checking.facts import VerdictFacts
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
+from equiv.findings.equivalence import measure_searches
 from equiv.reporting.equivalence import search_sections
 from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
 
@@ -53,7 +54,7 @@ def main(out: str) -> None:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "facts": {f"{row['candidate']} | {row['case_name']}": facts_of(row) for row in rows},
-        "search_sections": search_sections(properties_record=None),
+        "search_sections": search_sections(measure_searches(), properties_record=None),
         "ci_searches": ci_searches(),
     }, ensure_ascii=False))
 

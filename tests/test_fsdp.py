@@ -25,10 +25,12 @@ from equiv.checking.distributed import (
     fully_shard_layers,
     run_on_ranks,
 )
-from equiv.cost.fsdp import FsdpCostRow, FsdpCostSweep
+from equiv.cost.fsdp import POLICIES, FsdpCostRow, FsdpCostSweep
 from equiv.cost.memory import StepMemory
 from equiv.cost.workloads import WORKLOADS, build_workload_model
-from equiv.reporting.distributed import fsdp2_chart, fsdp2_cost_table
+from equiv.findings.distributed import fsdp2_cost_table
+from equiv.findings.results import FSDP2_POLICY_LABELS
+from equiv.reporting.distributed import fsdp2_chart
 from equiv.zoo.distributed_bugs import FSDP2_BUGS, sum_over_ranks_divided_by_global_tokens
 
 # Spawned process groups are slow to start: `pytest -m "not distributed"` is the fast loop.
@@ -328,3 +330,5 @@ def test_fsdp2_cost_table_gives_one_figure_where_ranks_agree_and_charts_both_pol
     chart = "\n".join(fsdp2_chart(table))
     assert chart.count("    bar [") == 2 and chart.count("    line [") == 2
     assert 'x-axis ["N=1", "N=2"]' in chart and "bar [31.0, 33.0]" in chart and "line [1.0, 2.0]" in chart
+    # The renderer knows the policies by their labels, in the sweep's order.
+    assert tuple(FSDP2_POLICY_LABELS) == POLICIES

@@ -1,12 +1,13 @@
 """The package's shape: imports flow one way, nothing below the CLI imports it, no cycle.
 
-    cli  ->  reporting  ->  peers  ->  auditing  ->  checking, cost  ->  cases, zoo, peers.adapters
+    cli  ->  reporting  ->  findings  ->  peers  ->  auditing  ->  checking, cost  ->  cases, zoo, peers.adapters
          ->  accumulator, losses, batches, distributed
 
 (``distributed``: the launcher, the FSDP2 sharding helpers and the counted
-collectives, below both ``checking`` and ``cost``, which share them.  ``peers``
-measures other libraries with the checker, ``reporting`` renders what it measured;
-the peers' adapters need only the loss protocol, so the audit's runs drive them.)
+collectives, below both ``checking`` and ``cost``, which share them.  ``findings``
+measures what reports/equivalence.md shows and ``peers`` other libraries, both with
+the checker; ``reporting`` renders what they measured and imports nothing that
+measures.  The peers' adapters need only the loss protocol, so the audit's runs drive them.)
 
 The graph is read from the source (every ``import``, module level or inside
 a function), so a lazy import cannot hide a cycle.
@@ -44,15 +45,21 @@ LAYERS: dict[str, int] = {
     "equiv.cost": 2,
     "equiv.auditing": 3,
     "equiv.peers": 4,
-    "equiv.reporting": 5,
-    "equiv.cli": 6,
-    "equiv.strategies": 7,
-    "equiv.testing": 7,
-    "equiv.pytest_plugin": 7,
-    "equiv.__main__": 7,
-    "equiv": 7,
+    "equiv.findings": 5,
+    "equiv.reporting": 6,
+    "equiv.cli": 7,
+    "equiv.strategies": 8,
+    "equiv.testing": 8,
+    "equiv.pytest_plugin": 8,
+    "equiv.__main__": 8,
+    "equiv": 8,
 }
-FACADE = 7
+FACADE = 8
+#: What a report may import besides other reporting modules: measured results as plain data, and the cost
+#: model's least-squares fits (pure numpy: the benchmarks report fits lines to numbers the benchmark run
+#: measured, arithmetic on a JSON file, as its docstring says).  Every other equiv module measures or
+#: imports something that does (checking, distributed, accumulator, zoo, cost, cases, peers, findings).
+RENDERING_INPUTS = {"equiv.findings.results", "equiv.peers.results", "equiv.cost.costmodel"}
 
 
 def _modules() -> dict[str, Path]:
@@ -125,6 +132,31 @@ def test_the_peers_report_only_renders() -> None:
                 and any(target.startswith("equiv.reporting") for target in GRAPH[module])]
 
 
+REPORTING = sorted(module for module in MODULES if module.startswith("equiv.reporting."))
+
+
+@pytest.mark.parametrize("module", REPORTING)
+def test_a_report_imports_nothing_that_measures(module: str) -> None:
+    measuring = sorted(target for target in GRAPH[module]
+                       if not target.startswith("equiv.reporting") and target not in RENDERING_INPUTS)
+    assert not measuring, f"{module} renders only, but imports {measuring}: measure in equiv.findings (or equiv.peers)"
+    tree = ast.parse(MODULES[module].read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {name for name in imported if name.split(".")[0] in ("torch", "subprocess")}, imported
+
+
+@pytest.mark.parametrize("module", sorted(RENDERING_INPUTS))
+def test_what_a_report_imports_imports_nothing_that_measures(module: str) -> None:
+    # Plain data and pure arithmetic: no equiv module at all, so nothing that measures comes in with them.
+    assert GRAPH[module] == set(), GRAPH[module]
+
+
+def test_findings_do_not_render() -> None:
+    assert not [(module, target) for module, targets in GRAPH.items() if module.startswith("equiv.findings")
+                for target in targets if target.startswith("equiv.reporting")]
+
+
 def test_only_the_entry_point_imports_the_cli() -> None:
     importers = sorted(module for module, targets in GRAPH.items() if "equiv.cli" in targets)
     assert importers == ["equiv.__main__"]
@@ -182,7 +214,7 @@ def test_the_public_api_is_exactly_all() -> None:
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli", "peers",
-        "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing",
+        "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing", "findings",
     }
     assert public == set(equiv.__all__) - {"__version__"}
 

@@ -72,10 +72,11 @@ def test_bad_moe_arguments_are_named() -> None:
 
 
 def test_report_section_names_the_upstream_issue_of_each_not() -> None:
+    from equiv.findings.moe import measure_moe
     from equiv.reporting.markdown import read_markdown_table
     from equiv.reporting.moe import moe_section
 
-    rows = read_markdown_table(moe_section().split("\n\n", 3)[3])
+    rows = read_markdown_table(moe_section(measure_moe()).split("\n\n", 3)[3])
     for row in rows:
         assert (row["verdict"] == "equivalent") == (row["NOT because"] == "-")
     sequence_wise = {(row["step"], row["split"]): row["verdict"] for row in rows if row["aux loss"] == "sequence-wise"}

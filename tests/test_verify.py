@@ -138,7 +138,7 @@ def test_verify_counts_inherent_cases_instead_of_failing_them() -> None:
 
 
 def test_report_tables_of_a_search_are_sorted_and_formatted() -> None:
-    from equiv.reporting.equivalence import bug_zoo_table, equivalent_cases_table
+    from equiv.findings.equivalence import bug_zoo_table, equivalent_cases_table
     from equiv.reporting.markdown import markdown_table, read_markdown_table
 
     found = verify(mean_of_means, SearchSpace(families=("mlp",), optimizers=("SGD",)), max_examples=15, seed=1)

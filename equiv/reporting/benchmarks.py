@@ -9,6 +9,15 @@ and a Mermaid chart of memory against throughput as N grows.  Rows are
 sorted and floats formatted at fixed precision, so the markdown of two runs
 differs only where a measurement did (memory figures, deterministic on CPU,
 do not move at all).
+
+Nothing here measures: the benchmark run did (``pytest benchmarks``), and
+this module reads what it recorded.  The cost model is fitted here all the
+same: :func:`equiv.cost.costmodel.fit_memory`, :func:`~equiv.cost.costmodel.fit_time`
+and :func:`~equiv.cost.costmodel.leave_one_out` are least squares on the
+recorded numbers (pure numpy, importing nothing of equiv), arithmetic of the
+same kind as the medians and ratios this module computes, and the same JSON
+gives the same fit on every machine.  tests/test_layout.py allows
+``equiv.cost.costmodel`` and nothing else of ``equiv.cost``.
 """
 
 from __future__ import annotations

@@ -1,58 +1,22 @@
-"""The pipeline-parallel section of reports/equivalence.md.
+"""The pipeline-parallel section of reports/equivalence.md, rendered.
 
-Every setting of :data:`equiv.zoo.pipeline_bugs.PIPELINE_ZOO` on every
-``torch.distributed.pipelining`` schedule of
-:data:`equiv.checking.pipeline.SCHEDULES`, 2 gloo ranks, checked with
-:func:`equiv.checking.pipeline.check_pipeline`.  Only statuses are printed
-(a setting's parameters are within the exact tier's derived allowance or
-orders of magnitude past it), and a setting that cannot run is printed with the upstream
-report naming why, not with torch's message (which rank fails first depends
-on timing).
+One row per setting of the pipeline zoo, one column per ``torch.distributed.pipelining``
+schedule, as :func:`equiv.findings.pipeline.pipeline_table` measured them (which
+settings, which schedules, and why only statuses are kept: see there).
+Nothing here measures.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-
 import pandas as pd
 
-from equiv.checking.pipeline import SCHEDULES, check_pipeline
-from equiv.outcomes import Outcome
 from equiv.reporting.markdown import markdown_table
-from equiv.zoo.pipeline_bugs import PIPELINE_ZOO, PipelineEntry
 
-__all__ = ["pipeline_section", "pipeline_table"]
-
-log = logging.getLogger(__name__)
+__all__ = ["pipeline_section"]
 
 
-def _cell(entry: PipelineEntry, status: Outcome) -> str:
-    upstream = entry.upstream.split(" (")[0]
-    if status is Outcome.NOT_EQUIVALENT:
-        return "NOT ({})".format(upstream or "equiv's zoo, no upstream report")
-    if status is Outcome.STEP_ERROR:
-        return f"could not run ({upstream})" if upstream else "could not run"
-    return status.replace("_", " ")
-
-
-def pipeline_table() -> pd.DataFrame:
-    rows = []
-    for name, entry in PIPELINE_ZOO.items():
-        row = {"setting": f"`{name}`", "what": entry.what}
-        as_expected = True
-        for schedule in SCHEDULES:
-            verdict = check_pipeline(dataclasses.replace(entry.setting, schedule=schedule))
-            log.info("pipeline: %s on %s: %s", name, schedule, verdict.status)
-            row[schedule] = _cell(entry, verdict.status)
-            as_expected &= verdict.status is entry.expected
-        row["as expected"] = "yes" if as_expected else "NO"
-        row["upstream"] = entry.upstream or "-"
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def pipeline_section() -> str:
+def pipeline_section(table: pd.DataFrame) -> str:
+    """The section, from :func:`equiv.findings.pipeline.pipeline_table`."""
     return "\n\n".join([
         "## Pipeline parallelism: torch.distributed.pipelining schedules",
         "`equiv.checking.pipeline.check_pipeline(setting)` on 2 spawned gloo ranks (CPU), torch's own schedules: "
@@ -69,5 +33,5 @@ def pipeline_section() -> str:
         "could not run on any schedule: torch 2.13's stages size their send/receive buffers from the first "
         "chunk, so the 1-sample chunk fails (\"Failed to run stage backward\": output gradient of the first "
         "chunk's shape, or an IndexError in the loss on the last stage).",
-        markdown_table(pipeline_table()),
+        markdown_table(table),
     ])
