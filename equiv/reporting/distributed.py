@@ -85,9 +85,7 @@ def fsdp2_section(findings: Fsdp2Findings) -> str:
         "unsharded gradients put in; all-gather MiB the unsharded parameters gathered (each forward and each backward). "
         "Peak memory is counted from live tensor storages (local shards of DTensors, FSDP's in-place frees "
         "included), so it is the same on every run; step times vary and are left out here "
-        # The committed report names the call that measured them before the split (now
-        # measure_fsdp2(with_times=True)); changing it would change the report.
-        "(`fsdp2_section(with_times=True)`).",
+        "(`equiv.findings.distributed.measure_fsdp2(with_times=True)`).",
         markdown_table(findings.costs),
         "Bars: forward/backward peak per rank, sync once per window then sync every micro-batch; lines: "
         "reduce-scatter MiB per step, same order. Syncing once holds every unit's gradient unsharded through "
