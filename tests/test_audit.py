@@ -108,6 +108,35 @@ def test_a_loop_that_does_not_clip_is_flagged_when_the_audit_is_told_it_clips() 
     assert watched.windows and not any(w.equivalent for w in watched.windows)
 
 
+def test_a_run_that_clips_unannounced_is_flagged_with_the_clip_norm_to_pass() -> None:
+    # The audit never guesses clipping (a constant too-small scale looks the same): it flags the step and
+    # says what would explain it; told the norm, the same run is clean.
+    def clipped_run(**settings: float) -> equiv.auditing.Audit:
+        model, optimizer = _model_and_optimizer("SGD")
+        with audit(model, optimizer, loss=TOKENS, **settings) as watched:
+            for window in _windows(_loader(REAL_LENGTHS), 2):
+                tokens = sum(int(TOKENS.count(labels)) for _, labels in window)
+                for ids, labels in window:
+                    (TOKENS.sum(model(ids, labels), labels) / tokens).backward()
+                assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) > 0.05  # the clip is active
+                optimizer.step()
+                optimizer.zero_grad()
+        return watched
+
+    unannounced = clipped_run()
+    assert unannounced.windows and not any(w.equivalent for w in unannounced.windows)
+    assert all("audit with max_grad_norm=0.05" in w.line() for w in unannounced.windows), unannounced.summary()
+    assert clipped_run(max_grad_norm=0.05), "told the clip norm, the run is equivalent"
+
+
+def test_a_shortened_update_without_clipping_gets_no_clipping_hint_when_it_points_elsewhere() -> None:
+    model, optimizer = _model_and_optimizer("SGD")
+    with audit(model, optimizer, loss=TOKENS) as watched:
+        nanogpt_loop(model, optimizer, _loader(REAL_LENGTHS), 2, normalise_by_window_tokens=False)
+    flagged = [w for w in watched.windows if not w.equivalent]
+    assert flagged and not any(w.hint for w in flagged), watched.summary()  # a mean of means turns the update
+
+
 def test_evaluation_forwards_are_not_recorded_and_the_hooks_go_on_exit() -> None:
     model, optimizer = _model_and_optimizer()
     loader = _loader(REAL_LENGTHS[:8])
@@ -220,3 +249,15 @@ def test_a_rank_of_a_multi_process_run_is_refused_not_judged(monkeypatch: pytest
         with audit(model, optimizer, loss=NextTokenCrossEntropy()):
             pass
     assert not model._forward_pre_hooks  # nothing was left installed
+
+
+def test_targets_passed_to_forward_by_keyword_are_found() -> None:
+    # nanoGPT's GPT.forward(idx, targets=None) is called as model(x, targets=y) as often as model(x, y).
+    from equiv.auditing.watch import default_targets
+
+    inputs, targets = torch.zeros(2, 3), torch.ones(2)
+    assert default_targets(((inputs,), {"targets": targets})) is targets
+    assert default_targets(((inputs,), {"target": targets})) is targets
+    assert default_targets(((inputs,), {"labels": targets, "targets": inputs})) is targets  # labels first
+    with pytest.raises(ValueError, match=r"no keyword of \['labels', 'targets', 'target'\]"):
+        default_targets(((inputs,), {"y": targets}))

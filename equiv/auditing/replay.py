@@ -82,6 +82,8 @@ class WindowAudit:
     inherent: tuple[str, ...] = ()
     #: where in the run the step fell, as the trainer tells it (e.g. "epoch 0, batch 6"), when it does
     position: str | None = None
+    #: what the run may have done that the audit was not told (e.g. clipping), said after a failing line
+    hint: str | None = None
 
     @property
     def equivalent(self) -> bool:
@@ -107,8 +109,9 @@ class WindowAudit:
         furthest = max(self.mismatches, key=lambda row: row.relative_error)
         furthest_text = "" if furthest is first else \
             f"; furthest off {furthest.label}, by {furthest.relative_error:.3g} of its scale"
+        hint = f"; {self.hint}" if self.hint else ""
         return (f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
-                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail})")
+                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}{hint})")
 
     def message(self) -> str:
         """The line, and the first mismatch as ``assert_close`` would show it."""

@@ -78,18 +78,25 @@ def _detached(value: Any) -> Any:
     return value
 
 
+#: Keywords a model's ``forward`` takes its targets by, first match wins: transformers'
+#: ``labels``; ``targets`` as nanoGPT's ``GPT.forward(idx, targets=None)`` is called by keyword.
+TARGET_KEYWORDS = ("labels", "targets", "target")
+
+
 def default_targets(call: Call) -> Tensor:
-    """The targets of a recorded forward call: the ``labels`` keyword (transformers),
-    else the second positional argument (``model(x, y)``, nanoGPT)."""
+    """The targets of a recorded forward call: a keyword of :data:`TARGET_KEYWORDS`
+    (``labels=`` for transformers, ``targets=``), else the second positional
+    argument (``model(x, y)``, nanoGPT)."""
     args, kwargs = call
-    if isinstance(kwargs.get("labels"), Tensor):
-        return kwargs["labels"]
+    for keyword in TARGET_KEYWORDS:
+        if isinstance(kwargs.get(keyword), Tensor):
+            return kwargs[keyword]
     if len(args) >= 2 and isinstance(args[1], Tensor):
         return args[1]
     raise ValueError(
-        "the audit cannot find the targets in the model's forward call (no 'labels' keyword, no second positional "
-        f"tensor; got {len(args)} positional arguments and keywords {sorted(kwargs)}): pass targets=lambda call: ..."
-        " mapping (args, kwargs) to the targets tensor, or hand the targets to forward")
+        f"the audit cannot find the targets in the model's forward call (no keyword of {list(TARGET_KEYWORDS)}, no "
+        f"second positional tensor; got {len(args)} positional arguments and keywords {sorted(kwargs)}): pass "
+        "targets=lambda call: ... mapping (args, kwargs) to the targets tensor, or hand the targets to forward")
 
 
 def default_call(model: nn.Module, call: Call) -> Any:
@@ -193,6 +200,12 @@ class Audit:
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
                             for group in optimizer.param_groups)
+        if self._window is not None and self.max_grad_norm is None:
+            # The total norm of the gradients the run steps with: a run that clips and an audit not told so
+            # differ by an update in the full batch's direction, smaller, with this norm at the clip value.
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            self._window["grad_norm"] = (float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+                                         if grads else None)
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         window, step = self._window, self.steps
@@ -217,7 +230,7 @@ class Audit:
         verdict = judge_window(recorded, template=self._template, optimizer=self.optimizer, model=self.model,
                                loss=self.loss, output_of=self.output, targets_of=self.targets, call_model=self.call_model,
                                max_grad_norm=self.max_grad_norm, usual_micro_batches=usual)
-        verdict = dataclasses.replace(verdict, position=self.position)
+        verdict = dataclasses.replace(verdict, position=self.position, hint=_clipping_hint(verdict, window))
         self.windows.append(verdict)
         if self.on_window is not None:
             self.on_window(verdict)
@@ -242,6 +255,24 @@ class Audit:
                 f"{len(self.failures)} not equivalent to the full-batch step of their window"
                 + (f", {inherent} inherently not equivalent (not replayed)" if inherent else ""))
         return "\n".join([head, *(f"  {window.line()}" for window in self.windows)])
+
+
+#: An update this close to the full batch's direction (cosine), and smaller, reads as a clipped gradient.
+_SAME_DIRECTION = 0.9999
+
+
+def _clipping_hint(verdict: WindowAudit, window: dict[str, Any]) -> str | None:
+    """For a failing window of an audit not told of clipping: when every failing update
+    points the full batch's way and is shorter, the run may clip (a hint, never a verdict:
+    a constant too-small scale looks the same, so nothing is replayed differently)."""
+    norm = window.get("grad_norm")
+    updates = [row for row in verdict.mismatches if row.kind == "update"]
+    if norm is None or not updates or verdict.inherent:
+        return None
+    if all(row.cosine > _SAME_DIRECTION and 0 < row.update_ratio < 1 for row in updates):
+        return (f"the update is the full batch's, shortened, and the run stepped with a gradient norm of {norm:.4g}: "
+                f"if it clips gradients to {norm:.4g}, audit with max_grad_norm={norm:.4g}")
+    return None
 
 
 def _refuse_a_rank_of_many() -> None:
