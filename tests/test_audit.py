@@ -261,3 +261,44 @@ def test_targets_passed_to_forward_by_keyword_are_found() -> None:
     assert default_targets(((inputs,), {"labels": targets, "targets": inputs})) is targets  # labels first
     with pytest.raises(ValueError, match=r"no keyword of \['labels', 'targets', 'target'\]"):
         default_targets(((inputs,), {"y": targets}))
+
+
+class _Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, inputs: Tensor, targets: Tensor | None = None) -> Tensor:
+        return self.net(inputs)  # type: ignore[no-any-return]
+
+
+def _autocast_run(*, per_window_items: bool) -> equiv.auditing.Audit:
+    """A bfloat16 autocast loop (CPU AMP) on micro-batches of 2, 5, 3 and 4 samples, N = 2: the
+    window's summed squared error over its items (correct), or each micro-batch's mean / N."""
+    torch.manual_seed(0)
+    model = _Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(n, 4, generator=generator), torch.randn(n, 3, generator=generator)) for n in (2, 5, 3, 4)]
+    with audit(model, optimizer, loss=equiv.MSE()) as watched:
+        for start in (0, 2):
+            window = data[start:start + 2]
+            items = sum(targets.numel() for _, targets in window)
+            for inputs, targets in window:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    output = model(inputs, targets=targets)
+                loss = (nn.functional.mse_loss(output.float(), targets, reduction="sum") / items if per_window_items
+                        else nn.functional.mse_loss(output.float(), targets) / len(window))
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return watched
+
+
+def test_a_correct_autocast_loop_is_judged_with_its_own_mixed_precision() -> None:
+    # The floors are replayed under the autocast each forward ran in: bfloat16's rounding (~1e-4 of the
+    # update here) is the run's own noise, not a mismatch; the float64 truth stays the mathematics.
+    correct = _autocast_run(per_window_items=True)
+    assert len(correct.windows) == 2 and correct, correct.summary()
+    wrong = _autocast_run(per_window_items=False)  # a mean of uneven means, under the same autocast
+    assert wrong.windows and not any(window.equivalent for window in wrong.windows), wrong.summary()

@@ -22,6 +22,7 @@ float16 training (the working dtype's floors), the exact tier for float64.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -38,10 +39,12 @@ from equiv.checking.trajectory import Snapshot
 from equiv.checking.trajectory import _snapshot as snapshot_of
 from equiv.checking.verdict import TensorDiff, Tier
 
-__all__ = ["Call", "RecordedWindow", "WindowAudit", "judge_window"]
+__all__ = ["Autocast", "Call", "RecordedWindow", "WindowAudit", "judge_window"]
 
 #: One call of the model's forward: (positional arguments, keyword arguments), detached copies.
 Call = tuple[tuple[Any, ...], dict[str, Any]]
+#: The mixed precision a call ran under: ``torch.autocast``'s device type and dtype.
+Autocast = tuple[str, torch.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,8 @@ class RecordedWindow:
     calls: tuple[Call, ...]
     #: per param group, its hyperparameters when the optimizer stepped (a scheduler's LR included)
     hyperparameters: tuple[dict[str, Any], ...]
+    #: per call, the ``torch.autocast`` it ran under, (device type, dtype), or None (empty: none did)
+    autocast: tuple[Autocast | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +178,16 @@ def _full_batch(model: nn.Module, optimizer: torch.optim.Optimizer, window: Reco
     targets = [_cast(targets_of(call), dtype) for call in window.calls]  # float targets (MSE) in dtype too
     total = sum(float(loss.count(target)) for target in targets)
     for position in order:
-        summed = loss.sum(output_of(call_model(model, _cast(window.calls[position], dtype))), targets[position])
+        mixed = window.autocast[position] if position < len(window.autocast) else None
+        # The run's mixed precision replayed in the working dtype's runs (the floors then hold its rounding);
+        # never in the float64 truth, which is the mathematics itself (autocast does not lower float64 anyway).
+        context = (torch.autocast(device_type=mixed[0], dtype=mixed[1]) if mixed is not None and dtype != torch.float64
+                   else contextlib.nullcontext())
+        with context:
+            output = output_of(call_model(model, _cast(window.calls[position], dtype)))
+        if output.dtype in (torch.float16, torch.bfloat16):
+            output = output.to(dtype)  # the loss taken at the parameters' precision, as AMP recipes do
+        summed = loss.sum(output, targets[position])
         (summed if after_backward else summed / total).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if after_backward and grads:

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from equiv.auditing.replay import Call, RecordedWindow, WindowAudit, judge_window
+from equiv.auditing.replay import Autocast, Call, RecordedWindow, WindowAudit, judge_window
 
 __all__ = ["Audit", "AuditFailure", "audit"]
 
@@ -184,6 +184,7 @@ class Audit:
             "buffers": {name: b.detach().clone() for name, b in self.model.named_buffers() if b.is_floating_point()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "calls": [],
+            "autocast": [],
         }
 
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -196,6 +197,7 @@ class Audit:
         Lightning callback records each training batch)."""
         if self._window is not None:
             self._window["calls"].append((_detached(args), _detached(kwargs)))
+            self._window["autocast"].append(_autocast_of(self.model))
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
@@ -225,7 +227,8 @@ class Audit:
         self._window_sizes[len(calls)] += 1
         usual = self._window_sizes.most_common(1)[0][0]
         recorded = RecordedWindow(step=step, start_params=window["params"], start_buffers=window["buffers"],
-                                  start_optimizer=window["optimizer"], calls=tuple(calls), hyperparameters=self._hyper)
+                                  start_optimizer=window["optimizer"], calls=tuple(calls), hyperparameters=self._hyper,
+                                  autocast=tuple(window["autocast"]))
         assert self._template is not None
         verdict = judge_window(recorded, template=self._template, optimizer=self.optimizer, model=self.model,
                                loss=self.loss, output_of=self.output, targets_of=self.targets, call_model=self.call_model,
@@ -255,6 +258,15 @@ class Audit:
                 f"{len(self.failures)} not equivalent to the full-batch step of their window"
                 + (f", {inherent} inherently not equivalent (not replayed)" if inherent else ""))
         return "\n".join([head, *(f"  {window.line()}" for window in self.windows)])
+
+
+def _autocast_of(model: nn.Module) -> Autocast | None:
+    """The ``torch.autocast`` in force for the model's device now (a forward call being recorded), or None."""
+    first = next(model.parameters(), None)
+    device_type = first.device.type if first is not None else "cpu"
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return device_type, torch.get_autocast_dtype(device_type)
 
 
 #: An update this close to the full batch's direction (cosine), and smaller, reads as a clipped gradient.
