@@ -41,6 +41,15 @@ def test_lightning_divides_the_epochs_short_tail_window_by_n_and_the_audit_flags
     assert abs(audited.windows[-1].mismatches[0].update_ratio - 1 / 3) < 1e-3
 
 
+@_needs("pytorch_lightning")
+def test_lightning_in_bf16_mixed_precision_is_judged_with_its_autocast() -> None:
+    # The callback records each batch before Lightning enters its autocast: it enters the same one, so the
+    # floors carry bfloat16's rounding; the full windows stay equivalent and the short tail is still flagged.
+    audited = lightning_tail_run(precision="bf16-mixed")
+    assert [w.equivalent for w in audited.windows] == [True, True, False], audited.summary()
+    assert abs(audited.windows[-1].mismatches[0].update_ratio - 1 / 3) < 1e-2
+
+
 @_needs("accelerate")
 def test_accelerates_accumulate_divides_the_short_tail_by_n_and_the_audit_flags_it() -> None:
     audited = accelerate_tail_run()  # the documented loop, only the with-line added

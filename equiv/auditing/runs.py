@@ -194,8 +194,9 @@ def classification_batches(count: int) -> list[tuple[Tensor, Tensor]]:
             for _ in range(count)]
 
 
-def lightning_tail_run() -> Audit:
-    """Lightning's ``Trainer.fit`` with accumulate_grad_batches=3 over 7 batches, the audit's callback."""
+def lightning_tail_run(precision: str = "32-true") -> Audit:
+    """Lightning's ``Trainer.fit`` with accumulate_grad_batches=3 over 7 batches, the audit's callback;
+    ``precision``: Lightning's (``"bf16-mixed"``: the training step under bfloat16 autocast)."""
     import pytorch_lightning as pl
 
     class Classifier(pl.LightningModule):  # type: ignore[misc,unused-ignore]
@@ -215,7 +216,7 @@ def lightning_tail_run() -> Audit:
 
     torch.manual_seed(0)
     callback = lightning_callback(loss=CrossEntropy())
-    trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=3, accelerator="cpu", logger=False,
+    trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=3, accelerator="cpu", logger=False, precision=precision,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[callback])
     trainer.fit(Classifier(), DataLoader(classification_batches(7), batch_size=None))  # type: ignore[arg-type]

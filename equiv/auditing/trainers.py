@@ -19,6 +19,7 @@ Lightning are imported only when a callback is made (extra ``peers``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -93,13 +94,30 @@ def lightning_callback(**settings: Any) -> Any:
         def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
             if self.audit is not None:
                 self.audit.position = f"epoch {trainer.current_epoch}, batch {batch_idx}"
-                self.audit.record(batch)
+                # The batch is recorded here, before Lightning's precision plugin enters its autocast for
+                # the training step: enter the same one, so the record carries the mixed precision to replay.
+                with _lightning_autocast(trainer, pl_module):
+                    self.audit.record(batch)
 
         def on_train_end(self, trainer: Any, pl_module: nn.Module) -> None:
             if self.audit is not None:
                 self.audit.__exit__(None, None, None)
 
     return _LightningAudit()
+
+
+#: Lightning's mixed-precision settings and the autocast dtype each trains its forward in.
+_LIGHTNING_MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _lightning_autocast(trainer: Any, module: nn.Module) -> Any:
+    """The ``torch.autocast`` Lightning runs the training step under (``precision="bf16-mixed"`` or
+    ``"16-mixed"``), or a no-op for full precision."""
+    dtype = _LIGHTNING_MIXED.get(str(getattr(trainer, "precision", "")))
+    first = next(module.parameters(), None)
+    if dtype is None or first is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=first.device.type, dtype=dtype)
 
 
 def _lightning_call(module: nn.Module, call: Call) -> Any:
