@@ -49,7 +49,7 @@ import copy
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -166,10 +166,12 @@ class Audit:
         ]
         if self.record_forward:
             self._handles.append(self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        _ClipWatch.open(self)
         self._begin_window()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _ClipWatch.close(self)
         for handle in self._handles:
             handle.remove()
         self._handles, self._window, self._template = [], None, None
@@ -185,6 +187,7 @@ class Audit:
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "calls": [],
             "autocast": [],
+            "clips": [],
         }
 
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -199,15 +202,14 @@ class Audit:
             self._window["calls"].append((_detached(args), _detached(kwargs)))
             self._window["autocast"].append(_autocast_of(self.model))
 
+    def _clipped(self, parameters: list[Tensor], max_norm: float) -> None:
+        """A ``clip_grad_norm_`` call on (some of) the audited model's parameters, in this window."""
+        if self._window is not None and any(p is q for p in parameters for q in self.model.parameters()):
+            self._window["clips"].append(max_norm)
+
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
                             for group in optimizer.param_groups)
-        if self._window is not None and self.max_grad_norm is None:
-            # The total norm of the gradients the run steps with: a run that clips and an audit not told so
-            # differ by an update in the full batch's direction, smaller, with this norm at the clip value.
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            self._window["grad_norm"] = (float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
-                                         if grads else None)
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         window, step = self._window, self.steps
@@ -233,7 +235,7 @@ class Audit:
         verdict = judge_window(recorded, template=self._template, optimizer=self.optimizer, model=self.model,
                                loss=self.loss, output_of=self.output, targets_of=self.targets, call_model=self.call_model,
                                max_grad_norm=self.max_grad_norm, usual_micro_batches=usual)
-        verdict = dataclasses.replace(verdict, position=self.position, hint=_clipping_hint(verdict, window))
+        verdict = dataclasses.replace(verdict, position=self.position, hint=_clipping_hint(self, window) if verdict.mismatches else None)
         self.windows.append(verdict)
         if self.on_window is not None:
             self.on_window(verdict)
@@ -269,22 +271,52 @@ def _autocast_of(model: nn.Module) -> Autocast | None:
     return device_type, torch.get_autocast_dtype(device_type)
 
 
-#: An update this close to the full batch's direction (cosine), and smaller, reads as a clipped gradient.
-_SAME_DIRECTION = 0.9999
+class _ClipWatch:
+    """Every ``torch.nn.utils.clip_grad_norm_`` call made while an audit is open,
+    told to the open audits (one wrapper however many audits are open: they may
+    close in any order).  What a run clips to is then seen, not guessed."""
+
+    audits: ClassVar[list[Audit]] = []
+    #: the functions replaced, by where they live: ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``
+    originals: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def open(cls, audit: Audit) -> None:
+        if not cls.audits:
+            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+                cls.originals[module.__name__] = getattr(module, "clip_grad_norm_")  # noqa: B009
+                setattr(module, "clip_grad_norm_", cls.clip)  # noqa: B010
+        cls.audits.append(audit)
+
+    @classmethod
+    def close(cls, audit: Audit) -> None:
+        if audit in cls.audits:
+            cls.audits.remove(audit)
+        if not cls.audits and cls.originals:
+            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+                setattr(module, "clip_grad_norm_", cls.originals.pop(module.__name__))  # noqa: B010
+
+    @staticmethod
+    def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Tensor:
+        parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        for audit in _ClipWatch.audits:
+            audit._clipped(parameters, float(max_norm))
+        clipped: Tensor = _ClipWatch.originals["torch.nn.utils.clip_grad"](parameters, max_norm, *args, **kwargs)
+        return clipped
 
 
-def _clipping_hint(verdict: WindowAudit, window: dict[str, Any]) -> str | None:
-    """For a failing window of an audit not told of clipping: when every failing update
-    points the full batch's way and is shorter, the run may clip (a hint, never a verdict:
-    a constant too-small scale looks the same, so nothing is replayed differently)."""
-    norm = window.get("grad_norm")
-    updates = [row for row in verdict.mismatches if row.kind == "update"]
-    if norm is None or not updates or verdict.inherent:
+def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
+    """What a failing window's run clipped to when the audit was not told (``max_grad_norm``):
+    the clip calls it saw in the window, and the setting that replays them."""
+    clips: list[float] = window.get("clips", [])
+    if not clips or audit.max_grad_norm is not None:
         return None
-    if all(row.cosine > _SAME_DIRECTION and 0 < row.update_ratio < 1 for row in updates):
-        return (f"the update is the full batch's, shortened, and the run stepped with a gradient norm of {norm:.4g}: "
-                f"if it clips gradients to {norm:.4g}, audit with max_grad_norm={norm:.4g}")
-    return None
+    norms = sorted(set(clips))
+    calls = f"{len(clips)} clip_grad_norm_ call{'s' if len(clips) != 1 else ''} in the window"
+    if len(norms) == 1:
+        return (f"the run clipped its gradients to {norms[0]:g} ({calls}) and the audit was not told: audit with "
+                f"max_grad_norm={norms[0]:g}")
+    return f"the run clipped its gradients to {', '.join(f'{n:g}' for n in norms)} ({calls}); the audit was not told"
 
 
 def _refuse_a_rank_of_many() -> None:
