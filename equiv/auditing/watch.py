@@ -204,7 +204,8 @@ class Audit:
 
     def _clipped(self, parameters: list[Tensor], max_norm: float) -> None:
         """A ``clip_grad_norm_`` call on (some of) the audited model's parameters, in this window."""
-        if self._window is not None and any(p is q for p in parameters for q in self.model.parameters()):
+        own = {id(param) for param in self.model.parameters()}
+        if self._window is not None and any(id(param) in own for param in parameters):
             self._window["clips"].append(max_norm)
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
