@@ -36,6 +36,12 @@ def load_rows(json_path: str | Path) -> list[dict[str, Any]] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _measured_with(rows: Sequence[dict[str, Any]]) -> str:
+    """The package versions each distinct environment measured its rows with."""
+    environments = sorted({", ".join(f"{k} {v}" for k, v in sorted(row.get("versions", {}).items())) for row in rows})
+    return "Measured with: " + "; ".join(environments) + "."
+
+
 def _cells(row: dict[str, Any]) -> dict[str, str]:
     cells = {header: str(row.get(key) or "-") for key, header in _COLUMNS.items() if key != "trl"}
     cells["trl"] = str(row.get("versions", {}).get("trl", "-"))
@@ -77,7 +83,6 @@ def trl_section(json_path: str | Path) -> str:
     if rows is None:
         return "\n".join([*head, f"Not measured: no {Path(json_path).name} (run `tox -e peers-trl190` then "
                           "`tox -e peers-trl`).", ""])
-    environments = sorted({", ".join(f"{k} {v}" for k, v in sorted(row.get("versions", {}).items())) for row in rows})
     text = [
         *head,
         "Each trainer is run as its users run it (a one-layer Llama from a config, float32, CPU, a reward of our own, "
@@ -92,7 +97,7 @@ def trl_section(json_path: str | Path) -> str:
         "",
         markdown_table(pd.DataFrame([_cells(row) for row in rows], columns=list(_COLUMNS.values()))),
         "",
-        "Measured with: " + "; ".join(environments) + ".",
+        _measured_with(rows),
         "",
     ]
     return "\n".join(text)
@@ -104,7 +109,6 @@ def torchtune_section(json_path: str | Path) -> str:
     head = ["## torchtune: the full fine-tune recipe's train() loop", ""]
     if rows is None:
         return "\n".join([*head, f"Not measured: no {Path(json_path).name} (run `tox -e peers-torchtune`).", ""])
-    environments = sorted({", ".join(f"{k} {v}" for k, v in sorted(row.get("versions", {}).items())) for row in rows})
     columns = ["setting", "verdict", "kind", "magnitude", "upstream"]
     return "\n".join([
         *head,
@@ -117,6 +121,6 @@ def torchtune_section(json_path: str | Path) -> str:
         "",
         markdown_table(pd.DataFrame([{c: str(row.get(c) or "-") for c in columns} for row in rows])),
         "",
-        "Measured with: " + "; ".join(environments) + ".",
+        _measured_with(rows),
         "",
     ])
