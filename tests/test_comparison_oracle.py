@@ -20,11 +20,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import equiv
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import _SHUFFLE_SEED_OFFSETS, ReferenceRuns
+from equiv.checking.compare import _first_argmax
 from equiv.checking.contract import Candidate
 from equiv.checking.tolerances import allowance, unit_roundoff
 from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
@@ -149,3 +152,59 @@ def test_the_streaming_check_measures_exactly_what_the_whole_trajectory_oracle_m
             assert streamed == oracle.judge(tier, candidate), f"{name} on {case_name!r}, {tier} tier"
             checked += 1
     assert checked >= 2
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
+
+
+#: Standard cases, and one whose tensors span several rows of the check's two-pass
+#: argmax with a tail (3500 and 4900 elements: rows of 1024 and a remainder).
+DETAIL_CASES = {
+    **{name: STANDARD_CASES[name] for name in ("Adam, uneven 1+2", "SGD momentum, uneven 1+5+10",
+                                               "Adam, token loss with padding 2+3")},
+    "AdamW, MLP 50-70-70-30, 3+5": Case(batch_size=8, micro_batch_sizes=(3, 5), optimizer="AdamW",
+                                        model_kwargs={"in_features": 50, "hidden": (70, 70), "out_features": 30}),
+}
+
+
+@pytest.mark.parametrize("case_name", sorted(DETAIL_CASES))
+def test_a_failing_rows_details_are_what_plain_torch_computes_from_the_whole_trajectories(case_name: str) -> None:
+    """Where, how far relatively and how many: every detailed row of a failing verdict
+    against ``abs().argmax()``, a masked relative difference and ``(|d| > allowed).sum()``
+    on whole float64 trajectories (the check computes them with faster passes)."""
+    case = DETAIL_CASES[case_name]
+    verdict = equiv.check(BUGS["mean_of_means"], case)
+    assert not verdict and verdict.mismatches
+    initial = case.build_model()
+    truth = run_reference(case, torch.float64, initial=initial)
+    runs = {tier: run_candidate(case, BUGS["mean_of_means"], torch.float64 if tier == "exact" else case.working_dtype,
+                                initial=initial) for tier in {d.tier for d in verdict.mismatches}}
+    detailed = [row for row in verdict.mismatches if not (math.isinf(row.max_abs_diff) and not row.index)]
+    assert detailed  # (a missing tensor has nothing to detail)
+    for row in detailed:
+        key = (row.kind, row.name)
+        run = runs[row.tier]
+        difference = _values(run[row.step])[key] - _values(truth[row.step])[key]
+        expected = _compared(truth[row.step], truth[0])[key]
+        absolute = difference.abs().nan_to_num(nan=math.inf, posinf=math.inf)
+        relative = (absolute / expected).abs().nan_to_num(nan=math.inf, posinf=math.inf).masked_fill(absolute == 0, 0.0)
+        shape = tuple(difference.shape)
+        assert row.index == _unravel(int(absolute.argmax()), shape), row
+        assert row.rel_index == _unravel(int(relative.argmax()), shape), row
+        assert row.max_rel_diff == float(relative.max()), row
+        assert row.mismatched == int((absolute > row.allowed).sum()), row
+        assert row.expected == float(expected.flatten()[absolute.argmax()]), row
+    if case_name.startswith("AdamW, MLP"):
+        assert max(row.numel for row in detailed) > 2 * 1024  # the two-pass argmax, not its short-cut
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 5 * 1024 + 7), levels=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_the_two_pass_argmax_is_torchs_argmax_ties_and_tails_included(size: int, levels: int, seed: int) -> None:
+    # Few distinct values: the greatest is tied across rows, inside a row and in the tail.
+    values = torch.randint(0, levels, (size,), generator=torch.Generator().manual_seed(seed)).to(torch.float64)
+    if seed % 2:  # an infinite greatest value (NaN made inf, as the check does first), once
+        values[torch.randint(0, size, (1,), generator=torch.Generator().manual_seed(seed + 1))] = math.inf
+    assert int(_first_argmax(values)) == int(values.argmax())
+    assert int(_first_argmax(values.view(1, -1))) == int(values.argmax())

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 from torch import nn
 
 import equiv
@@ -175,3 +176,21 @@ def test_the_truth_holds_the_initial_weights_once() -> None:
     # And the check is the same check: the reference still passes, a bug still fails.
     assert equiv.check(equiv.accumulator_step, case)
     assert not equiv.check(BUGS["mean_of_means"], case)
+
+
+def test_a_failing_step_runs_its_float64_candidate_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The noise tier is judged first; when it fails, the exact tier's floors all run
+    before its float64 candidate, which then runs once, detailed (not once to fail and
+    once more to show where): the same verdict as every floor first."""
+    case = STANDARD_CASES[CASES[1]]
+    runs: list[object] = []
+    original = ReferenceRuns.compare_run
+
+    def counted(self: ReferenceRuns, tier: str, *args: object, **kwargs: object) -> object:
+        runs.append(self.dtype(tier))
+        return original(self, tier, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ReferenceRuns, "compare_run", counted)
+    lazy = equiv.check(BUGS["mean_of_means"], case)
+    assert runs.count(torch.float64) == 1 and runs.count(torch.float32) == 2, runs
+    assert lazy.mismatches == eager(BUGS["mean_of_means"], case).mismatches

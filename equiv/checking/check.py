@@ -29,7 +29,14 @@ import torch
 from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
 from equiv.cases.standard import STANDARD_CASES
-from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory, compare_trajectories
+from equiv.checking.compare import (
+    FloorErrors,
+    FloorRun,
+    StepComparer,
+    TruthTrajectory,
+    compare_trajectories,
+    starts_exactly,
+)
 from equiv.checking.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.checking.inherent import inherent_non_equivalences
@@ -130,10 +137,20 @@ def _check(
         # skip decisions are part of every verdict, so every floor runs first.
         references.with_floors()
     # Each candidate run is compared step by step as it runs; nothing of it is kept.
-    notes: list[str] = []
-    by_tier = {tier: _judge_tier(references, tier, case, candidate, notes, details) for tier in references.tiers}
+    notes: dict[Tier, list[str]] = {tier: [] for tier in references.tiers}
+    by_tier: dict[Tier, list[TensorDiff]] = {}
+    # The noise tier first: its candidate run is the cheaper one, and a mathematical
+    # bug fails it as it fails the exact tier.  Then the exact tier's floors all run
+    # before its candidate does (once, detailed), instead of after a first run that
+    # fails and must run again to show where: the same rows either way
+    # (tests/test_lazy_floors.py), fewer runs for a failing step.
+    for tier in sorted(references.tiers, key=lambda name: name != "noise"):
+        if tier == "exact" and any(not row.ok for row in by_tier.get("noise", ())):
+            references.with_floors([tier])
+        by_tier[tier] = _judge_tier(references, tier, case, candidate, notes[tier], details)
     diffs = [diff for tier in references.tiers for diff in by_tier[tier]]
-    verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(notes)))
+    every_note = [note for tier in references.tiers for note in notes[tier]]
+    verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(every_note)))
     finding = _precision_finding(references, case, candidate, verdict, fails_because)
     return verdict if finding is None else dataclasses.replace(verdict, precision=finding)
 
@@ -474,18 +491,22 @@ class ReferenceRuns:
             return False
         position = pending[0]
         sample = self.samples[position]
-        feeds = [(self.floors[t], factor) for t, factor in sample.feeds.items() if t in self.floors]
-
-        def feed(step: int, snapshot: Snapshot) -> None:
-            for floor_errors, factor in feeds:
-                floor_errors.add(step, snapshot, factor)
-
+        # One distance pass per step for every tier the sample measures.
+        run = FloorRun([(self.floors[t], factor) for t, factor in sample.feeds.items() if t in self.floors],
+                       at_truth_start=self._starts_at_truth(sample.dtype))
         run_reference(self.case, sample.dtype, permutation_seed=sample.permutation_seed,
-                      normalise_after_backward=sample.normalise_after_backward, on_snapshot=feed,
+                      normalise_after_backward=sample.normalise_after_backward, on_snapshot=run.add,
                       initial=self.initial)
-        for floor_errors, _ in feeds:
-            floor_errors.end_run()
+        run.end_run()
         self.samples_run.add(position)
+        return True
+
+    def _starts_at_truth(self, dtype: torch.dtype) -> bool | None:
+        """Whether a run in ``dtype`` from :attr:`initial` (a copy of the model the
+        truth started from, cast) starts at the truth's weights: known, not compared,
+        when the cast is exact; None (compare) otherwise."""
+        if self.initial is None or not starts_exactly(self.initial.module, dtype):
+            return None
         return True
 
     def with_floors(self, tiers: Sequence[Tier] | None = None) -> ReferenceRuns:
@@ -511,7 +532,8 @@ class ReferenceRuns:
         """:meth:`run_and_compare`, returning the comparer: with ``final=False`` its
         rows stay undetailed and can be re-judged as more floor samples run
         (:meth:`~equiv.checking.compare.StepComparer.rejudged`)."""
-        comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier], details=final)
+        comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier], details=final,
+                                at_truth_start=self._starts_at_truth(self.dtype(tier)))
         run_candidate(
             case, candidate, self.dtype(tier), on_snapshot=comparer.add, default_dtype=default_dtype, initial=self.initial,
             on_note=None if notes is None else notes.append,

@@ -33,7 +33,7 @@ from equiv.checking.tolerances import allowance
 from equiv.checking.trajectory import Snapshot
 from equiv.checking.verdict import TensorDiff, Tier
 
-__all__ = ["FloorErrors", "StepComparer", "TruthTrajectory", "compare_trajectories"]
+__all__ = ["FloorErrors", "FloorRun", "StepComparer", "TruthTrajectory", "compare_trajectories", "starts_exactly"]
 
 #: (kind, name): kind is "update", "buffer" or "state".
 Key = tuple[str, str]
@@ -138,13 +138,16 @@ class _Scratch:
         return view
 
 
-def _compact(tensor: Tensor, own: Tensor | None = None) -> Tensor:
+def _compact(tensor: Tensor, own: Tensor | None = None, *, own_is_exact: bool = False) -> Tensor:
     """A copy of ``tensor`` in float32 when that holds every value exactly (a model
     built in float32 and cast up: half the bytes of float64, and float64
     arithmetic promotes it back exactly), else in float64.  ``own``: a float32
-    tensor kept anyway that may hold the same values (then it is returned, no copy)."""
+    tensor kept anyway that may hold the same values (then it is returned, no copy);
+    ``own_is_exact``: it is known to (``tensor`` is ``own`` cast up), so not compared."""
     tensor = tensor.detach()
     if own is not None and own.dtype == torch.float32 and (own.shape, own.device) == (tensor.shape, tensor.device):
+        if own_is_exact and tensor.dtype in (torch.float32, torch.float64):
+            return own.detach()
         # One comparing pass (float32 promoted exactly; NaN never equal), no
         # allocation: the usual case, the case's float32 model cast up.
         if tensor.dtype in (torch.float32, torch.float64) and bool(torch.eq(tensor, own.detach()).all()):
@@ -179,8 +182,10 @@ class TruthTrajectory:
 
     def __init__(self, start: nn.Module | None = None, steps: int | None = None) -> None:
         """``start``: the model every run copies and none trains (the case's, in
-        float32): the truth's step 0 is held as its own tensors where they are the
-        same values, one copy of the initial weights per check, not two.
+        float32), and the truth run's own start cast up to float64 (exactly: float64
+        holds every value of a lower precision): the truth's step 0 is held as its
+        tensors, one copy of the initial weights per check, not two, and without
+        comparing the two (a mixed-dtype comparison costs more than a subtraction).
 
         ``steps``: the run's last step.  Its snapshot's float64 tensors are kept as
         lent, not copied: the run ends with it and nothing writes them again (a
@@ -217,8 +222,9 @@ class TruthTrajectory:
         if step == 0:
             own = self._start_tensors
             self.initial = Snapshot(
-                params={name: _compact(value, own.get(name)) for name, value in snapshot.params.items()},
-                buffers={name: _compact(value, own.get(name)) for name, value in snapshot.buffers.items()},
+                params={name: _compact(value, own.get(name), own_is_exact=True) for name, value in snapshot.params.items()},
+                buffers={name: _compact(value, own.get(name), own_is_exact=True)
+                         for name, value in snapshot.buffers.items()},
                 optimizer_state={},
             )
             self._start_tensors = {}  # held through self.initial where used; nothing else kept
@@ -293,16 +299,23 @@ class TruthTrajectory:
 
 class _RunStart:
     """Where one run starts, and the scratch buffers of its comparison (dropped
-    with it when the run ends).  Every run starts from the truth's weights, so
-    the truth's step 0 serves (nothing of the run is kept); a run that starts
-    elsewhere keeps a float64 copy of its own."""
+    with it when the run ends).  A run that starts from the truth's weights
+    compares against the truth's step 0 (nothing of the run is kept); a run that
+    starts elsewhere keeps a float64 copy of its own.
 
-    def __init__(self, snapshot: Snapshot, truth: TruthTrajectory) -> None:
+    ``at_truth_start``: whether the run is known to start at the truth's weights
+    (a copy of the model the truth started from, cast to a dtype that holds its
+    values exactly: see :func:`starts_exactly`); None: compare the two."""
+
+    def __init__(self, snapshot: Snapshot, truth: TruthTrajectory, at_truth_start: bool | None = None) -> None:
         self.scratch = _Scratch()
         self.truth = truth
         initial = truth.initial
         assert initial is not None
         device = truth.device
+        if at_truth_start:
+            self.at_truth_start = True
+            return
 
         def same(values: dict[str, Tensor], truths: dict[str, Tensor]) -> bool:
             # torch.eq compares values across dtypes (float32 promoted exactly):
@@ -433,12 +446,24 @@ def _packs(scratch: _Scratch, slot: str, tensors: list[Tensor], device: torch.de
         yield pack
 
 
+def starts_exactly(start: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a copy of ``start`` cast to ``dtype`` holds its values exactly: every
+    floating tensor's dtype is ``dtype`` or one that ``dtype`` holds (float64 holds
+    every float; float32 holds float16 and bfloat16).  A run that trains such a
+    copy of the model the truth started from starts at the truth's weights, and
+    need not be compared there (:class:`_RunStart`)."""
+    holds = {torch.float64: (torch.float32, torch.float16, torch.bfloat16), torch.float32: (torch.float16, torch.bfloat16)}
+    tensors = [*start.parameters(), *start.buffers()]
+    return all(t.dtype == dtype or t.dtype in holds.get(dtype, ()) for t in tensors if t.is_floating_point())
+
+
 class FloorErrors:
     """For one tier: per step and tensor, the largest distance from the truth
     of any full-batch floor run, times that run's scale factor.
 
-    Feed each floor run's snapshots in order with :meth:`add` (step 0 first);
-    nothing of the run is kept while it runs (snapshots may be its live tensors).
+    Feed each floor run's snapshots in order with :meth:`add` (step 0 first),
+    or through a :class:`FloorRun` that feeds several tiers at once; nothing of
+    the run is kept while it runs (snapshots may be its live tensors).
     """
 
     def __init__(self, truth: TruthTrajectory) -> None:
@@ -446,27 +471,21 @@ class FloorErrors:
         self.errors: dict[tuple[int, str, str], float] = {}
         #: Per floor run, the GradScaler scale after each step (when the case scales losses).
         self.scale_trajectories: list[list[float]] = []
-        self._start: _RunStart | None = None
+        self._run: FloorRun | None = None
 
     def add(self, step: int, snapshot: Snapshot, factor: float) -> None:
         if step == 0:
-            self._start = _RunStart(snapshot, self.truth)
-            self.scale_trajectories.append([])
-        assert self._start is not None, "a floor run's snapshots must start at step 0"
-        scale = snapshot.optimizer_state.get(LOSS_SCALE_KEY)
-        if scale is not None:
-            self.scale_trajectories[-1].append(float(scale))
-        if step == 0:
-            return
-        truth = self.truth.values[step]
-        device = self.truth.device
-        # The truth's tensors, then state only the run has (compared with zeros).
-        keys = [*truth, *(("state", n) for n in snapshot.optimizer_state if ("state", n) not in truth)]
-        # A tensor the floor run lacks has no distance (a zero made where the
-        # others are: a host-to-GPU copy would be one more synchronisation).
-        distances = [distance if distance is not None else torch.zeros((), dtype=torch.float64, device=device)
-                     for distance in self._start.max_differences(snapshot, keys, truth, device)]
-        for key, distance in zip(keys, _host_floats(distances), strict=True):
+            self._run = FloorRun([(self, factor)])
+        assert self._run is not None, "a floor run's snapshots must start at step 0"
+        self._run.add(step, snapshot)
+
+    def end_run(self) -> None:
+        """The floor run fed since step 0 has ended: its scratch buffers go."""
+        self._run = None
+
+    def fold(self, step: int, keys: Sequence[Key], distances: Sequence[float], factor: float) -> None:
+        """One floor run's distances from the truth after ``step``, times ``factor``."""
+        for key, distance in zip(keys, distances, strict=True):
             scaled = distance * factor
             previous = self.errors.get((step, key[0], key[1]), 0.0)
             # The greatest over the samples, whatever order they run in; a sample that
@@ -475,17 +494,52 @@ class FloorErrors:
             if math.isfinite(scaled) and scaled > previous:
                 self.errors[(step, key[0], key[1])] = scaled
 
-    def end_run(self) -> None:
-        """The floor run fed since step 0 has ended: its scratch buffers go."""
-        self._start = None
-
     def floor(self, step: int, key: Key) -> float:
         return self.errors.get((step, key[0], key[1]), 0.0)
 
 
-def _abs_difference_(difference: Tensor) -> Tensor:
-    """|difference| in place; NaN anywhere is as far from the truth as it gets."""
-    return difference.abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
+class FloorRun:
+    """One floor run fed to every tier whose floor it measures, each with its
+    factor (a float32 run measures the float32 tier's floor as it is and the
+    float64 tier's scaled by u64/u32): its distance from the truth is measured
+    once per step and folded into each tier's :class:`FloorErrors` (they share
+    the truth), not once per tier.  ``at_truth_start``: as for :class:`_RunStart`."""
+
+    def __init__(self, feeds: Sequence[tuple[FloorErrors, float]], *, at_truth_start: bool | None = None) -> None:
+        if not feeds or any(errors.truth is not feeds[0][0].truth for errors, _ in feeds):
+            raise ValueError("a floor run feeds one or more FloorErrors of one truth")
+        self.feeds = list(feeds)
+        self.truth = feeds[0][0].truth
+        self.at_truth_start = at_truth_start
+        self._start: _RunStart | None = None
+
+    def add(self, step: int, snapshot: Snapshot) -> None:
+        if step == 0:
+            self._start = _RunStart(snapshot, self.truth, self.at_truth_start)
+            for errors, _ in self.feeds:
+                errors.scale_trajectories.append([])
+        assert self._start is not None, "a floor run's snapshots must start at step 0"
+        scale = snapshot.optimizer_state.get(LOSS_SCALE_KEY)
+        if scale is not None:
+            for errors, _ in self.feeds:
+                errors.scale_trajectories[-1].append(float(scale))
+        if step == 0:
+            return
+        truth = self.truth.values[step]
+        device = self.truth.device
+        # The truth's tensors, then state only the run has (compared with zeros).
+        keys = [*truth, *(("state", n) for n in snapshot.optimizer_state if ("state", n) not in truth)]
+        # A tensor the floor run lacks has no distance (a zero made where the
+        # others are: a host-to-GPU copy would be one more synchronisation).
+        distances = _host_floats([
+            distance if distance is not None else torch.zeros((), dtype=torch.float64, device=device)
+            for distance in self._start.max_differences(snapshot, keys, truth, device)])
+        for errors, factor in self.feeds:
+            errors.fold(step, keys, distances, factor)
+
+    def end_run(self) -> None:
+        """The run has ended: its scratch buffers go."""
+        self._start = None
 
 
 class StepComparer:
@@ -506,15 +560,20 @@ class StepComparer:
     grow (see :meth:`rejudged`), whose rows are final only if they all pass.
     """
 
-    def __init__(self, *, tier: Tier, dtype: torch.dtype, floors: FloorErrors, details: bool = True) -> None:
+    def __init__(
+        self, *, tier: Tier, dtype: torch.dtype, floors: FloorErrors, details: bool = True,
+        at_truth_start: bool | None = None,
+    ) -> None:
         self.tier, self.dtype, self.floors, self.details = tier, dtype, floors, details
+        #: as for :class:`_RunStart`
+        self.at_truth_start = at_truth_start
         self.diffs: list[TensorDiff] = []
         self._start: _RunStart | None = None
         self._worst_ratio: float | None = None
 
     def add(self, step: int, snapshot: Snapshot) -> None:
         if step == 0:
-            self._start = _RunStart(snapshot, self.floors.truth)
+            self._start = _RunStart(snapshot, self.floors.truth, self.at_truth_start)
             return
         assert self._start is not None, "a run's snapshots must start at step 0"
         self.diffs.extend(self.compare(step, snapshot, self._start))
@@ -606,7 +665,30 @@ class StepComparer:
 
 
 #: Scratch slots only detailing uses (see :func:`_detailed`), besides the difference itself.
-_DETAIL_SLOTS = ("truth", "absolute", "agree")
+_DETAIL_SLOTS = ("truth", "absolute", "flags")
+
+
+#: Row width of :func:`_first_argmax`'s two-pass search (any width gives the same index).
+_ARGMAX_ROW = 1024
+
+
+def _first_argmax(values: Tensor) -> Tensor:
+    """``values.argmax()`` (the flat index of the first greatest value; ``values``
+    hold no NaN) as a 0-d long tensor.  On the CPU an argmax tracks an index per
+    element and runs several times slower than a max: there, the greatest of each
+    row of a flat view (one vectorised pass), the first row holding the greatest,
+    and the argmax inside it (and a tail shorter than a row) give the same index."""
+    flat = values.reshape(-1)
+    rows = flat.numel() // _ARGMAX_ROW
+    if flat.device.type != "cpu" or rows < 2:
+        return flat.argmax()
+    body = flat[: rows * _ARGMAX_ROW].view(rows, _ARGMAX_ROW)
+    top = int(body.amax(dim=1).argmax())
+    best = top * _ARGMAX_ROW + int(body[top].argmax())
+    if rows * _ARGMAX_ROW < flat.numel():
+        tail = rows * _ARGMAX_ROW + int(flat[rows * _ARGMAX_ROW :].argmax())
+        best = best if bool(flat[best] >= flat[tail]) else tail  # equal: the body's comes first
+    return torch.tensor(best, device=flat.device)
 
 
 def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch: _Scratch) -> TensorDiff:
@@ -622,30 +704,40 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
     device = difference.device
     abs_diff = torch.abs(difference, out=scratch.get("absolute", difference.shape, device))
     abs_diff.nan_to_num_(nan=math.inf, posinf=math.inf)
-    flat_abs = abs_diff.argmax()
+    flat_abs = _first_argmax(abs_diff)
     zeros = truth is None
     if truth is None:  # state the truth never has, compared with zeros: relative difference inf where not 0
         truth = torch.zeros_like(abs_diff)
+    flags = scratch.get("flags", abs_diff.shape, device, torch.bool)
+    # (A bool tensor's sum is several times slower on the CPU than counting its non-zeros.)
     mismatched = (
-        (abs_diff > row.allowed).sum() if row.max_abs_diff > row.allowed
+        torch.count_nonzero(torch.gt(abs_diff, row.allowed, out=flags)) if row.max_abs_diff > row.allowed
         else torch.zeros((), dtype=torch.long, device=device)
     )
-    agree = torch.eq(abs_diff, 0, out=scratch.get("agree", abs_diff.shape, device, torch.bool))
+    # Whether the truth is finite, read on the CPU only (a GPU would wait for it: there
+    # the masked pass below is cheap).  Finite where both ends are (NaN spreads to them).
+    truth_finite = device.type == "cpu" and bool(torch.isfinite(torch.stack(truth.aminmax())).all())
     # |diff| / |truth|, 0 where the two agree (0 / 0 included), inf where only
     # the truth is 0.  |diff / truth| is |diff| / |truth| bit for bit; divided in
     # place (|diff| is not needed after this): no buffer of its own.
+    agree = None if truth_finite else torch.eq(abs_diff, 0, out=flags)
     rel_diff = torch.div(abs_diff, truth, out=abs_diff)
-    rel_diff.abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
-    rel_diff.masked_fill_(agree, 0.0)
-    flat_rel = rel_diff.argmax()
+    if agree is None:
+        # |diff| holds no NaN and the truth is finite: a NaN quotient is 0 / 0 (the two
+        # agree) and nothing else, so it is 0, with no mask and no masked pass.
+        rel_diff.abs_().nan_to_num_(nan=0.0, posinf=math.inf)
+    else:
+        rel_diff.abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
+        rel_diff.masked_fill_(agree, 0.0)
+    flat_rel = _first_argmax(rel_diff)
     # NaN and inf apart (the truth is finite: a non-finite difference is the candidate's);
     # none to count when the greatest difference is finite (NaN makes it inf).
     if math.isfinite(row.max_abs_diff):
         nan_count = inf_count = first_not_finite = torch.zeros((), dtype=torch.long, device=device)
     else:
-        not_finite = torch.logical_not(torch.isfinite(difference), out=agree)
-        nan_count = torch.isnan(difference).sum()
-        inf_count = not_finite.sum() - nan_count
+        not_finite = torch.logical_not(torch.isfinite(difference), out=flags)
+        nan_count = torch.count_nonzero(torch.isnan(difference))
+        inf_count = torch.count_nonzero(not_finite) - nan_count
         first_not_finite = not_finite.flatten().to(torch.uint8).argmax()  # the first True (argmax takes the first)
     # An update c = t + d against the truth t: <d, t>, <t, t>, <d, d> give its scale and cosine.
     is_update = row.kind == "update" and not zeros

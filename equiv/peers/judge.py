@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from equiv.checking.check import float32_sized
-from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory
+from equiv.checking.compare import FloorErrors, FloorRun, StepComparer, TruthTrajectory
 from equiv.checking.tolerances import unit_roundoff
 from equiv.checking.trajectory import Snapshot
 from equiv.checking.trajectory import _snapshot as snapshot_of
@@ -123,13 +123,9 @@ class References:
 
     @staticmethod
     def _floor_run(run: ReferenceRun, dtype: torch.dtype, order: str, feeds: list[tuple[FloorErrors, float]]) -> None:
-        def feed(step: int, snapshot: Snapshot) -> None:
-            for floors, factor in feeds:
-                floors.add(step, snapshot, factor)
-
-        run(dtype, order, feed)
-        for floors, _ in feeds:
-            floors.end_run()
+        floor_run = FloorRun(feeds)  # one distance pass per step for every tier fed
+        run(dtype, order, floor_run.add)
+        floor_run.end_run()
 
     @property
     def steps(self) -> int:
