@@ -579,8 +579,10 @@ def _scaling_why(rows: list[dict[str, Any]]) -> list[str]:
             f"comparing multiplies that by {_span(adds)} (the truth's every step but the last copied, then per "
             "tensor and run one subtraction and one min/max pass, each a pass over memory as long as the step's "
             "own)"
-            + (". A failing check runs every floor sample, and its candidate once more to show where each tensor "
-               "differs" if verdict == "failing" else "")
+            + (". A failing check runs every floor sample, and its working-dtype candidate once more to show "
+               "where each tensor differs (the float64 one runs once, after the exact tier's floors); detailing a "
+               "failing row (where, how far relatively, how many past the allowance) is several more passes over "
+               "the tensor" if verdict == "failing" else "")
             + "."
         )
     heavy = [info for info in rows if info["check_bytes_per_parameter"] > CHECK_MEMORY_TARGET]
@@ -657,12 +659,14 @@ def _scaling_intro() -> list[str]:
         "on a CPU; *model build / own steps* is the part of it spent building the case's model); *check / bare "
         "runs* is what comparing adds. The time targets are the CPU's, from 1M parameters on.",
         "",
-        "Runs only where the verdict needs them: a tier is first compared with no floor (the roundoff term "
-        "alone); floor samples then run one at a time while a tensor is past its allowance, re-judging the "
-        "candidate's kept differences; a passing tier stops at the first sample that settles it (more "
-        "samples only raise the allowance). A failing tier runs every sample, and its candidate once more to "
-        "show where each tensor differs: the verdict every floor would give (tests/test_lazy_floors.py, "
-        "tests/data/pinned_verdicts.json).",
+        "Runs only where the verdict needs them: the noise tier first (its run in the working dtype is the "
+        "cheaper), compared with no floor (the roundoff term alone); floor samples then run one at a time "
+        "while a tensor is past its allowance, re-judging the candidate's kept differences; a passing tier "
+        "stops at the first sample that settles it (more samples only raise the allowance), and a sample "
+        "measures each tier it feeds in one pass. A failing tier runs every sample, and its candidate once "
+        "more to show where each tensor differs; when the noise tier fails, the exact tier's floors run "
+        "before its float64 candidate, which then runs once. Either way the verdict every floor would give "
+        "(tests/test_lazy_floors.py, tests/data/pinned_verdicts.json).",
         "",
     ]
 
