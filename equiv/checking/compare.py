@@ -703,7 +703,8 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
     shape = tuple(difference.shape)
     device = difference.device
     abs_diff = torch.abs(difference, out=scratch.get("absolute", difference.shape, device))
-    abs_diff.nan_to_num_(nan=math.inf, posinf=math.inf)
+    if not math.isfinite(row.max_abs_diff):  # (a finite greatest difference: no NaN, no inf to map)
+        abs_diff.nan_to_num_(nan=math.inf, posinf=math.inf)
     flat_abs = _first_argmax(abs_diff)
     zeros = truth is None
     if truth is None:  # state the truth never has, compared with zeros: relative difference inf where not 0
