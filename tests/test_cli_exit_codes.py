@@ -67,7 +67,7 @@ def test_a_hanging_step_ends_the_check_at_the_timeout_with_exit_3(steps: Path, c
     assert main(["check", f"{steps}:hangs", "--case", _case_json(), "--timeout", "2"]) == EXIT_STEP_FAILED
     assert time.monotonic() - started < 30
     out = capsys.readouterr().out
-    assert "ERROR --case: candidate hangs did not finish step 0 in float64 within the check's limit of 2 s" in out
+    assert "ERROR --case: candidate hangs did not finish step 0 in float32 within the check's limit of 2 s" in out
 
 
 def test_after_a_hang_the_other_standard_cases_are_not_run(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
