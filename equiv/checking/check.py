@@ -505,9 +505,7 @@ class ReferenceRuns:
         """Whether a run in ``dtype`` from :attr:`initial` (a copy of the model the
         truth started from, cast) starts at the truth's weights: known, not compared,
         when the cast is exact; None (compare) otherwise."""
-        if self.initial is None or not starts_exactly(self.initial.module, dtype):
-            return None
-        return True
+        return True if self.initial is not None and starts_exactly(self.initial.module, dtype) else None
 
     def with_floors(self, tiers: Sequence[Tier] | None = None) -> ReferenceRuns:
         """These references with every floor sample of ``tiers`` (None: every tier) run."""

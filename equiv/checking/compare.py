@@ -138,30 +138,22 @@ class _Scratch:
         return view
 
 
-def _compact(tensor: Tensor, own: Tensor | None = None, *, own_is_exact: bool = False) -> Tensor:
+def _compact(tensor: Tensor, own: Tensor | None = None) -> Tensor:
     """A copy of ``tensor`` in float32 when that holds every value exactly (a model
     built in float32 and cast up: half the bytes of float64, and float64
-    arithmetic promotes it back exactly), else in float64.  ``own``: a float32
-    tensor kept anyway that may hold the same values (then it is returned, no copy);
-    ``own_is_exact``: it is known to (``tensor`` is ``own`` cast up), so not compared."""
+    arithmetic promotes it back exactly), else in float64.  ``own``: the float32
+    tensor ``tensor`` was cast up from (exactly: float64 holds every float32),
+    kept anyway: returned as it is, no copy and no comparison."""
     tensor = tensor.detach()
-    if own is not None and own.dtype == torch.float32 and (own.shape, own.device) == (tensor.shape, tensor.device):
-        if own_is_exact and tensor.dtype in (torch.float32, torch.float64):
-            return own.detach()
-        # One comparing pass (float32 promoted exactly; NaN never equal), no
-        # allocation: the usual case, the case's float32 model cast up.
-        if tensor.dtype in (torch.float32, torch.float64) and bool(torch.eq(tensor, own.detach()).all()):
-            return own.detach()
+    if (own is not None and own.dtype == torch.float32 and tensor.dtype in (torch.float32, torch.float64)
+            and (own.shape, own.device) == (tensor.shape, tensor.device)):
+        return own.detach()
     narrow = tensor.clone() if tensor.dtype == torch.float32 else None
     if tensor.dtype == torch.float64:
         narrow = tensor.to(torch.float32)
         if not torch.equal(narrow.to(torch.float64), tensor):
             narrow = None
-    if narrow is None:
-        return tensor.to(torch.float64, copy=True)
-    if own is None or (own.dtype, own.shape, own.device) != (narrow.dtype, narrow.shape, narrow.device):
-        return narrow
-    return own.detach() if torch.equal(own.detach(), narrow) else narrow
+    return tensor.to(torch.float64, copy=True) if narrow is None else narrow
 
 
 class TruthTrajectory:
@@ -222,8 +214,8 @@ class TruthTrajectory:
         if step == 0:
             own = self._start_tensors
             self.initial = Snapshot(
-                params={name: _compact(value, own.get(name), own_is_exact=True) for name, value in snapshot.params.items()},
-                buffers={name: _compact(value, own.get(name), own_is_exact=True)
+                params={name: _compact(value, own.get(name)) for name, value in snapshot.params.items()},
+                buffers={name: _compact(value, own.get(name))
                          for name, value in snapshot.buffers.items()},
                 optimizer_state={},
             )
