@@ -49,10 +49,10 @@ import equiv
 import equiv.checking.check as check_module
 from equiv.batches import split_batch
 from equiv.checking.check import clear_reference_cache
-from equiv.checking.trajectory import run_candidate
 from equiv.cost.memory import StorageCounter
 from equiv.cost.steps import synchronize
 from equiv.host_memory import keep_freed_host_memory
+from equiv.judging.runs import run_candidate
 from equiv.losses import TokenCrossEntropy
 from equiv.zoo.bugs import BUGS
 

@@ -26,18 +26,16 @@ from equiv.cases.case import Case, InvalidCase
 from equiv.cases.models import CausalLM, ModelBundle, register_model
 from equiv.cases.moe import MoELayer, MoEModel
 from equiv.checking.check import ReferenceRuns, check
-from equiv.checking.contract import Candidate, CandidateError, ContractError
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
 from equiv.checking.distributed_search import DistributedSearchResult, verify_distributed
-from equiv.checking.facts import VerdictFacts
-from equiv.checking.inherent import inherent_non_equivalences
 from equiv.checking.pipeline import PipelineSetting, PipelineVerdict, check_pipeline
 from equiv.checking.search_space import SearchSpace
-from equiv.checking.trajectory import NonFiniteLossError, full_batch_step
-from equiv.checking.verdict import CaseVerdicts, EquivalenceError, TensorDiff, Verdict
 from equiv.checking.verify import VerifyResult, verify
 from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
 from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
+from equiv.judging.contract import Candidate, CandidateError, ContractError
+from equiv.judging.inherent import inherent_non_equivalences
+from equiv.judging.runs import NonFiniteLossError, full_batch_step
 from equiv.losses import (
     MSE,
     CrossEntropy,
@@ -48,6 +46,8 @@ from equiv.losses import (
     loss_sum_and_count,
 )
 from equiv.outcomes import Outcome
+from equiv.results.facts import VerdictFacts
+from equiv.results.verdict import CaseVerdicts, EquivalenceError, TensorDiff, Verdict
 
 #: The one place the version is written (pyproject.toml reads it from here).
 __version__ = "0.1.0"

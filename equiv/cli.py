@@ -50,22 +50,22 @@ from equiv.cases import strategies as eqst
 from equiv.cases.case import Case, InvalidCase, check_device
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check_cases
-from equiv.checking.contract import CandidateError, ContractError, bind, load_candidate
-from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
 from equiv.checking.distributed_search import ENGINES, MODELS, standard_distributed_cases, verify_distributed
 from equiv.checking.profiles import profile_name
 from equiv.checking.search_space import SearchSpace
-from equiv.checking.trajectory import NonFiniteLossError
-from equiv.checking.verdict import CaseVerdicts
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.distributed.torchrun import TorchrunEnv, TorchrunRanks
 from equiv.host_memory import keep_freed_host_memory
+from equiv.judging.contract import CandidateError, ContractError, bind, load_candidate
+from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
+from equiv.judging.runs import NonFiniteLossError
 from equiv.names import on_sys_path, target_folder
 from equiv.outcomes import Outcome
+from equiv.results.verdict import CaseVerdicts
 
 __all__ = [
     "EXIT_COUNTEREXAMPLE",
@@ -97,7 +97,7 @@ class UsageError(Exception):
 # ------------------------------------------------------------------ targets
 def load_target(spec: str) -> Callable[..., Any]:
     """``package.module:func`` or ``path/to/file.py:func`` -> the callable
-    (:func:`equiv.checking.contract.load_candidate`; a bad spec is a usage error)."""
+    (:func:`equiv.judging.contract.load_candidate`; a bad spec is a usage error)."""
     try:
         return load_candidate(spec)
     except ValueError as exc:

@@ -35,9 +35,9 @@ import torch
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check
-from equiv.checking.contract import Candidate
-from equiv.checking.verdict import Verdict
+from equiv.judging.contract import Candidate
 from equiv.outcomes import Outcome
+from equiv.results.verdict import Verdict
 
 __all__ = ["assert_equivalent", "standard_cases"]
 

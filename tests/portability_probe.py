@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from equiv import strategies as eqst
-from equiv.checking.facts import VerdictFacts
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
 from equiv.findings.equivalence import measure_searches
 from equiv.reporting.equivalence import search_sections
+from equiv.results.facts import VerdictFacts
 from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
 
 HERE = Path(__file__).parent

@@ -1,7 +1,7 @@
 """The check's numbers, bit for bit, against a plain whole-trajectory oracle.
 
 Pinned digits of a verdict are rounding noise that moves with the CPU's
-kernels (equiv.checking.facts), so the regression value the old hashes had
+kernels (equiv.results.facts), so the regression value the old hashes had
 ("a refactor does not change the numbers") is kept here instead, where it is
 sound: the streaming comparison of ``equiv.check`` and a deliberately naive
 one (every run kept whole as float64 copies, every distance a plain
@@ -27,10 +27,10 @@ import equiv
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import _SHUFFLE_SEED_OFFSETS, ReferenceRuns
-from equiv.checking.compare import _first_argmax
-from equiv.checking.contract import Candidate
-from equiv.checking.tolerances import allowance, unit_roundoff
-from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
+from equiv.judging.compare import _first_argmax
+from equiv.judging.contract import Candidate
+from equiv.judging.runs import Snapshot, run_candidate, run_reference
+from equiv.judging.tolerances import allowance, unit_roundoff
 from equiv.zoo.bugs import BUGS
 
 Key = tuple[str, str]

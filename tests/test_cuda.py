@@ -27,8 +27,8 @@ from torch import nn
 
 import equiv
 from equiv.checking.check import ReferenceRuns
-from equiv.checking.compare import StepComparer
-from equiv.checking.trajectory import Snapshot, run_candidate
+from equiv.judging.compare import StepComparer
+from equiv.judging.runs import Snapshot, run_candidate
 from equiv.zoo.bugs import BUGS
 
 pytestmark = [

@@ -15,7 +15,7 @@ from torch import nn
 
 import equiv
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, check_distributed
-from equiv.checking.trajectory import run_reference
+from equiv.judging.runs import run_reference
 from equiv.zoo.distributed_bugs import (
     forward_outside_no_sync,
     local_mean_per_rank,

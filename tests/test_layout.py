@@ -1,7 +1,5 @@
-"""The package's shape: imports flow one way, nothing below the CLI imports it, no cycle.
-
-    cli  ->  reporting  ->  findings  ->  peers  ->  auditing  ->  checking, cost  ->  cases, zoo, peers.adapters
-         ->  accumulator, losses, batches, distributed
+"""The package's shape: imports flow one way (down :data:`equiv.layers.LAYERS`), nothing below
+the CLI imports it, no cycle, one floor recipe, no private name imported across packages.
 
 (``distributed``: the launcher, the FSDP2 sharding helpers and the counted
 collectives, below both ``checking`` and ``cost``, which share them.  ``findings``
@@ -25,36 +23,10 @@ import pytest
 
 import equiv
 from equiv.cli import build_parser
+from equiv.layers import FACADE, layer_of  # the layer table, stated once, in the package
 
 PACKAGE = Path(equiv.__file__).resolve().parent
 
-#: Lower layers may not import higher ones.  The public facade (equiv,
-#: equiv.strategies, equiv.testing and the pytest plugin, python -m equiv) sits above everything.
-LAYERS: dict[str, int] = {
-    "equiv.batches": 0,
-    "equiv.losses": 0,
-    "equiv.accumulator": 0,
-    "equiv.distributed": 0,
-    "equiv.names": 0,
-    "equiv.outcomes": 0,
-    "equiv.host_memory": 0,
-    "equiv.cases": 1,
-    "equiv.zoo": 1,
-    "equiv.peers.adapters": 1,
-    "equiv.checking": 2,
-    "equiv.cost": 2,
-    "equiv.auditing": 3,
-    "equiv.peers": 4,
-    "equiv.findings": 5,
-    "equiv.reporting": 6,
-    "equiv.cli": 7,
-    "equiv.strategies": 8,
-    "equiv.testing": 8,
-    "equiv.pytest_plugin": 8,
-    "equiv.__main__": 8,
-    "equiv": 8,
-}
-FACADE = 8
 #: What a report may import besides other reporting modules: measured results as plain data, and the cost
 #: model's least-squares fits (pure numpy: the benchmarks report fits lines to numbers the benchmark run
 #: measured, arithmetic on a JSON file, as its docstring says).  Every other equiv module measures or
@@ -76,8 +48,7 @@ MODULES = _modules()
 
 
 def _layer(module: str) -> int:
-    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
-    return LAYERS[prefix]
+    return layer_of(module)
 
 
 def _imports(module: str, path: Path) -> set[str]:
@@ -183,7 +154,7 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_every_module_imports_in_a_fresh_interpreter_in_dependency_order() -> None:
     order: list[str] = []
     # The optional peers' adapters need their extras (their importers guard the import).
-    optional = {"equiv.peers.adapters.accelerate": "accelerate", "equiv.peers.adapters.lightning": "pytorch_lightning"}
+    optional = {"equiv.adapters.accelerate": "accelerate", "equiv.adapters.lightning": "pytorch_lightning"}
     missing = {module for module, extra in optional.items() if importlib.util.find_spec(extra) is None}
 
     def place(module: str) -> None:
@@ -214,7 +185,8 @@ def test_the_public_api_is_exactly_all() -> None:
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli", "peers",
-        "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing", "findings",
+        "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing", "findings", "judging", "results",
+        "adapters", "layers",
     }
     assert public == set(equiv.__all__) - {"__version__"}
 
@@ -229,3 +201,32 @@ def test_the_distributed_machinery_is_still_reachable_where_it_was_published() -
     assert judge.DistributedCheckError is launcher.DistributedCheckError is equiv.DistributedCheckError
     assert judge.fully_shard_layers is sharding.fully_shard_layers
     assert {"run_on_ranks", "fully_shard_layers", "DistributedCheckError"} <= set(judge.__all__)
+
+
+def _calls(tree: ast.AST, name: str) -> list[int]:
+    """Lines calling ``name`` as a bare name or an attribute."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and ((isinstance(node.func, ast.Name) and node.func.id == name)
+                 or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+
+
+def test_one_floor_recipe_nothing_outside_the_engine_computes_an_allowance() -> None:
+    # Every verdict's allowance comes from equiv.judging (the floor plan, the comparer): a front door
+    # that called tolerances.allowance itself would be a second judge.
+    outside = {module: lines for module, path in MODULES.items() if not module.startswith("equiv.judging")
+               if (lines := _calls(ast.parse(path.read_text()), "allowance"))}
+    assert outside == {}, f"allowance computed outside equiv.judging: {outside}"
+
+
+def test_no_module_imports_a_private_name_of_another_package() -> None:
+    private = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("equiv"):
+                source_package = node.module.split(".")[:2]
+                for alias in node.names:
+                    hidden = alias.name.startswith("_") or any(part.startswith("_") and part != "__init__"
+                                                               for part in node.module.split("."))
+                    if hidden and source_package != module.split(".")[:2]:
+                        private.append(f"{module} imports {node.module}.{alias.name}")
+    assert private == []

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import equiv
-from equiv.checking.compare import LOSS_SCALE_KEY
-from equiv.checking.trajectory import run_reference
+from equiv.judging.compare import LOSS_SCALE_KEY
+from equiv.judging.runs import run_reference
 from equiv.zoo import bugs as zoo
 from equiv.zoo.distributed_bugs import overflow_checked_on_last_micro_batch
 

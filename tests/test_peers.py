@@ -15,9 +15,7 @@ import pytest
 import torch
 
 import equiv
-from equiv.cases.standard import TOY_CASE
-from equiv.checking.trajectory import run_candidate
-from equiv.peers.adapters import (
+from equiv.adapters import (
     MindSporeAccumulator,
     MindSporeAccuStepsWithLossScale,
     MindSporeGradAccumulation,
@@ -25,6 +23,8 @@ from equiv.peers.adapters import (
     textbook_step,
     torchtitan_step,
 )
+from equiv.cases.standard import TOY_CASE
+from equiv.judging.runs import run_candidate
 from equiv.peers.catalogue import CONFIGURATIONS, EPOCH_RUNS, TRAINER_RUNS
 from equiv.peers.judge import update_gap
 from equiv.peers.results import Cell, Chart, PeerRow, PeersResults, Situation
@@ -103,7 +103,7 @@ def test_mindspore_2_port_cannot_clip_and_misses_short_tails() -> None:
 
 
 def test_accelerate_averages_micro_batch_means_on_the_toy_and_its_recipe_does_not() -> None:
-    accelerate = pytest.importorskip("equiv.peers.adapters.accelerate", reason="needs the accelerate extra")
+    accelerate = pytest.importorskip("equiv.adapters.accelerate", reason="needs the accelerate extra")
     assert abs(toy_w(accelerate.AccelerateStep()) - 0.02 * 4 * (14 / 3 + 77 / 3 + 113 / 2) / 3) < 1e-12
     assert round(toy_w(accelerate.AccelerateStep()), 5) == 2.31556
     # The guide's variable-size recipe (num_items_in_batch, loss * N) lands on the full-batch 2.04.
@@ -115,7 +115,7 @@ def test_accelerate_averages_micro_batch_means_on_the_toy_and_its_recipe_does_no
 
 
 def test_accelerate_one_dataloader_divides_the_epoch_tail_by_n() -> None:
-    accelerate = pytest.importorskip("equiv.peers.adapters.accelerate", reason="needs the accelerate extra")
+    accelerate = pytest.importorskip("equiv.adapters.accelerate", reason="needs the accelerate extra")
     assert measure_epochs(accelerate.AccelerateStep(3), MID_EPOCH).equivalent  # the mid-epoch counter is right
     tail = measure_epochs(accelerate.AccelerateStep(3), LONG_TAIL)
     assert tail.kind_name() == "tail divided by N" and tail.gap is not None
@@ -130,7 +130,7 @@ def test_accelerate_one_dataloader_divides_the_epoch_tail_by_n() -> None:
 
 
 def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means() -> None:
-    lightning = pytest.importorskip("equiv.peers.adapters.lightning", reason="needs the lightning extra")
+    lightning = pytest.importorskip("equiv.adapters.lightning", reason="needs the lightning extra")
     assert equiv.check(lightning.LightningStep(), EVEN)
     assert equiv.check(lightning.LightningStep(), CLIPPED)  # clips once, after accumulation
     assert round(toy_w(lightning.LightningStep()), 5) == 2.31556
@@ -145,7 +145,7 @@ def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means(
 def test_transformers_trainer_is_exact_with_num_items_in_batch_and_averages_token_means_without() -> None:
     # 5.x: the release the peers extra installs (4.45.2 is measured in tox -e peers-transformers445).
     pytest.importorskip("transformers", minversion="5.0", reason="needs the transformers 5.x of the peers extra")
-    from equiv.peers.adapters.transformers import TrainerRun
+    from equiv.adapters.transformers import TrainerRun
 
     def trainer_measure(run: TokenRun) -> Measure:
         return measure(lambda model, optimizer, micro: TrainerRun(run.n).train(model, optimizer, micro,

@@ -6,7 +6,7 @@ and class, per tier within or past the allowance, and for a failing verdict
 its first divergence (step, tier, tensor, relative error as an order of
 magnitude).  Not the digits of a ratio and not a hash of the message: those
 are rounding noise that moves with the CPU's vector kernels (AVX2, AVX-512,
-none, arm64) and the thread count (equiv.checking.facts).  tests/
+none, arm64) and the thread count (equiv.results.facts).  tests/
 test_portability.py recomputes these pins under other kernels; the bit-exact
 regression check of the numbers is tests/test_comparison_oracle.py, in one
 process.  Regenerate for a deliberate change of a verdict:

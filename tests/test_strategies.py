@@ -9,7 +9,7 @@ from hypothesis.errors import InvalidArgument
 
 import equiv
 from equiv import strategies as eqst
-from equiv.checking.inherent import inherent_non_equivalences
+from equiv.judging.inherent import inherent_non_equivalences
 
 INVALID = [
     pytest.param(eqst.micro_batch_splits, (0,), {}, "batch_size must be at least 1 but was 0", id="splits-batch-0"),

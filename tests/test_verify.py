@@ -191,7 +191,7 @@ def test_a_step_that_keeps_state_across_calls_is_told_so_with_a_replay_that_repr
 
 def test_a_float32_computation_inside_the_float64_run_is_a_precision_finding_for_float64_training(
         steps_file: Path) -> None:
-    from equiv.checking.contract import load_candidate
+    from equiv.judging.contract import load_candidate
 
     step = load_candidate(f"{steps_file}:float32_weights")
     space = SearchSpace(families=("mlp",), optimizers=("SGD", "Adam"))

@@ -14,7 +14,7 @@ optimizer state when the window began, the calls made to the model's
   (in order, in reverse, normalised after backward): the floor samples;
 
 and compares the update the user's code actually applied (and the optimizer
-state it left) with the truth through :class:`equiv.checking.compare.StepComparer`.
+state it left) with the truth through :class:`equiv.judging.compare.StepComparer`.
 The user's update exists only in the dtype it trained in, so a window is
 judged in one tier: the noise tier of ``equiv.check`` for float32 / bfloat16 /
 float16 training (the working dtype's floors), the exact tier for float64.
@@ -33,11 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from equiv.checking.compare import FloorErrors, StepComparer, TruthTrajectory
-from equiv.checking.inherent import inherent_non_equivalences
-from equiv.checking.trajectory import Snapshot
-from equiv.checking.trajectory import _snapshot as snapshot_of
-from equiv.checking.verdict import TensorDiff, Tier
+from equiv.judging.compare import FloorErrors, StepComparer, TruthTrajectory
+from equiv.judging.inherent import inherent_non_equivalences
+from equiv.judging.runs import Snapshot, snapshot_of
+from equiv.results.verdict import TensorDiff, Tier
 
 __all__ = ["Autocast", "Call", "RecordedWindow", "WindowAudit", "judge_window"]
 

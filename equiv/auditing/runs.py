@@ -160,7 +160,7 @@ def trainer_run(*, loss_kwargs: bool) -> Audit:
     from transformers import Trainer, TrainingArguments
     from transformers.utils import logging as transformers_logging
 
-    from equiv.peers.adapters.transformers import NoLossKwargs, tiny_causal_lm, token_micro_batches
+    from equiv.adapters.transformers import NoLossKwargs, tiny_causal_lm, token_micro_batches
 
     transformers_logging.set_verbosity_error()
     micro_batches = token_micro_batches(TRAINER_LENGTHS)

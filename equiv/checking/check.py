@@ -29,7 +29,7 @@ import torch
 from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
 from equiv.cases.standard import STANDARD_CASES
-from equiv.checking.compare import (
+from equiv.judging.compare import (
     FloorErrors,
     FloorRun,
     StepComparer,
@@ -37,12 +37,12 @@ from equiv.checking.compare import (
     compare_trajectories,
     starts_exactly,
 )
-from equiv.checking.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
-from equiv.checking.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
-from equiv.checking.inherent import inherent_non_equivalences
-from equiv.checking.tolerances import ROUNDOFF_UNITS_PER_STEP, unit_roundoff
-from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
-from equiv.checking.verdict import CaseVerdicts, PrecisionFinding, TensorDiff, Tier, Verdict
+from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
+from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
+from equiv.judging.inherent import inherent_non_equivalences
+from equiv.judging.runs import Snapshot, run_candidate, run_reference
+from equiv.judging.tolerances import ROUNDOFF_UNITS_PER_STEP, unit_roundoff
+from equiv.results.verdict import CaseVerdicts, PrecisionFinding, TensorDiff, Tier, Verdict
 
 __all__ = [
     "FloorSample", "ReferenceRuns", "check", "check_cases", "float32_sized", "floor_samples", "precision_finding",
@@ -76,18 +76,18 @@ def check(
 
     ``candidate`` follows the contract ``step(model, optimizer, micro_batches,
     loss_fn) -> None`` (optionally also taking ``max_grad_norm`` and
-    ``scheduler`` keywords).  Raises :class:`~equiv.checking.contract.CandidateError`
+    ``scheduler`` keywords).  Raises :class:`~equiv.judging.contract.CandidateError`
     if the candidate raises, naming the case; never raises for a mismatch:
     call ``verdict.assert_ok()`` for that.
 
     Without a case, checks the standard cases (``equiv check`` does the same)
-    and returns their :class:`~equiv.checking.verdict.CaseVerdicts`: one
+    and returns their :class:`~equiv.results.verdict.CaseVerdicts`: one
     ``assert_ok()`` for all, a step that raises recorded per case.
 
     ``timeout``: seconds the check of one case may take (None: no limit).  A
-    step still running then raises :class:`~equiv.checking.contract.CandidateTimeout`
+    step still running then raises :class:`~equiv.judging.contract.CandidateTimeout`
     (which case, which step, how long); time spent in equiv's own reference runs
-    raises :class:`~equiv.checking.deadline.CheckTimeout`.
+    raises :class:`~equiv.judging.deadline.CheckTimeout`.
 
     Precision: differences that are float32-sized, only inside the float64 run,
     with every lower-precision run matching (a tensor made in torch's default
@@ -388,7 +388,7 @@ def floor_samples(case: Case, tiers: Sequence[Tier]) -> tuple[FloorSample, ...]:
     """The floor samples of ``case`` for ``tiers``, in the order they run.
 
     Several samples, because the ratio of two roundoff errors is heavy-tailed
-    (see :mod:`equiv.checking.tolerances`): each precision runs the batch in
+    (see :mod:`equiv.judging.tolerances`): each precision runs the batch in
     order, normalised after backward (the accumulator's own rounding pattern),
     and shuffled twice.  Rounding error grows linearly with the unit roundoff,
     so float32 runs' errors scaled by u(float64)/u(float32) estimate the float64
@@ -424,7 +424,7 @@ class ReferenceRuns:
 
     Computed streaming: the truth's trajectory is kept (every candidate is
     compared with it), each floor sample only leaves its per-step, per-tensor
-    distance from the truth (:class:`~equiv.checking.compare.FloorErrors`).
+    distance from the truth (:class:`~equiv.judging.compare.FloorErrors`).
     Floor samples run on demand and stay: :meth:`run_floor_sample` one more
     for a tier, :meth:`with_floors` every one (:meth:`of`: the truth and every
     floor at once; :meth:`truth_of`: the truth alone).  A tier with no sample
@@ -529,7 +529,7 @@ class ReferenceRuns:
     ) -> StepComparer:
         """:meth:`run_and_compare`, returning the comparer: with ``final=False`` its
         rows stay undetailed and can be re-judged as more floor samples run
-        (:meth:`~equiv.checking.compare.StepComparer.rejudged`)."""
+        (:meth:`~equiv.judging.compare.StepComparer.rejudged`)."""
         comparer = StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier], details=final,
                                 at_truth_start=self._starts_at_truth(self.dtype(tier)))
         run_candidate(

@@ -58,9 +58,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.check import TIERS, ReferenceRuns, precision_fails_because, precision_finding
-from equiv.checking.contract import Candidate, bind, shipped
-from equiv.checking.trajectory import Snapshot, run_candidate
-from equiv.checking.verdict import Judgement, TensorDiff, Tier, Verdict
 from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.distributed.matching import mark
@@ -71,7 +68,10 @@ from equiv.distributed.sharding import (
     sum_where_premul_sum_is_missing,
 )
 from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
+from equiv.judging.contract import Candidate, bind, shipped
+from equiv.judging.runs import Snapshot, run_candidate
 from equiv.outcomes import Outcome
+from equiv.results.verdict import Judgement, TensorDiff, Tier, Verdict
 
 __all__ = [
     "ENGINES",

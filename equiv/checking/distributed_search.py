@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from equiv.cases.case import Case
-from equiv.checking.contract import BoundCandidate, Candidate, bind
 from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
 from equiv.distributed.launcher import DistributedCheckError
+from equiv.judging.contract import BoundCandidate, Candidate, bind
 from equiv.outcomes import Outcome
 
 __all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "distributed_cases", "standard_distributed_cases",

@@ -16,7 +16,7 @@ Every rank builds the same float64 model (a stack of ``nn.Linear`` + tanh
 layers), keeps its stages' layers, runs ``steps`` optimizer steps (SGD) through
 the schedule, and compares its layers' parameters with one single-process
 float64 full-batch run of the same steps.  Verdict: equivalent when every
-parameter is within the allowance :func:`equiv.checking.tolerances.allowance`
+parameter is within the allowance :func:`equiv.judging.tolerances.allowance`
 derives for the exact tier, as :func:`equiv.check` does: ``32 x floor + 16 x
 steps x u(float64) x scale``, where the floor is how far the same full-batch
 steps land when their batch is summed in another order (a shuffled batch:
@@ -43,8 +43,8 @@ from equiv.cases.pipeline import (
     V_SHAPED_SCHEDULES,
     PipelineSetting,
 )
-from equiv.checking.tolerances import allowance
 from equiv.distributed.launcher import Launcher, run_on_ranks
+from equiv.judging.tolerances import allowance
 from equiv.outcomes import Outcome
 
 __all__ = [

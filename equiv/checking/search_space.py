@@ -18,7 +18,7 @@ from hypothesis.strategies import SearchStrategy
 
 from equiv.cases import strategies as eqst
 from equiv.cases.case import Case
-from equiv.checking.contract import BoundCandidate, Candidate, bind
+from equiv.judging.contract import BoundCandidate, Candidate, bind
 
 __all__ = ["SearchSpace", "cases_for"]
 

@@ -34,13 +34,13 @@ from hypothesis.reporting import with_reporter
 
 from equiv.cases.case import Case
 from equiv.checking.check import check, precision_fails_because
-from equiv.checking.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
-from equiv.checking.deadline import DEFAULT_TIMEOUT_S
 from equiv.checking.profiles import profile_settings
 from equiv.checking.search_space import SearchSpace
-from equiv.checking.trajectory import NonFiniteLossError
-from equiv.checking.verdict import Verdict
+from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
+from equiv.judging.deadline import DEFAULT_TIMEOUT_S
+from equiv.judging.runs import NonFiniteLossError
 from equiv.outcomes import Outcome
+from equiv.results.verdict import Verdict
 
 __all__ = ["VerifyResult", "verify"]
 
@@ -290,7 +290,7 @@ def verify(
     precision note (float32-sized differences in the float64 run) passes and is
     counted (``precision_notes``) unless the user trains in float64 or asks for
     strict precision.
-    Raises :class:`~equiv.checking.contract.ContractError` for a candidate
+    Raises :class:`~equiv.judging.contract.ContractError` for a candidate
     that cannot take ``(model, optimizer, micro_batches, loss_fn)``.
     """
     candidate = bind(candidate)
@@ -507,7 +507,7 @@ _REPLAY = """
 import json, sys
 from equiv.cases.case import Case
 from equiv.checking.check import check, precision_fails_because
-from equiv.checking.contract import CandidateError, load_candidate
+from equiv.judging.contract import CandidateError, load_candidate
 candidate = load_candidate(sys.argv[1])
 try:
     # The case comes from the search that ran this step: its imports are the user's own.

@@ -20,12 +20,12 @@ from equiv.accumulator import accumulator_step
 from equiv.cases.case import Case
 from equiv.checking.check import check
 from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
-from equiv.checking.facts import Divergence, magnitude, ratio_band
 from equiv.cost.fsdp import POLICIES, FsdpCostRow, FsdpCostSweep
 from equiv.cost.workloads import WORKLOADS
 from equiv.distributed.launcher import run_on_ranks
 from equiv.findings.results import FSDP2_POLICY_LABELS, DistributedFindings, Fsdp2Findings
 from equiv.outcomes import Outcome
+from equiv.results.facts import Divergence, magnitude, ratio_band
 from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry, upstream_report
 
 __all__ = ["fsdp2_cost_table", "fsdp2_verdict_table", "measure_distributed", "measure_fsdp2"]

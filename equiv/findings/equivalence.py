@@ -8,7 +8,7 @@ model family x optimizer, inherent non-equivalences, and the measurements of
 :mod:`equiv.findings.moe`, :mod:`equiv.findings.tensor_parallel` and
 :mod:`equiv.findings.pipeline`; :mod:`equiv.reporting.equivalence` renders
 the result.  Everything runs with fixed seeds, rows are sorted, and only what
-holds on every machine is kept (:mod:`equiv.checking.facts`: statuses, within
+holds on every machine is kept (:mod:`equiv.results.facts`: statuses, within
 or past the allowance, first divergences with their relative error as an
 order of magnitude, counts), never the digits of rounding noise, so the same
 code gives the same report on any CPU: CI regenerates it and diffs it against
@@ -28,10 +28,7 @@ from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
 from equiv.cases.strategies import ITEM_WEIGHTED_LOSSES
 from equiv.checking.check import check
-from equiv.checking.facts import Divergence, VerdictFacts
 from equiv.checking.search_space import SearchSpace
-from equiv.checking.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
-from equiv.checking.verdict import Verdict
 from equiv.checking.verify import VerifyResult, verify
 from equiv.findings.distributed import measure_distributed
 from equiv.findings.distributed_findings import measure_distributed_search, torchrun_table
@@ -39,6 +36,9 @@ from equiv.findings.moe import measure_moe
 from equiv.findings.pipeline import pipeline_table
 from equiv.findings.results import EquivalenceFindings, SearchFindings
 from equiv.findings.tensor_parallel import measure_tensor_parallel
+from equiv.judging.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
+from equiv.results.facts import Divergence, VerdictFacts
+from equiv.results.verdict import Verdict
 from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
 
 __all__ = [

@@ -4,7 +4,7 @@ The ``"moe"`` family (:mod:`equiv.cases.moe`) with its aux loss taken per
 sequence and over the batch, checked with the reference accumulator and the
 steps of :data:`equiv.zoo.moe_bugs.MOE_BUGS`, on an even and an uneven split.
 Only statuses and the order of magnitude of a first divergence are printed
-(:mod:`equiv.checking.facts`): the same on every machine.
+(:mod:`equiv.results.facts`): the same on every machine.
 :mod:`equiv.reporting.moe` renders it.
 """
 
@@ -15,8 +15,8 @@ import pandas as pd
 from equiv.accumulator import accumulator_step
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.checking.facts import VerdictFacts
 from equiv.findings.results import MoeFindings
+from equiv.results.facts import VerdictFacts
 from equiv.zoo.moe_bugs import MOE_BUGS
 
 __all__ = ["MOE_UPSTREAM", "measure_moe", "moe_table"]

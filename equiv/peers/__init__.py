@@ -1,6 +1,6 @@
 """Peers: accumulation that people actually use, driven as its users drive it and judged by equiv's checker.
 
-- :mod:`equiv.peers.adapters`: each library (Accelerate, Lightning, the
+- :mod:`equiv.adapters`: each library (Accelerate, Lightning, the
   transformers Trainer, nanoGPT's loop, the MindSpore tutorials' patterns)
   under the candidate contract, and over whole epochs where it has its own loop;
 - :mod:`equiv.peers.judge`: a whole run judged step by step against a float64

@@ -2,7 +2,7 @@
 
 - :func:`peers`: accumulation people use (nanoGPT's loop, the MindSpore tutorials'
   patterns, Accelerate, Lightning), each built through its adapter
-  (:mod:`equiv.peers.adapters`); :func:`own`: equiv's own loops, reference points;
+  (:mod:`equiv.adapters`); :func:`own`: equiv's own loops, reference points;
 - :data:`CONFIGURATIONS`: one window per call (the candidate contract, a fixed case each);
 - :data:`EPOCH_RUNS`: one run of the library over whole epochs;
 - :data:`TRAINER_RUNS`: one ``Trainer.train()`` over padded token sequences;
@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from equiv.accumulator import accumulator_step
-from equiv.cases.case import Case
-from equiv.peers.adapters import (
+from equiv.adapters import (
     MindSporeAccumulator,
     MindSporeAccuStepsWithLossScale,
     MindSporeGradAccumulation,
@@ -30,6 +29,7 @@ from equiv.peers.adapters import (
     textbook_step,
     torchtitan_step,
 )
+from equiv.cases.case import Case
 from equiv.peers.runs import EpochRun, TokenRun
 
 __all__ = [
@@ -148,7 +148,7 @@ def peers() -> list[Peer]:
                         "loss scaling"),
     ]
     try:
-        from equiv.peers.adapters.accelerate import AccelerateStep, AccelerateVariableSizeStep
+        from equiv.adapters.accelerate import AccelerateStep, AccelerateVariableSizeStep
 
         version = importlib.metadata.version("accelerate")
         out += [
@@ -169,7 +169,7 @@ def peers() -> list[Peer]:
     except ImportError:
         pass
     try:
-        from equiv.peers.adapters.lightning import LightningStep
+        from equiv.adapters.lightning import LightningStep
 
         version = importlib.metadata.version("pytorch-lightning")
         out.append(Peer(f"Lightning {version}", lambda n: LightningStep(n), "Trainer(accumulate_grad_batches=N)",

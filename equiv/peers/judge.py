@@ -6,8 +6,8 @@ judged as :func:`equiv.check` judges a candidate, and as
 :mod:`equiv.auditing.replay` judges a recorded window: against a float64
 *reference* run from the same start (the full batch of each window, or the
 step of one kind of failure), tensor by tensor and step by step, through
-:class:`~equiv.checking.compare.StepComparer`, each tensor allowed
-:func:`~equiv.checking.tolerances.allowance`'s derived multiple of the
+:class:`~equiv.judging.compare.StepComparer`, each tensor allowed
+:func:`~equiv.judging.tolerances.allowance`'s derived multiple of the
 reference's own rounding error, in both tiers:
 
 * exact: the peer's float64 run; floors: the reference in float32 (each
@@ -34,12 +34,11 @@ import torch
 from torch import Tensor, nn
 
 from equiv.checking.check import float32_sized
-from equiv.checking.compare import FloorErrors, FloorRun, StepComparer, TruthTrajectory
-from equiv.checking.tolerances import unit_roundoff
-from equiv.checking.trajectory import Snapshot
-from equiv.checking.trajectory import _snapshot as snapshot_of
-from equiv.checking.verdict import PrecisionFinding, TensorDiff, Tier
+from equiv.judging.compare import FloorErrors, FloorRun, StepComparer, TruthTrajectory
+from equiv.judging.runs import Snapshot, snapshot_of
+from equiv.judging.tolerances import unit_roundoff
 from equiv.peers.kinds import ORDERS
+from equiv.results.verdict import PrecisionFinding, TensorDiff, Tier
 
 __all__ = [
     "ReferenceRun",

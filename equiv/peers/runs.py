@@ -29,10 +29,8 @@ from torch import Tensor, nn
 from equiv.batches import split_batch
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.checking.contract import bind
-from equiv.checking.trajectory import Snapshot, run_candidate, run_reference
-from equiv.checking.trajectory import _snapshot as snapshot_of
-from equiv.checking.verdict import TensorDiff, Verdict
+from equiv.judging.contract import bind
+from equiv.judging.runs import Snapshot, run_candidate, run_reference, snapshot_of
 from equiv.losses import Loss
 from equiv.peers.judge import (
     References,
@@ -55,6 +53,7 @@ from equiv.peers.kinds import (
     ordered,
     weighted_step,
 )
+from equiv.results.verdict import TensorDiff, Verdict
 from equiv.zoo.bugs import clip_per_micro_batch
 
 __all__ = [
@@ -150,7 +149,7 @@ class EpochRun:
 
 @dataclass(frozen=True)
 class TokenRun:
-    """A tiny causal LM (:mod:`equiv.peers.adapters.transformers`) trained with
+    """A tiny causal LM (:mod:`equiv.adapters.transformers`) trained with
     SGD on right-padded sequences: ``real_lengths`` holds each micro-batch's
     sequences' real token counts, so micro-batches carry unequal numbers of
     tokens; N per window, ``epochs`` passes.  ``loss_kwargs`` False wraps the
@@ -175,7 +174,7 @@ class TokenRun:
         return torch.float32
 
     def fresh(self, dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
-        from equiv.peers.adapters.transformers import NoLossKwargs, tiny_causal_lm, token_micro_batches
+        from equiv.adapters.transformers import NoLossKwargs, tiny_causal_lm, token_micro_batches
 
         model = tiny_causal_lm().to(dtype)  # built in float32: the same start in every dtype
         if not self.loss_kwargs:

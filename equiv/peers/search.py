@@ -13,11 +13,11 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
+from equiv.adapters.state import UnsupportedWindow
 from equiv.cases import strategies
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.checking.contract import CandidateError, bind
-from equiv.peers.adapters._state import UnsupportedWindow
+from equiv.judging.contract import CandidateError, bind
 from equiv.peers.runs import classify_step
 
 __all__ = ["SEARCHABLE", "smallest_counterexample"]

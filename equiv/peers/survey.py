@@ -95,7 +95,7 @@ def _epoch_cell(peer: Peer, run: EpochRun) -> tuple[Cell, Measure | None]:
 
 def trainer_cells(loss_kwargs: bool) -> dict[str, Cell]:
     """One cell per :data:`TRAINER_RUNS` column for the installed transformers' Trainer."""
-    from equiv.peers.adapters.transformers import TrainerRun
+    from equiv.adapters.transformers import TrainerRun
 
     before_fix = tuple(int(p) for p in importlib.metadata.version("transformers").split(".")[:2]) < (4, 46)
     issues = {"mean of means": "transformers #34191" if before_fix else "transformers #37766" if not loss_kwargs else ""}

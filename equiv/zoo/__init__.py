@@ -1,3 +1,3 @@
 """Steps that equiv must judge correctly: known bugs (:mod:`~equiv.zoo.bugs`,
 :mod:`~equiv.zoo.distributed_bugs`) and other people's accumulation driven
-under the candidate contract (:mod:`~equiv.peers.adapters`)."""
+under the candidate contract (:mod:`~equiv.adapters`)."""

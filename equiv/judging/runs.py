@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
-from equiv.checking.contract import BoundCandidate, CandidateError, CandidateTimeout, bind
-from equiv.checking.deadline import CheckTimeout
+from equiv.judging.contract import BoundCandidate, CandidateError, CandidateTimeout, bind
+from equiv.judging.deadline import CheckTimeout
 from equiv.losses import Loss
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "full_batch_step",
     "run_candidate",
     "run_reference",
+    "snapshot_of",
 ]
 
 class NonFiniteLossError(ValueError):
@@ -52,7 +53,7 @@ class Snapshot:
     optimizer_state: dict[str, Tensor]
 
 
-def _snapshot(
+def snapshot_of(
     model: nn.Module, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None = None,
     *, copy_tensors: bool = True,
 ) -> Snapshot:
@@ -176,7 +177,7 @@ def _run(
 
     def record(step: int) -> None:
         # Streamed snapshots are read at once and dropped: the run lends its own tensors.
-        snapshot = _snapshot(model, optimizer, extras.grad_scaler, copy_tensors=on_snapshot is None)
+        snapshot = snapshot_of(model, optimizer, extras.grad_scaler, copy_tensors=on_snapshot is None)
         if on_snapshot is None:
             snapshots.append(snapshot)
         else:  # streamed: compared (or folded into floor errors) at once, not kept
@@ -278,7 +279,7 @@ def run_reference(
 
 def _keywords_for(candidate: BoundCandidate, case: Case) -> Callable[[RunExtras], dict[str, Any]]:
     """The optional keywords to pass at each step: those the candidate accepts
-    (:attr:`~equiv.checking.contract.BoundCandidate.keywords`) and the case sets."""
+    (:attr:`~equiv.judging.contract.BoundCandidate.keywords`) and the case sets."""
     reasons = candidate.not_applicable_reasons(case)
     if reasons:  # check() reports such a case as not applicable before running anything
         raise ValueError(f"the case does not apply to the candidate: {'; '.join(reasons)}")

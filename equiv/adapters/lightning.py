@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from equiv.peers.adapters._state import describe
+from equiv.adapters.state import describe
 
 __all__ = ["LightningStep"]
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from equiv.peers.adapters._state import PerRun, UnsupportedWindow, describe
+from equiv.adapters.state import PerRun, UnsupportedWindow, describe
 
 __all__ = [
     "MindSporeAccuStepsWithLossScale",

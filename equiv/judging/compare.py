@@ -3,7 +3,7 @@
 What is compared per step: the cumulative update of every parameter
 (p_k - p_0, not the raw parameter: an absolute tolerance on parameters hides
 small updates), floating buffers the same way, and every optimizer state
-tensor.  Each gets its own allowance (see :mod:`equiv.checking.tolerances`).
+tensor.  Each gets its own allowance (see :mod:`equiv.judging.tolerances`).
 
 Everything streams: a floor run or a candidate run hands over its live
 tensors once per step (any dtype: the arithmetic promotes them to float64,
@@ -29,9 +29,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from equiv.checking.tolerances import allowance
-from equiv.checking.trajectory import Snapshot
-from equiv.checking.verdict import TensorDiff, Tier
+from equiv.judging.runs import Snapshot
+from equiv.judging.tolerances import allowance
+from equiv.results.verdict import TensorDiff, Tier
 
 __all__ = ["FloorErrors", "FloorRun", "StepComparer", "TruthTrajectory", "compare_trajectories", "starts_exactly"]
 

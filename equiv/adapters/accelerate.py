@@ -50,8 +50,8 @@ from accelerate.utils import GradientAccumulationPlugin
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from equiv.adapters.state import PerRun, describe
 from equiv.losses import Loss
-from equiv.peers.adapters._state import PerRun, describe
 
 __all__ = ["AccelerateStep", "AccelerateVariableSizeStep"]
 

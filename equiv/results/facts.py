@@ -19,7 +19,7 @@ What is the same everywhere, and what :class:`VerdictFacts` holds:
   (:func:`ratio_band`: the only edge is the allowance itself, and passing
   cases sit at 0.005-0.44 of it, failing ones at 20 and more);
 - for a failing verdict its first divergence: step, tier, tensor (chosen by
-  relative error, see :attr:`~equiv.checking.verdict.Verdict.first_mismatch`),
+  relative error, see :attr:`~equiv.results.verdict.Verdict.first_mismatch`),
   and its relative error as an order of magnitude (:func:`magnitude`: a decade
   is 4000x wider than the largest move measured);
 - whether it is a precision finding and why (``default_dtype``: it matches with
@@ -38,8 +38,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from equiv.checking.verdict import TensorDiff, Verdict
 from equiv.outcomes import Outcome
+from equiv.results.verdict import TensorDiff, Verdict
 
 __all__ = ["Divergence", "VerdictFacts", "magnitude", "ratio_band"]
 
@@ -92,7 +92,7 @@ class Divergence:
 
 @dataclass(frozen=True, slots=True)
 class VerdictFacts:
-    """The part of a :class:`~equiv.checking.verdict.Verdict` that every CPU,
+    """The part of a :class:`~equiv.results.verdict.Verdict` that every CPU,
     GPU and thread count agrees on (module docstring): what to pin and report."""
 
     status: Outcome

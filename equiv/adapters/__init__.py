@@ -3,15 +3,15 @@
 Each adapter is a candidate ``step(model, optimizer, micro_batches, loss_fn)``
 driving someone else's code, faithfully, bugs and all:
 
-- :mod:`equiv.peers.adapters.loops`: the textbook ``loss / N`` loop (nanoGPT) and
+- :mod:`equiv.adapters.loops`: the textbook ``loss / N`` loop (nanoGPT) and
   equiv's own loop in torchtitan's style (normalised by the window's item count;
   a reference point, not torchtitan's code).
-- :mod:`equiv.peers.adapters.mindspore_ports`: the MindSpore tutorials' patterns
+- :mod:`equiv.adapters.mindspore_ports`: the MindSpore tutorials' patterns
   (r1.0/r1.3 ``GradientAccumulation``, the r1.3 parallel-mode loss-scale cell,
   2.0 ``Accumulator``, r2.6 ``GradAccumulation``) ported to PyTorch.
-- :mod:`equiv.peers.adapters.accelerate`: Hugging Face Accelerate (extra ``accelerate``).
-- :mod:`equiv.peers.adapters.lightning`: PyTorch Lightning's Trainer (extra ``lightning``).
-- :mod:`equiv.peers.adapters.transformers`: Hugging Face transformers' ``Trainer``
+- :mod:`equiv.adapters.accelerate`: Hugging Face Accelerate (extra ``accelerate``).
+- :mod:`equiv.adapters.lightning`: PyTorch Lightning's Trainer (extra ``lightning``).
+- :mod:`equiv.adapters.transformers`: Hugging Face transformers' ``Trainer``
   (extra ``peers``; transformers is imported only when a run starts).
 
 Libraries with an epoch loop of their own also offer ``run_epochs`` (or, for
@@ -24,8 +24,8 @@ which is what happens at the start of every run of a case: cases stay
 independent.  The optional frameworks are imported only by their modules.
 """
 
-from equiv.peers.adapters.loops import textbook_step, torchtitan_step
-from equiv.peers.adapters.mindspore_ports import (
+from equiv.adapters.loops import textbook_step, torchtitan_step
+from equiv.adapters.mindspore_ports import (
     MindSporeAccumulator,
     MindSporeAccuStepsWithLossScale,
     MindSporeGradAccumulation,
