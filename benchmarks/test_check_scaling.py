@@ -48,10 +48,10 @@ from torch import Tensor, nn
 import equiv
 import equiv.checking.check as check_module
 from equiv.batches import split_batch
-from equiv.checking.check import clear_reference_cache
 from equiv.cost.memory import StorageCounter
 from equiv.cost.steps import synchronize
 from equiv.host_memory import keep_freed_host_memory
+from equiv.judging.judge import clear_reference_cache
 from equiv.judging.runs import run_candidate
 from equiv.losses import TokenCrossEntropy
 from equiv.zoo.bugs import BUGS

@@ -22,7 +22,7 @@ import pytest
 import equiv
 import equiv.checking.check as check_module
 import equiv.checking.verify as verify_module
-from equiv.checking.check import ReferenceRuns, clear_reference_cache
+from equiv.judging.judge import ReferenceRuns, clear_reference_cache
 from equiv.reporting.benchmarks import VERIFY_MODES as MODES
 from equiv.zoo.bugs import BUGS
 

@@ -25,7 +25,7 @@ from equiv.auditing import Audit, AuditFailure, WindowAudit, audit
 from equiv.cases.case import Case, InvalidCase
 from equiv.cases.models import CausalLM, ModelBundle, register_model
 from equiv.cases.moe import MoELayer, MoEModel
-from equiv.checking.check import ReferenceRuns, check
+from equiv.checking.check import check
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
 from equiv.checking.distributed_search import DistributedSearchResult, verify_distributed
 from equiv.checking.pipeline import PipelineSetting, PipelineVerdict, check_pipeline
@@ -35,6 +35,7 @@ from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
 from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
 from equiv.judging.contract import Candidate, CandidateError, ContractError
 from equiv.judging.inherent import inherent_non_equivalences
+from equiv.judging.judge import ReferenceRuns
 from equiv.judging.runs import NonFiniteLossError, full_batch_step
 from equiv.losses import (
     MSE,

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import equiv
-from equiv.checking.check import ReferenceRuns
 from equiv.judging.compare import StepComparer
+from equiv.judging.judge import ReferenceRuns
 from equiv.judging.runs import Snapshot, run_candidate
 from equiv.zoo.bugs import BUGS
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import equiv
 from equiv.cases.standard import STANDARD_CASES
-from equiv.checking.check import ReferenceRuns, clear_reference_cache
+from equiv.judging.judge import ReferenceRuns, clear_reference_cache
 from equiv.zoo.bugs import BUGS
 
 CASES = ["SGD momentum, uneven 1+5+10", "Adam, uneven 1+2", "SGD, active clipping 3+5",
@@ -143,7 +143,7 @@ def test_under_float16_loss_scaling_every_floor_runs_first(monkeypatch: pytest.M
     decisions are part of the verdict): every sample runs before the candidate."""
     case = equiv.Case(batch_size=4, micro_batch_sizes=(1, 3), autocast="float16", loss_scale=2.0**8)
     order: list[str] = []
-    original_floors, original_run = ReferenceRuns.with_floors, ReferenceRuns.compare_run
+    original_floors, original_run = ReferenceRuns.with_floors, ReferenceRuns.rows  # every candidate run
 
     def floors(self: ReferenceRuns, tiers: object = None) -> ReferenceRuns:
         order.append("floors")
@@ -154,7 +154,7 @@ def test_under_float16_loss_scaling_every_floor_runs_first(monkeypatch: pytest.M
         return original_run(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ReferenceRuns, "with_floors", floors)
-    monkeypatch.setattr(ReferenceRuns, "compare_run", run)
+    monkeypatch.setattr(ReferenceRuns, "rows", run)
     equiv.check(equiv.accumulator_step, case)
     assert order[0] == "floors"
     # float32 (3.4e38 at most) with a scale far below it: lazy like any other case.
@@ -184,13 +184,13 @@ def test_a_failing_step_runs_its_float64_candidate_once(monkeypatch: pytest.Monk
     once more to show where): the same verdict as every floor first."""
     case = STANDARD_CASES[CASES[1]]
     runs: list[object] = []
-    original = ReferenceRuns.compare_run
+    original = ReferenceRuns.rows  # every candidate run goes through it
 
     def counted(self: ReferenceRuns, tier: str, *args: object, **kwargs: object) -> object:
         runs.append(self.dtype(tier))
         return original(self, tier, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ReferenceRuns, "compare_run", counted)
+    monkeypatch.setattr(ReferenceRuns, "rows", counted)
     lazy = equiv.check(BUGS["mean_of_means"], case)
     assert runs.count(torch.float64) == 1 and runs.count(torch.float32) == 2, runs
     assert lazy.mismatches == eager(BUGS["mean_of_means"], case).mismatches

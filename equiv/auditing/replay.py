@@ -222,7 +222,7 @@ def judge_window(window: RecordedWindow, *, template: nn.Module, optimizer: torc
     truth.add(1, snapshot_of(*run(torch.float64, in_order, False), copy_tensors=False))
     floors = FloorErrors(truth)
     # Three roundings of the same mathematics in the working dtype (see
-    # equiv.checking.check.floor_samples): in order, in reverse, normalised after backward.
+    # equiv.judging.floors): in order, in reverse, normalised after backward.
     for order, after_backward in ((in_order, False), (in_order[::-1], False), (in_order, True)):
         floors.add(0, start, 1.0)
         floors.add(1, snapshot_of(*run(working, order, after_backward), copy_tensors=False), 1.0)

@@ -57,7 +57,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
-from equiv.checking.check import TIERS, ReferenceRuns, precision_fails_because, precision_finding
 from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.distributed.matching import mark
@@ -69,6 +68,8 @@ from equiv.distributed.sharding import (
 )
 from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
 from equiv.judging.contract import Candidate, bind, shipped
+from equiv.judging.floors import TIERS
+from equiv.judging.judge import ReferenceRuns, precision_fails_because, precision_finding
 from equiv.judging.runs import Snapshot, run_candidate
 from equiv.outcomes import Outcome
 from equiv.results.verdict import Judgement, TensorDiff, Tier, Verdict

@@ -33,11 +33,12 @@ from hypothesis.errors import DidNotReproduce, Flaky, InvalidArgument, Unsatisfi
 from hypothesis.reporting import with_reporter
 
 from equiv.cases.case import Case
-from equiv.checking.check import check, precision_fails_because
+from equiv.checking.check import check
 from equiv.checking.profiles import profile_settings
 from equiv.checking.search_space import SearchSpace
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S
+from equiv.judging.judge import precision_fails_because
 from equiv.judging.runs import NonFiniteLossError
 from equiv.outcomes import Outcome
 from equiv.results.verdict import Verdict
@@ -506,7 +507,8 @@ def _warn_once(caught: list[warnings.WarningMessage]) -> None:
 _REPLAY = """
 import json, sys
 from equiv.cases.case import Case
-from equiv.checking.check import check, precision_fails_because
+from equiv.checking.check import check
+from equiv.judging.judge import precision_fails_because
 from equiv.judging.contract import CandidateError, load_candidate
 candidate = load_candidate(sys.argv[1])
 try:

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from equiv.checking.check import float32_sized
 from equiv.judging.compare import FloorErrors, FloorRun, StepComparer, TruthTrajectory
+from equiv.judging.judge import float32_sized
 from equiv.judging.runs import Snapshot, snapshot_of
 from equiv.judging.tolerances import unit_roundoff
 from equiv.peers.kinds import ORDERS
