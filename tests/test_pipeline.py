@@ -17,7 +17,7 @@ def test_pipeline_setting_comes_to_what_it_must_under_1f1b(name: str) -> None:
     entry = PIPELINE_ZOO[name]
     verdict = check_pipeline(dataclasses.replace(entry.setting, schedule="1F1B"))
     assert verdict.status is entry.expected, verdict.message()
-    # Judged with the exact tier's derived allowance (a shuffled-batch floor sample, float64 roundoff):
+    # Judged by the engine in the exact tier (the floor plan: float32 and shuffled-batch samples, float64 roundoff):
     # a correct setting sits well inside it, a weighting mistake orders of magnitude past it.
     if verdict.status is Outcome.EQUIVALENT:
         assert verdict.worst_ratio is not None and verdict.worst_ratio <= 1.0

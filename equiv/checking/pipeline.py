@@ -14,14 +14,14 @@ around the pipeline), and whether the gradients are cleared between calls.
 
 Every rank builds the same float64 model (a stack of ``nn.Linear`` + tanh
 layers), keeps its stages' layers, runs ``steps`` optimizer steps (SGD) through
-the schedule, and compares its layers' parameters with one single-process
-float64 full-batch run of the same steps.  Verdict: equivalent when every
-parameter is within the allowance :func:`equiv.judging.tolerances.allowance`
-derives for the exact tier, as :func:`equiv.check` does: ``32 x floor + 16 x
-steps x u(float64) x scale``, where the floor is how far the same full-batch
-steps land when their batch is summed in another order (a shuffled batch:
-another rounding of the same sums) and the scale is the parameter's magnitude.
-A weighting mistake is orders of magnitude past it.
+the schedule, and is judged as :func:`equiv.check` judges a step: the run source
+is one single-process full-batch run of the same steps (its float64 truth, and
+the floor plan's samples of it: in float32, and on a shuffled batch in both
+precisions, :mod:`equiv.judging.floors`), and every step of the rank's stage
+parameters is compared with it in the exact tier
+(:class:`~equiv.judging.judge.Judge`), each tensor allowed the derived multiple
+of that run's own rounding error.  A weighting mistake is orders of magnitude
+past it.
 Ranks are spawned gloo processes (:func:`equiv.distributed.launcher.run_on_ranks`).
 """
 
@@ -44,8 +44,11 @@ from equiv.cases.pipeline import (
     PipelineSetting,
 )
 from equiv.distributed.launcher import Launcher, run_on_ranks
-from equiv.judging.tolerances import allowance
+from equiv.judging.floors import IN_ORDER, Rounding
+from equiv.judging.judge import Judge, OnSnapshot, RunSource
+from equiv.judging.runs import Snapshot
 from equiv.outcomes import Outcome
+from equiv.results.verdict import TensorDiff
 
 __all__ = [
     "LOSS_MODES",
@@ -126,42 +129,47 @@ def _real_items(target: Tensor) -> int:
 _LR = 0.1
 
 
-def _reference(setting: PipelineSetting, stages: int, *, shuffled: bool = False) -> list[dict[str, Tensor]]:
-    """Each stage's parameters after the full-batch steps (one process, float64).
-    ``shuffled`` permutes each step's batch (a fixed permutation): the same
-    sums rounded in another order, the floor sample of the exact tier."""
-    blocks = _layers(stages)
-    model = nn.Sequential(*blocks)
-    optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
-    generator = torch.Generator().manual_seed(2)
-    for calls in _batches(setting):
-        inputs = torch.cat([x for x, _ in calls])
-        targets = torch.cat([y for _, y in calls])
-        if shuffled:
-            order = torch.randperm(len(inputs), generator=generator)
-            inputs, targets = inputs[order], targets[order]
-        optimizer.zero_grad(set_to_none=True)
-        (_squared_error_sum(model(inputs), targets) / _real_items(targets)).backward()
-        optimizer.step()
-    return [{name: p.detach().clone() for name, p in block.named_parameters()} for block in blocks]
+#: The floor plan's roundings of the full-batch run: in order (the truth's), and on a shuffled batch.
+_ROUNDINGS = (IN_ORDER, Rounding("shuffled", seed=2))
 
 
-def _worst_against_allowance(blocks: list[nn.Module], indices: list[int], setting: PipelineSetting,
-                             stages: int) -> tuple[float, str]:
-    """The largest ``max|p - truth| / allowed`` over this rank's stage parameters, and where."""
-    truth = _reference(setting, stages)
-    floor_sample = _reference(setting, stages, shuffled=True)
-    worst, where = -1.0, ""
-    for i in indices:
-        for name, p in blocks[i].named_parameters():
-            expected = truth[i][name]
-            limit = allowance(floor=float((floor_sample[i][name] - expected).abs().max()), dtype=torch.float64,
-                              scale=float(expected.abs().max()), steps=setting.steps)
-            diff = float((p.detach() - expected).abs().max())
-            ratio = diff / limit.allowed if limit.allowed > 0 else (math.inf if diff > 0 else 0.0)
-            if ratio > worst:
-                worst, where = ratio, f"stage {i} '{name}', off by {diff:.3g}, allowed {limit.allowed:.3g} = {limit.explain()}"
-    return worst, where
+def _stage_snapshot(blocks: list[nn.Module], indices: list[int]) -> Snapshot:
+    """The parameters of stages ``indices``, named by stage (their live tensors: read at once).
+    SGD without momentum keeps no optimizer state."""
+    params = {f"stage {i}.{name}": p.detach() for i in indices for name, p in blocks[i].named_parameters()}
+    return Snapshot(params=params, buffers={}, optimizer_state={})
+
+
+def _full_batch_source(setting: PipelineSetting, stages: int, indices: list[int]) -> RunSource:
+    """The run source of the pipeline's truth: the same steps in one process, the whole
+    model at once, each step's calls as one batch with the mean loss over its real items;
+    stages ``indices`` handed over after each step."""
+
+    def source(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
+        blocks = [block.to(dtype) for block in _layers(stages)]
+        model = nn.Sequential(*blocks)
+        optimizer = torch.optim.SGD(model.parameters(), lr=_LR)
+        generator = None if rounding.seed is None else torch.Generator().manual_seed(rounding.seed)
+        on_snapshot(0, _stage_snapshot(blocks, indices))
+        for step, calls in enumerate(_batches(setting), start=1):
+            inputs = torch.cat([x for x, _ in calls]).to(dtype)
+            targets = torch.cat([y for _, y in calls]).to(dtype)
+            if generator is not None:
+                order = torch.randperm(len(inputs), generator=generator)
+                inputs, targets = inputs[order], targets[order]
+            optimizer.zero_grad(set_to_none=True)
+            (_squared_error_sum(model(inputs), targets) / _real_items(targets)).backward()
+            optimizer.step()
+            on_snapshot(step, _stage_snapshot(blocks, indices))
+
+    return source
+
+
+def _worst(rows: list[TensorDiff]) -> tuple[float, str]:
+    """The greatest difference / allowed over a rank's rows, and where (which step, stage and tensor)."""
+    row = max(rows, key=lambda r: r.ratio)
+    return row.ratio, (f"step {row.step}, '{row.name}', off by {row.max_abs_diff:.3g}, allowed {row.allowed:.3g} "
+                       f"= {row.explanation}")
 
 
 def _stage_indices(setting: PipelineSetting, rank: int) -> list[int]:
@@ -200,6 +208,10 @@ class _PipelineTask:
         schedule = schedule_class(pipeline_stages if setting.stages_per_rank > 1 else pipeline_stages[0],
                                   setting.n_microbatches, loss_fn=loss_fn, scale_grads=setting.scale_grads)
         first, last = 0 in indices, stages - 1 in indices
+        judge = Judge(_full_batch_source(setting, stages, indices), working=torch.float64, tiers=("exact",),
+                      roundings=_ROUNDINGS, steps=setting.steps).with_floors()
+        comparer = judge.comparer("exact")
+        comparer.add(0, _stage_snapshot(blocks, indices))
         for step, calls in enumerate(_batches(setting)):
             current["step"] = step
             optimizer.zero_grad(set_to_none=True)
@@ -215,7 +227,9 @@ class _PipelineTask:
                     # torch's stage errors span lines; one line keeps the cause in the fault report.
                     raise RuntimeError(" ".join(str(exc).split())) from None
             optimizer.step()
-        worst, where = _worst_against_allowance(blocks, indices, setting, stages)
+            comparer.add(step + 1, _stage_snapshot(blocks, indices))
+        comparer.end_run()
+        worst, where = _worst(comparer.diffs)
         return {"worst_ratio": worst, "worst_where": where}
 
 

@@ -49,6 +49,7 @@ from equiv.results.verdict import PrecisionFinding, TensorDiff, Tier, Verdict
 __all__ = [
     "CandidateRun",
     "Judge",
+    "OnSnapshot",
     "ReferenceRuns",
     "RunSource",
     "case_roundings",
@@ -59,6 +60,7 @@ __all__ = [
     "reference_runs",
 ]
 
+#: Hears one snapshot of a run: (step, snapshot), step 0 (the start) first.
 OnSnapshot = Callable[[int, Snapshot], None]
 #: Runs the full-batch step in a dtype, rounded one way, handing over each step's snapshot (step 0 first).
 RunSource = Callable[[torch.dtype, Rounding, OnSnapshot], None]
