@@ -210,12 +210,17 @@ def _calls(tree: ast.AST, name: str) -> list[int]:
                  or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
 
 
+#: What only the engine may call: an allowance, a floor's distances, a truth, a comparer.
+ENGINE_ONLY = ("allowance", "FloorErrors", "FloorRun", "TruthTrajectory", "StepComparer", "compare_trajectories",
+               "floor_plan")
+
+
 def test_one_floor_recipe_nothing_outside_the_engine_computes_an_allowance() -> None:
-    # Every verdict's allowance comes from equiv.judging (the floor plan, the comparer): a front door
-    # that called tolerances.allowance itself would be a second judge.
-    outside = {module: lines for module, path in MODULES.items() if not module.startswith("equiv.judging")
-               if (lines := _calls(ast.parse(path.read_text()), "allowance"))}
-    assert outside == {}, f"allowance computed outside equiv.judging: {outside}"
+    # Every verdict's floors and allowances come from equiv.judging (its floor plan, its Judge): a front door
+    # that measured a floor or called tolerances.allowance itself would be a second judge.
+    outside = {f"{module}:{name}": lines for module, path in MODULES.items() if not module.startswith("equiv.judging")
+               for name in ENGINE_ONLY if (lines := _calls(ast.parse(path.read_text()), name))}
+    assert outside == {}, f"the engine's work done outside equiv.judging: {outside}"
 
 
 def test_no_module_imports_a_private_name_of_another_package() -> None:

@@ -10,11 +10,13 @@ optimizer state when the window began, the calls made to the model's
   ``Σ item losses / Σ items`` over the whole window (the loss the user names,
   computed independently of how the user's code normalised), clipped once if
   the run clips, stepped with the learning rate the run used;
-* in the working dtype a few ways that round differently but mean the same
-  (in order, in reverse, normalised after backward): the floor samples;
+* as the engine's floor plan says (:mod:`equiv.judging.floors`), a few ways
+  that round differently but mean the same (in order, in reverse, normalised
+  after backward): the floor samples;
 
-and compares the update the user's code actually applied (and the optimizer
-state it left) with the truth through :class:`equiv.judging.compare.StepComparer`.
+a run source of the engine's :class:`~equiv.judging.judge.Judge`, which then
+compares the update the user's code actually applied (and the optimizer state
+it left) with the truth.
 The user's update exists only in the dtype it trained in, so a window is
 judged in one tier: the noise tier of ``equiv.check`` for float32 / bfloat16 /
 float16 training (the working dtype's floors), the exact tier for float64.
@@ -33,8 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from equiv.judging.compare import FloorErrors, StepComparer, TruthTrajectory
+from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
+from equiv.judging.judge import Judge, OnSnapshot
 from equiv.judging.runs import Snapshot, snapshot_of
 from equiv.results.verdict import TensorDiff, Tier
 
@@ -196,6 +199,10 @@ def _full_batch(model: nn.Module, optimizer: torch.optim.Optimizer, window: Reco
     optimizer.step()
 
 
+#: The roundings a recorded window can be replayed in (the first is the truth's own).
+_ROUNDINGS = (IN_ORDER, Rounding("reversed"), Rounding(after_backward=True))
+
+
 def judge_window(window: RecordedWindow, *, template: nn.Module, optimizer: torch.optim.Optimizer,
                  model: nn.Module, loss: Any, output_of: OutputOf, targets_of: Extract, call_model: CallModel,
                  max_grad_norm: float | None, usual_micro_batches: int | None = None) -> WindowAudit:
@@ -210,24 +217,20 @@ def judge_window(window: RecordedWindow, *, template: nn.Module, optimizer: torc
         return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier, mismatches=(),
                            worst=None, usual_micro_batches=usual_micro_batches, inherent=reasons)
 
-    def run(dtype: torch.dtype, order: Sequence[int], after_backward: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def replay(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
+        """The window's full-batch step from its start, the user's micro-batches in the rounding's order."""
+        order = range(len(window.calls))
         replica, replica_optimizer = _replica(template, model, optimizer, window, dtype)
-        _full_batch(replica, replica_optimizer, window, loss, output_of, targets_of, call_model, order=order,
-                    after_backward=after_backward, max_grad_norm=max_grad_norm)
-        return replica, replica_optimizer
+        _full_batch(replica, replica_optimizer, window, loss, output_of, targets_of, call_model,
+                    order=order[::-1] if rounding.order == "reversed" else order,
+                    after_backward=rounding.after_backward, max_grad_norm=max_grad_norm)
+        on_snapshot(0, start)
+        on_snapshot(1, snapshot_of(replica, replica_optimizer, copy_tensors=False))
 
-    in_order = range(len(window.calls))
-    truth = TruthTrajectory(steps=1)
-    truth.add(0, start)
-    truth.add(1, snapshot_of(*run(torch.float64, in_order, False), copy_tensors=False))
-    floors = FloorErrors(truth)
-    # Three roundings of the same mathematics in the working dtype (see
-    # equiv.judging.floors): in order, in reverse, normalised after backward.
-    for order, after_backward in ((in_order, False), (in_order[::-1], False), (in_order, True)):
-        floors.add(0, start, 1.0)
-        floors.add(1, snapshot_of(*run(working, order, after_backward), copy_tensors=False), 1.0)
-        floors.end_run()
-    comparer = StepComparer(tier=tier, dtype=working, floors=floors, details=True)
+    # The engine's floor plan over three roundings of the same mathematics: in order, in reverse,
+    # normalised after backward (every sample run: the window is judged once).
+    judge = Judge(replay, working=working, tiers=(tier,), roundings=_ROUNDINGS, steps=1).with_floors()
+    comparer = judge.comparer(tier)
     comparer.add(0, start)
     comparer.add(1, _named_snapshot(model, optimizer))
     comparer.end_run()

@@ -34,11 +34,13 @@ import torch
 from equiv.judging.tolerances import unit_roundoff
 from equiv.results.verdict import Tier
 
-__all__ = ["FLOAT64_SAMPLES", "IN_ORDER", "TIERS", "FloorSample", "Rounding", "floor_plan"]
+__all__ = ["FLOAT64_SAMPLES", "IN_ORDER", "TIERS", "FloorSample", "Order", "Rounding", "floor_plan"]
 
 TIERS: tuple[Tier, ...] = ("exact", "noise")
 #: How many roundings (besides the truth's own) are also run in float64 for the exact tier's floor.
 FLOAT64_SAMPLES = 2
+#: The orders a run source may feed its items in.
+Order = Literal["in order", "reversed", "rotated", "shuffled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ class Rounding:
     the mean loss backpropagated.
     """
 
-    order: Literal["in order", "reversed", "rotated", "shuffled"] = "in order"
+    order: Order = "in order"
     seed: int | None = None
     after_backward: bool = False
 

@@ -5,19 +5,17 @@ its weights and optimizer state after every optimizer step it takes.  It is
 judged as :func:`equiv.check` judges a candidate, and as
 :mod:`equiv.auditing.replay` judges a recorded window: against a float64
 *reference* run from the same start (the full batch of each window, or the
-step of one kind of failure), tensor by tensor and step by step, through
-:class:`~equiv.judging.compare.StepComparer`, each tensor allowed
-:func:`~equiv.judging.tolerances.allowance`'s derived multiple of the
-reference's own rounding error, in both tiers:
+step of one kind of failure), tensor by tensor and step by step, by the
+engine's :class:`~equiv.judging.judge.Judge`: the reference is the run source,
+its roundings each window's micro-batches in order, reversed and rotated, and
+the floor plan (:mod:`equiv.judging.floors`) runs it in float32 (feeding both
+tiers), in float64 reversed and rotated (exact tier), in both tiers:
 
-* exact: the peer's float64 run; floors: the reference in float32 (each
-  window's micro-batches in order, reversed, rotated) scaled by
-  u(float64)/u(float32), and in float64 reversed and rotated;
-* noise: the peer's run in the working dtype (float32); floors: the
-  reference in that dtype, in the three orders.
+* exact: the peer's float64 run against the truth;
+* noise: the peer's run in the working dtype (float32) against the truth.
 
 Precision is told apart as :func:`equiv.check` tells it
-(:func:`~equiv.checking.check.float32_sized`): a step whose only differences
+(:func:`~equiv.judging.judge.float32_sized`): a step whose only differences
 are in the float64 run, float32-sized, where the float32 run matched, fails
 nothing a user training in float32 could see (a model that computes part of
 its step in float32, as Llama's RMSNorm and the transformers loss do); it is
@@ -29,14 +27,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from equiv.judging.compare import FloorErrors, FloorRun, StepComparer, TruthTrajectory
-from equiv.judging.judge import float32_sized
+from equiv.judging.floors import Order, Rounding
+from equiv.judging.judge import Judge, OnSnapshot, float32_sized
 from equiv.judging.runs import Snapshot, snapshot_of
-from equiv.judging.tolerances import unit_roundoff
 from equiv.peers.kinds import ORDERS
 from equiv.results.verdict import PrecisionFinding, TensorDiff, Tier
 
@@ -93,42 +91,22 @@ def record(model: nn.Module, optimizer: torch.optim.Optimizer, run: Callable[[],
     return snapshots
 
 
-class References:
+class References(Judge):
     """The float64 run of one reference and, per tier, how far the same
-    reference rounded other ways lands from it (the floors)."""
+    reference rounded other ways lands from it (the floors): the engine's
+    :class:`~equiv.judging.judge.Judge` over a peer's run source, whose
+    roundings are its windows' micro-batch orders, every floor sample run."""
 
     def __init__(self, run: ReferenceRun, working: torch.dtype, *, orders: Sequence[str] = ORDERS) -> None:
-        self.working = working
-        self.truth = TruthTrajectory()
         #: the truth's parameters after each step, flat (step 0 first): magnitudes only, no verdict
         self.flat: list[Tensor] = []
 
-        def keep(step: int, snapshot: Snapshot) -> None:
-            self.truth.add(step, snapshot)
-            self.flat.append(flat_params(snapshot.params))
+        def source(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
+            run(dtype, rounding.order, on_snapshot)
 
-        run(torch.float64, "in order", keep)
-        self.floors: dict[Tier, FloorErrors] = {"exact": FloorErrors(self.truth), "noise": FloorErrors(self.truth)}
-        float32_in_exact = unit_roundoff(torch.float64) / unit_roundoff(torch.float32)
-        for order in orders:
-            feeds = [(self.floors["exact"], float32_in_exact)]
-            if working == torch.float32:
-                feeds.append((self.floors["noise"], 1.0))
-            self._floor_run(run, torch.float32, order, feeds)
-            if working not in (torch.float32, torch.float64):
-                self._floor_run(run, working, order, [(self.floors["noise"], 1.0)])
-            if order != "in order":  # in order, float64 is the truth itself
-                self._floor_run(run, torch.float64, order, [(self.floors["exact"], 1.0)])
-
-    @staticmethod
-    def _floor_run(run: ReferenceRun, dtype: torch.dtype, order: str, feeds: list[tuple[FloorErrors, float]]) -> None:
-        floor_run = FloorRun(feeds)  # one distance pass per step for every tier fed
-        run(dtype, order, floor_run.add)
-        floor_run.end_run()
-
-    @property
-    def steps(self) -> int:
-        return len(self.truth) - 1
+        super().__init__(source, working=working, roundings=[Rounding(cast(Order, order)) for order in orders],
+                         on_truth=lambda step, snapshot: self.flat.append(flat_params(snapshot.params)))
+        self.with_floors()
 
 
 @dataclass(frozen=True)
@@ -192,11 +170,9 @@ def judge(trajectories: Trajectories, references: References) -> RunVerdict:
     tiers: tuple[tuple[Tier, list[Snapshot], torch.dtype], ...] = (
         ("exact", trajectories.exact, torch.float64), ("noise", trajectories.noise, trajectories.working))
     for tier, run, dtype in tiers:
-        comparer = StepComparer(tier=tier, dtype=dtype, floors=references.floors[tier], details=True)
-        for step, snapshot in enumerate(run[: references.steps + 1]):
-            comparer.add(step, snapshot)
-        comparer.end_run()
-        diffs.extend(comparer.diffs)
+        if tier in references.tier_names:  # a float64 run has one tier
+            assert dtype == references.dtype(tier), (tier, dtype, references.dtype(tier))
+            diffs.extend(references.compare(tier, run[: references.steps + 1]))
     return RunVerdict(tuple(diffs), (trajectories.steps, references.steps))
 
 
