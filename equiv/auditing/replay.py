@@ -37,11 +37,11 @@ from torch import Tensor, nn
 
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
-from equiv.judging.judge import Judge, OnSnapshot
+from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot, snapshot_of
 from equiv.results.verdict import TensorDiff, Tier
 
-__all__ = ["Autocast", "Call", "RecordedWindow", "WindowAudit", "judge_window"]
+__all__ = ["Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "judge_window"]
 
 #: One call of the model's forward: (positional arguments, keyword arguments), detached copies.
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -143,96 +143,117 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _replica(template: nn.Module, user: nn.Module, optimizer: torch.optim.Optimizer, window: RecordedWindow,
-             dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A copy of the window-start model in ``dtype`` and an optimizer of the
-    user's class over it, in the same param groups, with the window-start
-    state and the hyperparameters the run stepped with."""
-    model = copy.deepcopy(template).to(dtype)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(window.start_params[name])
-        for name, buffer in model.named_buffers():
-            if name in window.start_buffers:
-                buffer.copy_(window.start_buffers[name])
-    by_identity = {id(param): name for name, param in user.named_parameters()}
-    own = dict(model.named_parameters())
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [own[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
-    # The constructor's own keywords only (defaults may hold derived ones, e.g.
-    # AdamW's decoupled_weight_decay); every group carries its hyperparameters anyway.
-    accepted = inspect.signature(type(optimizer)).parameters
-    replica = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-    replica.load_state_dict(copy.deepcopy(window.start_optimizer))  # state cast to the replica's dtype
-    for group, hyper in zip(replica.param_groups, window.hyperparameters, strict=True):
-        group.update(hyper)
-    return model, replica
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WindowReplay:
+    """How the audited run is replayed: the audit's run source for the engine.
 
+    What stays the same from window to window of one run: the model (its
+    window-start copy, ``template``, and the user's own, whose parameters the
+    optimizer holds), the optimizer, the loss named as sum + count, how a call's
+    output and targets are read, how the model is called, and the clip norm."""
 
-def _full_batch(model: nn.Module, optimizer: torch.optim.Optimizer, window: RecordedWindow, loss: Any,
-                output_of: OutputOf, targets_of: Extract, call_model: CallModel, *, order: Sequence[int],
-                after_backward: bool, max_grad_norm: float | None) -> None:
-    """One optimizer step on the window's micro-batches as one batch: the sum of
-    item losses over the window divided by the window's item count (each
-    micro-batch back-propagated on its own: the same gradient, in bounded memory)."""
-    dtype = next(model.parameters()).dtype
-    optimizer.zero_grad(set_to_none=True)
-    targets = [_cast(targets_of(call), dtype) for call in window.calls]  # float targets (MSE) in dtype too
-    total = sum(float(loss.count(target)) for target in targets)
-    for position in order:
-        mixed = window.autocast[position] if position < len(window.autocast) else None
-        # The run's mixed precision replayed in the working dtype's runs (the floors then hold its rounding);
-        # never in the float64 truth, which is the mathematics itself (autocast does not lower float64 anyway).
-        context = (torch.autocast(device_type=mixed[0], dtype=mixed[1]) if mixed is not None and dtype != torch.float64
-                   else contextlib.nullcontext())
-        with context:
-            output = output_of(call_model(model, _cast(window.calls[position], dtype)))
-        if output.dtype in (torch.float16, torch.bfloat16):
-            output = output.to(dtype)  # the loss taken at the parameters' precision, as AMP recipes do
-        summed = loss.sum(output, targets[position])
-        (summed if after_backward else summed / total).backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if after_backward and grads:
-        torch._foreach_div_(grads, total)
-    if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
-    optimizer.step()
+    template: nn.Module
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Any
+    output_of: OutputOf
+    targets_of: Extract
+    call_model: CallModel
+    max_grad_norm: float | None = None
+
+    def source(self, window: RecordedWindow) -> RunSource:
+        """The run source of ``window``: its full-batch step from its start, the
+        micro-batches in the rounding's order (step 0: the window's start)."""
+        start = _start(window)
+
+        def replay(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
+            order = range(len(window.calls))
+            replica, replica_optimizer = self._replica(window, dtype)
+            self._full_batch(replica, replica_optimizer, window, order=order[::-1] if rounding.order == "reversed"
+                             else order, after_backward=rounding.after_backward)
+            on_snapshot(0, start)
+            on_snapshot(1, snapshot_of(replica, replica_optimizer, copy_tensors=False))
+
+        return replay
+
+    def _replica(self, window: RecordedWindow, dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """A copy of the window-start model in ``dtype`` and an optimizer of the
+        user's class over it, in the same param groups, with the window-start
+        state and the hyperparameters the run stepped with."""
+        model = copy.deepcopy(self.template).to(dtype)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(window.start_params[name])
+            for name, buffer in model.named_buffers():
+                if name in window.start_buffers:
+                    buffer.copy_(window.start_buffers[name])
+        by_identity = {id(param): name for name, param in self.model.named_parameters()}
+        own = dict(model.named_parameters())
+        optimizer = self.optimizer
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [own[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
+        # The constructor's own keywords only (defaults may hold derived ones, e.g.
+        # AdamW's decoupled_weight_decay); every group carries its hyperparameters anyway.
+        accepted = inspect.signature(type(optimizer)).parameters
+        replica = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        replica.load_state_dict(copy.deepcopy(window.start_optimizer))  # state cast to the replica's dtype
+        for group, hyper in zip(replica.param_groups, window.hyperparameters, strict=True):
+            group.update(hyper)
+        return model, replica
+
+    def _full_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, window: RecordedWindow, *,
+                    order: Sequence[int], after_backward: bool) -> None:
+        """One optimizer step on the window's micro-batches as one batch: the sum of
+        item losses over the window divided by the window's item count (each
+        micro-batch back-propagated on its own: the same gradient, in bounded memory)."""
+        dtype = next(model.parameters()).dtype
+        optimizer.zero_grad(set_to_none=True)
+        targets = [_cast(self.targets_of(call), dtype) for call in window.calls]  # float targets (MSE) in dtype too
+        total = sum(float(self.loss.count(target)) for target in targets)
+        for position in order:
+            mixed = window.autocast[position] if position < len(window.autocast) else None
+            # The run's mixed precision replayed in the working dtype's runs (the floors then hold its rounding);
+            # never in the float64 truth, which is the mathematics itself (autocast does not lower float64 anyway).
+            context = (torch.autocast(device_type=mixed[0], dtype=mixed[1])
+                       if mixed is not None and dtype != torch.float64 else contextlib.nullcontext())
+            with context:
+                output = self.output_of(self.call_model(model, _cast(window.calls[position], dtype)))
+            if output.dtype in (torch.float16, torch.bfloat16):
+                output = output.to(dtype)  # the loss taken at the parameters' precision, as AMP recipes do
+            summed = self.loss.sum(output, targets[position])
+            (summed if after_backward else summed / total).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if after_backward and grads:
+            torch._foreach_div_(grads, total)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm, foreach=True)
+        optimizer.step()
 
 
 #: The roundings a recorded window can be replayed in (the first is the truth's own).
 _ROUNDINGS = (IN_ORDER, Rounding("reversed"), Rounding(after_backward=True))
 
 
-def judge_window(window: RecordedWindow, *, template: nn.Module, optimizer: torch.optim.Optimizer,
-                 model: nn.Module, loss: Any, output_of: OutputOf, targets_of: Extract, call_model: CallModel,
-                 max_grad_norm: float | None, usual_micro_batches: int | None = None) -> WindowAudit:
-    """The verdict on the step the user's ``model`` and ``optimizer`` just took
+def _start(window: RecordedWindow) -> Snapshot:
+    return Snapshot(params=window.start_params, buffers=window.start_buffers, optimizer_state={})
+
+
+def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_batches: int | None = None) -> WindowAudit:
+    """The verdict on the step the user's model and optimizer (``replay``'s) just took
     (their tensors read as they are now: call this before the run goes on)."""
     working = next(iter(window.start_params.values())).dtype
     tier: Tier = "exact" if working == torch.float64 else "noise"
-    start = Snapshot(params=window.start_params, buffers=window.start_buffers, optimizer_state={})
-    items = tuple(int(loss.count(targets_of(call))) for call in window.calls)
-    reasons = tuple(inherent_non_equivalences(model))
+    items = tuple(int(replay.loss.count(replay.targets_of(call))) for call in window.calls)
+    reasons = tuple(inherent_non_equivalences(replay.model))
     if reasons:  # a replay would draw other dropout masks, or normalise by other statistics
         return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier, mismatches=(),
                            worst=None, usual_micro_batches=usual_micro_batches, inherent=reasons)
-
-    def replay(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
-        """The window's full-batch step from its start, the user's micro-batches in the rounding's order."""
-        order = range(len(window.calls))
-        replica, replica_optimizer = _replica(template, model, optimizer, window, dtype)
-        _full_batch(replica, replica_optimizer, window, loss, output_of, targets_of, call_model,
-                    order=order[::-1] if rounding.order == "reversed" else order,
-                    after_backward=rounding.after_backward, max_grad_norm=max_grad_norm)
-        on_snapshot(0, start)
-        on_snapshot(1, snapshot_of(replica, replica_optimizer, copy_tensors=False))
-
     # The engine's floor plan over three roundings of the same mathematics: in order, in reverse,
     # normalised after backward (every sample run: the window is judged once).
-    judge = Judge(replay, working=working, tiers=(tier,), roundings=_ROUNDINGS, steps=1).with_floors()
+    judge = Judge(replay.source(window), working=working, tiers=(tier,), roundings=_ROUNDINGS, steps=1).with_floors()
     comparer = judge.comparer(tier)
-    comparer.add(0, start)
-    comparer.add(1, _named_snapshot(model, optimizer))
+    comparer.add(0, _start(window))
+    comparer.add(1, _named_snapshot(replay.model, replay.optimizer))
     comparer.end_run()
     rows = comparer.diffs
     worst = max(rows, key=lambda row: row.ratio, default=None)

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from equiv.auditing.replay import Autocast, Call, RecordedWindow, WindowAudit, judge_window
+from equiv.auditing.replay import Autocast, Call, RecordedWindow, WindowAudit, WindowReplay, judge_window
 
 __all__ = ["Audit", "AuditFailure", "audit"]
 
@@ -233,9 +233,10 @@ class Audit:
                                   start_optimizer=window["optimizer"], calls=tuple(calls), hyperparameters=self._hyper,
                                   autocast=tuple(window["autocast"]))
         assert self._template is not None
-        verdict = judge_window(recorded, template=self._template, optimizer=self.optimizer, model=self.model,
-                               loss=self.loss, output_of=self.output, targets_of=self.targets, call_model=self.call_model,
-                               max_grad_norm=self.max_grad_norm, usual_micro_batches=usual)
+        replay = WindowReplay(template=self._template, model=self.model, optimizer=self.optimizer, loss=self.loss,
+                              output_of=self.output, targets_of=self.targets, call_model=self.call_model,
+                              max_grad_norm=self.max_grad_norm)
+        verdict = judge_window(recorded, replay, usual_micro_batches=usual)
         verdict = dataclasses.replace(verdict, position=self.position, hint=_clipping_hint(self, window) if verdict.mismatches else None)
         self.windows.append(verdict)
         if self.on_window is not None:
