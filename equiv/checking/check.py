@@ -52,34 +52,38 @@ def check(
 ) -> Verdict | CaseVerdicts:
     """Compare ``candidate`` with one full-batch step per optimizer step of ``case``.
 
-    ``candidate`` follows the contract ``step(model, optimizer, micro_batches,
-    loss_fn) -> None`` (optionally also taking ``max_grad_norm`` and
-    ``scheduler`` keywords).  Raises :class:`~equiv.judging.contract.CandidateError`
-    if the candidate raises, naming the case; never raises for a mismatch:
-    call ``verdict.assert_ok()`` for that.
-
-    Without a case, checks the standard cases (``equiv check`` does the same)
-    and returns their :class:`~equiv.results.verdict.CaseVerdicts`: one
-    ``assert_ok()`` for all, a step that raises recorded per case.
-
-    ``timeout``: seconds the check of one case may take (None: no limit).  A
-    step still running then raises :class:`~equiv.judging.contract.CandidateTimeout`
-    (which case, which step, how long); time spent in equiv's own reference runs
-    raises :class:`~equiv.judging.deadline.CheckTimeout`.
-
     Precision: differences that are float32-sized, only inside the float64 run,
     with every lower-precision run matching (a tensor made in torch's default
     dtype, float32 arithmetic written into the step) cannot cost a user who
     trains in float32, bfloat16 or float16 anything: the verdict passes with a
     precision note (:attr:`Verdict.precision_note`: what, where, how large, why).
-    It fails, as class PRECISION, when the user trains in float64
-    (``train_dtype=torch.float64``) or asks for ``strict=True``.
+    It fails, as class PRECISION, when the user trains in float64 or asks for
+    ``strict=True``.
 
-    ``details=False``: a failing verdict without where in each tensor the
-    differences are (index, relative difference, mismatched count, expected
-    and actual values), which costs running the candidate again; its status,
-    first divergence, differences and allowances are the same.  For a search,
-    which needs pass or fail for every case and the details of one.
+    Args:
+        candidate: the step, ``step(model, optimizer, micro_batches, loss_fn) -> None``
+            (optionally also taking ``max_grad_norm``, ``scheduler``, ``grad_scaler``).
+        case: what to run it on; None checks the standard cases (as ``equiv check`` does).
+        tiers: which tiers to judge: ``"exact"`` (float64), ``"noise"`` (the working dtype).
+        timeout: seconds the check of one case may take (None: no limit).
+        train_dtype: the dtype you train in (float64 makes a precision finding fail).
+        strict: fail precision findings whatever you train in.
+        details: False leaves out where in each tensor a failing verdict's differences
+            are (index, relative difference, mismatched count, values), which costs
+            running the candidate again; status, first divergence, differences and
+            allowances are the same.  For a search.
+
+    Returns:
+        The :class:`~equiv.results.verdict.Verdict` of ``case``, or, without a case, the
+        standard cases' :class:`~equiv.results.verdict.CaseVerdicts` (one ``assert_ok()``
+        for all, a step that raises recorded per case).  Never raises for a mismatch:
+        call ``assert_ok()`` for that.
+
+    Raises:
+        CandidateError: the candidate raised (naming the case and step);
+            :class:`~equiv.judging.contract.CandidateTimeout` when it ran past ``timeout``.
+        CheckTimeout: equiv's own runs (the reference and its floors) took past ``timeout``.
+        TypeError, ValueError: ``case``, ``tiers``, ``train_dtype`` or ``strict`` is not valid.
     """
     __tracebackhide__ = True
     fails_because = precision_fails_because(train_dtype, strict)

@@ -235,10 +235,26 @@ class _PipelineTask:
 
 def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
                    launcher: Launcher = run_on_ranks) -> PipelineVerdict:
-    """Run ``setting`` on ``setting.ranks`` spawned gloo ranks and compare every
-    stage's parameters with the single-process float64 full-batch steps.  A
-    schedule that raises on these ranks is a STEP_ERROR verdict carrying the
-    first line of the error (what could not run, and why), never a pass."""
+    """Run ``setting`` on ``setting.ranks`` spawned gloo ranks and judge every stage's
+    parameters after every step against the single-process full-batch steps.
+
+    Call it under ``if __name__ == "__main__":`` in a script: the ranks are spawned
+    processes that import the script again.
+
+    Args:
+        setting: the schedule, ``scale_grads``, the loss and the split to run.
+        timeout_s: seconds the ranks may take before they are stopped (a positive number).
+        launcher: how the ranks are started (:func:`equiv.distributed.launcher.run_on_ranks`).
+
+    Returns:
+        A :class:`PipelineVerdict`: EQUIVALENT or NOT_EQUIVALENT with the worst ratio and
+        where; a schedule that raises, hangs or dies on these ranks is a STEP_ERROR
+        verdict carrying the first line of the error (what could not run, and why),
+        never a pass.
+
+    Raises:
+        ValueError: ``timeout_s`` is not a positive number.
+    """
     from equiv.distributed.launcher import DistributedCheckError
 
     if not (timeout_s > 0 and math.isfinite(timeout_s)):

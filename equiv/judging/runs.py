@@ -93,9 +93,26 @@ def full_batch_step(
     normalise_after_backward: bool = False,
 ) -> Tensor:
     """The reference: one step on the whole batch with the mean loss over all
-    of its items, clipped once if asked.  With a ``grad_scaler`` the step is
-    skipped when the gradient overflows (and the scheduler with it, as
-    :class:`equiv.Accumulator` and Accelerate do).  Returns the loss."""
+    of its items, clipped once if asked.
+
+    Args:
+        model, optimizer: what to step (the gradients are set to None first).
+        batch: ``(inputs, targets)``, the whole batch.
+        loss_fn: an :class:`equiv.Loss` (its mean; its ``sum`` and ``count`` when
+            ``normalise_after_backward``).
+        max_grad_norm: clip the total gradient norm to this once (None: no clipping).
+        scheduler: stepped after the optimizer (not when the step is skipped).
+        grad_scaler: the loss is scaled, and the step skipped when the gradient
+            overflows (the scheduler with it, as :class:`equiv.Accumulator` and
+            Accelerate do).
+        normalise_after_backward: back-propagate the summed loss and divide the
+            gradients by the item count afterwards: the same mathematics rounded
+            the way an accumulator rounds (a floor sample, not a bug).
+
+    Returns:
+        The loss (the mean over the batch's items), detached; not checked for NaN
+        here (a check's reference runs raise :class:`NonFiniteLossError` for one).
+    """
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = batch
     if normalise_after_backward:
