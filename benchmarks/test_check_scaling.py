@@ -54,6 +54,7 @@ from equiv.host_memory import keep_freed_host_memory
 from equiv.judging.judge import clear_reference_cache
 from equiv.judging.runs import run_candidate
 from equiv.losses import TokenCrossEntropy
+from equiv.results.verdict import Verdict
 from equiv.zoo.bugs import BUGS
 
 #: width -> about 3 * width**2 parameters: 0.1M, 1M, 4M, 16M; and GPT-2 small's shape (124M).
@@ -182,7 +183,7 @@ def host_allocator() -> str:
     return "glibc default"
 
 
-def _checked(step: Callable[..., Any], case: equiv.Case) -> equiv.Verdict:
+def _checked(step: Callable[..., Any], case: equiv.Case) -> Verdict:
     """A check from scratch: no truth kept from an earlier check of the case."""
     clear_reference_cache()
     verdict = equiv.check(step, case)

@@ -22,6 +22,7 @@ import pytest
 import equiv
 import equiv.checking.check as check_module
 import equiv.checking.verify as verify_module
+from equiv.checking.verify import VerifyResult
 from equiv.judging.judge import ReferenceRuns, clear_reference_cache
 from equiv.reporting.benchmarks import VERIFY_MODES as MODES
 from equiv.zoo.bugs import BUGS
@@ -49,7 +50,7 @@ def _as_before_lazy_floors() -> Iterator[None]:
          verify_module.check) = originals
 
 
-def _search(step: Callable[..., Any], mode: str, max_examples: int) -> equiv.VerifyResult:
+def _search(step: Callable[..., Any], mode: str, max_examples: int) -> VerifyResult:
     clear_reference_cache()
     if mode == MODES[0]:
         return equiv.verify(step, max_examples=max_examples, seed=SEED, replay_in_fresh_process=False)
@@ -65,7 +66,7 @@ def test_verify_speed(benchmark: Any, bench_settings: Any, verdict_kind: str) ->
     max_examples = 200
     rounds = 1 if bench_settings.quick else 3
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
-    results: dict[str, equiv.VerifyResult] = {}
+    results: dict[str, VerifyResult] = {}
 
     def both_modes() -> None:
         # Alternately in every round: side by side, same load.

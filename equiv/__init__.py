@@ -17,38 +17,33 @@ The public API.  The code is grouped by layer, and imports flow one way::
 - ``findings``: what reports/equivalence.md shows, measured, as plain results;
 - ``reporting``: the markdown reports, rendered from findings and peers' results (nothing there measures);
   ``cli``: the ``equiv`` command.
+
+``__all__`` is what a user types: the front doors (check, verify, audit, the
+distributed and pipeline checks, plan), the accumulator, what a case is made
+of, the losses, the one protocol every front door's result satisfies
+(:class:`Result`, its status an :class:`Outcome`) and the errors to catch.
+Everything else stays where it is defined: a result's own class
+(``equiv.results.verdict.Verdict``, ``equiv.checking.distributed.DistributedVerdict``,
+``equiv.checking.verify.VerifyResult``...), the pinned facts
+(``equiv.results.facts.VerdictFacts``), the models (``equiv.cases.models``),
+memory and planning (``equiv.cost.memory``, ``equiv.cost.planner``).
 """
 
 from equiv import strategies  # the public Hypothesis strategies: equiv.strategies
-from equiv.accumulator import Accumulator, WindowResult, accumulator_step
-from equiv.auditing import Audit, AuditFailure, WindowAudit, audit
+from equiv.accumulator import Accumulator, accumulator_step
+from equiv.auditing import audit
 from equiv.cases.case import Case, InvalidCase
-from equiv.cases.models import CausalLM, ModelBundle, register_model
-from equiv.cases.moe import MoELayer, MoEModel
 from equiv.checking.check import check
-from equiv.checking.distributed import DistributedCase, DistributedCheckError, DistributedVerdict, check_distributed
-from equiv.checking.distributed_search import DistributedSearchResult, verify_distributed
-from equiv.checking.pipeline import PipelineSetting, PipelineVerdict, check_pipeline
+from equiv.checking.distributed import DistributedCase, check_distributed
+from equiv.checking.distributed_search import verify_distributed
+from equiv.checking.pipeline import PipelineSetting, check_pipeline
 from equiv.checking.search_space import SearchSpace
-from equiv.checking.verify import VerifyResult, verify
-from equiv.cost.memory import StepMemory, StorageCounter, measure_step_memory
-from equiv.cost.planner import NothingFitsError, Plan, PlanRow, plan
-from equiv.judging.contract import Candidate, CandidateError, ContractError
-from equiv.judging.inherent import inherent_non_equivalences
-from equiv.judging.judge import ReferenceRuns
-from equiv.judging.runs import NonFiniteLossError, full_batch_step
-from equiv.losses import (
-    MSE,
-    CrossEntropy,
-    Loss,
-    MSEWithAux,
-    NextTokenCrossEntropy,
-    TokenCrossEntropy,
-    loss_sum_and_count,
-)
+from equiv.checking.verify import verify
+from equiv.cost.planner import plan
+from equiv.judging.contract import CandidateError, ContractError
+from equiv.losses import MSE, CrossEntropy, Loss, NextTokenCrossEntropy, TokenCrossEntropy
 from equiv.outcomes import Outcome
-from equiv.results.facts import VerdictFacts
-from equiv.results.verdict import CaseVerdicts, EquivalenceError, TensorDiff, Verdict
+from equiv.results.protocol import EquivalenceError, Result
 
 #: The one place the version is written (pyproject.toml reads it from here).
 __version__ = "0.1.0"
@@ -56,57 +51,27 @@ __version__ = "0.1.0"
 __all__ = [
     "MSE",
     "Accumulator",
-    "Audit",
-    "AuditFailure",
-    "Candidate",
     "CandidateError",
     "Case",
-    "CaseVerdicts",
-    "CausalLM",
     "ContractError",
     "CrossEntropy",
     "DistributedCase",
-    "DistributedCheckError",
-    "DistributedSearchResult",
-    "DistributedVerdict",
     "EquivalenceError",
     "InvalidCase",
     "Loss",
-    "MSEWithAux",
-    "MoELayer",
-    "MoEModel",
-    "ModelBundle",
     "NextTokenCrossEntropy",
-    "NonFiniteLossError",
-    "NothingFitsError",
     "Outcome",
     "PipelineSetting",
-    "PipelineVerdict",
-    "Plan",
-    "PlanRow",
-    "ReferenceRuns",
+    "Result",
     "SearchSpace",
-    "StepMemory",
-    "StorageCounter",
-    "TensorDiff",
     "TokenCrossEntropy",
-    "Verdict",
-    "VerdictFacts",
-    "VerifyResult",
-    "WindowAudit",
-    "WindowResult",
     "__version__",
     "accumulator_step",
     "audit",
     "check",
     "check_distributed",
     "check_pipeline",
-    "full_batch_step",
-    "inherent_non_equivalences",
-    "loss_sum_and_count",
-    "measure_step_memory",
     "plan",
-    "register_model",
     "strategies",
     "verify",
     "verify_distributed",

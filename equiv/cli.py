@@ -16,8 +16,11 @@ Exit codes, each meaning one thing:
     3  the user's step raised or hung (past --timeout) on a case: no verdict there
     4  equiv itself failed: a bug in equiv (the traceback is printed)
 
-A counterexample wins over a step that raised elsewhere (1, not 3): it is a
-definite answer.  Library code raises ``ValueError`` and typed errors; this
+The codes are one table keyed by the result's status (:data:`EXIT_CODES`,
+an :class:`~equiv.outcomes.Outcome`); every result is printed through its
+``message()`` / rows and written by ``--json`` as its ``to_dict()`` (the
+schema ``equiv/results/schema.json``).  A counterexample wins over a step that
+raised elsewhere (1, not 3): it is a definite answer.  Library code raises ``ValueError`` and typed errors; this
 module turns them into codes.  Progress goes to stderr through the ``equiv``
 logger.  The ``equiv`` command exits even if the step left a non-daemon
 thread running (:func:`console`).
@@ -65,9 +68,11 @@ from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.judging.runs import NonFiniteLossError
 from equiv.names import on_sys_path, target_folder
 from equiv.outcomes import Outcome
+from equiv.results.protocol import Result
 from equiv.results.verdict import CaseVerdicts
 
 __all__ = [
+    "EXIT_CODES",
     "EXIT_COUNTEREXAMPLE",
     "EXIT_EQUIVALENT",
     "EXIT_INTERNAL_ERROR",
@@ -88,6 +93,16 @@ EXIT_COUNTEREXAMPLE = 1
 EXIT_USAGE = 2
 EXIT_STEP_FAILED = 3
 EXIT_INTERNAL_ERROR = 4
+#: A result's status -> the command's exit code (usage errors and equiv's own failures have no status).
+EXIT_CODES: dict[Outcome, int] = {
+    Outcome.EQUIVALENT: EXIT_EQUIVALENT,
+    # Neither a pass nor a failure, and no counterexample: nothing fails the command.
+    Outcome.NOT_APPLICABLE: EXIT_EQUIVALENT,
+    Outcome.INHERENTLY_NON_EQUIVALENT: EXIT_EQUIVALENT,
+    Outcome.NOT_EQUIVALENT: EXIT_COUNTEREXAMPLE,
+    Outcome.PRECISION: EXIT_COUNTEREXAMPLE,
+    Outcome.STEP_ERROR: EXIT_STEP_FAILED,
+}
 
 
 class UsageError(Exception):
@@ -167,7 +182,7 @@ def _check_on_path(args: argparse.Namespace) -> int:
 
     def show(name: str, so_far: CaseVerdicts) -> None:
         log.info("[%d/%d] %s", len(so_far.order), len(cases), name)
-        print(so_far.line(name), flush=True)
+        print(so_far.row(name), flush=True)
         if args.tb and name in so_far.tracebacks:
             print("      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "), flush=True)
 
@@ -181,18 +196,16 @@ def _check_on_path(args: argparse.Namespace) -> int:
     except CheckTimeout as exc:
         raise UsageError(f"{exc} (--timeout SECONDS, 0 for none)") from None
     print(verdicts.summary())
-    if json_out is not None:
-        results = [
-            {"case_name": name, "status": Outcome.STEP_ERROR, "error": verdicts.errors[name]} if name in verdicts.errors
-            else {"case_name": name, **verdicts.verdicts[name].to_dict()}
-            for name in verdicts.order
-        ]
-        json_out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     # Only an applicable case that failed fails the command as a counterexample;
-    # a step that raised or hung, with no counterexample elsewhere, is told apart.
-    if verdicts.failed:
-        return EXIT_COUNTEREXAMPLE
-    return EXIT_STEP_FAILED if verdicts.errors else EXIT_EQUIVALENT
+    # a step that raised or hung, with no counterexample elsewhere, is told apart (the status says which).
+    return _finish(verdicts, json_out)
+
+
+def _finish(result: Result, json_out: Path | None) -> int:
+    """Write ``result.to_dict()`` to ``--json`` (when given); the exit code of its status."""
+    if json_out is not None:
+        json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+    return EXIT_CODES[result.status]
 
 
 # ------------------------------------------------------------------- verify
@@ -236,11 +249,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     print(result.message(args.target))
     if args.tb and result.error_traceback:
         print("The step's traceback:\n" + result.error_traceback.rstrip())
-    if json_out is not None:
-        json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
-    if result.kind is Outcome.STEP_ERROR:
-        return EXIT_STEP_FAILED
-    return EXIT_COUNTEREXAMPLE if result.found else EXIT_EQUIVALENT
+    return _finish(result, json_out)
 
 
 def _cmd_verify_distributed(args: argparse.Namespace) -> int:
@@ -262,17 +271,7 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(result.message())
-    if json_out is not None:
-        found = result.counterexample
-        json_out.write_text(json.dumps({
-            "candidate": result.candidate, "engines": list(result.engines), "examples": result.examples,
-            "seed": result.seed, "found": result.found, "kind": None if result.kind is None else result.kind.value,
-            "engine": result.engine, "counterexample": None if found is None else found.to_dict(),
-            "error": result.error,
-        }, indent=2, sort_keys=True) + "\n")
-    if result.kind is Outcome.STEP_ERROR:
-        return EXIT_STEP_FAILED
-    return EXIT_COUNTEREXAMPLE if result.found else EXIT_EQUIVALENT
+    return _finish(result, json_out)
 
 
 # -------------------------------------------------------- check-distributed
@@ -353,53 +352,36 @@ def _check_distributed_cases(
     args: argparse.Namespace, candidate: Callable[..., Any], cases: dict[str, DistributedCase], launcher: Launcher,
     json_out: Path | None, stop_on_fault: bool = False,
 ) -> int:
-    results: list[dict[str, Any]] = []
     verdicts: dict[str, DistributedVerdict] = {}
     errors: dict[str, str] = {}
+    order: list[str] = []
+    setting = f"on {next(iter(cases.values())).world_size} ranks ({args.engine})"
+
+    def so_far() -> CaseVerdicts[DistributedVerdict]:
+        return CaseVerdicts(args.target, dict(verdicts), dict(errors), tuple(order), setting=setting)
+
     for index, (name, dcase) in enumerate(cases.items(), start=1):
         log.info("[%d/%d] %s: %s", index, len(cases), name, dcase)
         try:
-            verdict = check_distributed(candidate, dcase, engine=args.engine, timeout_s=args.timeout,
-                                        train_dtype=args.train_dtype, strict=args.strict_precision,
-                                        launcher=launcher)
+            verdicts[name] = check_distributed(candidate, dcase, engine=args.engine, timeout_s=args.timeout,
+                                               train_dtype=args.train_dtype, strict=args.strict_precision,
+                                               launcher=launcher)
         except (InvalidCase, ContractError, TypeError) as exc:
             raise UsageError(f"{name}: {exc}") from None
         except NonFiniteLossError as exc:
             raise UsageError(f"{name}: the case itself diverges, so nothing can be compared with it: {exc}") from None
         except DistributedCheckError as exc:
             errors[name] = str(exc)
-            print(f"ERROR {name}: {exc}", flush=True)
-            results.append({"case_name": name, "status": Outcome.STEP_ERROR, "case": dcase.to_dict(), "error": str(exc)})
-            if stop_on_fault and index < len(cases):
-                # A fault may leave a rank mid-collective: the ranks' process group cannot be trusted again.
-                print(f"      the other {len(cases) - index} case(s) were not run: after a fault the ranks' "
-                      "process group may be left mid-collective", flush=True)
-                break
-            continue
-        verdicts[name] = verdict
-        results.append({"case_name": name, "status": verdict.status, "kind": verdict.kind, "case": dcase.to_dict(),
-                        "message": verdict.message()})
-        print(_distributed_line(name, verdict), flush=True)
-    failed = [name for name, v in verdicts.items() if v.status is Outcome.NOT_EQUIVALENT]
-    passed = sum(v.status is Outcome.EQUIVALENT for v in verdicts.values())
-    print(f"{passed} equivalent, {len(failed)} not, {len(errors)} error(s), of {len(cases)} case(s) "
-          f"on {next(iter(cases.values())).world_size} ranks ({args.engine})")
-    if json_out is not None:
-        json_out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    if failed:
-        return EXIT_COUNTEREXAMPLE
-    return EXIT_STEP_FAILED if errors else EXIT_EQUIVALENT
-
-
-def _distributed_line(name: str, verdict: DistributedVerdict) -> str:
-    if verdict.status is Outcome.EQUIVALENT:
-        return f"ok    {name}" + (" (with a precision note, below)\n      " + verdict.ranks[0].precision_note
-                                  if verdict.ranks[0].precision_note else "")
-    if verdict.status is Outcome.NOT_APPLICABLE:
-        return f"n/a   {name}: {'; '.join(verdict.ranks[0].not_applicable)}"
-    if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
-        return f"inh.  {name}: {'; '.join(verdict.ranks[0].inherent)}"
-    return f"FAIL  {name}\n" + "\n".join("      " + line for line in verdict.message().splitlines())
+        order.append(name)
+        print(so_far().row(name), flush=True)
+        if name in errors and stop_on_fault and index < len(cases):
+            # A fault may leave a rank mid-collective: the ranks' process group cannot be trusted again.
+            print(f"      the other {len(cases) - index} case(s) were not run: after a fault the ranks' "
+                  "process group may be left mid-collective", flush=True)
+            break
+    result = so_far()
+    print(result.summary())
+    return _finish(result, json_out)
 
 
 # --------------------------------------------------------------------- plan

@@ -1,9 +1,11 @@
 """The one vocabulary of results: :class:`Outcome`.
 
-A verdict's ``status`` and ``kind``, a distributed verdict's, a search's
-``kind``, the CLI's JSON and the zoo's expectations all use these values, so a
-result means the same word everywhere.  A ``str`` enum: it compares equal to
-its value (``verdict.status == "equivalent"``) and is written to JSON as it.
+Every result's ``status`` (see :mod:`equiv.results.protocol`), a verdict's
+finer ``kind``, the CLI's JSON and exit codes and the zoo's expectations all
+use these values, so a result means the same word everywhere.  A ``str`` enum:
+it compares equal to its value (``verdict.status == "equivalent"``) and is
+written to JSON as it; each member carries its :attr:`~Outcome.label` (the
+words a one-line result starts with) and :attr:`~Outcome.description`.
 """
 
 from __future__ import annotations
@@ -35,5 +37,34 @@ class Outcome(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def label(self) -> str:
+        """The outcome in words, as a result's one line starts: "not equivalent"."""
+        return _WORDS[self][0]
+
+    @property
+    def description(self) -> str:
+        """What the outcome means, in a sentence."""
+        return _WORDS[self][1]
+
+    @property
+    def passed(self) -> bool:
+        """Whether a result with this status is truthy (only EQUIVALENT is)."""
+        return self is Outcome.EQUIVALENT
+
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+#: Outcome -> (label, description): the words each outcome is shown with.
+_WORDS: dict[Outcome, tuple[str, str]] = {
+    Outcome.EQUIVALENT: ("equivalent", "every tensor at every step within its allowance, in every tier"),
+    Outcome.NOT_EQUIVALENT: ("not equivalent", "a mathematical mismatch with the full-batch step"),
+    Outcome.PRECISION: ("precision", "float32-sized differences inside the float64 run (or a mixed-precision "
+                                     "policy's 16-bit arithmetic), failing for the precision trained in"),
+    Outcome.INHERENTLY_NON_EQUIVALENT: ("inherently non-equivalent", "a layer whose output depends on the batch "
+                                        "(BatchNorm, dropout): no accumulation can match the full batch, not judged"),
+    Outcome.NOT_APPLICABLE: ("not applicable", "the case sets something the step cannot be told about: it says "
+                                               "nothing about the step"),
+    Outcome.STEP_ERROR: ("step error", "the step raised, hung past the time limit, or a rank died: no verdict"),
+}

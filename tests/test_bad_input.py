@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import equiv
+from equiv.judging.runs import NonFiniteLossError
 
 MLP = {"hidden": (8,)}
 
@@ -39,7 +40,7 @@ def test_invalid_case_names_the_value(fields: dict[str, object], message: str) -
 def test_non_finite_reference_loss_is_an_error_naming_the_case() -> None:
     # lr 1e300 sends the weights to ~1e299 in one step: the second loss overflows.
     case = equiv.Case(batch_size=4, micro_batch_sizes=(2, 2), model_kwargs=MLP, optimizer_kwargs={"lr": 1e300})
-    with pytest.raises(equiv.NonFiniteLossError, match=r"reference loss is (inf|nan) at step 1") as info:
+    with pytest.raises(NonFiniteLossError, match=r"reference loss is (inf|nan) at step 1") as info:
         equiv.check(equiv.accumulator_step, case)
     assert "lr" in str(info.value) and "1e+300" in str(info.value)
 

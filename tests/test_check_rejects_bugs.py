@@ -1,6 +1,7 @@
 """check() rejects known accumulation bugs (mean of means, unscaled sums, per-micro-batch clipping, ...), for the right reason."""
 
 import equiv
+from equiv.results.verdict import TensorDiff, Verdict
 from equiv.zoo import bugs as zoo
 
 MLP = {"hidden": (8, 8), "activation": "tanh"}
@@ -12,7 +13,7 @@ def case(**changes: object) -> equiv.Case:
     return base.replace(**changes)
 
 
-def update_mismatches(verdict: equiv.Verdict, tier: str) -> list[equiv.TensorDiff]:
+def update_mismatches(verdict: Verdict, tier: str) -> list[TensorDiff]:
     return [d for d in verdict.mismatches if d.kind == "update" and d.tier == tier]
 
 

@@ -3,10 +3,12 @@
 import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from equiv.cases.standard import STANDARD_CASES
 from equiv.cli import main
+from equiv.results.protocol import schema
 
 STEPS = '''
 import equiv
@@ -56,7 +58,10 @@ def test_textbook_loop_fails_uneven_cases_and_writes_json(
     assert main(["check", f"{steps_file}:textbook", "--json", str(out)]) == 1
     text = capsys.readouterr().out
     assert "FAIL  toy 2.04, uneven 1+3+4" in text and "ok    toy 2.04, 4 x 2" in text
-    verdicts = {row["case_name"]: row["status"] for row in json.loads(out.read_text())}
+    written = json.loads(out.read_text())
+    jsonschema.validate(written, schema())  # the result's to_dict(), under the versioned schema
+    assert (written["kind"], written["status"]) == ("case_verdicts", "not_equivalent")
+    verdicts = {row["case_name"]: row["status"] for row in written["cases"]}
     assert verdicts["SGD momentum, even 4 x 4"] == "equivalent"
     assert verdicts["SGD momentum, uneven 1+5+10"] == "not_equivalent"
 
@@ -69,7 +74,7 @@ def test_a_correct_step_that_does_not_clip_passes_with_clipping_not_applicable(
     text = capsys.readouterr().out
     assert "n/a   SGD, active clipping 3+5: weighted takes no max_grad_norm (the case sets max_grad_norm=0.05)" in text
     assert "FAIL" not in text
-    statuses = {row["case_name"]: row["status"] for row in json.loads(out.read_text())}
+    statuses = {row["case_name"]: row["status"] for row in json.loads(out.read_text())["cases"]}
     not_applicable = sorted(name for name, status in statuses.items() if status == "not_applicable")
     equivalent = sum(status == "equivalent" for status in statuses.values())
     assert "SGD, active clipping 3+5" in not_applicable

@@ -73,7 +73,7 @@ def test_the_search_runs_from_the_shell(tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 1  # a counterexample
     assert "counterexample, shrunk to 2 ranks" in capsys.readouterr().out
     found = json.loads(out.read_text())
-    assert found["kind"] == "not_equivalent" and len(found["counterexample"]["rank_micro_batch_sizes"]) == 2
+    assert found["outcome"] == "not_equivalent" and len(found["counterexample"]["rank_micro_batch_sizes"]) == 2
 
 
 def test_bad_search_flags_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

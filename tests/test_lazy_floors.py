@@ -20,6 +20,7 @@ from torch import nn
 import equiv
 from equiv.cases.standard import STANDARD_CASES
 from equiv.judging.judge import ReferenceRuns, clear_reference_cache
+from equiv.results.verdict import Verdict
 from equiv.zoo.bugs import BUGS
 
 CASES = ["SGD momentum, uneven 1+5+10", "Adam, uneven 1+2", "SGD, active clipping 3+5",
@@ -34,7 +35,7 @@ def fresh_references() -> Iterator[None]:
     clear_reference_cache()
 
 
-def eager(candidate: object, case: equiv.Case) -> equiv.Verdict:
+def eager(candidate: object, case: equiv.Case) -> Verdict:
     """The verdict with every tier's floors run first (how equiv.check judged before)."""
     references = ReferenceRuns.of(case)
     diffs = [d for tier in references.tiers for d in references.run_and_compare(tier, case, candidate)]  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import equiv
+from equiv.cases.moe import MoEModel
 from equiv.losses import MSEWithAux
 from equiv.zoo.moe_bugs import aux_divided_by_micro_batches, aux_loss_per_micro_batch
 
@@ -34,12 +35,12 @@ def test_batch_wise_aux_loss_is_reported_inherent_with_its_reason() -> None:
 
 
 def test_batch_wise_aux_loss_is_not_linear_in_the_samples() -> None:
-    model = equiv.MoEModel(3, 4, 4, 2, 2, "batch", 1.0)
+    model = MoEModel(3, 4, 4, 2, 2, "batch", 1.0)
     inputs = torch.randn(6, 4, 3, generator=torch.Generator().manual_seed(0))
     whole = model(inputs)[:, -1].mean()
     pieces = torch.cat([model(inputs[:2])[:, -1], model(inputs[2:])[:, -1]]).mean()
     assert not torch.allclose(whole, pieces)
-    sequence_wise = equiv.MoEModel(3, 4, 4, 2, 2, "sequence", 1.0)
+    sequence_wise = MoEModel(3, 4, 4, 2, 2, "sequence", 1.0)
     sequence_wise.load_state_dict(model.state_dict())
     assert torch.allclose(sequence_wise(inputs), torch.cat([sequence_wise(inputs[:2]), sequence_wise(inputs[2:])]))
 

@@ -31,6 +31,7 @@ from equiv.peers.results import Cell, Chart, PeerRow, PeersResults, Situation
 from equiv.peers.runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs, windows
 from equiv.peers.search import smallest_counterexample
 from equiv.reporting.peers import render_peers
+from equiv.results.verdict import TensorDiff
 from equiv.zoo.bugs import clip_per_micro_batch, unscaled_sum
 
 EVEN = CONFIGURATIONS["equal splits, SGD"]
@@ -56,7 +57,7 @@ def toy_w(candidate: object) -> float:
     return float(snapshots[1].params["weight"])
 
 
-def first_update_mismatch(candidate: object, case: equiv.Case) -> equiv.TensorDiff:
+def first_update_mismatch(candidate: object, case: equiv.Case) -> TensorDiff:
     verdict = equiv.check(candidate, case)  # type: ignore[arg-type]
     assert verdict.status == "not_equivalent", verdict.message()
     first = verdict.first_mismatch

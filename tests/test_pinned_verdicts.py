@@ -1,7 +1,7 @@
 """Verdicts pinned as facts that hold on every machine.
 
 tests/data/pinned_verdicts.json holds, for the reference and each bug of the
-zoo on the standard cases, the verdict's :class:`equiv.VerdictFacts`: status
+zoo on the standard cases, the verdict's :class:`equiv.results.facts.VerdictFacts`: status
 and class, per tier within or past the allowance, and for a failing verdict
 its first divergence (step, tier, tensor, relative error as an order of
 magnitude).  Not the digits of a ratio and not a hash of the message: those
@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 import equiv
+from equiv.results.facts import VerdictFacts
 from equiv.zoo.bugs import BUGS
 
 PINNED = Path(__file__).parent / "data" / "pinned_verdicts.json"
@@ -35,7 +36,7 @@ def pinned_rows() -> list[dict[str, Any]]:
 def facts_of(row: dict[str, Any]) -> dict[str, Any]:
     """The facts of the pinned row's verdict, recomputed here."""
     verdict = equiv.check(CANDIDATES[row["candidate"]], equiv.Case.from_dict(row["case"]))
-    return equiv.VerdictFacts.of(verdict).to_dict()
+    return VerdictFacts.of(verdict).to_dict()
 
 
 @pytest.mark.parametrize("row", pinned_rows(), ids=lambda row: f"{row['candidate']}-{row['case_name']}")

@@ -12,6 +12,7 @@ from hypothesis.errors import InvalidArgument, NoSuchExample
 
 import equiv
 from equiv.cases.standard import STANDARD_CASES
+from equiv.results.verdict import CaseVerdicts
 
 pytest_plugins = ["pytester"]
 
@@ -109,7 +110,7 @@ def test_check_without_a_case_runs_the_standard_cases() -> None:
     from equiv.zoo.bugs import BUGS
 
     verdicts = equiv.check(BUGS["mean_of_means"])
-    assert isinstance(verdicts, equiv.CaseVerdicts)
+    assert isinstance(verdicts, CaseVerdicts)
     assert list(verdicts.order) == list(STANDARD_CASES)
     assert not verdicts and "toy 2.04, uneven 1+3+4" in verdicts.failed
     assert verdicts.counts()["not applicable"] > 0

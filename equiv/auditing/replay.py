@@ -39,9 +39,11 @@ from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot, snapshot_of
+from equiv.outcomes import Outcome
+from equiv.results.protocol import ResultBase
 from equiv.results.verdict import TensorDiff, Tier
 
-__all__ = ["Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "judge_window"]
+__all__ = ["AuditFailure", "Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "judge_window"]
 
 #: One call of the model's forward: (positional arguments, keyword arguments), detached copies.
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -69,8 +71,10 @@ class RecordedWindow:
 
 
 @dataclass(frozen=True, slots=True)
-class WindowAudit:
-    """The verdict on one audited optimizer step."""
+class WindowAudit(ResultBase):
+    """The verdict on one audited optimizer step: truthy only when equivalent."""
+
+    KIND = "window_audit"
 
     step: int
     #: forward calls (micro-batches) in the window
@@ -95,6 +99,26 @@ class WindowAudit:
     @property
     def equivalent(self) -> bool:
         return not self.mismatches and not self.inherent
+
+    @property
+    def status(self) -> Outcome:
+        if self.inherent:
+            return Outcome.INHERENTLY_NON_EQUIVALENT
+        return Outcome.NOT_EQUIVALENT if self.mismatches else Outcome.EQUIVALENT
+
+    def __bool__(self) -> bool:
+        return self.equivalent
+
+    def _failure(self) -> AssertionError:
+        return AuditFailure(self)
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "position": self.position, "micro_batches": self.micro_batches,
+            "items": list(self.items), "usual_micro_batches": self.usual_micro_batches, "tier": self.tier,
+            "inherent": list(self.inherent), "mismatches": [d.to_dict() for d in self.mismatches],
+            "worst": None if self.worst is None else self.worst.to_dict(), "hint": self.hint,
+        }
 
     def line(self) -> str:
         """One line: the step, the window, the verdict and its magnitude."""
@@ -125,6 +149,15 @@ class WindowAudit:
         if not self.mismatches:
             return self.line()
         return self.line() + "\n" + self.mismatches[0].describe(self.micro_batches)
+
+
+class AuditFailure(AssertionError):
+    """An audited window was not equivalent (the audit was asked to stop there, or
+    ``assert_ok()`` was called on it); carries the window."""
+
+    def __init__(self, window: WindowAudit) -> None:
+        super().__init__(window.message())
+        self.window = window
 
 
 Extract = Callable[[Call], Tensor]

@@ -216,8 +216,8 @@ def lightning_tail_run(precision: str = "32-true") -> Audit:
 
     torch.manual_seed(0)
     callback = lightning_callback(loss=CrossEntropy())
-    # precision: a str Lightning validates itself (its stubs list the literals; unchecked without lightning installed)
-    trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=3, accelerator="cpu", logger=False, precision=precision,  # type: ignore[arg-type,unused-ignore]
+    trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=3, accelerator="cpu", logger=False,
+                         precision=precision,  # type: ignore[arg-type,unused-ignore]  # Lightning's Literal of names
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[callback])
     trainer.fit(Classifier(), DataLoader(classification_batches(7), batch_size=None))  # type: ignore[arg-type]

@@ -55,17 +55,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from equiv.auditing.replay import Autocast, Call, RecordedWindow, WindowAudit, WindowReplay, judge_window
+from equiv.auditing.replay import AuditFailure, Autocast, Call, RecordedWindow, WindowAudit, WindowReplay, judge_window
+from equiv.outcomes import Outcome
+from equiv.results.protocol import ResultBase, headed
 
 __all__ = ["Audit", "AuditFailure", "audit"]
-
-
-class AuditFailure(AssertionError):
-    """An audited window was not equivalent and the audit was asked to stop there."""
-
-    def __init__(self, window: WindowAudit) -> None:
-        super().__init__(window.message())
-        self.window = window
 
 
 def _detached(value: Any) -> Any:
@@ -118,8 +112,12 @@ def default_output(output: Any) -> Tensor:
                      "pass output=lambda out: ...")
 
 
-class Audit:
-    """The audit of one run (see the module's docstring); use :func:`audit`."""
+class Audit(ResultBase):
+    """The audit of one run (see the module's docstring); use :func:`audit`.  A
+    :class:`~equiv.results.protocol.Result`: truthy when every audited window
+    was equivalent (and at least one was audited)."""
+
+    KIND = "audit"
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
                  targets: Callable[[Call], Tensor] = default_targets,
@@ -254,6 +252,33 @@ class Audit:
     def __bool__(self) -> bool:
         """Every audited window equivalent (none inherently not, none failing), and at least one."""
         return bool(self.windows) and all(window.equivalent for window in self.windows)
+
+    @property
+    def status(self) -> Outcome:
+        """NOT_EQUIVALENT when a window failed, else INHERENTLY_NON_EQUIVALENT when one
+        could not be replayed, NOT_APPLICABLE when none was audited, else EQUIVALENT."""
+        if self.failures:
+            return Outcome.NOT_EQUIVALENT
+        if any(window.inherent for window in self.windows):
+            return Outcome.INHERENTLY_NON_EQUIVALENT
+        return Outcome.EQUIVALENT if self.windows else Outcome.NOT_APPLICABLE
+
+    def message(self) -> str:
+        return self.summary()
+
+    def line(self) -> str:
+        """One line: the outcome, the windows audited, and the first that failed."""
+        first = self.failures[0].line() if self.failures else None
+        return headed(self.status, f"{len(self.windows)} of {self.steps} optimizer steps audited (every "
+                                   f"{self.every}), {len(self.failures)} not equivalent"
+                                   + (f"; first: {first}" if first else ""))
+
+    def _failure(self) -> AssertionError:
+        return AuditFailure(self.failures[0]) if self.failures else super()._failure()
+
+    def _fields(self) -> dict[str, Any]:
+        return {"steps": self.steps, "every": self.every, "audited": len(self.windows),
+                "failures": len(self.failures), "windows": [window.to_dict() for window in self.windows]}
 
     def summary(self) -> str:
         """Every audited window, one line each, and the count."""

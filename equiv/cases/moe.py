@@ -13,7 +13,7 @@ expert ``e``, ``P_e``: its mean router probability), taken either
   and their product is not linear in the samples, so micro-batches each balance
   their own statistics and no accumulation reproduces the full batch's loss
   (torchtitan PR #3000 rejects a batch-wise aux loss under accumulation for
-  this reason).  :func:`equiv.inherent_non_equivalences` reports it, as it
+  this reason).  :func:`equiv.judging.inherent.inherent_non_equivalences` reports it, as it
   reports BatchNorm.
 
 The model returns ``(batch, out_features + 1)``: the task output and, in the

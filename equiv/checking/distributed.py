@@ -72,6 +72,7 @@ from equiv.judging.floors import TIERS
 from equiv.judging.judge import ReferenceRuns, precision_fails_because, precision_finding
 from equiv.judging.runs import Snapshot, run_candidate
 from equiv.outcomes import Outcome
+from equiv.results.protocol import headed
 from equiv.results.verdict import Judgement, TensorDiff, Tier, Verdict
 
 __all__ = [
@@ -188,6 +189,8 @@ def _policy_source(policy: MixedPrecisionPolicy) -> str:
 class DistributedVerdict(Judgement):
     """Truthy only when every rank matches the single-process full-batch step."""
 
+    KIND = "distributed_verdict"
+
     case: DistributedCase
     candidate: str
     #: One verdict per rank (its trajectory against the same references).
@@ -297,6 +300,42 @@ class DistributedVerdict(Judgement):
         call = (f"equiv.check_distributed({self.candidate}, "
                 f"equiv.DistributedCase.of(equiv.{self.case.case!r}, {shards!r}){extra})")
         return f"Reproduce: {call}" if imports == "equiv" else f"Reproduce: import {imports}; {call}"
+
+    def note(self) -> str | None:
+        """A passing rank's precision note (the mixed-precision policy's own note is :attr:`precision_note`)."""
+        if self.status is not Outcome.EQUIVALENT:
+            return None
+        return next((v.precision_note for v in self.ranks if v.precision_note), None)
+
+    def reasons(self) -> tuple[str, ...]:
+        return next((v.reasons() for v in self.ranks if v.status is self.status), ())
+
+    def line(self) -> str:
+        """One line: the outcome, the candidate, the ranks and engine, and the first failing rank's line."""
+        where = f"{self.candidate} on {self.case.world_size} ranks ({self.engine}), {self.case!r}"
+        return headed(self.kind, where + self.detail())
+
+    def detail(self) -> str:
+        """What :meth:`line` says after the case: the first failing rank's detail, or a passing rank's."""
+        failing = next(((rank, v) for rank, v in enumerate(self.ranks) if not v), None)
+        if failing is None or self.reasons():
+            shown = next((v for v in self.ranks if v.note()), self.ranks[0]) if self.ranks else None
+            return "" if shown is None else shown.detail()
+        rank, verdict = failing
+        return f", rank {rank}{verdict.detail()}"
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "candidate": self.candidate,
+            "case": self.case.to_dict(),
+            "outcome": self.kind.value,
+            "engine": self.engine,
+            "world_size": self.case.world_size,
+            "ranks": [v.to_dict() for v in self.ranks],
+            "collectives_per_step": {tier: sorted(self.collectives_per_step(tier)) for tier in sorted(self.comm)},
+            "precision_note": self.precision_note,
+            "message": self.message(),
+        }
 
     def message(self) -> str:
         engine = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2 (fully_shard)",

@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import hypothesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -34,6 +35,7 @@ from equiv.checking.distributed import DistributedCase, DistributedVerdict, chec
 from equiv.distributed.launcher import DistributedCheckError
 from equiv.judging.contract import BoundCandidate, Candidate, bind
 from equiv.outcomes import Outcome
+from equiv.results.protocol import SearchBase
 
 __all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "distributed_cases", "standard_distributed_cases",
            "verify_distributed"]
@@ -139,10 +141,12 @@ def _check_bounds(max_world_size: int, max_micro_batches: int, max_micro_batch_s
 
 
 @dataclass(frozen=True)
-class DistributedSearchResult:
+class DistributedSearchResult(SearchBase):
     """What :func:`verify_distributed` found: the smallest split that shows a
     difference (``counterexample`` with its ``verdict``, or the ``error`` of a
     rank that raised, hung, died or made mismatched collectives), or nothing."""
+
+    KIND = "distributed_search"
 
     candidate: str
     engines: tuple[str, ...]
@@ -171,8 +175,21 @@ class DistributedSearchResult:
         assert self.verdict is not None
         return self.verdict.kind
 
-    def __bool__(self) -> bool:
-        return not self.found
+    def _searched(self) -> str:
+        return f"{self.candidate}, {self.examples} distributed case(s) searched ({', '.join(self.engines)})"
+
+    def _shrunk(self) -> str:
+        return f", shrunk to {self.counterexample!r} under {self.engine}"
+
+    def _fields(self) -> dict[str, Any]:
+        found = self.counterexample
+        return {
+            "candidate": self.candidate, "engines": list(self.engines), "examples": self.examples, "seed": self.seed,
+            "elapsed_s": self.elapsed_s, "found": self.found, "outcome": (self.kind or self.status).value,
+            "engine": self.engine, "counterexample": None if found is None else found.to_dict(),
+            "verdict": None if self.verdict is None else self.verdict.to_dict(), "error": self.error,
+            "precision_notes": self.precision_notes,
+        }
 
     def message(self) -> str:
         head = (f"equiv verify-distributed: {self.candidate}, {self.examples} distributed case(s) "

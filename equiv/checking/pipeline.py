@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot
 from equiv.outcomes import Outcome
+from equiv.results.protocol import ResultBase, headed
 from equiv.results.verdict import TensorDiff
 
 __all__ = [
@@ -61,7 +62,11 @@ __all__ = [
 ]
 
 @dataclass(frozen=True, slots=True)
-class PipelineVerdict:
+class PipelineVerdict(ResultBase):
+    """One pipeline setting against the float64 full-batch run: truthy only when equivalent."""
+
+    KIND = "pipeline_verdict"
+
     setting: PipelineSetting
     status: Outcome
     #: The largest parameter difference from the float64 full-batch run as a multiple of its derived
@@ -80,6 +85,16 @@ class PipelineVerdict:
             return f"{self.setting.describe()}: could not run on these ranks: {self.error}"
         return (f"{self.setting.describe()}: {self.status.replace('_', ' ')} (worst parameter {self.worst_ratio:.3g} "
                 f"x allowed: {self.worst_where})")
+
+    def line(self) -> str:
+        """One line: the outcome, the setting, and the worst parameter against its allowance."""
+        if self.error is not None:
+            return headed(self.status, f"{self.setting.describe()}: could not run: {self.error}")
+        return headed(self.status, f"{self.setting.describe()}, worst {self.worst_ratio:.3g} of its allowance")
+
+    def _fields(self) -> dict[str, Any]:
+        return {"setting": asdict(self.setting), "description": self.setting.describe(), "worst_ratio": self.worst_ratio,
+                "worst_where": self.worst_where, "error": self.error}
 
 
 _WIDTH = 4

@@ -41,6 +41,7 @@ from equiv.judging.deadline import DEFAULT_TIMEOUT_S
 from equiv.judging.judge import precision_fails_because
 from equiv.judging.runs import NonFiniteLossError
 from equiv.outcomes import Outcome
+from equiv.results.protocol import SearchBase
 from equiv.results.verdict import Verdict
 
 __all__ = ["VerifyResult", "verify"]
@@ -54,8 +55,10 @@ _BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyResult:
+class VerifyResult(SearchBase):
     """What a search found; truthy when no counterexample was found."""
+
+    KIND = "verify"
 
     candidate: str
     #: Checks run, shrinking included.
@@ -119,8 +122,11 @@ class VerifyResult:
             return Outcome.PRECISION
         return Outcome.NOT_EQUIVALENT
 
-    def __bool__(self) -> bool:
-        return not self.found
+    def _searched(self) -> str:
+        return f"{self.candidate}, {self.examples} case(s) searched"
+
+    def _shrunk(self) -> str:
+        return f", found after {self.first_failure_at}: {self.counterexample!r}"
 
     def replay_hint(self, target: str = "MODULE:FUNC") -> str:
         """Commands that reproduce what was found.  When the shrunk case passes
@@ -180,7 +186,7 @@ class VerifyResult:
             body = "\n".join(line for line in body.splitlines() if not line.startswith("Reproduce:"))
         return f"{head}\n{body}\n({timing})\nReplay:\n{self.replay_hint(target)}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def _fields(self) -> dict[str, Any]:
         return {
             "candidate": self.candidate,
             "found": self.found,
@@ -194,7 +200,7 @@ class VerifyResult:
             "max_examples": self.max_examples,
             "blob": self.blob,
             "flaky": self.flaky,
-            "kind": self.kind,
+            "outcome": (self.kind or self.status).value,
             "state_across_calls": self.state_across_calls,
             "fresh_replay": self.fresh_replay,
             "elapsed_s": self.elapsed_s,

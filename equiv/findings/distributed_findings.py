@@ -103,7 +103,7 @@ def torchrun_table() -> pd.DataFrame:
             log.info("torchrun: %s (%s): exit %d", name, entry.engine, run.returncode)
             if not out.exists():
                 raise RuntimeError(f"torchrun wrote no verdicts for {target}: {run.stderr[-2000:]}")
-            verdicts = {v["case_name"]: v for v in json.loads(out.read_text())}
+            verdicts = {v["case_name"]: v for v in json.loads(out.read_text())["cases"]}
         row = {"step": name, "engine": entry.engine.upper()}
         for case in cases:
             verdict = verdicts.get(case)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +35,9 @@ from torch import Tensor, nn
 from equiv.judging.floors import Order, Rounding
 from equiv.judging.judge import Judge, OnSnapshot, float32_sized
 from equiv.judging.runs import Snapshot, snapshot_of
+from equiv.outcomes import Outcome
 from equiv.peers.kinds import ORDERS
+from equiv.results.protocol import ResultBase, headed
 from equiv.results.verdict import PrecisionFinding, TensorDiff, Tier
 
 __all__ = [
@@ -110,8 +112,11 @@ class References(Judge):
 
 
 @dataclass(frozen=True)
-class RunVerdict:
-    """A peer's run against one reference: every compared tensor's row, both tiers."""
+class RunVerdict(ResultBase):
+    """A peer's run against one reference: every compared tensor's row, both tiers;
+    truthy only when equivalent."""
+
+    KIND = "run_verdict"
 
     diffs: tuple[TensorDiff, ...]
     #: optimizer steps taken / the reference's
@@ -162,6 +167,35 @@ class RunVerdict:
         step = self.first_failure
         rows = [d for d in self.mismatches if d.step == step]
         return min(rows, key=lambda d: (d.tier != "exact", d.kind != "update"), default=None)
+
+    @property
+    def status(self) -> Outcome:
+        return Outcome.EQUIVALENT if self.equivalent else Outcome.NOT_EQUIVALENT
+
+    def __bool__(self) -> bool:
+        return self.equivalent
+
+    def line(self) -> str:
+        """One line: the outcome, the steps, and the first failing step's first tensor past its allowance."""
+        steps = f"{self.steps[0]} optimizer step(s) against the reference's {self.steps[1]}"
+        first = self.first_mismatch()
+        if self.equivalent:
+            return headed(self.status, steps + (", with a precision note" if self.precision is not None else ""))
+        where = "" if first is None else (f": {first.label} at step {first.step}, {first.tier} tier, off by "
+                                          f"{first.relative_error:.3g} of its scale ({first.ratio:.3g} x allowed)")
+        return headed(self.status, f"{steps}, first failing at step {self.first_failure}{where}")
+
+    def message(self) -> str:
+        first = self.first_mismatch()
+        lines = [self.line()]
+        if first is not None and not self.equivalent:
+            lines.append(first.describe())
+        note = self.precision_note()
+        return "\n".join(lines + ([f"Precision note: {note}"] if note else []))
+
+    def _fields(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), "first_failure": self.first_failure,
+                "mismatches": [d.to_dict() for d in self.mismatches]}
 
 
 def judge(trajectories: Trajectories, references: References) -> RunVerdict:

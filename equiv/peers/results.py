@@ -10,10 +10,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from equiv.outcomes import Outcome
+
 __all__ = ["Cell", "Chart", "PeerRow", "PeersResults", "Situation"]
 
-#: Outcomes a cell can have.
+#: Outcomes a cell can have (the words reports/peers-*.json hold; :attr:`Cell.status` maps them to Outcome).
 EQUIVALENT, NOT_EQUIVALENT, NOT_APPLICABLE, NOT_RUN = "equivalent", "not equivalent", "not applicable", "not run"
+_STATUS = {EQUIVALENT: Outcome.EQUIVALENT, NOT_EQUIVALENT: Outcome.NOT_EQUIVALENT,
+           NOT_APPLICABLE: Outcome.NOT_APPLICABLE}
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,11 @@ class Cell:
     @property
     def failed(self) -> bool:
         return self.outcome == NOT_EQUIVALENT
+
+    @property
+    def status(self) -> Outcome | None:
+        """The cell's outcome in the one vocabulary (None: not run for this peer)."""
+        return _STATUS.get(self.outcome)
 
     def mark(self) -> str:
         """The cell at a glance: ✓, ✗ (kind), n/a, or - (not run for this peer)."""

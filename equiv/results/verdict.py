@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from equiv.cases.case import Case
 from equiv.outcomes import Outcome
+from equiv.results.protocol import EquivalenceError, ResultBase, headed
 
 __all__ = ["CaseVerdicts", "EquivalenceError", "Judgement", "PrecisionFinding", "TensorDiff", "Verdict"]
 
@@ -22,34 +23,39 @@ Tier = Literal["exact", "noise"]
 _SAME_RELATIVE_ERROR = 1e-4
 
 
-class EquivalenceError(AssertionError):
-    """Raised by ``assert_ok()`` of a verdict that is not equivalent; carries the verdict."""
-
-    def __init__(self, message: str, verdict: Judgement) -> None:
-        super().__init__(message)
-        self.verdict = verdict
-
-
-class Judgement:
-    """What every verdict shares (one process, or one per rank): truthy only
-    when equivalent, a readable :meth:`message`, and :meth:`assert_ok`."""
+class Judgement(ResultBase):
+    """What every verdict on one case shares (one process, or one per rank): a
+    :class:`~equiv.results.protocol.Result` (truthy only when equivalent,
+    :meth:`message`, :meth:`assert_ok`) that is also one row of several cases
+    (:meth:`row`, what ``equiv check`` prints per case)."""
 
     __slots__ = ()
 
     def __bool__(self) -> bool:
         raise NotImplementedError
 
-    def message(self) -> str:
+    @property
+    def status(self) -> Outcome:
         raise NotImplementedError
 
-    def __str__(self) -> str:
-        return self.message()
+    def note(self) -> str | None:
+        """The precision note of a passing verdict (float32-sized differences inside the float64 run), or None."""
+        raise NotImplementedError
 
-    def assert_ok(self) -> None:
-        """Raise :class:`EquivalenceError` with :meth:`message` unless equivalent."""
-        __tracebackhide__ = True
-        if not self:
-            raise EquivalenceError(self.message(), self)
+    def reasons(self) -> tuple[str, ...]:
+        """Why the case is neither a pass nor a failure (not applicable, inherently non-equivalent)."""
+        raise NotImplementedError
+
+    def row(self, name: str) -> str:
+        """The case ``name``'s outcome as ``equiv check`` prints it (failures with the whole message)."""
+        status = self.status
+        if status is Outcome.EQUIVALENT:
+            return f"ok    {name}" + (" (with a precision note, below)" if self.note() is not None else "")
+        if status is Outcome.NOT_APPLICABLE:
+            return f"n/a   {name}: {'; '.join(self.reasons())}"
+        if status is Outcome.INHERENTLY_NON_EQUIVALENT:
+            return f"inh.  {name}: {'; '.join(self.reasons())}"
+        return f"FAIL  {name}\n" + "\n".join("      " + line for line in self.message().splitlines())
 
 
 #: An update this close to the full batch's direction, and to a whole multiple
@@ -249,6 +255,8 @@ FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 class Verdict(Judgement):
     """Truthy only when the candidate is equivalent to full-batch training."""
 
+    KIND = "verdict"
+
     case: Case
     candidate: str
     #: Every tensor that exceeded its allowance, in step order.
@@ -392,12 +400,34 @@ class Verdict(Judgement):
                         f"{diff.actual / diff.expected:g} x per window"]
         return []
 
-    def to_dict(self) -> dict[str, Any]:
+    def note(self) -> str | None:
+        return self.precision_note if self.status is Outcome.EQUIVALENT else None
+
+    def reasons(self) -> tuple[str, ...]:
+        return self.not_applicable or self.inherent
+
+    def line(self) -> str:
+        """One line: the outcome, the candidate, the case, and how far off (or how close) it came."""
+        return headed(self.kind, f"{self.candidate} on {self.case!r}{self.detail()}")
+
+    def detail(self) -> str:
+        """What :meth:`line` says after the case: the reasons, the worst ratio, or the first mismatch."""
+        if self.reasons():
+            return f": {'; '.join(self.reasons())}"
+        first = self.first_mismatch
+        if first is None or self.status is Outcome.EQUIVALENT:
+            worst = max(self.worst.values(), key=lambda d: d.ratio, default=None)
+            ratio = "" if worst is None else f", worst {worst.ratio:.2g} of its allowance"
+            return ratio + (", with a precision note" if self.note() else "")
+        return (f": {first.label} at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}), off by "
+                f"{first.relative_error:.3g} of its scale ({first.ratio:.3g} x allowed; {len(self.mismatches)} "
+                "tensor(s) past their allowance)")
+
+    def _fields(self) -> dict[str, Any]:
         return {
             "candidate": self.candidate,
-            "status": self.status,
             "case": self.case.to_dict(),
-            "kind": self.kind,
+            "outcome": self.kind.value,
             "inherent": list(self.inherent),
             "not_applicable": list(self.not_applicable),
             "mismatches": [d.to_dict() for d in self.mismatches],
@@ -408,68 +438,101 @@ class Verdict(Judgement):
         }
 
 
+#: The verdict of one case on one process, or on every rank (see :class:`CaseVerdicts`).
+V = TypeVar("V", bound=Judgement)
+
+
 @dataclass(frozen=True, slots=True)
-class CaseVerdicts(Judgement):
+class CaseVerdicts(ResultBase, Generic[V]):
     """One candidate on several named cases (``equiv.check(step)`` runs the standard
-    cases): truthy when no case that applies failed and the step never raised.  A
-    case not applicable to the step, or inherently non-equivalent, is neither a
-    pass nor a failure: it is counted apart."""
+    cases, ``equiv check-distributed`` the standard splits): truthy when no case that
+    applies failed and the step never raised.  A case not applicable to the step, or
+    inherently non-equivalent, is neither a pass nor a failure: it is counted apart."""
+
+    KIND = "case_verdicts"
 
     candidate: str
     #: case name -> its verdict, in the order the cases were checked
-    verdicts: dict[str, Verdict]
+    verdicts: dict[str, V]
     #: case name -> what the candidate raised on it (no verdict then)
     errors: dict[str, str] = field(default_factory=dict)
     #: every case name, in the order checked (verdicts and errors interleaved)
     order: tuple[str, ...] = ()
     #: case name -> the step's own traceback, where it raised
     tracebacks: dict[str, str] = field(default_factory=dict)
+    #: where the cases ran, said after the count ("on 2 ranks (ddp)"; "": one process)
+    setting: str = ""
 
     def __bool__(self) -> bool:
-        return not self.errors and all(v.status is not Outcome.NOT_EQUIVALENT for v in self.verdicts.values())
+        return self.status is Outcome.EQUIVALENT
 
     @property
-    def failed(self) -> dict[str, Verdict]:
+    def status(self) -> Outcome:
+        """NOT_EQUIVALENT when an applicable case failed (a definite answer wins), else
+        STEP_ERROR when the step raised or hung on one, else EQUIVALENT."""
+        if self.failed:
+            return Outcome.NOT_EQUIVALENT
+        return Outcome.STEP_ERROR if self.errors else Outcome.EQUIVALENT
+
+    @property
+    def failed(self) -> dict[str, V]:
         """The applicable cases that are not equivalent."""
         return {name: v for name, v in self.verdicts.items() if v.status is Outcome.NOT_EQUIVALENT}
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every case name, in the order checked."""
+        return self.order or (*self.verdicts, *self.errors)
+
     def counts(self) -> dict[str, int]:
-        """How many cases ended each way (zeros included for equivalent and not)."""
-        labels = {"equivalent": "equivalent", "not_equivalent": "not", "not_applicable": "not applicable",
-                  "inherently_non_equivalent": "inherently non-equivalent"}
+        """How many cases ended each way (zeros included for equivalent and not; a step
+        that raised or hung counted apart, as "step error")."""
+        labels = {Outcome.EQUIVALENT: "equivalent", Outcome.NOT_EQUIVALENT: "not",
+                  Outcome.NOT_APPLICABLE: "not applicable",
+                  Outcome.INHERENTLY_NON_EQUIVALENT: "inherently non-equivalent"}
         counts = dict.fromkeys(labels.values(), 0)
         for verdict in self.verdicts.values():
             counts[labels[verdict.status]] += 1
-        counts["not"] += len(self.errors)
+        counts["step error"] = len(self.errors)
         return counts
 
-    def line(self, name: str) -> str:
+    def row(self, name: str) -> str:
         """One case's outcome as ``equiv check`` prints it (failures with the whole message)."""
         if name in self.errors:
             return f"ERROR {name}: {self.errors[name]}"
-        verdict = self.verdicts[name]
-        if verdict.status is Outcome.EQUIVALENT:
-            if verdict.precision_note is not None:
-                return f"ok    {name} (with a precision note, below)"
-            return f"ok    {name}"
-        if verdict.status is Outcome.NOT_APPLICABLE:
-            return f"n/a   {name}: {'; '.join(verdict.not_applicable)}"
-        if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
-            return f"inh.  {name}: {'; '.join(verdict.inherent)}"
-        return f"FAIL  {name}\n" + "\n".join("      " + line for line in verdict.message().splitlines())
+        return self.verdicts[name].row(name)
 
     def summary(self) -> str:
         counts = self.counts()
         shown = ", ".join(f"{n} {label}" for label, n in counts.items() if n or label in ("equivalent", "not"))
-        text = f"{shown}, of {len(self.verdicts) + len(self.errors)} case(s)"
-        noted = [name for name, v in self.verdicts.items() if v.status is Outcome.EQUIVALENT and v.precision_note]
+        text = f"{shown}, of {len(self.verdicts) + len(self.errors)} case(s)" + (f" {self.setting}" if self.setting else "")
+        noted = [name for name, v in self.verdicts.items() if v.note()]
         if noted:
             # One note for all: the same cause shows on every case it touches.
             text += (f"\nPrecision note ({len(noted)} equivalent case(s), e.g. {noted[0]!r}): "
-                     f"{self.verdicts[noted[0]].precision_note}")
+                     f"{self.verdicts[noted[0]].note()}")
         return text
 
     def message(self) -> str:
-        names = self.order or (*self.verdicts, *self.errors)
-        return "\n".join([f"candidate {self.candidate}:", *(self.line(name) for name in names), self.summary()])
+        return "\n".join([f"candidate {self.candidate}:", *(self.row(name) for name in self.names), self.summary()])
 
+    def line(self) -> str:
+        """One line: the outcome, the candidate, the counts, and the first case that failed."""
+        counts = ", ".join(f"{n} {label}" for label, n in self.counts().items() if n)
+        first = next(iter(self.failed), None) or next(iter(self.errors), None)
+        failing = f"; first: {first!r}" if first is not None else ""
+        setting = f" {self.setting}" if self.setting else ""
+        return headed(self.status, f"{self.candidate} on {len(self.names)} case(s){setting} ({counts}){failing}")
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "candidate": self.candidate,
+            "setting": self.setting,
+            "counts": self.counts(),
+            "cases": [
+                {"case_name": name, "status": Outcome.STEP_ERROR.value, "error": self.errors[name],
+                 "traceback": self.tracebacks.get(name)} if name in self.errors
+                else {"case_name": name, **self.verdicts[name].to_dict()}
+                for name in self.names
+            ],
+        }
