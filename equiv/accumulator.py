@@ -416,7 +416,20 @@ def accumulator_step(
     the window's item count, clip once, step once (skipped for the whole
     window if dynamic loss scaling finds an overflow).  Works unchanged on
     one process and, given a ``DistributedDataParallel`` model or an FSDP2
-    (``fully_shard``) root module, on many."""
+    (``fully_shard``) root module, on many.
+
+    Args:
+        model, optimizer: what one optimizer step trains.
+        micro_batches: the window's ``(inputs, targets)`` pieces, in order; sizes may differ.
+        loss_fn: the micro-batch's mean loss; its ``sum`` and ``count`` (an :class:`equiv.Loss`)
+            when items are weighted (tokens that are not padding).
+        max_grad_norm: clip the window's total gradient norm to this once (None: no clipping).
+        scheduler: stepped once per optimizer step (not on a skipped window).
+        grad_scaler: dynamic loss scaling; an overflow anywhere skips the whole window.
+
+    Returns:
+        None: the model and optimizer are updated in place.
+    """
     accumulator = Accumulator(
         model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler
     )

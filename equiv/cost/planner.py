@@ -179,12 +179,29 @@ def plan(
     repeats: int = 3,
     safety_margin: float = 0.05,
 ) -> Plan:
-    """Recommend the fastest N whose step fits ``memory_budget_bytes``.
+    """Recommend the fastest N (micro-batches per optimizer step) whose step fits ``memory_budget_bytes``.
 
-    ``batch`` is an example (inputs, targets); its rows are repeated to
-    ``global_batch_size``.  ``loss_sum`` defaults to summed cross-entropy for
-    integer targets and summed squared error for float targets.  How the N is
-    chosen without a trial beyond the budget's reach: :func:`search_plan`.
+    How the N is chosen without a trial beyond the budget's reach: :func:`search_plan`.
+
+    Args:
+        model: the model to train (a copy is measured; it is not trained).
+        batch: an example ``(inputs, targets)``; its rows are repeated to ``global_batch_size``.
+        global_batch_size: samples per optimizer step (a positive integer).
+        memory_budget_bytes: the peak memory a step may use.
+        loss_sum, count_items: the summed loss and the item count of a micro-batch (default:
+            summed cross-entropy for integer targets, summed squared error for float targets).
+        optimizer_factory: builds the optimizer over the model's parameters.
+        device: where to measure.
+        candidates: the Ns to consider (default: the powers of two up to ``global_batch_size``, and it).
+        probes, repeats: how many Ns are timed, and how many times each.
+        safety_margin: the fraction of the budget kept free.
+
+    Returns:
+        A :class:`Plan`: the recommended N, every N measured or predicted, and why.
+
+    Raises:
+        NothingFitsError: no N fits the budget.
+        ValueError: an argument is out of range (named, with the value given).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1 (the time line needs a timing), got {repeats}")
