@@ -1,4 +1,4 @@
-"""The one vocabulary of results: :class:`Outcome`.
+"""The one vocabulary of results: :class:`Outcome` (and :class:`Fault`: what a step error was).
 
 A verdict's ``status`` and ``kind``, a distributed verdict's, a search's
 ``kind``, the CLI's JSON and the zoo's expectations all use these values, so a
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Outcome"]
+__all__ = ["Fault", "Outcome"]
 
 
 class Outcome(str, Enum):
@@ -37,3 +37,23 @@ class Outcome(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+class Fault(str, Enum):
+    """How a step (or its ranks) failed to give a verdict: what a
+    :data:`Outcome.STEP_ERROR` was, as data.  ``RAISED``: the step raised (on
+    some rank); ``HUNG``: it ran past its time limit (a rank still running at
+    the deadline); ``DIED``: a rank exited without reporting (killed, or with
+    an exit code of its own); ``COLLECTIVE_MISMATCH``: the ranks' collectives
+    did not line up.  Set where the failure is met (the launchers'
+    :class:`~equiv.distributed.launcher.DistributedCheckError`, a search's
+    judge); a search decides from it, never from an error's text, to stop at
+    once (``HUNG``: each shrink step would wait out the limit again) or shrink.
+    A ``str`` enum, as :class:`Outcome`."""
+
+    RAISED = "raised"
+    HUNG = "hung"
+    DIED = "died"
+    COLLECTIVE_MISMATCH = "collective_mismatch"
+
+    __str__ = Outcome.__str__
