@@ -76,6 +76,10 @@ def test_the_launcher_says_what_went_wrong_as_a_fault() -> None:
     assert fault_of([_state(0, error="Traceback"), _state(1, running=True)], hung=True) is Fault.HUNG
     assert fault_of([_state(0, error="Traceback"), _state(1, running=True)]) is Fault.RAISED
     assert fault_of([_state(0, death="exit code 7"), _state(1)]) is Fault.DIED
+    assert fault_of([_state(0, error="Connection closed", death="exit code 1"),
+                     _state(1, death="exit code 7")]) is Fault.DIED
+    assert fault_of([_state(0, error="Traceback", death="exit code 1"), _state(1, death="exit code 1",
+                                                                               error="Traceback")]) is Fault.RAISED
     error = DistributedCheckError("rank 1 hung", Fault.HUNG)
     assert error.fault is Fault.HUNG and str(error) == "rank 1 hung"
     assert DistributedCheckError("rank 0 raised").fault is Fault.RAISED

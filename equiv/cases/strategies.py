@@ -486,11 +486,9 @@ def cases(
     item_weighted: bool = False, allow_batchnorm: bool = False, allow_dropout: bool = False,
     min_steps: int = 2, max_steps: int = 3, clipping: Sequence[str] = CLIPPING,
     schedulers: Sequence[str | None] = (None,), loss_scaling: Sequence[str] = ("none",),
-    param_groups: Sequence[str | None] = (None, *PARAM_GROUPS),
-    frozen_layers: Sequence[int | tuple[int, ...]] = FROZEN_LAYERS,
-    # Not bfloat16 by default: Adam's first update is lr * sign(g), and the sign
-    # of a near-zero gradient is bfloat16 noise, so a correct step can differ
-    # by a whole lr from the full batch (1.33 x allowed; reported).  Ask for it.
+    param_groups: Sequence[str | None] = (None, *PARAM_GROUPS), frozen_layers: Sequence[int | tuple[int, ...]] = FROZEN_LAYERS,
+    # Not bfloat16 by default: Adam's first update, lr * sign(g), of a near-zero g is bfloat16 noise, so a
+    # correct step can differ by a whole lr from the full batch (1.33 x allowed; reported).  Ask for it.
     dtypes: Sequence[str] = ("float32", "float64"), devices: Sequence[str] = ("cpu",), max_seed: int = 2**16,
 ) -> st.SearchStrategy[Case]:
     """Return a strategy for :class:`~equiv.cases.case.Case` objects composed from

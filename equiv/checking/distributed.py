@@ -512,9 +512,8 @@ def check_distributed(
                                   engine=engine, mp_policy=mp_policy)  # type: ignore[arg-type]
     if (launcher is run_on_ranks and dcase.case.device.startswith("cuda")
             and torch.cuda.device_count() < dcase.world_size):
-        raise ValueError(
-            f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, {torch.cuda.device_count()} visible"
-        )
+        raise ValueError(f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, "
+                         f"{torch.cuda.device_count()} visible")
     references = ReferenceRuns.of(dcase.case, tiers)
     ranks = _Ranks(sent, bound.name, dcase, engine, timeout_s, launcher, references)  # type: ignore[arg-type]
     return ranks.verdict(mp_policy, fails_because)

@@ -245,8 +245,7 @@ def verify(
     candidate = bind(candidate)
     precision_fails_because(train_dtype, strict)  # a bad value is refused before the search starts
     space = SearchSpace() if space is None else space
-    strategy = space.strategy(candidate)
-    run = _search_run(profile, max_examples, seed, reproduce, progress)
+    strategy, run = space.strategy(candidate), _search_run(profile, max_examples, seed, reproduce, progress)
     judge = _Judge(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict)
     outcome = run_search(strategy, judge, run, name=candidate.name)
     case, failure, first_failure_at = judge.finding(outcome)
@@ -255,10 +254,9 @@ def verify(
         state_across_calls, fresh_replay = _replay_alone(candidate, case)
     return VerifyResult(
         candidate=candidate.name, examples=outcome.examples, first_failure_at=first_failure_at,
-        counterexample=case, verdict=None if failure is None else failure.verdict,
-        error=None if failure is None else failure.error,
-        error_traceback=None if failure is None else failure.traceback,
-        seed=run.seed, profile=profile or getattr(settings, "_current_profile", None) or "default",
+        counterexample=case, verdict=None if failure is None else failure.verdict, seed=run.seed,
+        error=None if failure is None else failure.error, error_traceback=None if failure is None else failure.traceback,
+        profile=profile or getattr(settings, "_current_profile", None) or "default",
         max_examples=run.max_examples, blob=outcome.blob if outcome.blob is not None or case is None else reproduce,
         elapsed_s=elapsed_s, checking_s=outcome.judging_s, flaky=outcome.flaky,
         state_across_calls=state_across_calls, fresh_replay=fresh_replay, search=space, **judge.passing(),

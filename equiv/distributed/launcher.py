@@ -305,16 +305,15 @@ def fault_report(states: list[RankState], describe: str, hung: bool = False) -> 
 
 
 def fault_of(states: list[RankState], hung: bool = False) -> Fault:
-    """What went wrong, as :func:`fault_report` tells it: the root cause first
-    (a collective mismatch), then a rank still running at the deadline
-    (``hung``), a rank that raised, a rank that died silently."""
+    """What went wrong, the root cause first: a collective mismatch, then a rank
+    still running at the deadline (``hung``), then a rank that died without
+    reporting (its peers' errors, a connection closed, follow from it), else a
+    rank that raised."""
     if any(state.mismatch is not None for state in states):
         return Fault.COLLECTIVE_MISMATCH
     if hung and any(state.running for state in states):
         return Fault.HUNG
-    if any(state.error is not None for state in states):
-        return Fault.RAISED
-    if any(state.death is not None for state in states):
+    if any(state.death is not None and state.error is None for state in states):
         return Fault.DIED
     return Fault.RAISED
 
