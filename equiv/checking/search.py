@@ -44,7 +44,7 @@ from hypothesis.strategies import SearchStrategy
 
 from equiv.outcomes import Fault
 
-__all__ = ["DISCARD", "Discard", "Failure", "Progress", "SearchOutcome", "SearchRun", "run_search"]
+__all__ = ["DISCARD", "Discard", "Failure", "Judged", "Progress", "SearchOutcome", "SearchRun", "run_search"]
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -83,7 +83,7 @@ class Failure(Generic[V]):
 
 
 #: A judge's answer: None (passed), DISCARD, or a Failure.
-Judgement = Failure[V] | Discard | None
+Judged = Failure[V] | Discard | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +108,8 @@ class SearchRun:
     #: Collect the warnings the judge raises and show each distinct one once.
     warn_once: bool = False
 
-    def settings(self) -> settings:
+    def hypothesis_settings(self) -> settings:
+        """The Hypothesis settings of this run: no deadline, no database, one bug, every health check off."""
         base = self.base if self.base is not None else settings()  # settings(): the loaded profile
         return settings(
             base, max_examples=self.max_examples, deadline=None, database=None, derandomize=self.derandomize,
@@ -163,7 +164,7 @@ class _Stop(BaseException):
         self.found = found
 
 
-def run_search(strategy: SearchStrategy[T], judge: Callable[[T], Judgement[V]], run: SearchRun, *,
+def run_search(strategy: SearchStrategy[T], judge: Callable[[T], Judged[V]], run: SearchRun, *,
                name: str = "the step") -> SearchOutcome[T, V]:
     """Search ``strategy`` for an example ``judge`` fails, as ``run`` says, and
     shrink it (see the module's docstring).  ``name`` names what was searched
@@ -212,7 +213,7 @@ def _run(search_once: Callable[[Any], None], strategy: SearchStrategy[Any], run:
     test = given(strategy)(search_once)
     if run.reproduce is not None:
         test = hypothesis.reproduce_failure(hypothesis.__version__, run.reproduce.encode())(test)
-    test = run.settings()(test)
+    test = run.hypothesis_settings()(test)
     if run.seed is not None:
         test = hypothesis.seed(run.seed)(test)
     caught: list[warnings.WarningMessage] = []
