@@ -1,4 +1,4 @@
-"""The one vocabulary of results: :class:`Outcome`.
+"""The one vocabulary of results: :class:`Outcome` (and :class:`Fault`: what a step error was).
 
 Every result's ``status`` (see :mod:`equiv.results.protocol`), a verdict's
 finer ``kind``, the CLI's JSON and exit codes and the zoo's expectations all
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Outcome"]
+__all__ = ["Fault", "Outcome"]
 
 
 class Outcome(str, Enum):
@@ -68,3 +68,23 @@ _WORDS: dict[Outcome, tuple[str, str]] = {
                                                "nothing about the step"),
     Outcome.STEP_ERROR: ("step error", "the step raised, hung past the time limit, or a rank died: no verdict"),
 }
+
+
+class Fault(str, Enum):
+    """How a step (or its ranks) failed to give a verdict: what a
+    :data:`Outcome.STEP_ERROR` was, as data.  ``RAISED``: the step raised (on
+    some rank); ``HUNG``: it ran past its time limit (a rank still running at
+    the deadline); ``DIED``: a rank exited without reporting (killed, or with
+    an exit code of its own); ``COLLECTIVE_MISMATCH``: the ranks' collectives
+    did not line up.  Set where the failure is met (the launchers'
+    :class:`~equiv.distributed.launcher.DistributedCheckError`, a search's
+    judge); a search decides from it, never from an error's text, to stop at
+    once (``HUNG``: each shrink step would wait out the limit again) or shrink.
+    A ``str`` enum, as :class:`Outcome`."""
+
+    RAISED = "raised"
+    HUNG = "hung"
+    DIED = "died"
+    COLLECTIVE_MISMATCH = "collective_mismatch"
+
+    __str__ = Outcome.__str__

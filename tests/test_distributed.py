@@ -16,6 +16,7 @@ from torch import nn
 import equiv
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, check_distributed
 from equiv.judging.runs import run_reference
+from equiv.outcomes import Fault
 from equiv.zoo.distributed_bugs import (
     forward_outside_no_sync,
     local_mean_per_rank,
@@ -141,21 +142,24 @@ def test_a_rank_that_raises_is_named_with_the_case() -> None:
     assert "rank 1 raised (exact tier, step 0: in the candidate)" in text
     assert "rank 1 cannot go on" in text
     assert "DistributedCase.of(Case(batch_size=4" in text
+    assert info.value.fault is Fault.RAISED
     assert no_stray_processes()
 
 
 def test_a_rank_that_hangs_ends_the_check_within_the_timeout() -> None:
     started = time.monotonic()
-    with pytest.raises(DistributedCheckError, match=r"did not finish within 8 s: .*rank 1 hung \(exact tier, step 0"):
+    with pytest.raises(DistributedCheckError, match=r"did not finish within 8 s: .*rank 1 hung \(exact tier, step 0") as info:
         check_distributed(hangs_on_rank_1, FAULT_CASE, timeout_s=8)
+    assert info.value.fault is Fault.HUNG
     # The deadline bounds the wait (the slack is process start-up and clean-up).
     assert time.monotonic() - started < 60
     assert no_stray_processes()
 
 
 def test_a_rank_that_dies_is_named_with_its_exit_code() -> None:
-    with pytest.raises(DistributedCheckError, match=r"rank 1 died with exit code 3 \(exact tier, step 0"):
+    with pytest.raises(DistributedCheckError, match=r"rank 1 died with exit code 3 \(exact tier, step 0") as info:
         check_distributed(dies_on_rank_1, FAULT_CASE, timeout_s=60)
+    assert info.value.fault is Fault.DIED
     assert no_stray_processes()
 
 
@@ -199,8 +203,9 @@ def test_mismatched_collectives_are_named_at_once_not_after_the_timeout(
     # Without the comparison gloo pairs the wrong calls: this ended after the
     # 120 s timeout ("Timed out waiting 120000ms for recv operation").
     started = time.monotonic()
-    with pytest.raises(DistributedCheckError, match=expected):
+    with pytest.raises(DistributedCheckError, match=expected) as info:
         check_distributed(candidate, DistributedCase.of(BASE, shards))  # type: ignore[arg-type]
+    assert info.value.fault is Fault.COLLECTIVE_MISMATCH
     assert time.monotonic() - started < 30  # the timeout is 120 s
     assert no_stray_processes()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import assume
@@ -479,30 +480,16 @@ def losses(*, item_weighted: bool = False) -> st.SearchStrategy[str]:
 
 # ------------------------------------------------------------------- cases
 def cases(
-    *,
-    min_batch_size: int = 1,
-    max_batch_size: int | None = None,
-    min_micro_batches: int = 1,
-    max_micro_batches: int | None = None,
-    families: Sequence[str] | None = None,
-    optimizer_names: Sequence[str] | None = None,
-    loss_names: Sequence[str] | None = None,
-    item_weighted: bool = False,
-    allow_batchnorm: bool = False,
-    allow_dropout: bool = False,
-    min_steps: int = 2,
-    max_steps: int = 3,
-    clipping: Sequence[str] = CLIPPING,
-    schedulers: Sequence[str | None] = (None,),
-    loss_scaling: Sequence[str] = ("none",),
-    param_groups: Sequence[str | None] = (None, *PARAM_GROUPS),
-    frozen_layers: Sequence[int | tuple[int, ...]] = FROZEN_LAYERS,
-    # Not bfloat16 by default: Adam's first update is lr * sign(g), and the sign
-    # of a near-zero gradient is bfloat16 noise, so a correct step can differ
-    # by a whole lr from the full batch (1.33 x allowed; reported).  Ask for it.
-    dtypes: Sequence[str] = ("float32", "float64"),
-    devices: Sequence[str] = ("cpu",),
-    max_seed: int = 2**16,
+    *, min_batch_size: int = 1, max_batch_size: int | None = None, min_micro_batches: int = 1,
+    max_micro_batches: int | None = None, families: Sequence[str] | None = None,
+    optimizer_names: Sequence[str] | None = None, loss_names: Sequence[str] | None = None,
+    item_weighted: bool = False, allow_batchnorm: bool = False, allow_dropout: bool = False,
+    min_steps: int = 2, max_steps: int = 3, clipping: Sequence[str] = CLIPPING,
+    schedulers: Sequence[str | None] = (None,), loss_scaling: Sequence[str] = ("none",),
+    param_groups: Sequence[str | None] = (None, *PARAM_GROUPS), frozen_layers: Sequence[int | tuple[int, ...]] = FROZEN_LAYERS,
+    # Not bfloat16 by default: Adam's first update, lr * sign(g), of a near-zero g is bfloat16 noise, so a
+    # correct step can differ by a whole lr from the full batch (1.33 x allowed; reported).  Ask for it.
+    dtypes: Sequence[str] = ("float32", "float64"), devices: Sequence[str] = ("cpu",), max_seed: int = 2**16,
 ) -> st.SearchStrategy[Case]:
     """Return a strategy for :class:`~equiv.cases.case.Case` objects composed from
     :func:`micro_batch_splits`, :func:`models`, :func:`optimizers` and
@@ -549,6 +536,110 @@ def cases(
     case found with 32 micro-batches still shrinks to 2 when 2 show the
     difference.
     """
+    # The keywords as given (locals() holds exactly them here), checked and
+    # turned into what each case is drawn from, in the order of the messages.
+    return _draw_case(_CasePlan.of(_CaseBounds(**locals())))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _CaseBounds:
+    """The keywords of :func:`cases`, as given (checked by :meth:`_CasePlan.of`)."""
+
+    min_batch_size: int
+    max_batch_size: int | None
+    min_micro_batches: int
+    max_micro_batches: int | None
+    families: Sequence[str] | None
+    optimizer_names: Sequence[str] | None
+    loss_names: Sequence[str] | None
+    item_weighted: bool
+    allow_batchnorm: bool
+    allow_dropout: bool
+    min_steps: int
+    max_steps: int
+    clipping: Sequence[str]
+    schedulers: Sequence[str | None]
+    loss_scaling: Sequence[str]
+    param_groups: Sequence[str | None]
+    frozen_layers: Sequence[int | tuple[int, ...]]
+    dtypes: Sequence[str]
+    devices: Sequence[str]
+    max_seed: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _CasePlan:
+    """What :func:`cases` draws each case from: its bounds checked, its choices
+    and the strategies for the model, the optimizer, the groups, the frozen layers."""
+
+    low_batch: int
+    max_batch_size: int | None
+    extra_samples: int
+    counts: st.SearchStrategy[int]
+    clipping: tuple[str, ...]
+    losses: tuple[str, ...]
+    #: (loss, tiny) -> the models that serve that loss.
+    models: dict[tuple[str, bool], st.SearchStrategy[Spec]]
+    frozen: st.SearchStrategy[int | tuple[int, ...]]
+    optimizers: st.SearchStrategy[Spec]
+    groups: st.SearchStrategy[str | None]
+    schedulers: tuple[str | None, ...]
+    min_steps: int
+    max_steps: int
+    dtypes: tuple[str, ...]
+    devices: list[str]
+    max_seed: int
+    scaling: list[str]
+
+    @classmethod
+    def of(cls, bounds: _CaseBounds) -> _CasePlan:
+        max_micro_batches = _checked_micro_batches(bounds)
+        # At least 2 steps: gradients or state a step leaks only show in the next one.
+        _check_int("min_steps", bounds.min_steps, at_least=2)
+        _check_int("max_steps", bounds.max_steps, at_least=2)
+        if bounds.min_steps > bounds.max_steps:
+            raise InvalidArgument(f"min_steps={bounds.min_steps} must be at most max_steps={bounds.max_steps}")
+        _check_int("max_seed", bounds.max_seed, at_least=0)
+        for flag in ("item_weighted", "allow_batchnorm", "allow_dropout"):
+            _check_flag(flag, getattr(bounds, flag))
+        loss_pool = SAMPLE_LOSSES + (ITEM_WEIGHTED_LOSSES if bounds.item_weighted else ())
+        losses = loss_pool if bounds.loss_names is None else _check_names(
+            "loss_names", bounds.loss_names, tuple(LOSSES))
+        optimizer_names = OPTIMIZERS if bounds.optimizer_names is None else _check_names(
+            "optimizer_names", bounds.optimizer_names, OPTIMIZERS)
+        clipping = _check_names("clipping", bounds.clipping, CLIPPING)
+        schedulers = _check_names("schedulers", bounds.schedulers, tuple(SCHEDULERS))
+        # In LOSS_SCALING's order whatever the order given, so "none" is what a case shrinks to.
+        scaling = sorted(_check_names("loss_scaling", bounds.loss_scaling, LOSS_SCALING), key=LOSS_SCALING.index)
+        groups = _check_names("param_groups", bounds.param_groups, (None, *PARAM_GROUPS))
+        frozen = _frozen_layers(bounds.frozen_layers)
+        dtypes = _check_names("dtypes", bounds.dtypes, tuple(DTYPES))
+        if isinstance(bounds.devices, str) or not bounds.devices:
+            raise InvalidArgument(f"devices must be a non-empty sequence of device names but was {bounds.devices!r}")
+        models = _model_strategies(bounds, losses)
+        low_batch = max(bounds.min_batch_size, bounds.min_micro_batches)
+        if bounds.max_batch_size is None:
+            top_count, extra_samples = max_micro_batches, DEFAULT_MAX_EXTRA_SAMPLES
+        else:
+            top_count, extra_samples = min(max_micro_batches, bounds.max_batch_size), bounds.max_batch_size - low_batch
+        return cls(
+            low_batch=low_batch, max_batch_size=bounds.max_batch_size, extra_samples=extra_samples,
+            counts=st.sampled_from(_count_table(bounds.min_micro_batches, top_count)), clipping=clipping,
+            losses=losses, models=models, frozen=frozen, optimizers=optimizers(names=optimizer_names),
+            # One group (None) first, so it is what a case shrinks to; each recipe as
+            # often (three in four cases have two groups by default: a search meets
+            # groups with active clipping in about one case in four).
+            groups=st.sampled_from(sorted(groups, key=lambda g: g is not None)),
+            schedulers=schedulers, min_steps=bounds.min_steps, max_steps=bounds.max_steps, dtypes=dtypes,
+            devices=list(bounds.devices), max_seed=bounds.max_seed, scaling=scaling,
+        )
+
+
+def _checked_micro_batches(bounds: _CaseBounds) -> int:
+    """Check the batch and micro-batch bounds; the top micro-batch count (None:
+    the default, raised to what the lower bounds ask for)."""
+    min_batch_size, max_batch_size = bounds.min_batch_size, bounds.max_batch_size
+    min_micro_batches, max_micro_batches = bounds.min_micro_batches, bounds.max_micro_batches
     _check_int("min_batch_size", min_batch_size, at_least=1)
     _check_int("min_micro_batches", min_micro_batches, at_least=1)
     if max_batch_size is not None:
@@ -560,7 +651,6 @@ def cases(
             f"max_micro_batches={max_micro_batches} is more than max_batch_size={max_batch_size}: "
             "every micro-batch needs a sample"
         )
-    # None: the defaults, raised to what the lower bounds ask for.
     if max_micro_batches is None:
         max_micro_batches = max(DEFAULT_MAX_MICRO_BATCHES, min_micro_batches)
     if max_micro_batches < min_micro_batches:
@@ -574,38 +664,32 @@ def cases(
             f"min_micro_batches={min_micro_batches} is more than max_batch_size={max_batch_size}: "
             "every micro-batch needs a sample"
         )
-    # At least 2 steps: gradients or state a step leaks only show in the next one.
-    _check_int("min_steps", min_steps, at_least=2)
-    _check_int("max_steps", max_steps, at_least=2)
-    if min_steps > max_steps:
-        raise InvalidArgument(f"min_steps={min_steps} must be at most max_steps={max_steps}")
-    _check_int("max_seed", max_seed, at_least=0)
-    for flag in ("item_weighted", "allow_batchnorm", "allow_dropout"):
-        _check_flag(flag, locals()[flag])
-    loss_pool = SAMPLE_LOSSES + (ITEM_WEIGHTED_LOSSES if item_weighted else ())
-    chosen_losses = loss_pool if loss_names is None else _check_names("loss_names", loss_names, tuple(LOSSES))
-    chosen_optimizers = OPTIMIZERS if optimizer_names is None else _check_names(
-        "optimizer_names", optimizer_names, OPTIMIZERS)
-    chosen_clipping = _check_names("clipping", clipping, CLIPPING)
-    chosen_schedulers = _check_names("schedulers", schedulers, tuple(SCHEDULERS))
-    # In LOSS_SCALING's order whatever the order given, so "none" is what a case shrinks to.
-    chosen_scaling = sorted(_check_names("loss_scaling", loss_scaling, LOSS_SCALING), key=LOSS_SCALING.index)
-    chosen_groups = _check_names("param_groups", param_groups, (None, *PARAM_GROUPS))
+    return max_micro_batches
+
+
+def _frozen_layers(frozen_layers: Sequence[int | tuple[int, ...]]) -> st.SearchStrategy[int | tuple[int, ...]]:
+    """Nothing frozen in half the cases when that is allowed (and what a case
+    shrinks to); each placement as often: the bottom, the base under a
+    trainable head, a middle layer with trainable layers below it, the head."""
     # Every family has 2 layers or more, so each choice leaves one to train.
     if isinstance(frozen_layers, Sequence) and any(isinstance(choice, bool) for choice in frozen_layers):
         raise InvalidArgument(f"frozen_layers must list choices among {list(FROZEN_LAYERS)} but was {frozen_layers!r}")
-    chosen_frozen = [choice for choice in FROZEN_LAYERS
-                     if choice in _check_names("frozen_layers", frozen_layers, FROZEN_LAYERS)]
-    chosen_dtypes = _check_names("dtypes", dtypes, tuple(DTYPES))
-    if isinstance(devices, str) or not devices:
-        raise InvalidArgument(f"devices must be a non-empty sequence of device names but was {devices!r}")
-    # Which model strategy serves which loss; validate the families once, here.
+    chosen = [choice for choice in FROZEN_LAYERS
+              if choice in _check_names("frozen_layers", frozen_layers, FROZEN_LAYERS)]
+    placements = [choice for choice in chosen if choice != 0]
+    nothing: list[int | tuple[int, ...]] = [0] * len(placements)
+    return st.sampled_from(nothing + placements if 0 in chosen else chosen)
+
+
+def _model_strategies(bounds: _CaseBounds, losses: tuple[str, ...]) -> dict[tuple[str, bool], st.SearchStrategy[Spec]]:
+    """(loss, tiny) -> the models that serve that loss; the families checked once, here."""
+    families = bounds.families
     sample_families = tuple(f for f in (families or MODEL_FAMILIES) if f in MODEL_FAMILIES)
     token_families = tuple(f for f in (families or TOKEN_FAMILIES) if f in TOKEN_FAMILIES)
     if families is not None:
         _check_names("families", families, tuple(dict.fromkeys(MODEL_FAMILIES + TOKEN_FAMILIES)))
-    model_strategies: dict[tuple[str, bool], st.SearchStrategy[Spec]] = {}
-    for loss in chosen_losses:
+    strategies: dict[tuple[str, bool], st.SearchStrategy[Spec]] = {}
+    for loss in losses:
         tokens = loss in ITEM_WEIGHTED_LOSSES
         pool = token_families if tokens else sample_families
         if not pool:
@@ -613,103 +697,88 @@ def cases(
                 f"loss {loss!r} needs a model family among {list(TOKEN_FAMILIES if tokens else MODEL_FAMILIES)}, "
                 f"but families={list(families or ())}"
             )
-        batchnorm = allow_batchnorm and any(f in ("mlp", "conv1d", "conv2d") for f in pool)
+        batchnorm = bounds.allow_batchnorm and any(f in ("mlp", "conv1d", "conv2d") for f in pool)
         for tiny in (False, True):
-            model_strategies[loss, tiny] = models(
-                families=pool, tokens=tokens, allow_batchnorm=batchnorm, allow_dropout=allow_dropout, tiny=tiny)
-    optimizer_strategy = optimizers(names=chosen_optimizers)
-    low_batch = max(min_batch_size, min_micro_batches)
-    if max_batch_size is None:
-        top_count, extra_samples = max_micro_batches, DEFAULT_MAX_EXTRA_SAMPLES
-    else:
-        top_count, extra_samples = min(max_micro_batches, max_batch_size), max_batch_size - low_batch
-    counts = st.sampled_from(_count_table(min_micro_batches, top_count))
-    # One group (None) first, so it is what a case shrinks to; each recipe as
-    # often (three in four cases have two groups by default: a search meets
-    # groups with active clipping in about one case in four).
-    groups_strategy = st.sampled_from(sorted(chosen_groups, key=lambda g: g is not None))
-    # Nothing frozen in half the cases when that is allowed (and what a case shrinks to);
-    # each placement as often: the bottom, the base under a trainable head, a middle layer
-    # with trainable layers below it, the head.
-    placements = [choice for choice in chosen_frozen if choice != 0]
-    nothing: list[int | tuple[int, ...]] = [0] * len(placements)
-    frozen_strategy = st.sampled_from(nothing + placements if 0 in chosen_frozen else chosen_frozen)
+            strategies[loss, tiny] = models(
+                families=pool, tokens=tokens, allow_batchnorm=batchnorm, allow_dropout=bounds.allow_dropout, tiny=tiny)
+    return strategies
 
-    @st.composite
-    def draw_case(draw: st.DrawFn) -> Case:
-        # Every choice means the same whatever the count, so that lowering the
-        # count alone (one integer) is a shrink the shrinker can take: the
-        # batch is the count plus a drawn surplus (not a range that depends on
-        # the count), the model takes the same choices tiny or not, and the
-        # cut is drawn last, with its choices drawn even when an even cut is
-        # used (a 9-piece even cut then shrinks to 2 uneven pieces, not to 2
-        # even ones that hide a mean of means).
-        count = draw(counts)
-        many = count > FEW_MICRO_BATCHES
-        batch_size = max(low_batch, count) + draw(st.integers(0, extra_samples))
-        if max_batch_size is not None:
-            batch_size = min(batch_size, max_batch_size)
-        # Only cases with more than FEW_MICRO_BATCHES micro-batches are cut as
-        # evenly as possible (how a batch of B is cut into N: sizes differ by
-        # one at most); the choice is drawn for every case, and False (cut
-        # anywhere) is what it shrinks to.
-        even = draw(st.booleans())
-        clip = draw(st.sampled_from(chosen_clipping))
-        # inactive: far above any gradient norm of these models; active: far
-        # below, so every step is clipped (its norm drawn only then).
-        max_grad_norm = draw(st.sampled_from([1e-2, 1e-3])) if clip == "active" else {"none": None, "inactive": 1e6}[clip]
-        loss = draw(st.sampled_from(chosen_losses))
-        model, model_kwargs = draw(model_strategies[loss, many])
-        frozen = draw(frozen_strategy)
-        optimizer, optimizer_kwargs = draw(optimizer_strategy)
-        if optimizer in MATRIX_ONLY_OPTIMIZERS:
-            # Every parameter a matrix: an MLP without biases or norms (a function of the
-            # draw, so shrinking the optimizer back to SGD gives the drawn model back).
-            assume(model == "mlp")
-            model_kwargs = {**model_kwargs, "bias": False, "norm": "none"}
-        groups = draw(groups_strategy)
-        # "no_decay" splits off biases and norm weights, which a matrix-only model has none of.
-        assume(not (optimizer in MATRIX_ONLY_OPTIMIZERS and groups == "no_decay"))
-        scheduler = draw(st.sampled_from(chosen_schedulers))
-        steps = draw(st.integers(min_steps, max_steps))
-        dtype = draw(st.sampled_from(chosen_dtypes))
-        device = draw(st.sampled_from(list(devices)))
-        seed = draw(st.integers(0, max_seed))
-        # Before the cut (whose number of choices follows the count), so that
-        # lowering the count leaves these choices where they were.
-        scaling = draw(st.sampled_from(chosen_scaling))
-        scaled: dict[str, Any] = {}
-        if scaling != "none":
-            scaled["loss_scale"] = 2.0 ** draw(st.integers(1, 16))
-            scaled["scale_growth_interval"] = draw(st.sampled_from([None, 1, 2]))
-        if scaling == "overflow":
-            # +inf in one sample's inputs: a token model has none to set.
-            assume(model not in _TOKEN_INPUT_FAMILIES)
-            scaled["overflow_at"] = (draw(st.integers(0, steps - 1)), draw(st.integers(0, batch_size - 1)))
-        sizes = _cut_into(draw, batch_size, count)
-        if many and even:
-            sizes = tuple(even_sizes(batch_size, count))
-        # BatchNorm1d after a linear layer cannot train on a single sample
-        # (one value per channel): such a micro-batch is no case at all.
-        assume(not (model == "mlp" and model_kwargs.get("norm") == "batch" and min(sizes) < 2))
-        return Case(
-            batch_size=batch_size,
-            micro_batch_sizes=sizes,
-            model=model,
-            model_kwargs=model_kwargs,
-            frozen_layers=frozen,
-            optimizer=optimizer,
-            optimizer_kwargs=optimizer_kwargs,
-            param_groups=groups,
-            loss=loss,
-            steps=steps,
-            max_grad_norm=max_grad_norm,
-            scheduler=scheduler,
-            scheduler_kwargs=dict(SCHEDULERS[scheduler]),
-            **scaled,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-        )
 
-    return draw_case()
+@st.composite
+def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
+    """One case.  Every choice means the same whatever the count, so that
+    lowering the count alone (one integer) is a shrink the shrinker can take:
+    the batch is the count plus a drawn surplus (not a range that depends on
+    the count), the model takes the same choices tiny or not, and the cut is
+    drawn last, with its choices drawn even when an even cut is used (a
+    9-piece even cut then shrinks to 2 uneven pieces, not to 2 even ones that
+    hide a mean of means).  The helpers draw with ``draw`` (no strategy of
+    their own), so the choices are the same as when this was one function."""
+    count = draw(plan.counts)
+    many = count > FEW_MICRO_BATCHES
+    batch_size = max(plan.low_batch, count) + draw(st.integers(0, plan.extra_samples))
+    if plan.max_batch_size is not None:
+        batch_size = min(batch_size, plan.max_batch_size)
+    # Only cases with more than FEW_MICRO_BATCHES micro-batches are cut as
+    # evenly as possible (how a batch of B is cut into N: sizes differ by
+    # one at most); the choice is drawn for every case, and False (cut
+    # anywhere) is what it shrinks to.
+    even = draw(st.booleans())
+    max_grad_norm = _draw_clip_norm(draw, plan.clipping)
+    loss = draw(st.sampled_from(plan.losses))
+    model, model_kwargs = draw(plan.models[loss, many])
+    frozen = draw(plan.frozen)
+    optimizer, optimizer_kwargs = draw(plan.optimizers)
+    if optimizer in MATRIX_ONLY_OPTIMIZERS:
+        # Every parameter a matrix: an MLP without biases or norms (a function of the
+        # draw, so shrinking the optimizer back to SGD gives the drawn model back).
+        assume(model == "mlp")
+        model_kwargs = {**model_kwargs, "bias": False, "norm": "none"}
+    groups = draw(plan.groups)
+    # "no_decay" splits off biases and norm weights, which a matrix-only model has none of.
+    assume(not (optimizer in MATRIX_ONLY_OPTIMIZERS and groups == "no_decay"))
+    scheduler = draw(st.sampled_from(plan.schedulers))
+    steps = draw(st.integers(plan.min_steps, plan.max_steps))
+    dtype = draw(st.sampled_from(plan.dtypes))
+    device = draw(st.sampled_from(plan.devices))
+    seed = draw(st.integers(0, plan.max_seed))
+    # Before the cut (whose number of choices follows the count), so that
+    # lowering the count leaves these choices where they were.
+    scaled = _draw_loss_scaling(draw, plan.scaling, model=model, steps=steps, batch_size=batch_size)
+    sizes = _cut_into(draw, batch_size, count)
+    if many and even:
+        sizes = tuple(even_sizes(batch_size, count))
+    # BatchNorm1d after a linear layer cannot train on a single sample
+    # (one value per channel): such a micro-batch is no case at all.
+    assume(not (model == "mlp" and model_kwargs.get("norm") == "batch" and min(sizes) < 2))
+    return Case(
+        batch_size=batch_size, micro_batch_sizes=sizes, model=model, model_kwargs=model_kwargs,
+        frozen_layers=frozen, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, param_groups=groups,
+        loss=loss, steps=steps, max_grad_norm=max_grad_norm, scheduler=scheduler,
+        scheduler_kwargs=dict(SCHEDULERS[scheduler]), **scaled, dtype=dtype, device=device, seed=seed,
+    )
+
+
+def _draw_clip_norm(draw: st.DrawFn, clipping: tuple[str, ...]) -> float | None:
+    """The clip norm of a drawn regime: inactive, far above any gradient norm
+    of these models; active, far below, so every step is clipped (its norm
+    drawn only then)."""
+    clip = draw(st.sampled_from(clipping))
+    if clip == "active":
+        return draw(st.sampled_from([1e-2, 1e-3]))
+    return {"none": None, "inactive": 1e6}[clip]
+
+
+def _draw_loss_scaling(draw: st.DrawFn, scaling: list[str], *, model: str, steps: int,
+                       batch_size: int) -> dict[str, Any]:
+    """The loss-scaling fields of a drawn regime (none: no field)."""
+    regime = draw(st.sampled_from(scaling))
+    scaled: dict[str, Any] = {}
+    if regime != "none":
+        scaled["loss_scale"] = 2.0 ** draw(st.integers(1, 16))
+        scaled["scale_growth_interval"] = draw(st.sampled_from([None, 1, 2]))
+    if regime == "overflow":
+        # +inf in one sample's inputs: a token model has none to set.
+        assume(model not in _TOKEN_INPUT_FAMILIES)
+        scaled["overflow_at"] = (draw(st.integers(0, steps - 1)), draw(st.integers(0, batch_size - 1)))
+    return scaled

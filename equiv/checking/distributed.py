@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -498,16 +498,9 @@ def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
 
 
 def check_distributed(
-    candidate: Candidate,
-    dcase: DistributedCase,
-    *,
-    tiers: Sequence[Tier] = TIERS,
-    timeout_s: float = 120.0,
-    engine: str = "ddp",
-    mp_policy: MixedPrecisionPolicy | None = None,
-    train_dtype: torch.dtype | str | None = None,
-    strict: bool = False,
-    launcher: Launcher = run_on_ranks,
+    candidate: Candidate, dcase: DistributedCase, *, tiers: Sequence[Tier] = TIERS, timeout_s: float = 120.0,
+    engine: str = "ddp", mp_policy: MixedPrecisionPolicy | None = None, train_dtype: torch.dtype | str | None = None,
+    strict: bool = False, launcher: Launcher = run_on_ranks,
 ) -> DistributedVerdict:
     """Run ``candidate`` on ``dcase.world_size`` local processes and compare
     every rank with the single-process full-batch step.
@@ -549,6 +542,26 @@ def check_distributed(
     """
     __tracebackhide__ = True
     fails_because = precision_fails_because(train_dtype, strict)
+    _check_arguments(dcase, engine, mp_policy, timeout_s)
+    bound = bind(candidate)
+    sent = _sendable(candidate, bound.name)
+    reasons = bound.not_applicable_reasons(dcase.case)
+    if reasons:  # nothing to run: every rank says why the case does not apply
+        verdict = Verdict(case=dcase.case, candidate=bound.name, mismatches=(), not_applicable=reasons)
+        return DistributedVerdict(case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size,
+                                  engine=engine, mp_policy=mp_policy)  # type: ignore[arg-type]
+    if (launcher is run_on_ranks and dcase.case.device.startswith("cuda")
+            and torch.cuda.device_count() < dcase.world_size):
+        raise ValueError(f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, "
+                         f"{torch.cuda.device_count()} visible")
+    references = ReferenceRuns.of(dcase.case, tiers)
+    ranks = _Ranks(sent, bound.name, dcase, engine, timeout_s, launcher, references)  # type: ignore[arg-type]
+    return ranks.verdict(mp_policy, fails_because)
+
+
+def _check_arguments(dcase: DistributedCase, engine: str, mp_policy: MixedPrecisionPolicy | None,
+                     timeout_s: float) -> None:
+    """Refuse what no rank could run, before any starts."""
     if not isinstance(dcase, DistributedCase):
         raise TypeError(f"dcase must be an equiv.DistributedCase, got {type(dcase).__name__}")
     if engine not in ENGINES:
@@ -571,87 +584,94 @@ def check_distributed(
         )
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    bound = bind(candidate)
-    sent = shipped(candidate)  # by its import path: each rank loads it (a file path included)
+
+
+def _sendable(candidate: Candidate, name: str) -> Any:
+    """The candidate as the ranks receive it: by its import path (each rank loads it, a file path included)."""
+    sent = shipped(candidate)
     try:
         pickle.dumps(sent)
     except Exception as exc:
         raise TypeError(
-            f"candidate {bound.name} cannot be sent to the ranks ({exc}); "
+            f"candidate {name} cannot be sent to the ranks ({exc}); "
             "define it at module level in an importable module or a .py file"
         ) from None
-    name = bound.name
-    fsdp = engine in FSDP_ENGINES
-    reasons = bound.not_applicable_reasons(dcase.case)
-    if reasons:  # nothing to run: every rank says why the case does not apply
-        verdict = Verdict(case=dcase.case, candidate=name, mismatches=(), not_applicable=reasons)
-        return DistributedVerdict(case=dcase, candidate=name, ranks=(verdict,) * dcase.world_size,
-                                  engine=engine, mp_policy=mp_policy)  # type: ignore[arg-type]
-    if (launcher is run_on_ranks and dcase.case.device.startswith("cuda")
-            and torch.cuda.device_count() < dcase.world_size):
-        raise ValueError(
-            f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, {torch.cuda.device_count()} visible"
-        )
-    references = ReferenceRuns.of(dcase.case, tiers)
-    tier_dtypes: list[tuple[str, str]] = [
-        (tier, str(references.dtype(tier)).removeprefix("torch.")) for tier in references.tiers
-    ]
-    # Under FSDP2 on CUDA the snapshots' shards are gathered where they live
-    # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
-    backend = "cpu:gloo,cuda:nccl" if fsdp and dcase.case.device.startswith("cuda") else None
+    return sent
 
-    def launch(
-        tiers_here: list[tuple[str, str]], policy: MixedPrecisionPolicy | None, default_dtype: str | None = None,
-    ) -> list[dict[str, Any]]:
-        task = _CheckTask(sent, dcase, tiers_here, engine, policy, default_dtype)  # type: ignore[arg-type]
+
+@dataclass(frozen=True)
+class _Ranks:
+    """One distributed check's ranks: launched once per question (every tier;
+    the failing tiers again with float64 as torch's default dtype, or without
+    the mixed-precision policy), each rank judged against the same references."""
+
+    sent: Any
+    name: str
+    dcase: DistributedCase
+    engine: Engine
+    timeout_s: float
+    launcher: Launcher
+    references: ReferenceRuns
+
+    @property
+    def tier_dtypes(self) -> list[tuple[str, str]]:
+        return [(tier, str(self.references.dtype(tier)).removeprefix("torch.")) for tier in self.references.tiers]
+
+    def launch(self, tiers: Collection[Tier], policy: MixedPrecisionPolicy | None,
+               default_dtype: str | None = None) -> list[dict[str, Any]]:
+        """Run ``tiers`` on the ranks: what each rank returned, in rank order."""
+        dcase, engine = self.dcase, self.engine
+        task = _CheckTask(self.sent, dcase, [(t, d) for t, d in self.tier_dtypes if t in tiers], engine, policy,
+                          default_dtype)
         extra = "" if engine == "ddp" else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
         extra += "" if default_dtype is None else f", with torch's default dtype set to {default_dtype}"
-        return launcher(
-            task, dcase.world_size, device=dcase.case.device, backend=backend, timeout_s=timeout_s,
-            describe=f"candidate {name}, case {dcase!r}{extra}", match_collectives=True,
+        # Under FSDP2 on CUDA the snapshots' shards are gathered where they live
+        # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
+        fsdp_on_cuda = engine in FSDP_ENGINES and dcase.case.device.startswith("cuda")
+        return self.launcher(
+            task, dcase.world_size, device=dcase.case.device, backend="cpu:gloo,cuda:nccl" if fsdp_on_cuda else None,
+            timeout_s=self.timeout_s, describe=f"candidate {self.name}, case {dcase!r}{extra}", match_collectives=True,
         )
 
-    per_rank = launch(tier_dtypes, mp_policy)
-    verdicts = []
-    for results in per_rank:
-        runs: dict[Tier, list[Snapshot]] = {tier: results[tier]["snapshots"] for tier in references.tiers}
-        verdicts.append(references.verdict(name, runs))
-    comm: dict[str, tuple[CommStats, ...]] = {
-        tier: tuple(CommStats(tuple(r[tier]["calls"]), tuple(r[tier]["bytes"])) for r in per_rank)
-        for tier in references.tiers
-    }
-    units = max(r[tier]["units"] for r in per_rank for tier in references.tiers)
+    def verdict(self, mp_policy: MixedPrecisionPolicy | None, fails_because: str) -> DistributedVerdict:
+        """Every tier on the ranks, each rank's verdict, precision told apart (as :func:`check_distributed` says)."""
+        references, name = self.references, self.name
+        per_rank = self.launch(references.tiers, mp_policy)
+        verdicts = [references.verdict(name, {tier: results[tier]["snapshots"] for tier in references.tiers})
+                    for results in per_rank]
 
-    def rerun_with_float64_default(failing: Sequence[Tier]) -> list[TensorDiff]:
-        rerun = launch([(t, d) for t, d in tier_dtypes if t in failing], mp_policy, "float64")
-        return [d for r in rerun for t in failing for d in references.compare(t, r[t]["snapshots"])]
+        def rerun_with_float64_default(failing: Sequence[Tier]) -> list[TensorDiff]:
+            rerun = self.launch(failing, mp_policy, "float64")
+            return [d for r in rerun for t in failing for d in references.compare(t, r[t]["snapshots"])]
 
-    # One judge of precision for one process and for W ranks: every rank's mismatches together.
-    finding = precision_finding(verdicts, references, rerun_with_float64_default, fails_because)
-    if finding is not None:
-        verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
-    precision_note = None
-    if not all(verdicts) and finding is None and _lowers_precision(mp_policy) and not any(v.inherent for v in verdicts):
-        # As check() tells float32 roundoff inside the float64 run from a
-        # mismatch: rerun the failing tiers without the policy.  If that
-        # matches, the step is the full-batch step and the policy's 16-bit
-        # reduction/accumulation is what differs (trl #2175 under FSDP1).
+        # One judge of precision for one process and for W ranks: every rank's mismatches together.
+        finding = precision_finding(verdicts, references, rerun_with_float64_default, fails_because)
+        if finding is not None:
+            verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
+        precision_note = None
+        if not all(verdicts) and finding is None and _lowers_precision(mp_policy) and not any(v.inherent for v in verdicts):
+            precision_note = self._policy_note(verdicts, mp_policy)
+        tiers = references.tiers
+        return DistributedVerdict(
+            case=self.dcase, candidate=name, ranks=tuple(verdicts), engine=self.engine,
+            comm={tier: tuple(CommStats(tuple(r[tier]["calls"]), tuple(r[tier]["bytes"])) for r in per_rank)
+                  for tier in tiers},
+            fsdp_units=max(r[tier]["units"] for r in per_rank for tier in tiers), mp_policy=mp_policy,
+            precision_note=precision_note,
+            step_collectives={tier: tuple(tuple(r[tier]["own_calls"]) for r in per_rank) for tier in tiers},
+        )
+
+    def _policy_note(self, verdicts: Sequence[Verdict], mp_policy: MixedPrecisionPolicy | None) -> str | None:
+        """As check() tells float32 roundoff inside the float64 run from a
+        mismatch: rerun the failing tiers without the policy.  If that
+        matches, the step is the full-batch step and the policy's 16-bit
+        reduction/accumulation is what differs (trl #2175 under FSDP1)."""
         failing = {d.tier for v in verdicts for d in v.mismatches}
-        rerun = launch([(t, d) for t, d in tier_dtypes if t in failing], None)
-        if all(
-            references.verdict(name, {t: r[t]["snapshots"] for t in failing}) for r in rerun
-        ):
-            precision_note = (
-                f"the same step with no MixedPrecisionPolicy matches, so the difference is the policy's "
-                f"{_policy_dtypes(mp_policy)}"
-            )
-    step_collectives: dict[str, tuple[tuple[dict[str, int], ...], ...]] = {
-        tier: tuple(tuple(r[tier]["own_calls"]) for r in per_rank) for tier in references.tiers
-    }
-    return DistributedVerdict(
-        case=dcase, candidate=name, ranks=tuple(verdicts), comm=comm, engine=engine,  # type: ignore[arg-type]
-        fsdp_units=units, mp_policy=mp_policy, precision_note=precision_note, step_collectives=step_collectives,
-    )
+        rerun = self.launch(failing, None)
+        if all(self.references.verdict(self.name, {t: r[t]["snapshots"] for t in failing}) for r in rerun):
+            return (f"the same step with no MixedPrecisionPolicy matches, so the difference is the policy's "
+                    f"{_policy_dtypes(mp_policy)}")
+        return None
 
 
 def _policy_dtypes(policy: MixedPrecisionPolicy | None) -> str:

@@ -21,24 +21,22 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, TypedDict, Unpack
 
-import hypothesis
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from hypothesis.errors import Flaky
 
 from equiv.cases.case import Case
 from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
+from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchRun, run_search
 from equiv.distributed.launcher import DistributedCheckError
 from equiv.judging.contract import BoundCandidate, Candidate, bind
 from equiv.outcomes import Outcome
 from equiv.results.protocol import SearchBase
 
-__all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "distributed_cases", "standard_distributed_cases",
-           "verify_distributed"]
+__all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "DistributedSearchSpace", "distributed_cases",
+           "standard_distributed_cases", "verify_distributed"]
 
 #: The engines a search may draw (see :func:`~equiv.checking.distributed.check_distributed`).
 ENGINES = ("ddp", "fsdp2", "tp", "fsdp2+tp")
@@ -208,36 +206,74 @@ class DistributedSearchResult(SearchBase):
         return "\n".join(lines)
 
 
-class _Found(Exception):
-    def __init__(self, dcase: DistributedCase, engine: str, verdict: DistributedVerdict | None, error: str | None):
-        super().__init__(error or "not equivalent")
-        self.dcase, self.engine, self.verdict, self.error = dcase, engine, verdict, error
+class _Bounds(TypedDict, total=False):
+    """The keywords of :class:`DistributedSearchSpace`, as :func:`verify_distributed` also takes them."""
+
+    engines: Sequence[str]
+    models: Sequence[str]
+    max_world_size: int
+    max_micro_batches: int
+    max_micro_batch_size: int
 
 
-class _Hung(BaseException):
-    """A rank hung: the search ends with that case (each shrink step would wait out the limit again)."""
+@dataclass(frozen=True, kw_only=True)
+class DistributedSearchSpace:
+    """What a distributed search draws from (:func:`distributed_cases` of
+    ``models`` on each of ``engines``), refused when made if no case can be
+    drawn from it (a ``ValueError`` naming the value)."""
 
-    def __init__(self, found: _Found) -> None:
-        super().__init__(found.error)
-        self.found = found
+    #: The engines drawn (:data:`ENGINES`), kept as a tuple.
+    engines: Sequence[str] = ("ddp",)
+    #: The models drawn (:data:`MODELS`), kept as a tuple; "tp" and "fsdp2+tp" shard :data:`TP_MODELS` only.
+    models: Sequence[str] = MODELS
+    #: Bounds on the ranks, each rank's micro-batch count and each micro-batch's samples.
+    max_world_size: int = 3
+    max_micro_batches: int = 3
+    max_micro_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engines", tuple(self.engines))
+        object.__setattr__(self, "models", tuple(self.models))
+        unknown = [engine for engine in self.engines if engine not in ENGINES]
+        if unknown or not self.engines:
+            raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {self.engines!r}")
+        _check_bounds(self.max_world_size, self.max_micro_batches, self.max_micro_batch_size, self.models)
+        untensorable = [model for model in self.models if model not in TP_MODELS]
+        if untensorable and any(engine in ("tp", "fsdp2+tp") for engine in self.engines):
+            raise ValueError(f"engines 'tp' and 'fsdp2+tp' shard nn.Linear pairs: models must be a subset of "
+                             f"{TP_MODELS} with them, got {self.models!r}")
+
+    def strategy(self, *, clipping: bool) -> st.SearchStrategy[tuple[DistributedCase, str]]:
+        """(a case, the engine it runs on): an engine drawn first, then a case for it;
+        an active clip norm drawn only with ``clipping``."""
+        def on(engine: str) -> st.SearchStrategy[tuple[DistributedCase, str]]:
+            return distributed_cases(
+                max_world_size=self.max_world_size, max_micro_batches=self.max_micro_batches,
+                max_micro_batch_size=self.max_micro_batch_size, clipping=clipping, models=self.models,
+                engine=engine,
+            ).map(lambda dcase: (dcase, engine))
+
+        return st.sampled_from(tuple(self.engines)).flatmap(on)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
 
 def verify_distributed(
     candidate: Candidate | BoundCandidate,
+    space: DistributedSearchSpace | None = None,
     *,
-    engines: Sequence[str] = ("ddp",),
-    models: Sequence[str] = MODELS,
     max_examples: int = 25,
     seed: int | None = None,
-    max_world_size: int = 3,
-    max_micro_batches: int = 3,
-    max_micro_batch_size: int = 4,
     timeout_s: float = 20.0,
-    progress: Callable[[int, float], None] | None = None,
+    progress: Progress | None = None,
+    **bounds: Unpack[_Bounds],
 ) -> DistributedSearchResult:
-    """Search distributed cases (:func:`distributed_cases` of ``models``, on each of ``engines``)
-    for one where ``candidate`` is not the full-batch step, shrinking the first
-    found to the smallest split that still shows it.
+    """Search distributed cases (``space``, a :class:`DistributedSearchSpace`, or
+    its keywords: ``engines``, ``models``, ``max_world_size``,
+    ``max_micro_batches``, ``max_micro_batch_size``) for one where
+    ``candidate`` is not the full-batch step, shrinking the first found to the
+    smallest split that still shows it.
 
     ``candidate`` must be a module-level function (the ranks import it).
     ``seed`` fixes the search (default: drawn and reported).  ``timeout_s``:
@@ -246,71 +282,35 @@ def verify_distributed(
     every case.  A case that is only a precision note passes and is counted.
     """
     bound = bind(candidate)
-    unknown = [engine for engine in engines if engine not in ENGINES]
-    if unknown or not engines:
-        raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {tuple(engines)!r}")
+    if space is not None and bounds:
+        raise TypeError(f"give the search space or its keywords, not both (got space and {sorted(bounds)})")
+    space = DistributedSearchSpace(**bounds) if space is None else space
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
         raise ValueError(f"max_examples must be a positive integer, got {max_examples!r}")
-    _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
-    untensorable = [model for model in models if model not in TP_MODELS]
-    if untensorable and any(engine in ("tp", "fsdp2+tp") for engine in engines):
-        raise ValueError(f"engines 'tp' and 'fsdp2+tp' shard nn.Linear pairs: models must be a subset of {TP_MODELS} "
-                         f"with them, got {tuple(models)!r}")
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
-    def on(engine: str) -> st.SearchStrategy[tuple[DistributedCase, str]]:
-        return distributed_cases(
-            max_world_size=max_world_size, max_micro_batches=max_micro_batches,
-            max_micro_batch_size=max_micro_batch_size, clipping="max_grad_norm" in bound.keywords, models=models,
-            engine=engine,
-        ).map(lambda dcase: (dcase, engine))
+    precision_notes = [0]
 
-    strategy = st.sampled_from(tuple(engines)).flatmap(on)
-    started = time.perf_counter()
-    counts = {"examples": 0, "precision_notes": 0}
-
-    def search_once(drawn: tuple[DistributedCase, str]) -> None:
+    def judge(drawn: tuple[DistributedCase, str]) -> Failure[DistributedVerdict] | Discard | None:
         dcase, engine = drawn
-        counts["examples"] += 1
         try:
-            try:
-                verdict = check_distributed(candidate, dcase, engine=engine, timeout_s=timeout_s)
-            except DistributedCheckError as exc:
-                found = _Found(dcase, engine, None, str(exc))
-                if " hung " in f" {exc} ":
-                    raise _Hung(found) from None
-                raise found from None
-            if verdict.status is Outcome.NOT_APPLICABLE:
-                hypothesis.reject()
-            if not verdict:
-                raise _Found(dcase, engine, verdict, None)
-            if verdict.precision_note or any(rank.precision_note for rank in verdict.ranks):
-                counts["precision_notes"] += 1
-        finally:
-            if progress is not None:
-                progress(counts["examples"], time.perf_counter() - started)
+            verdict = check_distributed(candidate, dcase, engine=engine, timeout_s=timeout_s)
+        except DistributedCheckError as exc:
+            return Failure(error=str(exc), fault=exc.fault, cause=exc)
+        if verdict.status is Outcome.NOT_APPLICABLE:
+            return DISCARD
+        if not verdict:
+            return Failure(verdict=verdict)
+        if verdict.precision_note or any(rank.precision_note for rank in verdict.ranks):
+            precision_notes[0] += 1
+        return None
 
-    test = settings(
-        max_examples=max_examples, deadline=None, database=None, derandomize=False, print_blob=False,
-        report_multiple_bugs=False, phases=[Phase.explicit, Phase.generate, Phase.shrink],
-        suppress_health_check=list(HealthCheck),
-    )(given(strategy)(search_once))
-    found: _Found | None = None
-    try:
-        with hypothesis.reporting.with_reporter(lambda value: None):
-            hypothesis.seed(seed)(test)()
-    except _Found as exc:
-        found = exc
-    except _Hung as exc:
-        found = exc.found
-    except Flaky as exc:  # failed once, passed on replay: still a finding, the case that failed
-        inner = [e for e in getattr(exc, "exceptions", ()) if isinstance(e, _Found)]
-        if not inner:
-            raise
-        found = inner[0]
+    run = SearchRun(max_examples=max_examples, seed=seed, progress=progress)
+    outcome = run_search(space.strategy(clipping="max_grad_norm" in bound.keywords), judge, run, name=bound.name)
+    dcase, engine = outcome.example if outcome.example is not None else (None, None)
+    failure = outcome.failure
     return DistributedSearchResult(
-        candidate=bound.name, engines=tuple(engines), examples=counts["examples"], seed=seed,
-        elapsed_s=time.perf_counter() - started,
-        counterexample=None if found is None else found.dcase, engine=None if found is None else found.engine,
-        verdict=None if found is None else found.verdict, error=None if found is None else found.error,
-        precision_notes=counts["precision_notes"],
+        candidate=bound.name, engines=tuple(space.engines), examples=outcome.examples, seed=seed,
+        elapsed_s=time.perf_counter() - outcome.started, counterexample=dcase, engine=engine,
+        verdict=None if failure is None else failure.verdict, error=None if failure is None else failure.error,
+        precision_notes=precision_notes[0],
     )

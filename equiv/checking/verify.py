@@ -12,46 +12,36 @@ From the shell: ``equiv verify MODULE:FUNC [--seed S] ...`` (:mod:`equiv.cli`).
 
 from __future__ import annotations
 
-import binascii
-import contextlib
+import dataclasses
 import json
 import random
-import re
 import subprocess
 import sys
 import time
-import warnings
-import zlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import hypothesis
 import torch
-from hypothesis import HealthCheck, Phase, given, reject, settings
-from hypothesis.errors import DidNotReproduce, Flaky, InvalidArgument, Unsatisfiable
-from hypothesis.reporting import with_reporter
+from hypothesis import Phase, settings
 
 from equiv.cases.case import Case
 from equiv.checking.check import check
 from equiv.checking.profiles import profile_settings
+from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchOutcome, SearchRun, run_search
 from equiv.checking.search_space import SearchSpace
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S
 from equiv.judging.judge import precision_fails_because
 from equiv.judging.runs import NonFiniteLossError
-from equiv.outcomes import Outcome
+from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import SearchBase
 from equiv.results.verdict import Verdict
 
 __all__ = ["VerifyResult", "verify"]
 
-#: progress(cases checked so far, seconds elapsed)
-Progress = Callable[[int, float], None]
 
 #: Seconds a fresh-process replay of one case may take (start-up included).
 _REPLAY_TIMEOUT_S = 120
-_BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,52 +209,11 @@ class VerifyResult(SearchBase):
 DERANDOMIZED_SEED = 0
 
 
-class _Found(Exception):
-    """Raised inside the search to make Hypothesis shrink; carries the finding."""
-
-    def __init__(self, case: Case, verdict: Verdict | None, error: str | None, error_traceback: str | None = None) -> None:
-        super().__init__(error or (verdict.message() if verdict is not None else repr(case)))
-        self.case, self.verdict, self.error, self.error_traceback = case, verdict, error, error_traceback
-
-
-
-def _in_full(candidate: BoundCandidate, found: _Found, **check_options: Any) -> _Found:
-    """The found case with its verdict in full (where in each tensor).  Its truth
-    and floors are kept from the search, so this runs the candidate alone; a
-    candidate that does not fail the same way again keeps the search's verdict."""
-    assert found.verdict is not None
-    try:
-        verdict = check(candidate, found.case, **check_options)
-    except CandidateError:
-        return found
-    if verdict.kind is not found.verdict.kind:
-        return found
-    return _Found(found.case, verdict, found.error, found.error_traceback)
-
-
-class _Hung(BaseException):
-    """Raised inside the search when the step hangs past the time limit: a
-    BaseException, so Hypothesis stops at once instead of shrinking (every shrink
-    step would wait out the limit again); carries the finding."""
-
-    def __init__(self, found: _Found) -> None:
-        super().__init__(str(found))
-        self.found = found
-
-
 def verify(
-    candidate: Candidate | BoundCandidate,
-    space: SearchSpace | None = None,
-    *,
-    max_examples: int | None = None,
-    seed: int | None = None,
-    profile: str | None = None,
-    reproduce: str | None = None,
-    progress: Progress | None = None,
-    replay_in_fresh_process: bool = True,
-    timeout: float | None = DEFAULT_TIMEOUT_S,
-    train_dtype: torch.dtype | str | None = None,
-    strict: bool = False,
+    candidate: Candidate | BoundCandidate, space: SearchSpace | None = None, *, max_examples: int | None = None,
+    seed: int | None = None, profile: str | None = None, reproduce: str | None = None,
+    progress: Progress | None = None, replay_in_fresh_process: bool = True, timeout: float | None = DEFAULT_TIMEOUT_S,
+    train_dtype: torch.dtype | str | None = None, strict: bool = False,
 ) -> VerifyResult:
     """Search for a case where ``candidate`` is not the full-batch step.
 
@@ -303,210 +252,129 @@ def verify(
     candidate = bind(candidate)
     precision_fails_because(train_dtype, strict)  # a bad value is refused before the search starts
     space = SearchSpace() if space is None else space
-    strategy = space.strategy(candidate)
+    strategy, run = space.strategy(candidate), _search_run(profile, max_examples, seed, reproduce, progress)
+    judge = _Judge(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict)
+    outcome = run_search(strategy, judge, run, name=candidate.name)
+    case, failure, first_failure_at = judge.finding(outcome)
+    elapsed_s, state_across_calls, fresh_replay = time.perf_counter() - outcome.started, None, ""
+    if case is not None and not outcome.flaky and not outcome.hung and replay_in_fresh_process:
+        state_across_calls, fresh_replay = _replay_alone(candidate, case)
+    return VerifyResult(
+        candidate=candidate.name, examples=outcome.examples, first_failure_at=first_failure_at,
+        counterexample=case, verdict=None if failure is None else failure.verdict, seed=run.seed,
+        error=None if failure is None else failure.error, error_traceback=None if failure is None else failure.traceback,
+        profile=profile or getattr(settings, "_current_profile", None) or "default",
+        max_examples=run.max_examples, blob=outcome.blob if outcome.blob is not None or case is None else reproduce,
+        elapsed_s=elapsed_s, checking_s=outcome.judging_s, flaky=outcome.flaky,
+        state_across_calls=state_across_calls, fresh_replay=fresh_replay, search=space, **judge.passing(),
+        train_dtype=None if train_dtype is None else str(train_dtype).removeprefix("torch."), strict=strict,
+    )
+
+
+def _search_run(profile: str | None, max_examples: int | None, seed: int | None, reproduce: str | None,
+                progress: Progress | None) -> SearchRun:
+    """The search's settings: the profile's (default: the loaded one), with a seed
+    always (drawn and reported when none is given), no "explain" phase."""
     base = profile_settings(profile) if profile is not None else settings()  # settings(): the loaded profile
-    profile_name = profile or getattr(settings, "_current_profile", None) or "default"
     if seed is None and reproduce is None:
         # A derandomized profile searches from a fixed seed, not from Hypothesis's
         # hash of this function's source: every edit to equiv would otherwise draw
         # other cases in every report and pinned search.
         seed = DERANDOMIZED_SEED if base.derandomize else random.SystemRandom().randrange(2**32)
-    chosen_max = base.max_examples if max_examples is None else max_examples
-    run_settings = settings(
-        base,
-        max_examples=chosen_max,
-        deadline=None,
-        database=None,
-        derandomize=base.derandomize and seed is None,
-        print_blob=True,
-        report_multiple_bugs=False,
-        # No "explain" phase: it reruns the shrunk case dozens of times to
-        # say which draws matter, which the verdict already says (and costs
-        # more than the whole search).
-        phases=[p for p in base.phases if p is not Phase.explain],
-        suppress_health_check=list(HealthCheck),
+    return SearchRun(
+        base=base, max_examples=base.max_examples if max_examples is None else max_examples, seed=seed,
+        derandomize=base.derandomize and seed is None, reproduce=reproduce, print_blob=True, progress=progress,
+        # No "explain" phase: it reruns the shrunk case dozens of times to say
+        # which draws matter, which the verdict already says (and costs more
+        # than the whole search).
+        phases=tuple(p for p in base.phases if p is not Phase.explain),
+        # The draws depend on the seed alone, not on what the process imported.
+        local_constants=False, warn_once=True,
     )
-    started = time.perf_counter()
-    counts = {"examples": 0, "inherent": 0}
-    checking = [0.0]
-    first_failure_at: list[int] = []
-    inherent_reasons: dict[str, None] = {}
-    worst_ratio: dict[str, float] = {}
-    equivalent_cases: dict[str, int] = {}
-    precision_findings: list[tuple[int, Case, Verdict]] = []
-    precision_notes: list[str] = []
 
-    def search_once(case: Case) -> None:
-        counts["examples"] += 1
+
+class _Judge:
+    """Each drawn case checked with :func:`equiv.check` (pass or fail is all a
+    search needs; the details of the one it finds are filled in at the end),
+    and what the passing ones showed, counted."""
+
+    def __init__(self, candidate: BoundCandidate, **check_options: Any) -> None:
+        self.candidate, self.check_options = candidate, check_options
+        self.examples = 0
+        self.inherent_cases = 0
+        self.inherent_reasons: dict[str, None] = {}
+        #: "model / optimizer" -> the worst ratio on an equivalent case, and how many were equivalent.
+        self.worst_ratio: dict[str, float] = {}
+        self.equivalent_cases: dict[str, int] = {}
+        #: (at which case, the case, its verdict): precision-only failures, reported only when nothing else is.
+        self.precision_findings: list[tuple[int, Case, Verdict]] = []
+        self.precision_notes: list[str] = []
+
+    def __call__(self, case: Case) -> Failure[Verdict] | Discard | None:
+        self.examples += 1
         try:
-            check_started = time.perf_counter()
-            try:
-                # Pass or fail is all a search needs of every case; the details of
-                # the one it finds are filled in once, at the end.
-                verdict = check(candidate, case, timeout=timeout, train_dtype=train_dtype, strict=strict,
-                                details=False)
-            except NonFiniteLossError:
-                reject()  # the case diverges on its own (too large a learning rate): not a finding
-            except CandidateTimeout as exc:
-                first_failure_at.append(counts["examples"])
-                raise _Hung(_Found(case, None, str(exc), exc.step_traceback)) from None
-            except CandidateError as exc:
-                first_failure_at.append(counts["examples"])
-                raise _Found(case, None, str(exc), exc.step_traceback) from None
-            finally:
-                checking[0] += time.perf_counter() - check_started
-            if verdict.status is Outcome.NOT_APPLICABLE:
-                reject()  # the strategy only draws what the candidate can take; never a finding
-            if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
-                counts["inherent"] += 1
-                inherent_reasons.update(dict.fromkeys(verdict.inherent))
-                return
-            ratio = max((d.ratio for d in verdict.worst.values()), default=0.0)
-            if verdict.kind is Outcome.PRECISION:
-                # Not raised: the shrinker must not trade a mathematical mismatch for this class.
-                precision_findings.append((counts["examples"], case, verdict))
-                return
-            if not verdict:
-                first_failure_at.append(counts["examples"])
-                raise _Found(case, verdict, None)
-            if verdict.precision_note is not None:
-                precision_notes.append(verdict.precision_note)
-            key = f"{case.model} / {case.optimizer}"
-            worst_ratio[key] = max(worst_ratio.get(key, 0.0), ratio)
-            equivalent_cases[key] = equivalent_cases.get(key, 0) + 1
-            # No hypothesis.target(ratio): a passing case's ratio is rounding noise
-            # whose digits move with the CPU's kernels, and a search steered by it
-            # draws other cases on another machine (its outcome, its shrunk case and
-            # the report would differ).  Which cases are drawn depends only on the
-            # seed and on pass / fail, which every machine agrees on.
-        finally:
-            if progress is not None:
-                progress(counts["examples"], time.perf_counter() - started)
+            verdict = check(self.candidate, case, details=False, **self.check_options)
+        except NonFiniteLossError:
+            return DISCARD  # the case diverges on its own (too large a learning rate): not a finding
+        except CandidateTimeout as exc:
+            return Failure(error=str(exc), traceback=exc.step_traceback, fault=Fault.HUNG, cause=exc)
+        except CandidateError as exc:
+            return Failure(error=str(exc), traceback=exc.step_traceback, fault=Fault.RAISED, cause=exc)
+        if verdict.status is Outcome.NOT_APPLICABLE:
+            return DISCARD  # the strategy only draws what the candidate can take; never a finding
+        if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
+            self.inherent_cases += 1
+            self.inherent_reasons.update(dict.fromkeys(verdict.inherent))
+            return None
+        if verdict.kind is Outcome.PRECISION:
+            # Not a failure: the shrinker must not trade a mathematical mismatch for this class.
+            self.precision_findings.append((self.examples, case, verdict))
+            return None
+        if not verdict:
+            return Failure(verdict=verdict)
+        if verdict.precision_note is not None:
+            self.precision_notes.append(verdict.precision_note)
+        key = f"{case.model} / {case.optimizer}"
+        ratio = max((d.ratio for d in verdict.worst.values()), default=0.0)
+        self.worst_ratio[key] = max(self.worst_ratio.get(key, 0.0), ratio)
+        self.equivalent_cases[key] = self.equivalent_cases.get(key, 0) + 1
+        # No hypothesis.target(ratio): a passing case's ratio is rounding noise
+        # whose digits move with the CPU's kernels, and a search steered by it
+        # draws other cases on another machine (its outcome, its shrunk case and
+        # the report would differ).  Which cases are drawn depends only on the
+        # seed and on pass / fail, which every machine agrees on.
+        return None
 
-    test = given(strategy)(search_once)
-    if reproduce is not None:
-        test = hypothesis.reproduce_failure(hypothesis.__version__, reproduce.encode())(test)
-    test = run_settings(test)
-    if seed is not None:
-        test = hypothesis.seed(seed)(test)
-    found: _Found | None = None
-    hung = False
-    flaky = False
-    blob = None
-    try:
-        # Hypothesis's own report ("Falsifying example: search_once(case=...)") is not printed:
-        # the result says what was found, in equiv's terms.
-        with (warnings.catch_warnings(record=True) as caught, with_reporter(lambda value: None),
-              _no_local_constants()):
-            warnings.simplefilter("always")
-            test()
-    except _Found as exc:
-        found = exc
-        notes = "\n".join(getattr(exc, "__notes__", []))
-        match = _BLOB.search(notes)
-        blob = match.group(2) if match else None
-    except _Hung as exc:
-        found, hung = exc.found, True  # not shrunk: the case it hung on
-    except Flaky as exc:
-        # The candidate failed once and passed on replay of the same case: it
-        # is not deterministic.  Still a finding; the case is the one that failed.
-        inner = [e for e in getattr(exc, "exceptions", ()) if isinstance(e, _Found)]
-        if not inner:
-            raise
-        found, flaky = inner[0], True
-    except Unsatisfiable:
-        pass  # every drawn case diverged on its own: nothing was checked, nothing found
-    except (DidNotReproduce, InvalidArgument, binascii.Error, zlib.error, UnicodeError) as exc:
-        if reproduce is None:
-            raise
-        raise ValueError(
-            f"the blob {reproduce[:24]}... does not reproduce a failure of {candidate.name} "
-            f"({type(exc).__name__}: {exc}); it only replays with the search flags and equiv version that "
-            "printed it"
-        ) from None
-    _warn_once(caught)
-    if found is None and precision_findings:
-        at, case, verdict = precision_findings[0]
-        found, first_failure_at[:] = _Found(case, verdict, None), [at]
-    if found is not None and found.verdict is not None and not flaky:
-        found = _in_full(candidate, found, timeout=timeout, train_dtype=train_dtype, strict=strict)
-    elapsed_s = time.perf_counter() - started
-    state_across_calls: bool | None = None
-    fresh_replay = ""
-    if found is not None and not flaky and not hung and replay_in_fresh_process:
-        state_across_calls, fresh_replay = _replay_alone(candidate, found)
-    return VerifyResult(
-        candidate=candidate.name,
-        examples=counts["examples"],
-        first_failure_at=first_failure_at[0] if first_failure_at else None,
-        counterexample=None if found is None else found.case,
-        verdict=None if found is None else found.verdict,
-        error=None if found is None else found.error,
-        error_traceback=None if found is None else found.error_traceback,
-        seed=seed,
-        profile=profile_name,
-        max_examples=chosen_max,
-        blob=blob if blob is not None or found is None else reproduce,
-        elapsed_s=elapsed_s,
-        checking_s=checking[0],
-        flaky=flaky,
-        state_across_calls=state_across_calls,
-        fresh_replay=fresh_replay,
-        inherent_cases=counts["inherent"],
-        inherent_reasons=tuple(inherent_reasons),
-        worst_ratio=worst_ratio,
-        equivalent_cases=equivalent_cases,
-        search=space,
-        train_dtype=None if train_dtype is None else str(train_dtype).removeprefix("torch."),
-        strict=strict,
-        precision_notes=len(precision_notes),
-        precision_note=precision_notes[0] if precision_notes else None,
-    )
+    def passing(self) -> dict[str, Any]:
+        """What the cases that did not fail showed (the result's fields of that name)."""
+        notes = self.precision_notes
+        return {"inherent_cases": self.inherent_cases, "inherent_reasons": tuple(self.inherent_reasons),
+                "worst_ratio": self.worst_ratio, "equivalent_cases": self.equivalent_cases,
+                "precision_notes": len(notes), "precision_note": notes[0] if notes else None}
 
+    def finding(self, outcome: SearchOutcome[Case, Verdict]) -> tuple[Case | None, Failure[Verdict] | None, int | None]:
+        """(the case found, its failure, at which case it was first met): the
+        search's, else the first precision finding; a verdict in full."""
+        case, failure, at = outcome.example, outcome.failure, outcome.first_failure_at
+        if failure is None and self.precision_findings:
+            at, case, verdict = self.precision_findings[0]
+            failure = Failure(verdict=verdict)
+        if case is None or failure is None or failure.verdict is None or outcome.flaky:
+            return case, failure, at
+        return case, self._in_full(case, failure), at
 
-@contextlib.contextmanager
-def _no_local_constants() -> Iterator[None]:
-    """Hypothesis's draws with no "local constants" for the block.
-
-    Hypothesis (6.1xx) now and then draws a literal scraped from the source of
-    every module imported so far that is not in site-packages (its "local
-    constants").  So a seeded search drew other cases depending on what the
-    process had imported and on whether equiv was installed editable (measured:
-    the zoo's decay_per_micro_batch was first found at case 10, 12 or 28 in one
-    environment depending on the imports, and differently in a tox env), and a
-    printed ``--seed`` would not replay on another machine.  The pool is emptied
-    while equiv's own search runs; Hypothesis's global constants stay.  This
-    reaches into ``hypothesis.internal`` (there is no setting for it); if that
-    moves, nothing is patched and tests/test_portability.py says so."""
-    try:
-        from hypothesis.internal.conjecture import providers
-        from hypothesis.internal.constants_ast import Constants
-    except ImportError:  # pragma: no cover - another Hypothesis layout
-        yield
-        return
-    original = getattr(providers, "_get_local_constants", None)
-    cache = getattr(providers, "CONSTANTS_CACHE", None)
-    if original is None or cache is None:  # pragma: no cover
-        yield
-        return
-    empty = Constants()
-    providers._get_local_constants = lambda: empty
-    cache.cache.clear()  # pools computed with the local constants
-    try:
-        yield
-    finally:
-        providers._get_local_constants = original
-        cache.cache.clear()
-
-
-def _warn_once(caught: list[warnings.WarningMessage]) -> None:
-    """Each distinct warning the checks raised, once per search (torch warns per call)."""
-    seen: dict[tuple[type[Warning], str], int] = {}
-    for record in caught:
-        key = (record.category, str(record.message))
-        seen[key] = seen.get(key, 0) + 1
-    for (category, message), times in seen.items():
-        warnings.warn(f"{message} [seen {times} time(s) in this search, shown once]", category, stacklevel=3)
+    def _in_full(self, case: Case, failure: Failure[Verdict]) -> Failure[Verdict]:
+        """The found case with its verdict in full (where in each tensor).  Its truth
+        and floors are kept from the search, so this runs the candidate alone; a
+        candidate that does not fail the same way again keeps the search's verdict."""
+        assert failure.verdict is not None
+        try:
+            verdict = check(self.candidate, case, **self.check_options)
+        except CandidateError:
+            return failure
+        if verdict.kind is not failure.verdict.kind:
+            return failure
+        return dataclasses.replace(failure, verdict=verdict)
 
 
 #: Replays one case alone: prints {"status": ...} or {"error": ...} as JSON.
@@ -526,12 +394,12 @@ except CandidateError as exc:
 """
 
 
-def _replay_alone(candidate: BoundCandidate, found: _Found) -> tuple[bool | None, str]:
+def _replay_alone(candidate: BoundCandidate, case: Case) -> tuple[bool | None, str]:
     """Replay the found case in a fresh process: (state kept across calls?, what happened)."""
     reference = candidate.reference
     if reference is None:
         return None, "not replayed alone: the candidate has no importable name (a lambda or a local function)"
-    command = [sys.executable, "-c", _REPLAY, reference, json.dumps(found.case.to_dict())]
+    command = [sys.executable, "-c", _REPLAY, reference, json.dumps(case.to_dict())]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_REPLAY_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:

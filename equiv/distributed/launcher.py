@@ -27,8 +27,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from equiv.distributed.matching import CollectiveLog
+from equiv.outcomes import Fault
 
-__all__ = ["DistributedCheckError", "Launcher", "RankOutcome", "RankState", "RankTask", "fault_report", "run_on_ranks", "run_rank_task"]
+__all__ = ["DistributedCheckError", "Launcher", "RankOutcome", "RankState", "RankTask", "fault_of", "fault_report",
+           "run_on_ranks", "run_rank_task"]
 
 #: Seconds a rank that already failed gives the others to report before all are stopped.
 _GRACE_S = 3.0
@@ -37,8 +39,16 @@ _STARTUP_S = 120.0
 
 
 class DistributedCheckError(RuntimeError):
-    """A rank raised, hung or died; the message names the rank(s) and the case."""
+    """A rank raised, hung or died; the message names the rank(s) and the case,
+    ``fault`` (:class:`~equiv.outcomes.Fault`) says which, as data: read it,
+    never the message."""
 
+    def __init__(self, message: str, fault: Fault = Fault.RAISED) -> None:
+        super().__init__(message)
+        self.fault = fault
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.fault)
 
 
 class RankTask(Protocol):
@@ -237,13 +247,10 @@ def run_on_ranks(
                 grace_over = grace_over or (failed and any((out / f"rank{r}.mismatch").exists()
                                                            for r in range(len(processes))))
                 if (failed and all(code is not None for code in codes)) or grace_over:
-                    raise DistributedCheckError(_failure_report(out, processes, describe))
+                    raise _fault(out, processes, describe)
                 if time.monotonic() > deadline:
-                    raise DistributedCheckError(
-                        f"the distributed check did not finish within {timeout_s:g} s"
-                        f"{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: "
-                        + _failure_report(out, processes, describe, hung=True)
-                    )
+                    raise _fault(out, processes, describe, hung=f"the distributed check did not finish within "
+                                 f"{timeout_s:g} s{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: ")
                 time.sleep(0.05)
             return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
         finally:
@@ -297,7 +304,27 @@ def fault_report(states: list[RankState], describe: str, hung: bool = False) -> 
     return "; ".join(lines)
 
 
-def _failure_report(out: Path, processes: list[Any], describe: str, hung: bool = False) -> str:
+def fault_of(states: list[RankState], hung: bool = False) -> Fault:
+    """What went wrong, the root cause first: a collective mismatch, then a rank
+    still running at the deadline (``hung``), then a rank that died without
+    reporting (its peers' errors, a connection closed, follow from it), else a
+    rank that raised."""
+    if any(state.mismatch is not None for state in states):
+        return Fault.COLLECTIVE_MISMATCH
+    if hung and any(state.running for state in states):
+        return Fault.HUNG
+    if any(state.death is not None and state.error is None for state in states):
+        return Fault.DIED
+    return Fault.RAISED
+
+
+def _fault(out: Path, processes: list[Any], describe: str, hung: str = "") -> DistributedCheckError:
+    """The error of a run that went wrong; ``hung``: what the deadline says, when it passed."""
+    states = _rank_states(out, processes)
+    return DistributedCheckError(hung + fault_report(states, describe, hung=bool(hung)), fault_of(states, bool(hung)))
+
+
+def _rank_states(out: Path, processes: list[Any]) -> list[RankState]:
     states = []
     for rank, process in enumerate(processes):
         error, mismatch, progress = (out / f"rank{rank}.{name}" for name in ("error", "mismatch", "progress"))
@@ -309,4 +336,4 @@ def _failure_report(out: Path, processes: list[Any], describe: str, hung: bool =
             mismatch=mismatch.read_text() if mismatch.exists() else None,
             running=code is None, death=_describe_exit(code) if code not in (None, 0) else None,
         ))
-    return fault_report(states, describe, hung)
+    return states

@@ -46,6 +46,7 @@ from equiv.distributed.launcher import (
     RankOutcome,
     RankState,
     RankTask,
+    fault_of,
     fault_report,
     run_rank_task,
 )
@@ -256,11 +257,12 @@ class TorchrunRanks:
             stop = stop or (first_failure is not None and time.monotonic() - first_failure > _GRACE_S)
             hung = time.monotonic() > deadline
             if (failed and stop) or hung:
-                report = fault_report(self._states(launch, outcomes), describe, hung=hung and not failed)
+                states = self._states(launch, outcomes)
+                report = fault_report(states, describe, hung=hung and not failed)
                 if hung and not failed:
                     report = (f"the distributed check did not finish within {timeout_s:g} s"
                               f"{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: {report}")
-                raise DistributedCheckError(report)
+                raise DistributedCheckError(report, fault_of(states, hung=hung and not failed))
             time.sleep(_POLL_S)
 
     def _states(self, launch: int, outcomes: dict[int, RankOutcome]) -> list[RankState]:
