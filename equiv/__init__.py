@@ -35,7 +35,7 @@ from equiv.auditing import audit
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.check import check
 from equiv.checking.distributed import DistributedCase, check_distributed
-from equiv.checking.distributed_search import verify_distributed
+from equiv.checking.distributed_search import DistributedSearchSpace, verify_distributed
 from equiv.checking.pipeline import PipelineSetting, check_pipeline
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
@@ -56,6 +56,7 @@ __all__ = [
     "ContractError",
     "CrossEntropy",
     "DistributedCase",
+    "DistributedSearchSpace",
     "EquivalenceError",
     "InvalidCase",
     "Loss",

@@ -27,6 +27,7 @@ from equiv.checking.distributed_search import DistributedSearchResult
 from equiv.checking.pipeline import PipelineVerdict
 from equiv.checking.verify import VerifyResult
 from equiv.cli import EXIT_CODES
+from equiv.outcomes import Fault
 from equiv.peers.judge import RunVerdict
 from equiv.results.protocol import SCHEMA, EquivalenceError, Result, ResultBase, schema
 from equiv.results.verdict import CaseVerdicts, TensorDiff, Verdict
@@ -105,7 +106,9 @@ def _results(verdicts: dict[str, Verdict]) -> list[tuple[str, Any]]:
         ("distributed search passing", DistributedSearchResult("step", ("ddp",), 4, 0, 1.0)),
         ("distributed search failing", DistributedSearchResult("step", ("ddp",), 4, 0, 1.0, dcase, "ddp", dfail)),
         ("distributed search raised", DistributedSearchResult("step", ("ddp",), 4, 0, 1.0, dcase, "ddp",
-                                                              error="rank 1 raised")),
+                                                              error="rank 1 raised", fault=Fault.RAISED)),
+        ("distributed search hung", DistributedSearchResult("step", ("ddp",), 4, 0, 1.0, dcase, "ddp",
+                                                            error="rank 0 hung at step 1", fault=Fault.HUNG)),
         ("pipeline passing", PipelineVerdict(setting, equiv.Outcome.EQUIVALENT, 0.25, "stage 0 'weight'")),
         ("pipeline failing", PipelineVerdict(setting, equiv.Outcome.NOT_EQUIVALENT, 1e6, "stage 0 'weight'")),
         ("pipeline raised", PipelineVerdict(setting, equiv.Outcome.STEP_ERROR, error="uneven chunks")),

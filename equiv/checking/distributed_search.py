@@ -32,7 +32,7 @@ from equiv.checking.distributed import DistributedCase, DistributedVerdict, chec
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchRun, run_search
 from equiv.distributed.launcher import DistributedCheckError
 from equiv.judging.contract import BoundCandidate, Candidate, bind
-from equiv.outcomes import Outcome
+from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import SearchBase
 
 __all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "DistributedSearchSpace", "distributed_cases",
@@ -157,6 +157,8 @@ class DistributedSearchResult(SearchBase):
     error: str | None = None
     #: Cases whose only difference was a precision note across ranks (passed, counted).
     precision_notes: int = 0
+    #: how the ranks of the counterexample failed to give a verdict (with ``error``), as data
+    fault: Fault | None = None
 
     @property
     def found(self) -> bool:
@@ -186,7 +188,7 @@ class DistributedSearchResult(SearchBase):
             "elapsed_s": self.elapsed_s, "found": self.found, "outcome": (self.kind or self.status).value,
             "engine": self.engine, "counterexample": None if found is None else found.to_dict(),
             "verdict": None if self.verdict is None else self.verdict.to_dict(), "error": self.error,
-            "precision_notes": self.precision_notes,
+            "precision_notes": self.precision_notes, "fault": None if self.fault is None else self.fault.value,
         }
 
     def message(self) -> str:
@@ -312,5 +314,5 @@ def verify_distributed(
         candidate=bound.name, engines=tuple(space.engines), examples=outcome.examples, seed=seed,
         elapsed_s=time.perf_counter() - outcome.started, counterexample=dcase, engine=engine,
         verdict=None if failure is None else failure.verdict, error=None if failure is None else failure.error,
-        precision_notes=precision_notes[0],
+        precision_notes=precision_notes[0], fault=None if failure is None else failure.fault,
     )
