@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +237,9 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
                     if hidden and source_package != module.split(".")[:2]:
                         private.append(f"{module} imports {node.module}.{alias.name}")
     assert private == []
+
+
+@pytest.mark.parametrize("name", sorted(name for name in equiv.__all__ if inspect.isfunction(getattr(equiv, name))))
+def test_every_public_function_documents_its_args_and_what_it_returns(name: str) -> None:
+    doc = inspect.getdoc(getattr(equiv, name)) or ""
+    assert "\nArgs:\n" in doc and "\nReturns:\n" in doc, f"equiv.{name}'s docstring needs Args: and Returns: sections"

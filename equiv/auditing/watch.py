@@ -368,14 +368,26 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
           call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True) -> Audit:
     """Audit the optimizer steps of the run made inside ``with`` (see :mod:`equiv.auditing.watch`).
 
-    ``loss``: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
-    for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``);
-    ``every``: audit one optimizer step in every ``every`` (the first one included);
-    ``max_grad_norm``: the norm the run clips to, once per step (None: it does not clip);
-    ``stop_at_first_failure``: raise :class:`AuditFailure` from the step that is not equivalent;
-    ``on_window``: called with each audited window's verdict as it is made;
-    ``record_forward=False`` and ``call_model``: micro-batches recorded with :meth:`Audit.record`
-    instead of by the forward hook, and replayed as ``call_model(model, (args, kwargs))``."""
+    Args:
+        model, optimizer: the run's own (the optimizer must hold the model's parameters).
+        loss: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
+            for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``).
+        every: audit one optimizer step in every ``every`` (the first one included).
+        targets, output: read a recorded call's targets and the model's output the loss takes.
+        max_grad_norm: the norm the run clips to, once per step (None: it does not clip).
+        stop_at_first_failure: raise :class:`AuditFailure` from the step that is not equivalent.
+        on_window: called with each audited window's verdict as it is made.
+        call_model, record_forward: with ``record_forward=False``, micro-batches are recorded with
+            :meth:`Audit.record` instead of by the forward hook, and replayed as
+            ``call_model(model, (args, kwargs))``.
+
+    Returns:
+        The :class:`Audit`, a context manager: its ``windows`` hold each audited step's
+        :class:`~equiv.auditing.replay.WindowAudit` (the shared result protocol).
+
+    Raises:
+        TypeError, ValueError: an argument is not what the audit can take (named, with the value given).
+    """
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
                  max_grad_norm=max_grad_norm, stop_at_first_failure=stop_at_first_failure, on_window=on_window,
                  call_model=call_model, record_forward=record_forward)

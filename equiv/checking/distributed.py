@@ -534,11 +534,28 @@ def check_distributed(
     :meth:`equiv.distributed.torchrun.TorchrunRanks.run` runs them on the
     ranks torchrun started (``equiv check-distributed`` under torchrun).
 
-    ``candidate`` must be importable by name (a module-level function): the
-    ranks are spawned processes that import it.  Raises
-    :class:`DistributedCheckError` if a rank raises, hangs past ``timeout_s``
-    (counted once every rank has started; starting has 120 s of its own) or
-    dies; never leaves a process behind.
+    Args:
+        candidate: the step, importable by name (a module-level function): the ranks
+            are spawned processes that import it (so call this under
+            ``if __name__ == "__main__":`` in a script).
+        dcase: the case and each rank's micro-batch sizes (:class:`DistributedCase`).
+        tiers: as in :func:`equiv.check`.
+        timeout_s: seconds the ranks may take, counted once every rank has started
+            (starting has 120 s of its own).
+        engine: ``"ddp"``, ``"fsdp2"``, ``"tp"`` or ``"fsdp2+tp"`` (above).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` (``engine="fsdp2"``).
+        train_dtype, strict: as in :func:`equiv.check`.
+        launcher: runs the ranks (above).
+
+    Returns:
+        A :class:`DistributedVerdict`: every rank's verdict, the collectives counted.
+
+    Raises:
+        DistributedCheckError: a rank raised, hung past ``timeout_s``, died, or the
+            ranks' collectives did not line up; its ``fault``
+            (:class:`~equiv.outcomes.Fault`) says which.  No process is left behind.
+        InvalidCase: the case or engine cannot run as asked (named, with the value given).
+        ValueError: ``timeout_s`` or ``train_dtype`` is not valid, or a CUDA case has fewer GPUs than ranks.
     """
     __tracebackhide__ = True
     fails_because = precision_fails_because(train_dtype, strict)

@@ -271,17 +271,33 @@ def verify_distributed(
     progress: Progress | None = None,
     **bounds: Unpack[_Bounds],
 ) -> DistributedSearchResult:
-    """Search distributed cases (``space``, a :class:`DistributedSearchSpace`, or
-    its keywords: ``engines``, ``models``, ``max_world_size``,
-    ``max_micro_batches``, ``max_micro_batch_size``) for one where
-    ``candidate`` is not the full-batch step, shrinking the first found to the
-    smallest split that still shows it.
+    """Search distributed cases for one where ``candidate`` is not the full-batch step,
+    shrinking the first found to the smallest split that still shows it.
 
-    ``candidate`` must be a module-level function (the ranks import it).
-    ``seed`` fixes the search (default: drawn and reported).  ``timeout_s``:
-    seconds one case's ranks may take; a rank that hangs ends the search with
-    that case (not shrunk).  ``progress`` hears (cases so far, seconds) after
-    every case.  A case that is only a precision note passes and is counted.
+    Call it under ``if __name__ == "__main__":`` in a script: the ranks are spawned
+    processes that import the script (and the candidate) again.
+
+    Args:
+        candidate: a module-level function (the ranks import it), as
+            :func:`equiv.check_distributed` takes it.
+        space: what is drawn (:class:`DistributedSearchSpace`), or its keywords in
+            ``bounds``: ``engines``, ``models``, ``max_world_size``, ``max_micro_batches``,
+            ``max_micro_batch_size`` (not both).
+        max_examples: distributed cases to try.
+        seed: fixes the search (default: drawn and reported).
+        timeout_s: seconds one case's ranks may take; a rank that hangs ends the search
+            with that case (not shrunk).
+        progress: hears (cases so far, seconds) after every case.
+
+    Returns:
+        A :class:`DistributedSearchResult`: the smallest split found with its verdict,
+        or the error and :class:`~equiv.outcomes.Fault` of ranks that raised, hung,
+        died or mismatched their collectives; or nothing found.  A case that is only
+        a precision note passes and is counted.
+
+    Raises:
+        TypeError: both ``space`` and keywords were given.
+        ValueError, InvalidArgument: a bound out of range (named, with the value given).
     """
     bound = bind(candidate)
     if space is not None and bounds:

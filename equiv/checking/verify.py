@@ -217,37 +217,45 @@ def verify(
 ) -> VerifyResult:
     """Search for a case where ``candidate`` is not the full-batch step.
 
-    ``max_examples`` defaults to the profile's (``profile``: equiv's "dev",
-    "ci" or "thorough" (:mod:`equiv.checking.profiles`), or any registered
-    Hypothesis profile; default the one loaded).  ``seed`` fixes the search (a derandomized profile is already
-    fixed; otherwise a seed is drawn and reported so the search can be
-    replayed).  ``space`` is what cases are drawn from (:class:`SearchSpace`:
-    model families, optimizers, losses, bounds on the batch and the micro-batch
-    count, the device; default: everything the strategy draws, on the CPU, with
-    sample-mean losses, no BatchNorm or dropout).  Cases clip (none / inactive /
-    active) only if the candidate takes ``max_grad_norm`` and step an LR
-    scheduler only if it takes ``scheduler``.  A bound below 1, or more
-    micro-batches than samples, raises ``InvalidArgument``.  ``reproduce``
-    replays a blob printed by an earlier search (a ``ValueError`` says so
-    when it no longer reproduces a failure).  ``progress`` is called after
-    every check with (checks so far, seconds elapsed).
+    A found case is replayed alone in a fresh Python process (when the candidate is
+    importable by name): if it passes there, the step keeps state across calls and the
+    result says so.  A case whose only difference is float32 roundoff inside the float64
+    run (a "precision" verdict) never stands in for a mathematical mismatch: the search
+    goes on, and reports it only when it finds no mismatch.  Warnings raised by the
+    checks are shown once per search.  Cases clip (none / inactive / active) only if the
+    candidate takes ``max_grad_norm``, and step an LR scheduler only if it takes
+    ``scheduler``.  Shrinking: a failure shrinks towards fewer steps, samples and
+    micro-batches, the smallest model and the plainest optimizer.
 
-    A found case is replayed alone in a fresh Python process
-    (``replay_in_fresh_process``, when the candidate is importable by name):
-    if it passes there, the step keeps state across calls and the result
-    says so.  A case whose only difference is float32 roundoff inside the
-    float64 run (a "precision" verdict) never stands in for a mathematical
-    mismatch: the search goes on, and reports it only when it finds no
-    mismatch.  Warnings raised by the checks are shown once per search.
-    ``timeout``: seconds one case's check may take (None: no limit); a step
-    that hangs past it ends the search at once with that case, as an error
-    (not shrunk: each shrink step would wait out the limit again).
-    ``train_dtype`` and ``strict``: as in :func:`equiv.check`; a case with only a
-    precision note (float32-sized differences in the float64 run) passes and is
-    counted (``precision_notes``) unless the user trains in float64 or asks for
-    strict precision.
-    Raises :class:`~equiv.judging.contract.ContractError` for a candidate
-    that cannot take ``(model, optimizer, micro_batches, loss_fn)``.
+    Args:
+        candidate: the step, as :func:`equiv.check` takes it.
+        space: what cases are drawn from (:class:`SearchSpace`: model families, optimizers,
+            losses, bounds on the batch and the micro-batch count, the device; default:
+            everything the strategy draws, on the CPU, with sample-mean losses, no
+            BatchNorm or dropout).
+        max_examples: cases to try (default: the profile's).
+        seed: fixes the search (a derandomized profile is already fixed; otherwise a seed
+            is drawn and reported so the search can be replayed).
+        profile: equiv's "dev", "ci" or "thorough" (:mod:`equiv.checking.profiles`), or any
+            registered Hypothesis profile (default: the one loaded).
+        reproduce: a blob printed by an earlier search, replayed.
+        progress: called after every check with (checks so far, seconds elapsed).
+        replay_in_fresh_process: replay a found case alone in a fresh process.
+        timeout: seconds one case's check may take (None: no limit); a step that hangs
+            past it ends the search at once with that case, as an error (not shrunk:
+            each shrink step would wait out the limit again).
+        train_dtype, strict: as in :func:`equiv.check`; a case with only a precision
+            note passes and is counted (``precision_notes``) unless the user trains in
+            float64 or asks for strict precision.
+
+    Returns:
+        A :class:`VerifyResult`: the smallest counterexample and its verdict (or the
+        error of a step that raised or hung), or nothing found; cases tried, seed, time.
+
+    Raises:
+        ContractError: the candidate cannot take ``(model, optimizer, micro_batches, loss_fn)``.
+        InvalidArgument: a bound below 1, or more micro-batches than samples.
+        ValueError: ``reproduce`` no longer reproduces a failure.
     """
     candidate = bind(candidate)
     precision_fails_because(train_dtype, strict)  # a bad value is refused before the search starts
