@@ -45,13 +45,6 @@ def float32_weights(model, optimizer, micro_batches, loss_fn):
 FAST = ["--max-examples", "15", "--seed", "1", "--families", "mlp", "--optimizers", "SGD,Adam"]
 
 
-@pytest.fixture
-def steps_file(tmp_path: Path) -> Path:
-    path = tmp_path / "my_steps.py"
-    path.write_text(STEPS)
-    return path
-
-
 def test_verify_exits_0_and_says_no_counterexample_for_the_reference(steps_file, capsys) -> None:
     assert main(["verify", f"{steps_file}:good", *FAST]) == 0
     out, err = capsys.readouterr()
