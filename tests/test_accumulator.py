@@ -77,7 +77,6 @@ def test_tensor_item_counts_stay_tensors_on_the_device(device: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to observe host syncs")
 def test_micro_steps_never_synchronise_with_the_host() -> None:
     model = tiny("cuda")
     accumulator = equiv.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True),

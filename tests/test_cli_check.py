@@ -38,13 +38,6 @@ NOT_CALLABLE = 3
 '''
 
 
-@pytest.fixture
-def steps_file(tmp_path: Path) -> Path:
-    path = tmp_path / "my_steps.py"
-    path.write_text(STEPS)
-    return path
-
-
 def test_reference_passes_all_standard_cases(steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", f"{steps_file}:reference"]) == 0
     count = len(STANDARD_CASES)

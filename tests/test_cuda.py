@@ -31,10 +31,10 @@ from equiv.judging.judge import ReferenceRuns
 from equiv.judging.runs import Snapshot, run_candidate
 from equiv.zoo.bugs import BUGS
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
-]
+if not torch.cuda.is_available():  # one skip for the module, not one per test (tests/conftest.py's reason)
+    pytest.skip("needs a CUDA device; none is visible", allow_module_level=True)
+
+pytestmark = pytest.mark.cuda
 
 PINNED = Path(__file__).parent / "data" / "pinned_verdicts.json"
 CANDIDATES = {"accumulator_step": equiv.accumulator_step, **BUGS}

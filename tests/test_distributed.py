@@ -24,7 +24,7 @@ from equiv.zoo.distributed_bugs import (
     scale_made_in_the_default_dtype,
 )
 
-# Spawned process groups are slow to start: `pytest -m "not distributed"` is the fast loop.
+# Spawned process groups are slow to start: tox -e slow runs them, tox -e tests leaves them out.
 pytestmark = pytest.mark.distributed
 
 MLP = {"hidden": (8,), "activation": "tanh"}

@@ -33,7 +33,7 @@ from equiv.findings.results import FSDP2_POLICY_LABELS
 from equiv.reporting.distributed import fsdp2_chart
 from equiv.zoo.distributed_bugs import FSDP2_BUGS, sum_over_ranks_divided_by_global_tokens
 
-# Spawned process groups are slow to start: `pytest -m "not distributed"` is the fast loop.
+# Spawned process groups are slow to start: tox -e slow runs them, tox -e tests leaves them out.
 pytestmark = pytest.mark.distributed
 
 MLP = {"hidden": (8,), "activation": "tanh"}  # two Linear layers: two FSDP units

@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# Two fresh interpreters importing equiv (and torch): seconds, so tox -e slow runs it.
+pytestmark = pytest.mark.slow
+
 _PROBE = "from equiv.host_memory import keep_freed_host_memory; print(keep_freed_host_memory())"
 
 

@@ -105,7 +105,7 @@ def test_unknown_device_is_refused() -> None:
         measure_step_memory(lambda: None, lambda: None, roots=[], device="meta")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (allocator peak path)")
+@pytest.mark.cuda
 def test_cuda_allocator_peak_sees_a_temporary() -> None:
     def accumulate() -> None:
         torch.empty(2**20, device="cuda")  # 4 MiB, freed at once

@@ -49,6 +49,8 @@ TWO_EPOCHS = EPOCH_RUNS["epoch boundary: 7 micro-batches, N=3, 2 epochs"]
 TOY_UNEVEN = TOY_CASE.replace(micro_batch_sizes=(3, 3, 2))
 #: The toy as one epoch of 8 micro-batches of one sample, N=3: windows 3+3+2.
 TOY_EPOCH = EpochRun(TOY_CASE.replace(micro_batch_sizes=(1,) * 8), 3)
+#: Why a test of an optional peer skips (one reason for the module: one ``-ra`` line).
+PEERS_EXTRA = "needs the peers extra: accelerate, pytorch-lightning, transformers 5.x (pip install equiv[peers]; tox -e peers)"
 
 
 def toy_w(candidate: object) -> float:
@@ -104,7 +106,7 @@ def test_mindspore_2_port_cannot_clip_and_misses_short_tails() -> None:
 
 
 def test_accelerate_averages_micro_batch_means_on_the_toy_and_its_recipe_does_not() -> None:
-    accelerate = pytest.importorskip("equiv.adapters.accelerate", reason="needs the accelerate extra")
+    accelerate = pytest.importorskip("equiv.adapters.accelerate", reason=PEERS_EXTRA)
     assert abs(toy_w(accelerate.AccelerateStep()) - 0.02 * 4 * (14 / 3 + 77 / 3 + 113 / 2) / 3) < 1e-12
     assert round(toy_w(accelerate.AccelerateStep()), 5) == 2.31556
     # The guide's variable-size recipe (num_items_in_batch, loss * N) lands on the full-batch 2.04.
@@ -116,7 +118,7 @@ def test_accelerate_averages_micro_batch_means_on_the_toy_and_its_recipe_does_no
 
 
 def test_accelerate_one_dataloader_divides_the_epoch_tail_by_n() -> None:
-    accelerate = pytest.importorskip("equiv.adapters.accelerate", reason="needs the accelerate extra")
+    accelerate = pytest.importorskip("equiv.adapters.accelerate", reason=PEERS_EXTRA)
     assert measure_epochs(accelerate.AccelerateStep(3), MID_EPOCH).equivalent  # the mid-epoch counter is right
     tail = measure_epochs(accelerate.AccelerateStep(3), LONG_TAIL)
     assert tail.kind_name() == "tail divided by N" and tail.gap is not None
@@ -131,7 +133,7 @@ def test_accelerate_one_dataloader_divides_the_epoch_tail_by_n() -> None:
 
 
 def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means() -> None:
-    lightning = pytest.importorskip("equiv.adapters.lightning", reason="needs the lightning extra")
+    lightning = pytest.importorskip("equiv.adapters.lightning", reason=PEERS_EXTRA)
     assert equiv.check(lightning.LightningStep(), EVEN)
     assert equiv.check(lightning.LightningStep(), CLIPPED)  # clips once, after accumulation
     assert round(toy_w(lightning.LightningStep()), 5) == 2.31556
@@ -145,7 +147,7 @@ def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means(
 
 def test_transformers_trainer_is_exact_with_num_items_in_batch_and_averages_token_means_without() -> None:
     # 5.x: the release the peers extra installs (4.45.2 is measured in tox -e peers-transformers445).
-    pytest.importorskip("transformers", minversion="5.0", reason="needs the transformers 5.x of the peers extra")
+    pytest.importorskip("transformers", minversion="5.0", reason=PEERS_EXTRA)
     from equiv.adapters.transformers import TrainerRun
 
     def trainer_measure(run: TokenRun) -> Measure:

@@ -37,6 +37,7 @@ def weighted(model, optimizer, micro_batches, loss_fn):
 '''
 
 
+@pytest.mark.slow
 def test_the_given_route_finds_the_textbook_bug_and_never_shrinks_to_a_case_it_cannot_take(
     pytester: pytest.Pytester,
 ) -> None:
@@ -131,6 +132,7 @@ def test_cases_for_refuses_a_clip_mode_the_step_cannot_take() -> None:
         equiv.strategies.cases_for(no_clip, loss_scaling=("overflow",))
 
 
+@pytest.mark.slow
 def test_cases_for_draws_loss_scales_and_overflows_only_for_a_step_that_takes_a_grad_scaler() -> None:
     def scaled(model, optimizer, micro_batches, loss_fn, *, grad_scaler=None):  # type: ignore[no-untyped-def]
         pass

@@ -88,6 +88,7 @@ def test_a_part_torch_rejects_is_reported_with_its_own_arguments() -> None:
         case.build_scheduler(case.build_optimizer(case.build_model().module))
 
 
+@pytest.mark.slow
 def test_the_search_draws_every_kind_and_shrinks_to_none_then_to_step_lr() -> None:
     everything = eqst.cases(schedulers=list(eqst.SCHEDULERS))
     assert find(everything, lambda c: True).scheduler is None
@@ -98,6 +99,7 @@ def test_the_search_draws_every_kind_and_shrinks_to_none_then_to_step_lr() -> No
     assert set(DRAWN) >= {"StepLR", "MultiStepLR", "CosineAnnealingLR", *COMPOSITE_SCHEDULERS}
 
 
+@pytest.mark.slow
 def test_a_step_that_takes_a_scheduler_is_searched_with_every_kind() -> None:
     def scheduled(model, optimizer, micro_batches, loss_fn, *, scheduler=None):  # type: ignore[no-untyped-def]
         pass

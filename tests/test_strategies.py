@@ -92,6 +92,7 @@ def test_micro_batch_splits_shrink_to_few_small_pieces(seed: int) -> None:
     assert sorted(three) == [1, 1, 10]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2))
 def test_a_case_met_with_many_micro_batches_shrinks_to_two_uneven_pieces(seed: int) -> None:
     # What a mean-of-means bug looks like to a search that meets it first with
@@ -114,6 +115,7 @@ def test_a_case_met_with_many_micro_batches_shrinks_to_two_uneven_pieces(seed: i
     assert shrunk.micro_batch_sizes == (1, 2), f"first met {met_many[0]}"
 
 
+@pytest.mark.slow
 def test_the_fewest_micro_batches_past_eight_is_what_a_search_shrinks_to() -> None:
     many = find(eqst.cases(), lambda c: len(c.micro_batch_sizes) > eqst.FEW_MICRO_BATCHES, settings=NO_DATABASE,
                 random=Random(0))
@@ -198,6 +200,7 @@ def test_a_matrix_only_optimizer_is_drawn_with_matrices_only(case: equiv.Case) -
     assert all(p.dim() == 2 for p in case.build_model().module.parameters())
 
 
+@pytest.mark.slow
 def test_every_optimizer_and_family_can_be_drawn() -> None:
     for name in eqst.OPTIMIZERS:
         assert find(eqst.optimizers(), lambda spec, name=name: spec[0] == name)[0] == name
@@ -205,12 +208,14 @@ def test_every_optimizer_and_family_can_be_drawn() -> None:
         assert find(eqst.models(), lambda spec, family=family: spec[0] == family)[0] == family
 
 
+@pytest.mark.slow
 def test_clipping_regimes_map_to_norms() -> None:
     assert find(eqst.cases(clipping=["none"]), lambda c: True).max_grad_norm is None
     assert find(eqst.cases(clipping=["inactive"]), lambda c: True).max_grad_norm == 1e6
     assert find(eqst.cases(clipping=["active"]), lambda c: True).max_grad_norm <= 1e-2
 
 
+@pytest.mark.slow
 def test_loss_scaling_regimes_map_to_case_fields_and_shrink_to_none() -> None:
     none = find(eqst.cases(), lambda c: True)
     assert (none.loss_scale, none.overflow_at, none.scale_growth_interval) == (None, None, None)

@@ -45,13 +45,6 @@ def float32_weights(model, optimizer, micro_batches, loss_fn):
 FAST = ["--max-examples", "15", "--seed", "1", "--families", "mlp", "--optimizers", "SGD,Adam"]
 
 
-@pytest.fixture
-def steps_file(tmp_path: Path) -> Path:
-    path = tmp_path / "my_steps.py"
-    path.write_text(STEPS)
-    return path
-
-
 def test_verify_exits_0_and_says_no_counterexample_for_the_reference(steps_file, capsys) -> None:
     assert main(["verify", f"{steps_file}:good", *FAST]) == 0
     out, err = capsys.readouterr()
@@ -78,6 +71,7 @@ def test_verify_exits_1_with_the_shrunk_counterexample_and_how_to_replay(steps_f
     assert main(["check", f"{steps_file}:bad", "--case", case_json]) == 1
 
 
+@pytest.mark.slow
 def test_the_printed_blob_replays_the_shrunk_case(steps_file, capsys) -> None:
     result = verify(mean_of_means, SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")), max_examples=15, seed=1)
     assert result.blob is not None
@@ -85,6 +79,7 @@ def test_the_printed_blob_replays_the_shrunk_case(steps_file, capsys) -> None:
     assert replayed.counterexample == result.counterexample
 
 
+@pytest.mark.slow
 def test_the_printed_reproduce_line_replays_quietly_and_names_the_original_search(steps_file, capsys) -> None:
     assert main(["verify", f"{steps_file}:bad", *FAST]) == 1
     printed = capsys.readouterr().out
@@ -97,6 +92,7 @@ def test_the_printed_reproduce_line_replays_quietly_and_names_the_original_searc
     assert f"this search: {search}" in replayed  # the original search, not the profile's defaults
 
 
+@pytest.mark.slow
 def test_verify_reports_a_candidate_that_raises_with_its_own_exit_code(steps_file, capsys) -> None:
     # 3: the step raised (not 1, a counterexample): CI can tell a broken step from a mismatch.
     assert main(["verify", f"{steps_file}:crashes", *FAST]) == 3
@@ -137,6 +133,7 @@ def test_verify_counts_inherent_cases_instead_of_failing_them() -> None:
     assert any("BatchNorm" in reason or "Dropout" in reason for reason in result.inherent_reasons)
 
 
+@pytest.mark.slow
 def test_report_tables_of_a_search_are_sorted_and_formatted() -> None:
     from equiv.findings.equivalence import bug_zoo_table, equivalent_cases_table
     from equiv.reporting.markdown import markdown_table, read_markdown_table
@@ -178,6 +175,7 @@ def test_a_step_that_fails_only_once_is_reported_as_flaky() -> None:
     assert "not deterministic" in result.message()
 
 
+@pytest.mark.slow
 def test_a_step_that_keeps_state_across_calls_is_told_so_with_a_replay_that_reproduces(
     steps_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
