@@ -184,10 +184,34 @@ def test_every_window_is_counted_judged_or_not_sampled() -> None:
     watched = _audited(_batches(5), every=2)
     assert watched.steps == 5 and len(watched.windows) == 3
     assert watched.counts() == {"equivalent": 3, "not_equivalent": 0, "inherent": 0, "full_batch_not_finite": 0,
-                                "not_sampled": 2}
+                                "not_sampled": 2, "skipped": 0}
     assert "3 of 5 optimizer steps audited (every 2): 3 judged (3 equivalent, 0 not equivalent), 2 not judged " \
            "(2 not sampled)" in watched.summary(), watched.summary()
     assert watched.to_dict()["not_sampled"] == 2 and watched.to_dict()["judged"] == 3
+
+
+def test_a_step_the_grad_scaler_skips_is_counted_and_the_next_window_judged_alone() -> None:
+    # The first step overflows (a loss scale past float32): the scaler skips optimizer.step() and backs
+    # off; that window's micro-batches are not the next step's, which is judged on its own (and equivalent).
+    torch.manual_seed(0)
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-120)
+    original = torch.amp.GradScaler.step
+    with audit(model, optimizer, loss=equiv.MSE()) as watched:
+        for window in _batches(3):
+            samples = sum(targets.numel() for _, targets in window)
+            for inputs, targets in ((inputs, 1e3 * targets) for inputs, targets in window):  # large gradients
+                loss = torch.nn.functional.mse_loss(model(inputs, targets), targets, reduction="sum") / samples
+                scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert watched.skipped == 1 and watched.steps == 2 and watched, watched.summary()
+    assert [window.micro_batches for window in watched.windows] == [2, 2]
+    assert watched.counts()["skipped"] == 1
+    assert "1 step was skipped by the GradScaler" in watched.summary(), watched.summary()
+    assert torch.amp.GradScaler.step is original  # torch's own back on exit
 
 
 # -- 3. dropout ---------------------------------------------------------------------------------

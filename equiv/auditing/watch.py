@@ -37,10 +37,11 @@ Scope: one process.  Under DDP or FSDP2 each rank would audit its own view
 inputs only, which is not the global full batch: entering an audit on a rank
 of a world larger than one raises, saying so; run the audit in a
 single-process run of the same loop, or use
-``equiv.check_distributed`` for the distributed step.  A GradScaler that skips
-a step (an overflow) calls no ``optimizer.step``: that window runs on into the
-next one, and its replay is then not the run's step (audit loss-scaled runs
-with the scaler off, or expect such windows flagged).
+``equiv.check_distributed`` for the distributed step.  A ``torch.amp.GradScaler``
+that skips a step (an overflow) calls no ``optimizer.step``: the audit sees
+``scaler.step`` return without one, counts the step skipped (not judged) and
+starts its window again (an optimizer that takes the scaler's ``found_inf``
+itself, a fused one, steps and skips inside: such a window is judged as a step).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class Audit(ResultBase):
         self._window_sizes: Counter[int] = Counter()
         #: training-mode forward calls the hook saw (to say why nothing was judged)
         self._forward_calls = 0
+        #: steps a ``torch.amp.GradScaler`` skipped (inf or NaN gradients: no ``optimizer.step()``)
+        self.skipped = 0
 
     # -- the hooks ---------------------------------------------------------
 
@@ -278,12 +281,10 @@ class Audit(ResultBase):
         step = verdict.step
         named = gradient or _first_not_finite(self.model.named_parameters(), "parameter after the step", step=step)
         if named is None:
-            state = self.optimizer.state_dict()["state"]
-            names = [name for name, _ in self.model.named_parameters()]
+            names = {id(param): name for name, param in self.model.named_parameters()}
             named = _first_not_finite(
-                ((f"{names[index] if isinstance(index, int) and index < len(names) else index}'s {key}", value)
-                 for index, values in state.items() for key, value in values.items() if isinstance(value, Tensor)),
-                "optimizer state", step=step)
+                ((f"{names.get(id(param), '?')}'s {key}", value) for param, values in self.optimizer.state.items()
+                 for key, value in values.items() if isinstance(value, Tensor)), "optimizer state", step=step)
         if named is not None:
             return dataclasses.replace(verdict, not_finite=named)
         rows = [*verdict.mismatches, *([verdict.worst] if verdict.worst is not None else [])]
@@ -297,6 +298,12 @@ class Audit(ResultBase):
                 "(NaN or inf inputs or targets, or no item to count); not judged")
         return dataclasses.replace(verdict, not_finite=text, full_batch_not_finite=True, mismatches=())
 
+    def _skipped(self) -> None:
+        """A GradScaler skipped the step (inf or NaN gradients): the micro-batches recorded
+        since the last step took no step, and the next window starts again from here."""
+        self.skipped += 1
+        self._begin_window()
+
     # -- the outcome -------------------------------------------------------
 
     @property
@@ -307,12 +314,13 @@ class Audit(ResultBase):
     def counts(self) -> dict[str, int]:
         """Every optimizer step of the audit, counted once: judged (``equivalent``,
         ``not_equivalent``) or not judged (``inherent``: not replayed; ``full_batch_not_finite``;
-        ``not_sampled``: between the windows ``every`` audits)."""
+        ``not_sampled``: between the windows ``every`` audits); ``skipped``: steps a GradScaler
+        skipped (no ``optimizer.step()``, so not among the optimizer steps)."""
         statuses = Counter(window.status for window in self.windows)
         return {"equivalent": statuses[Outcome.EQUIVALENT], "not_equivalent": statuses[Outcome.NOT_EQUIVALENT],
                 "inherent": statuses[Outcome.INHERENTLY_NON_EQUIVALENT],
                 "full_batch_not_finite": statuses[Outcome.NOT_APPLICABLE],
-                "not_sampled": self.steps - len(self.windows)}
+                "not_sampled": self.steps - len(self.windows), "skipped": self.skipped}
 
     @property
     def judged(self) -> int:
@@ -325,6 +333,9 @@ class Audit(ResultBase):
         if self.judged:
             return None
         if not self.steps:
+            if self.skipped:
+                return (f"the GradScaler skipped every step ({self.skipped}): the gradients were inf or NaN each "
+                        "time, so no optimizer step was taken")
             if self._forward_calls:
                 return (f"the model made {self._forward_calls} training-mode forward call"
                         f"{'s' if self._forward_calls != 1 else ''} but optimizer.step() was never called inside "
@@ -374,6 +385,9 @@ class Audit(ResultBase):
         text = (f"{len(self.windows)} of {self.steps} optimizer steps audited (every {self.every}): {self.judged} "
                 f"judged ({counts['equivalent']} equivalent, {counts['not_equivalent']} not equivalent), "
                 f"{self.steps - self.judged} not judged" + (f" ({reasons})" if reasons else ""))
+        if self.skipped:
+            text += (f"; {self.skipped} step{' was' if self.skipped == 1 else 's were'} skipped by the GradScaler "
+                     "(inf or NaN gradients, no update: not judged)")
         why = self.nothing_judged()
         return text + (f"; nothing judged: {why}" if why else "")
 
@@ -390,6 +404,7 @@ class Audit(ResultBase):
         return {"steps": self.steps, "every": self.every, "audited": len(self.windows),
                 "failures": len(self.failures), "judged": self.judged, "inherent": counts["inherent"],
                 "full_batch_not_finite": counts["full_batch_not_finite"], "not_sampled": counts["not_sampled"],
+                "skipped": self.skipped,
                 "nothing_judged": self.nothing_judged(), "windows": [window.to_dict() for window in self.windows]}
 
     def summary(self) -> str:
@@ -463,7 +478,9 @@ def _autocast_of(model: nn.Module) -> Autocast | None:
 class _ClipWatch:
     """Every ``torch.nn.utils.clip_grad_norm_`` call made while an audit is open,
     told to the open audits (one wrapper however many audits are open: they may
-    close in any order).  What a run clips to is then seen, not guessed."""
+    close in any order).  What a run clips to is then seen, not guessed.  So is
+    a ``torch.amp.GradScaler.step`` that skips ``optimizer.step()`` (inf or NaN
+    gradients): the audit counts it and starts its window again."""
 
     audits: ClassVar[list[Audit]] = []
     #: the functions replaced, by where they live: ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``
@@ -475,6 +492,8 @@ class _ClipWatch:
             for module in (torch.nn.utils, torch.nn.utils.clip_grad):
                 cls.originals[module.__name__] = getattr(module, "clip_grad_norm_")  # noqa: B009
                 setattr(module, "clip_grad_norm_", cls.clip)  # noqa: B010
+            cls.originals["GradScaler.step"] = torch.amp.GradScaler.step
+            setattr(torch.amp.GradScaler, "step", cls.scaler_step)  # noqa: B010
         cls.audits.append(audit)
 
     @classmethod
@@ -484,6 +503,7 @@ class _ClipWatch:
         if not cls.audits and cls.originals:
             for module in (torch.nn.utils, torch.nn.utils.clip_grad):
                 setattr(module, "clip_grad_norm_", cls.originals.pop(module.__name__))  # noqa: B010
+            setattr(torch.amp.GradScaler, "step", cls.originals.pop("GradScaler.step"))  # noqa: B010
 
     @staticmethod
     def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Tensor:
@@ -492,6 +512,15 @@ class _ClipWatch:
             audit._clipped(parameters, float(max_norm))
         clipped: Tensor = _ClipWatch.originals["torch.nn.utils.clip_grad"](parameters, max_norm, *args, **kwargs)
         return clipped
+
+    @staticmethod
+    def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        stepped = {id(audit): audit.steps for audit in _ClipWatch.audits if audit.optimizer is optimizer}
+        result = _ClipWatch.originals["GradScaler.step"](scaler, optimizer, *args, **kwargs)
+        for audit in _ClipWatch.audits:
+            if id(audit) in stepped and audit.steps == stepped[id(audit)]:
+                audit._skipped()
+        return result
 
 
 def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
