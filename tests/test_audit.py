@@ -74,7 +74,8 @@ def test_every_audits_one_window_in_k_and_records_nothing_in_between() -> None:
         nanogpt_loop(model, optimizer, _loader([8] * 16), 1)
     assert watched.steps == 8
     assert [w.step for w in watched.windows] == [0, 3, 6]
-    assert "3 of 8 optimizer steps audited (every 3)" in watched.summary()
+    assert "3 of 8 optimizer steps audited (every 3): 3 judged (3 equivalent, 0 not equivalent), 5 not judged " \
+           "(5 not sampled)" in watched.summary()
 
 
 def test_stop_at_first_failure_raises_from_the_failing_step() -> None:
@@ -173,12 +174,14 @@ def test_bad_input_names_the_value() -> None:
 
 def test_a_step_with_no_recorded_forward_says_what_to_check() -> None:
     model, optimizer = _model_and_optimizer()
-    other, _ = _model_and_optimizer()  # the audit watches a copy the loop never calls
+    other, others_optimizer = _model_and_optimizer()  # the audit watches a copy the loop never calls
+    with pytest.raises(ValueError, match="not the model's parameters"):  # the loop's optimizer: refused on entry
+        audit(other, optimizer, loss=TOKENS)
     with pytest.raises(RuntimeError, match="saw no training-mode forward call"):
-        with audit(other, optimizer, loss=TOKENS):
+        with audit(other, others_optimizer, loss=TOKENS):
             ids, labels = next(iter(_loader([8, 8])))
             TOKENS(model(ids), labels).backward()
-            optimizer.step()
+            others_optimizer.step()
 
 
 def test_targets_that_never_reach_forward_are_asked_for() -> None:

@@ -4,7 +4,7 @@ against the full-batch step of the same window, through hooks, with no rewrite
 
 from equiv.auditing.replay import RecordedWindow, WindowAudit, judge_window
 from equiv.auditing.trainers import lightning_callback, transformers_callback
-from equiv.auditing.watch import Audit, AuditFailure, audit
+from equiv.auditing.watch import Audit, AuditFailure, audit, jsonl_writer
 
 __all__ = [
     "Audit",
@@ -12,6 +12,7 @@ __all__ = [
     "RecordedWindow",
     "WindowAudit",
     "audit",
+    "jsonl_writer",
     "judge_window",
     "lightning_callback",
     "transformers_callback",

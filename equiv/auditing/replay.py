@@ -43,7 +43,8 @@ from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase
 from equiv.results.verdict import TensorDiff, Tier
 
-__all__ = ["AuditFailure", "Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "judge_window"]
+__all__ = ["AuditFailure", "Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "inherent_advice",
+           "judge_window"]
 
 #: One call of the model's forward: (positional arguments, keyword arguments), detached copies.
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -93,17 +94,35 @@ class WindowAudit(ResultBase):
     inherent: tuple[str, ...] = ()
     #: where in the run the step fell, as the trainer tells it (e.g. "epoch 0, batch 6"), when it does
     position: str | None = None
-    #: what the run may have done that the audit was not told (e.g. clipping), said after a failing line
+    #: what the run may have done that the audit was not told (e.g. clipping), said after a failing
+    #: line; for a window not replayed (``inherent``), what to change so the run can be audited
     hint: str | None = None
+    #: a NaN or inf named: the run's gradient, update or optimizer state (step, tensor, first index;
+    #: the window is then never equivalent), or, with ``full_batch_not_finite``, the full-batch step's
+    not_finite: str | None = None
+    #: the full-batch step of the window is itself not finite while the run's step is: the window's
+    #: own data (NaN inputs or targets, no item to count) leaves nothing to judge against
+    full_batch_not_finite: bool = False
 
     @property
     def equivalent(self) -> bool:
-        return not self.mismatches and not self.inherent
+        return not self.mismatches and not self.inherent and self.not_finite is None
+
+    @property
+    def judged(self) -> bool:
+        """Whether the window was judged: replayed, against a finite full-batch step."""
+        return not self.inherent and not self.full_batch_not_finite
 
     @property
     def status(self) -> Outcome:
+        """NOT_EQUIVALENT (past an allowance, or the run not finite), INHERENTLY_NON_EQUIVALENT (not
+        replayed), NOT_APPLICABLE (the full-batch step not finite), else EQUIVALENT."""
+        if self.not_finite is not None and not self.full_batch_not_finite:
+            return Outcome.NOT_EQUIVALENT
         if self.inherent:
             return Outcome.INHERENTLY_NON_EQUIVALENT
+        if self.full_batch_not_finite:
+            return Outcome.NOT_APPLICABLE
         return Outcome.NOT_EQUIVALENT if self.mismatches else Outcome.EQUIVALENT
 
     def __bool__(self) -> bool:
@@ -118,6 +137,7 @@ class WindowAudit(ResultBase):
             "items": list(self.items), "usual_micro_batches": self.usual_micro_batches, "tier": self.tier,
             "inherent": list(self.inherent), "mismatches": [d.to_dict() for d in self.mismatches],
             "worst": None if self.worst is None else self.worst.to_dict(), "hint": self.hint,
+            "not_finite": self.not_finite, "full_batch_not_finite": self.full_batch_not_finite,
         }
 
     def line(self) -> str:
@@ -125,8 +145,14 @@ class WindowAudit(ResultBase):
         at = f" ({self.position})" if self.position else ""
         where = f"step {self.step}{at}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, " \
                 f"items {list(self.items)}"
+        advice = f"; {self.hint}" if self.hint else ""
+        if self.not_finite is not None and not self.full_batch_not_finite:
+            inherent = f" (and inherently not equivalent: {'; '.join(self.inherent)})" if self.inherent else ""
+            return f"{where}: NOT equivalent, not finite: {self.not_finite}{inherent}"
         if self.inherent:
-            return f"{where}: inherently not equivalent, not replayed ({'; '.join(self.inherent)})"
+            return f"{where}: inherently not equivalent, not replayed ({'; '.join(self.inherent)}){advice}"
+        if self.full_batch_not_finite:
+            return f"{where}: not judged: {self.not_finite}"
         if self.equivalent:
             ratio = f" (worst {self.worst.ratio:.2g} of its allowance)" if self.worst is not None else ""
             return f"{where}: equivalent{ratio}"
@@ -146,7 +172,7 @@ class WindowAudit(ResultBase):
 
     def message(self) -> str:
         """The line, and the first mismatch as ``assert_close`` would show it."""
-        if not self.mismatches:
+        if not self.mismatches or self.full_batch_not_finite:
             return self.line()
         return self.line() + "\n" + self.mismatches[0].describe(self.micro_batches)
 
@@ -280,7 +306,8 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
     reasons = tuple(inherent_non_equivalences(replay.model))
     if reasons:  # a replay would draw other dropout masks, or normalise by other statistics
         return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier, mismatches=(),
-                           worst=None, usual_micro_batches=usual_micro_batches, inherent=reasons)
+                           worst=None, usual_micro_batches=usual_micro_batches, inherent=reasons,
+                           hint=inherent_advice(replay.model))
     # The engine's floor plan over three roundings of the same mathematics: in order, in reverse,
     # normalised after backward (every sample run: the window is judged once).
     judge = Judge(replay.source(window), working=working, tiers=(tier,), roundings=_ROUNDINGS, steps=1).with_floors()
@@ -298,3 +325,28 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
 def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
     """The user's state after its step, its own tensors lent (read at once)."""
     return snapshot_of(model, optimizer, copy_tensors=False)
+
+
+def inherent_advice(model: nn.Module) -> str:
+    """What to change so that a model whose windows are inherently not equivalent
+    (:func:`~equiv.judging.inherent.inherent_non_equivalences`) can be audited:
+    what the audit judges is the accumulation, which these layers do not change.
+    Not ``model.eval()``: the audit records training-mode calls only, and a
+    trainer puts the model back in train mode (``model.train()``) each epoch or step."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    modules = list(model.modules())
+    advice = []
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) or
+           (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) for m in modules):
+        advice.append("turn dropout off for the audited run, which model.train() does not undo: "
+                      "for m in model.modules(): if isinstance(m, torch.nn.Dropout): m.p = 0.0 "
+                      "(a MultiheadAttention's m.dropout = 0.0; a transformers model: its config's dropout "
+                      "fields at 0.0), then audit it")
+    if any(isinstance(m, _BatchNorm) for m in modules):
+        advice.append("audit a run with its BatchNorm layers using running statistics (each m.eval() again "
+                      "after every model.train()), or with a per-sample norm (GroupNorm, LayerNorm)")
+    if len(advice) < 1:
+        advice.append("audit a run without the layers named (or with their batch-wise part turned off)")
+    return "to audit this run: " + "; ".join(advice) + " (model.eval() would record nothing: the audit " \
+        "records training-mode calls)"

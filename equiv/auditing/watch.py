@@ -37,29 +37,42 @@ Scope: one process.  Under DDP or FSDP2 each rank would audit its own view
 inputs only, which is not the global full batch: entering an audit on a rank
 of a world larger than one raises, saying so; run the audit in a
 single-process run of the same loop, or use
-``equiv.check_distributed`` for the distributed step.  A GradScaler that skips
-a step (an overflow) calls no ``optimizer.step``: that window runs on into the
-next one, and its replay is then not the run's step (audit loss-scaled runs
-with the scaler off, or expect such windows flagged).
+``equiv.check_distributed`` for the distributed step.  A ``torch.amp.GradScaler``
+that skips a step (an overflow) calls no ``optimizer.step``: the audit sees
+``scaler.step`` return without one, counts the step skipped (not judged) and
+starts its window again (an optimizer that takes the scaler's ``found_inf``
+itself, a fused one, steps and skips inside: such a window is judged as a step).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from equiv.auditing.replay import AuditFailure, Autocast, Call, RecordedWindow, WindowAudit, WindowReplay, judge_window
+from equiv.auditing.replay import (
+    AuditFailure,
+    Autocast,
+    Call,
+    RecordedWindow,
+    WindowAudit,
+    WindowReplay,
+    inherent_advice,
+    judge_window,
+)
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase, headed
 
-__all__ = ["Audit", "AuditFailure", "audit"]
+__all__ = ["Audit", "AuditFailure", "audit", "jsonl_writer"]
 
 
 def _detached(value: Any) -> Any:
@@ -115,7 +128,11 @@ def default_output(output: Any) -> Tensor:
 class Audit(ResultBase):
     """The audit of one run (see the module's docstring); use :func:`audit`.  A
     :class:`~equiv.results.protocol.Result`: truthy when every audited window
-    was equivalent (and at least one was audited)."""
+    was equivalent (and at least one was judged).  Every optimizer step is
+    counted (:meth:`counts`): judged equivalent or not, or not judged and why
+    (inherently not equivalent, a full-batch step that is not finite, not
+    sampled by ``every``); an audit that judged nothing says why, and its
+    :meth:`assert_ok` fails unless ``allow_nothing_judged``."""
 
     KIND = "audit"
 
@@ -124,7 +141,8 @@ class Audit(ResultBase):
                  output: Callable[[Any], Tensor] = default_output,
                  max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
                  on_window: Callable[[WindowAudit], None] | None = None,
-                 call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True) -> None:
+                 call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True,
+                 allow_nothing_judged: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -136,6 +154,8 @@ class Audit(ResultBase):
             raise ValueError(f"every must be a positive int (audit one window in every), got {every!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        _refuse_a_foreign_optimizer(model, optimizer)
+        self.allow_nothing_judged = allow_nothing_judged
         self.model, self.optimizer, self.loss, self.every = model, optimizer, loss, every
         self.targets, self.output, self.max_grad_norm = targets, output, max_grad_norm
         self.stop_at_first_failure, self.on_window = stop_at_first_failure, on_window
@@ -152,6 +172,10 @@ class Audit(ResultBase):
         self._window: dict[str, Any] | None = None
         self._hyper: tuple[dict[str, Any], ...] = ()
         self._window_sizes: Counter[int] = Counter()
+        #: training-mode forward calls the hook saw (to say why nothing was judged)
+        self._forward_calls = 0
+        #: steps a ``torch.amp.GradScaler`` skipped (inf or NaN gradients: no ``optimizer.step()``)
+        self.skipped = 0
 
     # -- the hooks ---------------------------------------------------------
 
@@ -190,6 +214,7 @@ class Audit(ResultBase):
 
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training and torch.is_grad_enabled():
+            self._forward_calls += 1
             self.record(*args, **kwargs)
 
     def record(self, *args: Any, **kwargs: Any) -> None:
@@ -209,6 +234,11 @@ class Audit(ResultBase):
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
                             for group in optimizer.param_groups)
+        if self._window is not None:  # the gradient this step takes, named if it is not finite
+            names = {id(param): name for name, param in self.model.named_parameters()}
+            self._window["not_finite"] = _first_not_finite(
+                ((names.get(id(p), "?"), p.grad) for group in optimizer.param_groups for p in group["params"]),
+                "gradient", step=self.steps)
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         window, step = self._window, self.steps
@@ -235,19 +265,89 @@ class Audit(ResultBase):
                               output_of=self.output, targets_of=self.targets, call_model=self.call_model,
                               max_grad_norm=self.max_grad_norm)
         verdict = judge_window(recorded, replay, usual_micro_batches=usual)
-        verdict = dataclasses.replace(verdict, position=self.position, hint=_clipping_hint(self, window) if verdict.mismatches else None)
+        verdict = dataclasses.replace(verdict, position=self.position,
+                                      hint=_clipping_hint(self, window) if verdict.mismatches else verdict.hint)
+        verdict = self._finite(verdict, window.get("not_finite"))
         self.windows.append(verdict)
         if self.on_window is not None:
             self.on_window(verdict)
-        if self.stop_at_first_failure and verdict.mismatches:
+        if self.stop_at_first_failure and verdict.status is Outcome.NOT_EQUIVALENT:
             raise AuditFailure(verdict)
+
+    def _finite(self, verdict: WindowAudit, gradient: str | None) -> WindowAudit:
+        """``verdict`` with a NaN or inf named: the run's gradient (``gradient``, seen before the
+        step), else its parameters or optimizer state after it; when the run's are finite and
+        the engine's rows still hold a non-finite value, the full-batch step's own."""
+        step = verdict.step
+        named = gradient or _first_not_finite(self.model.named_parameters(), "parameter after the step", step=step)
+        if named is None:
+            names = {id(param): name for name, param in self.model.named_parameters()}
+            named = _first_not_finite(
+                ((f"{names.get(id(param), '?')}'s {key}", value) for param, values in self.optimizer.state.items()
+                 for key, value in values.items() if isinstance(value, Tensor)), "optimizer state", step=step)
+        if named is not None:
+            return dataclasses.replace(verdict, not_finite=named)
+        rows = [*verdict.mismatches, *([verdict.worst] if verdict.worst is not None else [])]
+        full_batch = next((row for row in rows if row.nan_count or row.inf_count or not math.isfinite(row.allowed)),
+                          None)
+        if full_batch is None:
+            return verdict
+        where = f", first at index {full_batch.first_not_finite}" if full_batch.first_not_finite else ""
+        text = (f"{full_batch.label} of the full-batch step is not finite{where}, while the run's step "
+                f"(step {step}) is: the window's own data makes the loss over its {sum(verdict.items)} items not finite "
+                "(NaN or inf inputs or targets, or no item to count); not judged")
+        return dataclasses.replace(verdict, not_finite=text, full_batch_not_finite=True, mismatches=())
+
+    def _skipped(self) -> None:
+        """A GradScaler skipped the step (inf or NaN gradients): the micro-batches recorded
+        since the last step took no step, and the next window starts again from here."""
+        self.skipped += 1
+        self._begin_window()
 
     # -- the outcome -------------------------------------------------------
 
     @property
     def failures(self) -> list[WindowAudit]:
-        """The audited windows whose update is not the full-batch one."""
-        return [window for window in self.windows if window.mismatches]
+        """The audited windows whose step is not the full-batch one (or is not finite)."""
+        return [window for window in self.windows if window.status is Outcome.NOT_EQUIVALENT]
+
+    def counts(self) -> dict[str, int]:
+        """Every optimizer step of the audit, counted once: judged (``equivalent``,
+        ``not_equivalent``) or not judged (``inherent``: not replayed; ``full_batch_not_finite``;
+        ``not_sampled``: between the windows ``every`` audits); ``skipped``: steps a GradScaler
+        skipped (no ``optimizer.step()``, so not among the optimizer steps)."""
+        statuses = Counter(window.status for window in self.windows)
+        return {"equivalent": statuses[Outcome.EQUIVALENT], "not_equivalent": statuses[Outcome.NOT_EQUIVALENT],
+                "inherent": statuses[Outcome.INHERENTLY_NON_EQUIVALENT],
+                "full_batch_not_finite": statuses[Outcome.NOT_APPLICABLE],
+                "not_sampled": self.steps - len(self.windows), "skipped": self.skipped}
+
+    @property
+    def judged(self) -> int:
+        """Windows judged (equivalent or not)."""
+        counts = self.counts()
+        return counts["equivalent"] + counts["not_equivalent"]
+
+    def nothing_judged(self) -> str | None:
+        """Why no window was judged, in words, or None when one was."""
+        if self.judged:
+            return None
+        if not self.steps:
+            if self.skipped:
+                return (f"the GradScaler skipped every step ({self.skipped}): the gradients were inf or NaN each "
+                        "time, so no optimizer step was taken")
+            if self._forward_calls:
+                return (f"the model made {self._forward_calls} training-mode forward call"
+                        f"{'s' if self._forward_calls != 1 else ''} but optimizer.step() was never called inside "
+                        "the audit (is the optimizer the one the loop steps, or does a GradScaler skip every step?)")
+            return ("no optimizer step was taken inside the audit and the model made no training-mode forward call "
+                    "(an empty loader, the loop outside the with block, or the model in eval mode?)")
+        counts = self.counts()
+        if counts["inherent"]:
+            return f"every audited window is inherently not equivalent (not replayed); {inherent_advice(self.model)}"
+        if counts["full_batch_not_finite"]:
+            return "the full-batch step of every audited window is not finite (the windows' own data)"
+        return f"no window sampled (every {self.every}, {self.steps} steps)"
 
     def __bool__(self) -> bool:
         """Every audited window equivalent (none inherently not, none failing), and at least one."""
@@ -256,37 +356,114 @@ class Audit(ResultBase):
     @property
     def status(self) -> Outcome:
         """NOT_EQUIVALENT when a window failed, else INHERENTLY_NON_EQUIVALENT when one
-        could not be replayed, NOT_APPLICABLE when none was audited, else EQUIVALENT."""
+        could not be replayed, NOT_APPLICABLE when one was not judged otherwise (none
+        audited, a full-batch step not finite), else EQUIVALENT."""
         if self.failures:
             return Outcome.NOT_EQUIVALENT
         if any(window.inherent for window in self.windows):
             return Outcome.INHERENTLY_NON_EQUIVALENT
-        return Outcome.EQUIVALENT if self.windows else Outcome.NOT_APPLICABLE
+        return Outcome.EQUIVALENT if self else Outcome.NOT_APPLICABLE
+
+    def assert_ok(self) -> None:
+        """Raise unless every audited window was equivalent and one was judged; with
+        ``allow_nothing_judged``, an audit that judged nothing and flagged nothing passes."""
+        __tracebackhide__ = True
+        if self.allow_nothing_judged and not self.judged and not self.failures:
+            return
+        super().assert_ok()
 
     def message(self) -> str:
         return self.summary()
 
+    def _counted(self) -> str:
+        counts = self.counts()
+        not_judged = [f"{counts['inherent']} inherently not equivalent (not replayed)" if counts["inherent"] else "",
+                      f"{counts['full_batch_not_finite']} whose full-batch step is not finite"
+                      if counts["full_batch_not_finite"] else "",
+                      f"{counts['not_sampled']} not sampled" if counts["not_sampled"] else ""]
+        reasons = ", ".join(part for part in not_judged if part)
+        text = (f"{len(self.windows)} of {self.steps} optimizer steps audited (every {self.every}): {self.judged} "
+                f"judged ({counts['equivalent']} equivalent, {counts['not_equivalent']} not equivalent), "
+                f"{self.steps - self.judged} not judged" + (f" ({reasons})" if reasons else ""))
+        if self.skipped:
+            text += (f"; {self.skipped} step{' was' if self.skipped == 1 else 's were'} skipped by the GradScaler "
+                     "(inf or NaN gradients, no update: not judged)")
+        why = self.nothing_judged()
+        return text + (f"; nothing judged: {why}" if why else "")
+
     def line(self) -> str:
-        """One line: the outcome, the windows audited, and the first that failed."""
+        """One line: the outcome, every step counted, why nothing was judged, the first that failed."""
         first = self.failures[0].line() if self.failures else None
-        return headed(self.status, f"{len(self.windows)} of {self.steps} optimizer steps audited (every "
-                                   f"{self.every}), {len(self.failures)} not equivalent"
-                                   + (f"; first: {first}" if first else ""))
+        return headed(self.status, self._counted() + (f"; first: {first}" if first else ""))
 
     def _failure(self) -> AssertionError:
         return AuditFailure(self.failures[0]) if self.failures else super()._failure()
 
     def _fields(self) -> dict[str, Any]:
+        counts = self.counts()
         return {"steps": self.steps, "every": self.every, "audited": len(self.windows),
-                "failures": len(self.failures), "windows": [window.to_dict() for window in self.windows]}
+                "failures": len(self.failures), "judged": self.judged, "inherent": counts["inherent"],
+                "full_batch_not_finite": counts["full_batch_not_finite"], "not_sampled": counts["not_sampled"],
+                "skipped": self.skipped,
+                "nothing_judged": self.nothing_judged(), "windows": [window.to_dict() for window in self.windows]}
 
     def summary(self) -> str:
-        """Every audited window, one line each, and the count."""
-        inherent = sum(1 for window in self.windows if window.inherent)
-        head = (f"equiv audit: {len(self.windows)} of {self.steps} optimizer steps audited (every {self.every}), "
-                f"{len(self.failures)} not equivalent to the full-batch step of their window"
-                + (f", {inherent} inherently not equivalent (not replayed)" if inherent else ""))
-        return "\n".join([head, *(f"  {window.line()}" for window in self.windows)])
+        """Every step counted, then every audited window, one line each."""
+        return "\n".join([f"equiv audit: {self._counted()}", *(f"  {window.line()}" for window in self.windows)])
+
+    def write_jsonl(self, path: str | Path) -> Path:
+        """Write each audited window's ``to_dict()`` (the schema's ``window_audit``) as one JSON line
+        of ``path`` (replaced); returns the path.  :func:`jsonl_writer` appends them as they come."""
+        path = Path(path)
+        with path.open("w", encoding="utf-8") as out:
+            for window in self.windows:
+                out.write(json.dumps(window.to_dict()) + "\n")
+        return path
+
+
+def jsonl_writer(path: str | Path, *, then: Callable[[WindowAudit], None] | None = None
+                 ) -> Callable[[WindowAudit], None]:
+    """An ``on_window`` for :func:`audit` that appends each window's ``to_dict()`` to ``path``
+    as one JSON line as soon as it is judged (a run that dies keeps what was judged), then
+    calls ``then`` with the window, if given."""
+    target = Path(path)
+
+    def on_window(window: WindowAudit) -> None:
+        with target.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(window.to_dict()) + "\n")
+        if then is not None:
+            then(window)
+
+    return on_window
+
+
+def _first_not_finite(named: Iterable[tuple[str, Tensor | None]], what: str, *, step: int) -> str | None:
+    """The first tensor of ``named`` holding a NaN or inf, named with its counts and first index, or None."""
+    for name, tensor in named:
+        if tensor is None or not tensor.is_floating_point():
+            continue
+        bad = torch.logical_not(torch.isfinite(tensor))
+        if not bool(bad.any()):
+            continue
+        nans = int(torch.isnan(tensor).sum())
+        infs = int(bad.sum()) - nans
+        first = int(bad.flatten().to(torch.uint8).argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape)) if tensor.dim() else ()
+        found = " and ".join(f"{n} {kind}" for n, kind in ((nans, "NaN"), (infs, "inf")) if n)
+        return f"the {what} of '{name}' at step {step} is not finite ({found}), the first at index {index}"
+    return None
+
+
+def _refuse_a_foreign_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must step the model's own parameters (some of them: frozen ones are fine)."""
+    own = {id(param) for param in model.parameters()}
+    foreign = [param for group in optimizer.param_groups for param in group["params"] if id(param) not in own]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter tensor{'s' if len(foreign) != 1 else ''} that "
+            f"{'are' if len(foreign) != 1 else 'is'} not the model's parameters (first: shape "
+            f"{tuple(foreign[0].shape)}; the model, a {type(model).__name__}, has {len(own)} parameter tensors): "
+            "build the optimizer from model.parameters() of the model the audit watches")
 
 
 def _autocast_of(model: nn.Module) -> Autocast | None:
@@ -301,7 +478,9 @@ def _autocast_of(model: nn.Module) -> Autocast | None:
 class _ClipWatch:
     """Every ``torch.nn.utils.clip_grad_norm_`` call made while an audit is open,
     told to the open audits (one wrapper however many audits are open: they may
-    close in any order).  What a run clips to is then seen, not guessed."""
+    close in any order).  What a run clips to is then seen, not guessed.  So is
+    a ``torch.amp.GradScaler.step`` that skips ``optimizer.step()`` (inf or NaN
+    gradients): the audit counts it and starts its window again."""
 
     audits: ClassVar[list[Audit]] = []
     #: the functions replaced, by where they live: ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``
@@ -313,6 +492,8 @@ class _ClipWatch:
             for module in (torch.nn.utils, torch.nn.utils.clip_grad):
                 cls.originals[module.__name__] = getattr(module, "clip_grad_norm_")  # noqa: B009
                 setattr(module, "clip_grad_norm_", cls.clip)  # noqa: B010
+            cls.originals["GradScaler.step"] = torch.amp.GradScaler.step
+            setattr(torch.amp.GradScaler, "step", cls.scaler_step)  # noqa: B010
         cls.audits.append(audit)
 
     @classmethod
@@ -322,6 +503,7 @@ class _ClipWatch:
         if not cls.audits and cls.originals:
             for module in (torch.nn.utils, torch.nn.utils.clip_grad):
                 setattr(module, "clip_grad_norm_", cls.originals.pop(module.__name__))  # noqa: B010
+            setattr(torch.amp.GradScaler, "step", cls.originals.pop("GradScaler.step"))  # noqa: B010
 
     @staticmethod
     def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Tensor:
@@ -330,6 +512,15 @@ class _ClipWatch:
             audit._clipped(parameters, float(max_norm))
         clipped: Tensor = _ClipWatch.originals["torch.nn.utils.clip_grad"](parameters, max_norm, *args, **kwargs)
         return clipped
+
+    @staticmethod
+    def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        stepped = {id(audit): audit.steps for audit in _ClipWatch.audits if audit.optimizer is optimizer}
+        result = _ClipWatch.originals["GradScaler.step"](scaler, optimizer, *args, **kwargs)
+        for audit in _ClipWatch.audits:
+            if id(audit) in stepped and audit.steps == stepped[id(audit)]:
+                audit._skipped()
+        return result
 
 
 def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
@@ -365,7 +556,8 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
           targets: Callable[[Call], Tensor] = default_targets, output: Callable[[Any], Tensor] = default_output,
           max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
           on_window: Callable[[WindowAudit], None] | None = None,
-          call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True) -> Audit:
+          call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True,
+          allow_nothing_judged: bool = False) -> Audit:
     """Audit the optimizer steps of the run made inside ``with`` (see :mod:`equiv.auditing.watch`).
 
     Args:
@@ -380,14 +572,18 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
         call_model, record_forward: with ``record_forward=False``, micro-batches are recorded with
             :meth:`Audit.record` instead of by the forward hook, and replayed as
             ``call_model(model, (args, kwargs))``.
+        allow_nothing_judged: let :meth:`Audit.assert_ok` pass an audit that judged no window and
+            flagged none (by default it fails, saying why: the optimizer never stepped, an empty
+            loader, every window inherently not equivalent (dropout), or none sampled).
 
     Returns:
         The :class:`Audit`, a context manager: its ``windows`` hold each audited step's
         :class:`~equiv.auditing.replay.WindowAudit` (the shared result protocol).
 
     Raises:
-        TypeError, ValueError: an argument is not what the audit can take (named, with the value given).
+        TypeError, ValueError: an argument is not what the audit can take (named, with the value given),
+            or the optimizer holds parameters that are not the model's.
     """
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
                  max_grad_norm=max_grad_norm, stop_at_first_failure=stop_at_first_failure, on_window=on_window,
-                 call_model=call_model, record_forward=record_forward)
+                 call_model=call_model, record_forward=record_forward, allow_nothing_judged=allow_nothing_judged)

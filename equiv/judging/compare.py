@@ -703,10 +703,15 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
         truth = torch.zeros_like(abs_diff)
     flags = scratch.get("flags", abs_diff.shape, device, torch.bool)
     # (A bool tensor's sum is several times slower on the CPU than counting its non-zeros.)
-    mismatched = (
-        torch.count_nonzero(torch.gt(abs_diff, row.allowed, out=flags)) if row.max_abs_diff > row.allowed
-        else torch.zeros((), dtype=torch.long, device=device)
-    )
+    # Elements not within the allowance: past it, not finite, or against an allowance that is
+    # not a number (a NaN truth's scale; NaN differences are inf by now).
+    if row.ok:
+        mismatched = torch.zeros((), dtype=torch.long, device=device)
+    else:
+        within = torch.le(abs_diff, row.allowed, out=flags)
+        if not math.isfinite(row.max_abs_diff):
+            within.logical_and_(torch.isfinite(abs_diff))
+        mismatched = abs_diff.numel() - torch.count_nonzero(within)
     # Whether the truth is finite, read on the CPU only (a GPU would wait for it: there
     # the masked pass below is cheap).  Finite where both ends are (NaN spreads to them).
     truth_finite = device.type == "cpu" and bool(torch.isfinite(torch.stack(truth.aminmax())).all())

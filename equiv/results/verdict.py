@@ -139,8 +139,10 @@ class TensorDiff:
     def ok(self) -> bool:
         # The greatest difference within the allowance (NaN counts as infinite
         # before it gets here): the same as "no element past it", and known
-        # from the one maximum a comparison always computes.
-        return not self.max_abs_diff > self.allowed
+        # from the one maximum a comparison always computes.  A difference that
+        # is not finite is never within one, even an allowance that is not
+        # finite either (a NaN or inf truth's scale): a NaN run is never "ok".
+        return math.isfinite(self.max_abs_diff) and self.max_abs_diff <= self.allowed
 
     @property
     def label(self) -> str:
