@@ -230,6 +230,23 @@ def test_calls_through_model_forward_are_recorded_once() -> None:
     assert [w.micro_batches for w in watched.windows] == [2] * 2 and watched, watched.summary()
 
 
+def test_two_audits_on_one_model_closed_in_either_order_leave_its_own_forward() -> None:
+    import inspect
+
+    model, optimizer = tiny_lm_and_optimizer()
+    signature = inspect.signature(model.forward)
+    first = audit(model, optimizer, loss=TOKENS).__enter__()
+    second = audit(model, optimizer, loss=TOKENS).__enter__()
+    assert inspect.signature(model.forward) == signature  # what the Trainer and others inspect
+    _nanogpt_loop(model, optimizer)
+    first.__exit__(None, None, None)
+    _nanogpt_loop(model, optimizer)
+    second.__exit__(None, None, None)
+    assert "forward" not in model.__dict__
+    assert [w.micro_batches for w in first.windows] == [2] * 2 and first, first.summary()
+    assert [w.micro_batches for w in second.windows] == [2] * 4 and second, second.summary()
+
+
 def test_a_model_copied_while_audited_runs_as_itself() -> None:
     import copy
     import pickle

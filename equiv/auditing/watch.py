@@ -50,8 +50,10 @@ with the scaler off, or expect such windows flagged).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import inspect
 import math
 import types
 import warnings
@@ -293,7 +295,9 @@ class Audit(ResultBase):
         if not calls:
             raise RuntimeError(
                 f"optimizer step {step} of the audit saw no training-mode forward call of the audited model since "
-                "the step before: is the model the audit watches the one the loop calls (not a wrapper or a copy)?")
+                "the step before: is the model the audit watches the one the loop calls (not a copy of it), and in train mode "
+                "with gradients enabled? (calls through model(...), model.forward(...), torch.compile and Accelerate "
+                "are all recorded)")
         targets_of = self._targets_of(window, step)
         self._window_sizes[len(calls)] += 1
         usual = self._window_sizes.most_common(1)[0][0]
@@ -468,9 +472,11 @@ class _WatchedForward:
     its graph, so ``fullgraph=True`` holds."""
 
     def __init__(self, watcher: Audit, module: nn.Module) -> None:
-        self.audit, self.module = watcher, module
+        self.audit, self.module, self.removed = watcher, module, False
         self.previous = module.__dict__.get("forward")
         self.inner = self.previous if self.previous is not None else module.forward
+        with contextlib.suppress(TypeError, ValueError):  # what inspect.signature(model.forward) says stays true
+            self.__signature__ = inspect.signature(self.inner)
 
     @classmethod
     def install(cls, watcher: Audit, module: nn.Module) -> _WatchedForward:
@@ -479,14 +485,19 @@ class _WatchedForward:
         return watched
 
     def remove(self) -> None:
+        """Off the model; under another audit's (closed in another order), a pass-through until that one goes."""
+        self.removed = True
         if self.module.__dict__.get("forward") is self:
-            if self.previous is None:
+            restored = self.previous
+            while isinstance(restored, _WatchedForward) and restored.removed:
+                restored = restored.previous
+            if restored is None:
                 del self.module.__dict__["forward"]
             else:
-                self.module.forward = self.previous
+                self.module.forward = restored
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.audit._depth:  # inside a call being recorded: a compiled module's own call of the model
+        if self.removed or self.audit._depth:  # closed, or inside a call being recorded (a compiled module's own)
             return self.inner(*args, **kwargs)
         recorded = _record_eagerly(self.audit, args, kwargs)
         self.audit._depth += 1
