@@ -54,6 +54,26 @@ def test_a_trainer_that_does_not_clip_is_not_hinted_to_clip_to_inf() -> None:
     assert "model_accepts_loss_kwargs=False" in audited.read
 
 
+@_needs("transformers")
+def test_the_callback_says_what_it_read_in_one_line_when_training_begins() -> None:
+    from types import SimpleNamespace
+
+    said: list[str] = []
+    callback = equiv.auditing.transformers_callback(loss=TOKENS, say=said.append)
+    model, optimizer = tiny_lm_and_optimizer()  # forward(input_ids, labels): no **kwargs
+    args = SimpleNamespace(max_grad_norm=1.0, gradient_accumulation_steps=4, bf16=False, fp16=False)
+    callback.on_train_begin(args, None, None, model=model, optimizer=optimizer)
+    callback.on_train_end(args, None, None)
+    assert said == [callback.audit.read]
+    assert said[0].startswith("equiv audit: read from TrainingArguments: max_grad_norm=1.0, "
+                              "gradient_accumulation_steps=4, bf16=False, fp16=False, model_accepts_loss_kwargs=False "
+                              "(the Trainer divides each micro-batch's mean loss by gradient_accumulation_steps"), said
+    told = equiv.auditing.transformers_callback(loss=TOKENS, say=None, max_grad_norm=0.5)
+    told.on_train_begin(args, None, None, model=model, optimizer=optimizer)
+    told.on_train_end(args, None, None)
+    assert told.audit.max_grad_norm == 0.5 and "the callback's own max_grad_norm=0.5 used instead" in told.audit.read
+
+
 @pytest.mark.parametrize("none", [None, 0, 0.0, math.inf])
 def test_a_max_grad_norm_of_inf_zero_or_none_is_no_clipping(none: float | None) -> None:
     model, optimizer = tiny_lm_and_optimizer("SGD")
@@ -67,6 +87,26 @@ def test_a_max_grad_norm_of_inf_zero_or_none_is_no_clipping(none: float | None) 
     assert watched.max_grad_norm is None
     assert [w.equivalent for w in watched.windows] == [True, False], watched.summary()
     assert not any(w.hint for w in watched.windows), watched.summary()
+
+
+def test_a_run_that_clamps_by_value_unannounced_is_hinted_and_told_is_clean() -> None:
+    def clamped_run(**settings: float) -> equiv.auditing.Audit:
+        model, optimizer = tiny_lm_and_optimizer("SGD")
+        with audit(model, optimizer, loss=TOKENS, **settings) as watched:
+            for window in windows(token_loader([8] * 8), 2):
+                for ids, labels in window:
+                    (TOKENS(model(ids, labels), labels) / 2).backward()
+                torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.01)  # Lightning's keyword
+                optimizer.step()
+                optimizer.zero_grad()
+        return watched
+
+    unannounced = clamped_run()
+    assert unannounced.windows and not any(w.equivalent for w in unannounced.windows), unannounced.summary()
+    assert all("clamped its gradients to ±0.01 (1 clip_grad_value_ call in the window)" in w.line()
+               and "audit with max_grad_value=0.01" in w.line() for w in unannounced.windows), unannounced.summary()
+    assert clamped_run(max_grad_value=0.01), "told the clip value, the run is equivalent"
+    assert torch.nn.utils.clip_grad_value_.__module__ == "torch.nn.utils.clip_grad"  # torch's own again
 
 
 def test_a_negative_max_grad_norm_is_refused_with_its_value() -> None:

@@ -269,13 +269,13 @@ class Audit(ResultBase):
 
         return recorded
 
-    def _clipped(self, parameters: list[Tensor], max_norm: float) -> None:
-        """A ``clip_grad_norm_`` call on (some of) the audited model's parameters, in this window."""
-        if clip_setting("max_norm", max_norm) is None:  # clip_grad_norm_(..., inf): a norm measured, nothing clipped
+    def _clipped(self, name: str, parameters: list[Tensor], limit: float) -> None:
+        """A ``clip_grad_norm_`` / ``clip_grad_value_`` call on (some of) the audited model's parameters, in this window."""
+        if clip_setting(name, limit) is None:  # clip_grad_norm_(..., inf): a norm measured, nothing clipped
             return
         own = {id(param) for param in self.model.parameters()}
         if self._window is not None and any(id(param) in own for param in parameters):
-            self._window["clips"].append(max_norm)
+            self._window["clips"].append((name, limit))
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
@@ -538,10 +538,16 @@ def _autocast_of(model: nn.Module) -> Autocast | None:
     return device_type, torch.get_autocast_dtype(device_type)
 
 
+#: torch's clip functions the audit watches: the keyword of the limit, the audit's setting that
+#: replays it, and what a run does with it, in words.
+_CLIPS = {"clip_grad_norm_": ("max_norm", "max_grad_norm", "clipped its gradients to "),
+          "clip_grad_value_": ("clip_value", "max_grad_value", "clamped its gradients to ±")}
+
+
 class _ClipWatch:
-    """Every ``torch.nn.utils.clip_grad_norm_`` call made while an audit is open,
-    told to the open audits (one wrapper however many audits are open: they may
-    close in any order).  What a run clips to is then seen, not guessed."""
+    """Every ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` call made while an audit
+    is open, told to the open audits (one wrapper however many audits are open: they may close in
+    any order).  What a run clips to is then seen, not guessed."""
 
     audits: ClassVar[list[Audit]] = []
     #: the functions replaced, by where they live: ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``
@@ -551,8 +557,9 @@ class _ClipWatch:
     def open(cls, audit: Audit) -> None:
         if not cls.audits:
             for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-                cls.originals[module.__name__] = getattr(module, "clip_grad_norm_")  # noqa: B009
-                setattr(module, "clip_grad_norm_", cls.clip)  # noqa: B010
+                for name in _CLIPS:
+                    cls.originals[f"{module.__name__}.{name}"] = getattr(module, name)
+                    setattr(module, name, cls.watching(name))
         cls.audits.append(audit)
 
     @classmethod
@@ -561,30 +568,41 @@ class _ClipWatch:
             cls.audits.remove(audit)
         if not cls.audits and cls.originals:
             for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-                setattr(module, "clip_grad_norm_", cls.originals.pop(module.__name__))  # noqa: B010
+                for name in _CLIPS:
+                    setattr(module, name, cls.originals.pop(f"{module.__name__}.{name}"))
 
     @staticmethod
-    def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Tensor:
-        parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-        if max_norm == max_norm and max_norm >= 0:  # what torch refuses is torch's to say
-            for audit in _ClipWatch.audits:
-                audit._clipped(parameters, float(max_norm))
-        clipped: Tensor = _ClipWatch.originals["torch.nn.utils.clip_grad"](parameters, max_norm, *args, **kwargs)
-        return clipped
+    def watching(name: str) -> Callable[..., Any]:
+        keyword = _CLIPS[name][0]
+
+        def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+            limit = args[0] if args else kwargs.get(keyword)
+            if limit is not None and limit == limit and limit >= 0:  # what torch refuses is torch's to say
+                for audit in _ClipWatch.audits:
+                    audit._clipped(name, parameters, float(limit))
+            return _ClipWatch.originals[f"torch.nn.utils.clip_grad.{name}"](parameters, *args, **kwargs)
+
+        clip.__name__ = clip.__qualname__ = name
+        return clip
 
 
 def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
-    """What a failing window's run clipped to when the audit was not told (``max_grad_norm``):
-    the clip calls it saw in the window, and the setting that replays them."""
-    clips: list[float] = window.get("clips", [])
-    if not clips or audit.max_grad_norm is not None:
-        return None
-    norms = sorted(set(clips))
-    calls = f"{len(clips)} clip_grad_norm_ call{'s' if len(clips) != 1 else ''} in the window"
-    if len(norms) == 1:
-        return (f"the run clipped its gradients to {norms[0]:g} ({calls}) and the audit was not told: audit with "
-                f"max_grad_norm={norms[0]:g}")
-    return f"the run clipped its gradients to {', '.join(f'{n:g}' for n in norms)} ({calls}); the audit was not told"
+    """What a failing window's run clipped to when the audit was not told (``max_grad_norm``,
+    ``max_grad_value``): the clip calls it saw in the window, and the setting that replays them."""
+    hints = []
+    for name, (_, setting, did) in _CLIPS.items():
+        limits = [limit for seen, limit in window.get("clips", []) if seen == name]
+        if not limits or getattr(audit, setting) is not None:
+            continue
+        values = sorted(set(limits))
+        calls = f"{len(limits)} {name} call{'s' if len(limits) != 1 else ''} in the window"
+        if len(values) == 1:
+            hints.append(f"the run {did}{values[0]:g} ({calls}) and the audit was not told: audit with "
+                         f"{setting}={values[0]:g}")
+        else:
+            hints.append(f"the run {did}{', '.join(f'{v:g}' for v in values)} ({calls}); the audit was not told")
+    return "; ".join(hints) or None
 
 
 def _refuse_a_rank_of_many() -> None:
