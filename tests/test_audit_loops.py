@@ -344,3 +344,23 @@ def test_a_compiled_module_handed_to_the_audit_keeps_its_full_graph() -> None:
         _nanogpt_loop(compiled, optimizer)
     assert [w.micro_batches for w in watched.windows] == [2] * 2 and watched, watched.summary()
     assert "forward" not in model.__dict__ and compiled.forward is not None
+
+
+@_needs("accelerate")
+def test_accelerates_mixed_precision_inside_the_prepared_forward_is_recorded() -> None:
+    # Accelerate enters its autocast inside the forward it sets on the model: the record carries it, so
+    # the floors are replayed in the run's own mixed precision.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from equiv.auditing.trainers import torch_optimizer
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    model, optimizer = tiny_lm_and_optimizer()
+    model, optimizer = Accelerator(cpu=True, mixed_precision="bf16").prepare(model, optimizer)
+    ids, labels = next(iter(token_loader([8, 8])))
+    with audit(model, torch_optimizer(optimizer), loss=TOKENS) as watched:
+        model(ids, labels)
+        model.forward(ids, labels)
+        assert watched._window is not None and watched._window["autocast"] == [("cpu", torch.bfloat16)] * 2

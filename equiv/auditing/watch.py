@@ -500,11 +500,17 @@ class _WatchedForward:
         if self.removed or self.audit._depth:  # closed, or inside a call being recorded (a compiled module's own)
             return self.inner(*args, **kwargs)
         recorded = _record_eagerly(self.audit, args, kwargs)
+        # A forward someone set on the instance before the audit (Accelerate's mixed precision) may enter an
+        # autocast inside it: the call's autocast is read again at the first submodule call within.
+        inside = (_probe_autocast_eagerly(self.audit)
+                  if recorded and self.previous is not None and self.module is self.audit.model else None)
         self.audit._depth += 1
         try:
             output = self.inner(*args, **kwargs)
         finally:
             self.audit._depth -= 1
+            if inside is not None:
+                inside.remove()
         if recorded:
             _see_output_eagerly(self.audit, output)
         return output
@@ -522,6 +528,19 @@ def _unwatched(module: nn.Module, previous: Any) -> Any:
 def _record_eagerly(watcher: Audit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Record outside any ``torch.compile`` graph (a graph break), so the copies are real."""
     return watcher._record_forward(args, kwargs)
+
+
+@torch.compiler.disable  # type: ignore[misc,unused-ignore]
+def _probe_autocast_eagerly(watcher: Audit) -> RemovableHandle:
+    """A global forward pre-hook, once: the autocast in force at the first submodule call inside the
+    model's forward replaces the one read when its call was recorded."""
+    def probe(module: nn.Module, args: Any) -> None:
+        handle.remove()
+        if watcher._window is not None and watcher._window["autocast"]:
+            watcher._window["autocast"][-1] = _autocast_of(watcher.model)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(probe)
+    return handle
 
 
 @torch.compiler.disable  # type: ignore[misc,unused-ignore]
