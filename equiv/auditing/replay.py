@@ -209,7 +209,7 @@ class WindowReplay:
     What stays the same from window to window of one run: the model (its
     window-start copy, ``template``, and the user's own, whose parameters the
     optimizer holds), the optimizer, the loss named as sum + count, how a call's
-    output and targets are read, how the model is called, and the clip norm."""
+    output and targets are read, how the model is called, and the clip (by norm or by value)."""
 
     template: nn.Module
     model: nn.Module
@@ -219,6 +219,8 @@ class WindowReplay:
     targets_of: Extract
     call_model: CallModel
     max_grad_norm: float | None = None
+    #: the value each gradient element is clamped to (``clip_grad_value_``), or None
+    max_grad_value: float | None = None
 
     def source(self, window: RecordedWindow) -> RunSource:
         """The run source of ``window``: its full-batch step from its start, the
@@ -286,6 +288,8 @@ class WindowReplay:
             torch._foreach_div_(grads, total)
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm, foreach=True)
+        if self.max_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), self.max_grad_value, foreach=True)
         optimizer.step()
 
 

@@ -154,16 +154,18 @@ def scaled_loss_run() -> tuple[Audit, list[float], list[float]]:
 TRAINER_LENGTHS = [[8, 8], [8, 8], [7, 2], [3, 2], [5, 5], [5, 5], [8, 6], [2, 1]]
 
 
-def trainer_run(*, loss_kwargs: bool) -> Audit:
-    """The transformers Trainer (gradient_accumulation_steps=2, in order, no clipping)
-    on a one-layer Llama from a config, float32, with the audit's callback."""
+def trainer_run(*, loss_kwargs: bool, gradient_accumulation_steps: int = 2, max_grad_norm: float | None = 0.0,
+                lengths: list[list[int]] = TRAINER_LENGTHS) -> Audit:
+    """The transformers Trainer (gradient_accumulation_steps=2, in order, no clipping unless
+    ``max_grad_norm`` says: None leaves TrainingArguments' default, 1.0) on a one-layer Llama
+    from a config, float32, with the audit's callback as the README writes it."""
     from transformers import Trainer, TrainingArguments
     from transformers.utils import logging as transformers_logging
 
     from equiv.adapters.transformers import NoLossKwargs, tiny_causal_lm, token_micro_batches
 
     transformers_logging.set_verbosity_error()
-    micro_batches = token_micro_batches(TRAINER_LENGTHS)
+    micro_batches = token_micro_batches(lengths)
     rows = [{key: value[row] for key, value in batch.items()} for batch in micro_batches for row in range(2)]
     model: nn.Module = tiny_causal_lm().float()
     if not loss_kwargs:
@@ -176,10 +178,11 @@ def trainer_run(*, loss_kwargs: bool) -> Audit:
     callback = transformers_callback(loss=TOKENS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                 num_train_epochs=1, max_grad_norm=0.0, use_cpu=True, report_to="none",
-                                 save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                                 dataloader_num_workers=0, remove_unused_columns=False)
+        clipping: dict[str, Any] = {} if max_grad_norm is None else {"max_grad_norm": max_grad_norm}
+        args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=gradient_accumulation_steps, num_train_epochs=1,
+                                 use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
+                                 disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False, **clipping)
         trainer = InOrder(model=model, args=args, train_dataset=rows, callbacks=[callback],
                           optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)))
         with contextlib.redirect_stdout(io.StringIO()):
@@ -194,9 +197,10 @@ def classification_batches(count: int) -> list[tuple[Tensor, Tensor]]:
             for _ in range(count)]
 
 
-def lightning_tail_run(precision: str = "32-true") -> Audit:
+def lightning_tail_run(precision: str = "32-true", **trainer_settings: Any) -> Audit:
     """Lightning's ``Trainer.fit`` with accumulate_grad_batches=3 over 7 batches, the audit's callback;
-    ``precision``: Lightning's (``"bf16-mixed"``: the training step under bfloat16 autocast)."""
+    ``precision``: Lightning's (``"bf16-mixed"``: the training step under bfloat16 autocast);
+    ``trainer_settings``: more of ``pl.Trainer``'s (``gradient_clip_val=``)."""
     import pytorch_lightning as pl
 
     class Classifier(pl.LightningModule):  # type: ignore[misc,unused-ignore]
@@ -219,7 +223,7 @@ def lightning_tail_run(precision: str = "32-true") -> Audit:
     trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=3, accelerator="cpu", logger=False,
                          precision=precision,  # type: ignore[arg-type,unused-ignore]  # Lightning's Literal of names
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback])
+                         callbacks=[callback], **trainer_settings)
     trainer.fit(Classifier(), DataLoader(classification_batches(7), batch_size=None))  # type: ignore[arg-type]
     assert callback.audit is not None
     return callback.audit  # type: ignore[no-any-return,unused-ignore]

@@ -2,31 +2,37 @@
 training code changes but the callback list.
 
 * transformers: ``Trainer(..., callbacks=[equiv.auditing.transformers_callback(loss=...)])``: the
-  micro-batches are the calls the Trainer makes to the model (``labels`` among them);
+  micro-batches are the calls the Trainer makes to the model (``labels`` among them); the clip norm
+  is read from the ``TrainingArguments`` (``max_grad_norm``, 1.0 by default);
 * Lightning: ``pl.Trainer(..., callbacks=[equiv.auditing.lightning_callback(loss=...)])``: the
   micro-batches are the training batches (``on_train_batch_start``), since a ``training_step``
   usually computes its loss outside ``forward``; replayed as ``module(x)`` against ``y`` for a
-  batch ``(x, y)`` unless ``call_model=`` / ``targets=`` say otherwise;
+  batch ``(x, y)`` unless ``call_model=`` / ``targets=`` say otherwise; the clipping is read from
+  the ``pl.Trainer`` (``gradient_clip_val``, by norm or by value);
 * a plain loop or Accelerate's ``accumulate()`` loop: ``with equiv.audit(model, optimizer, loss=...)``.
 
 Each starts :func:`equiv.audit` on the model and the torch optimizer when
 training begins (under a wrapper such as Accelerate's ``AcceleratedOptimizer``
 or Lightning's ``LightningOptimizer``: the torch optimizer inside, whose
 ``step`` is the one that updates the weights) and ends it when training ends;
-the audit is then in ``.audit`` (``.audit.summary()``).  transformers and
+the audit is then in ``.audit`` (``.audit.summary()``).  What a callback read from
+the trainer's settings is said in one line when training begins (``say=``, ``print`` by
+default) and kept in ``.audit.read``; a callback's own ``max_grad_norm=`` overrides it.  transformers and
 Lightning are imported only when a callback is made (extra ``peers``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from equiv.auditing.replay import Call
-from equiv.auditing.watch import Audit, audit
+from equiv.auditing.watch import Audit, audit, clip_setting
 
 __all__ = ["lightning_callback", "torch_optimizer", "transformers_callback"]
 
@@ -43,17 +49,45 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return seen
 
 
-def _start(model: nn.Module | None, optimizer: Any, settings: dict[str, Any]) -> Audit:
+def _start(model: nn.Module | None, optimizer: Any, settings: dict[str, Any], read: tuple[dict[str, Any], dict[str, Any]],
+           source: str, say: Callable[[str], None] | None) -> Audit:
+    """The audit of a trainer's run, told what ``read`` took from the trainer's own settings (the
+    settings shown, and the audit's keywords they give; the callback's ``settings`` win), the line
+    saying so kept in ``audit.read`` and handed to ``say``."""
     if model is None or optimizer is None:
         raise RuntimeError("the trainer began training without handing its model and optimizer to callbacks: "
                            f"got model={type(model).__name__}, optimizer={type(optimizer).__name__}")
-    started = audit(model, torch_optimizer(optimizer), **settings)
+    shown, told = read
+    started = audit(model, torch_optimizer(optimizer), **{**told, **settings})
+    replayed = [f"{key}={value}" for key, value in told.items() if value is not None and key not in shown]
+    overridden = [f"{key}={settings[key]}" for key in told if key in settings]
+    started.read = (f"equiv audit: read from {source}: "
+                    + ", ".join(f"{key}={value}{_meaning(key, value)}" for key, value in shown.items())
+                    + (f"; replayed with {', '.join(replayed)}" if replayed else "")
+                    + (f"; the callback's own {', '.join(overridden)} used instead" if overridden else ""))
+    if say is not None:
+        say(started.read)
     return started.__enter__()
 
 
-def transformers_callback(**settings: Any) -> Any:
+def _meaning(key: str, value: Any) -> str:
+    """What a setting read means to the audit, when it is not plain."""
+    if key in ("max_grad_norm", "gradient_clip_val") and clip_setting(key, value) is None:
+        return " (no clipping)"
+    if key == "model_accepts_loss_kwargs" and value is False:
+        return (" (the Trainer divides each micro-batch's mean loss by gradient_accumulation_steps: a window of "
+                "unequal token counts is not its full-batch step, transformers #37766)")
+    if key == "label_smoothing_factor":
+        return " (the Trainer's loss is label-smoothed: loss= must name the same objective)"
+    return ""
+
+
+def transformers_callback(*, say: Callable[[str], None] | None = print, **settings: Any) -> Any:
     """A ``transformers.TrainerCallback`` auditing the Trainer's optimizer steps;
-    ``settings``: those of :func:`equiv.audit` (``loss=`` at least)."""
+    ``settings``: those of :func:`equiv.audit` (``loss=`` at least).  The clip norm is read from
+    the ``TrainingArguments`` (``max_grad_norm``, 1.0 by default; 0 or None: none), and what was
+    read (accumulation steps, precision, whether the model takes the Trainer's loss keywords) is
+    handed to ``say`` in one line when training begins (``say=None``: kept in ``audit.read`` only)."""
     from transformers import TrainerCallback
 
     class _TransformersAudit(TrainerCallback):  # type: ignore[misc,unused-ignore]
@@ -62,7 +96,8 @@ def transformers_callback(**settings: Any) -> Any:
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                            optimizer: Any = None, **kwargs: Any) -> None:
-            self.audit = _start(model, optimizer, settings)
+            self.audit = _start(model, optimizer, settings, _read_training_arguments(args, model),
+                                "TrainingArguments", say)
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.audit is not None:  # the epoch as a fraction (the Trainer's own count)
@@ -75,9 +110,39 @@ def transformers_callback(**settings: Any) -> Any:
     return _TransformersAudit()
 
 
-def lightning_callback(**settings: Any) -> Any:
+def _read_training_arguments(args: Any, model: nn.Module | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the Trainer does to the step, from its arguments: the clip norm it applies once per
+    step (``max_grad_norm > 0``), its accumulation, its mixed precision, and whether the model takes
+    the loss keywords (``num_items_in_batch``: the window's token count; without them the Trainer
+    divides each micro-batch's mean loss by the accumulation steps, transformers #37766)."""
+    norm = getattr(args, "max_grad_norm", None)
+    shown = {
+        "max_grad_norm": norm, "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", 1),
+        "bf16": bool(getattr(args, "bf16", False)), "fp16": bool(getattr(args, "fp16", False)),
+        "model_accepts_loss_kwargs": _accepts_loss_kwargs(model),
+    }
+    if getattr(args, "label_smoothing_factor", 0):
+        shown["label_smoothing_factor"] = args.label_smoothing_factor
+    return shown, {"max_grad_norm": clip_setting("max_grad_norm", norm)}
+
+
+def _accepts_loss_kwargs(model: nn.Module | None) -> bool | None:
+    """As the Trainer decides it: the model's ``accepts_loss_kwargs``, else a ``**kwargs`` in its ``forward``."""
+    if model is None:
+        return None
+    declared = getattr(model, "accepts_loss_kwargs", None)
+    if isinstance(declared, bool):
+        return declared
+    forward = type(model).forward  # the class's own, not a wrapper set on the instance
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
+
+
+def lightning_callback(*, say: Callable[[str], None] | None = print, **settings: Any) -> Any:
     """A Lightning ``Callback`` auditing ``Trainer.fit``'s optimizer steps (one
-    optimizer); ``settings``: those of :func:`equiv.audit` (``loss=`` at least)."""
+    optimizer); ``settings``: those of :func:`equiv.audit` (``loss=`` at least).  The clipping
+    is read from the ``pl.Trainer`` (``gradient_clip_val`` by ``gradient_clip_algorithm``: "norm"
+    replayed as ``max_grad_norm``, "value" as ``max_grad_value``), and what was read (with
+    ``accumulate_grad_batches`` and ``precision``) handed to ``say`` in one line."""
     import pytorch_lightning as pl
 
     settings = {"record_forward": False, "call_model": _lightning_call, "targets": _lightning_targets, **settings}
@@ -89,7 +154,8 @@ def lightning_callback(**settings: Any) -> Any:
         def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
             if len(trainer.optimizers) != 1:
                 raise ValueError(f"the audit follows one optimizer, the Trainer has {len(trainer.optimizers)}")
-            self.audit = _start(pl_module, trainer.optimizers[0], settings)
+            self.audit = _start(pl_module, trainer.optimizers[0], settings, _read_lightning(trainer, pl_module),
+                                "pl.Trainer", say)
 
         def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
             if self.audit is not None:
@@ -104,6 +170,23 @@ def lightning_callback(**settings: Any) -> Any:
                 self.audit.__exit__(None, None, None)
 
     return _LightningAudit()
+
+def _read_lightning(trainer: Any, module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's clipping (applied once per optimizer step, under automatic optimization), its
+    accumulation (each ``training_step``'s loss divided by ``accumulate_grad_batches``) and precision."""
+    value = getattr(trainer, "gradient_clip_val", None)
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    algorithm = str(getattr(algorithm, "value", algorithm) or "norm").lower()
+    if algorithm not in ("norm", "value"):
+        raise ValueError(f"the audit replays Lightning's gradient_clip_algorithm 'norm' or 'value', got {algorithm!r}")
+    clip = clip_setting("gradient_clip_val", value)
+    if clip is not None and not getattr(module, "automatic_optimization", True):
+        clip = None  # under manual optimization the Trainer's clip settings are not applied by it
+    return {
+        "gradient_clip_val": value, "gradient_clip_algorithm": algorithm,
+        "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", 1),
+        "precision": getattr(trainer, "precision", None),
+    }, {"max_grad_norm": clip if algorithm == "norm" else None, "max_grad_value": clip if algorithm == "value" else None}
 
 
 #: Lightning's mixed-precision settings and the autocast dtype each trains its forward in.

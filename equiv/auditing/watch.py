@@ -8,9 +8,11 @@
 
 What the hooks see (no adapter, no change to the loop):
 
-* a forward pre-hook on ``model`` records every training-mode call made with
-  gradients enabled since the last optimizer step (detached copies of its
-  arguments), for the windows that will be audited only;
+* the model's ``forward``, wrapped on entering (restored on exit), records every
+  training-mode call made with gradients enabled since the last optimizer step
+  (detached copies of its arguments), for the windows that will be audited only:
+  ``model(x)``, ``model.forward(x)``, a ``torch.compile``d model and an
+  Accelerate-prepared one alike, each call once;
 * when an audited window begins (on entering, and after each optimizer step)
   the model's weights and the optimizer's ``state_dict()`` are copied;
 * an optimizer step pre-hook records the hyperparameters the step uses (so a
@@ -24,8 +26,11 @@ the model's forward received: ``targets`` maps a recorded call to its targets
 (by default the ``labels`` keyword, as transformers models take them, else the
 second positional argument); ``output`` maps the model's output to what the
 loss takes (by default ``.logits``, else the first element of a tuple, else the
-output itself).  Targets that never reach ``forward`` (``loss_fn(model(x), y)``)
-cannot be seen by a hook: pass them into ``forward`` or use ``targets=``.
+output itself).  Targets that never reach ``forward`` (``criterion(model(x), y)``)
+are seen where the loss sees them: ``criterion=`` hooks the ``nn.Module`` loss the
+loop calls, :meth:`Audit.wrap` wraps a loss function; each call's target is paired
+with the model's call before it.  A target that does not fit the loss (a diffusion
+model's timestep taken for it) is an error naming what was found, before any replay.
 
 Cost: one copy of the model (the replay's template, made on entering); per
 audited window its inputs, its start weights and optimizer state, and during
@@ -46,10 +51,14 @@ itself, a fused one, steps and skips inside: such a window is judged as a step).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import inspect
 import json
 import math
+import types
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -106,6 +115,13 @@ def default_targets(call: Call) -> Tensor:
         "targets=lambda call: ... mapping (args, kwargs) to the targets tensor, or hand the targets to forward")
 
 
+def _where_targets_were_found(call: Call) -> str:
+    """Where :func:`default_targets` took a call's targets from, in words."""
+    kwargs = call[1]
+    keyword = next((k for k in TARGET_KEYWORDS if isinstance(kwargs.get(k), Tensor)), None)
+    return f"the {keyword}= keyword of the model's call" if keyword else "the second positional argument of the model's call"
+
+
 def default_call(model: nn.Module, call: Call) -> Any:
     """Replay a recorded forward call as it was made."""
     args, kwargs = call
@@ -142,7 +158,11 @@ class Audit(ResultBase):
                  max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
                  on_window: Callable[[WindowAudit], None] | None = None,
                  call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True,
-                 allow_nothing_judged: bool = False) -> None:
+                 allow_nothing_judged: bool = False, criterion: nn.Module | None = None,
+                 max_grad_value: float | None = None) -> None:
+        #: what the loop calls, when the audit was handed a ``torch.compile``d module (watched too, outside its graph)
+        self._compiled = model if _compiled_from(model) is not model else None
+        model = _compiled_from(model)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -152,12 +172,16 @@ class Audit(ResultBase):
                             f"equiv.NextTokenCrossEntropy()), got {loss!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (audit one window in every), got {every!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        if criterion is not None and not isinstance(criterion, nn.Module):
+            raise TypeError(f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
+                            f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns")
         _refuse_a_foreign_optimizer(model, optimizer)
         self.allow_nothing_judged = allow_nothing_judged
         self.model, self.optimizer, self.loss, self.every = model, optimizer, loss, every
-        self.targets, self.output, self.max_grad_norm = targets, output, max_grad_norm
+        #: the clip the replay applies once per window (None: none; 0 and inf mean none too)
+        self.max_grad_norm = clip_setting("max_grad_norm", max_grad_norm)
+        self.max_grad_value = clip_setting("max_grad_value", max_grad_value)
+        self.targets, self.output, self.criterion = targets, output, criterion
         self.stop_at_first_failure, self.on_window = stop_at_first_failure, on_window
         self.call_model, self.record_forward = call_model, record_forward
         #: every audited window's verdict, in order
@@ -167,7 +191,12 @@ class Audit(ResultBase):
         #: where the run is, as a trainer's callback (or the loop) sets it: "epoch 1, batch 6";
         #: each audited window keeps the value it had when its step was taken
         self.position: str | None = None
+        #: what a trainer's callback read from the trainer's settings, one line (None: not started by one)
+        self.read: str | None = None
         self._handles: list[RemovableHandle] = []
+        self._watched: list[_WatchedForward] = []
+        #: calls of watched forwards now running (a compiled module's call of its model is not recorded again)
+        self._depth = 0
         self._template: nn.Module | None = None
         self._window: dict[str, Any] | None = None
         self._hyper: tuple[dict[str, Any], ...] = ()
@@ -186,17 +215,22 @@ class Audit(ResultBase):
             self.optimizer.register_step_pre_hook(self._on_step_begin),
             self.optimizer.register_step_post_hook(self._on_step_end),
         ]
+        if self.criterion is not None:
+            self._handles.append(self.criterion.register_forward_pre_hook(self._on_criterion, with_kwargs=True))
         if self.record_forward:
-            self._handles.append(self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+            called = [self.model] if self._compiled is None else [self.model, self._compiled]
+            self._watched = [_WatchedForward.install(self, module) for module in called]
         _ClipWatch.open(self)
         self._begin_window()
         return self
 
     def __exit__(self, *exc: object) -> None:
         _ClipWatch.close(self)
+        for watched in self._watched:
+            watched.remove()
         for handle in self._handles:
             handle.remove()
-        self._handles, self._window, self._template = [], None, None
+        self._handles, self._window, self._template, self._watched = [], None, None, []
 
     def _begin_window(self) -> None:
         """Copy what the next window starts from, if it will be audited."""
@@ -210,12 +244,30 @@ class Audit(ResultBase):
             "calls": [],
             "autocast": [],
             "clips": [],
+            "outputs": [],  # per recorded forward call, (shape, dtype) of what the loss takes, when it could be read
+            "seen_targets": [],  # the targets a criterion / wrapped loss received, one per its call
         }
 
-    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if module.training and torch.is_grad_enabled():
-            self._forward_calls += 1
-            self.record(*args, **kwargs)
+    def _record_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """A call of the model's forward: recorded when training with gradients (True then)."""
+        if not (self.model.training and torch.is_grad_enabled()):
+            return False
+        self._forward_calls += 1  # counted to say what a run that never steps did
+        if self._window is None:
+            return False
+        self.record(*args, **kwargs)
+        return True
+
+    def _saw_output(self, output: Any) -> None:
+        """The output of the call just recorded: its shape and dtype, to check the targets fit the loss."""
+        if self._window is None:
+            return
+        try:
+            taken = self.output(output)
+            spec: tuple[tuple[int, ...], torch.dtype] | None = (tuple(taken.shape), taken.dtype)
+        except Exception:  # an output the mapping cannot read now is named at the replay
+            spec = None
+        self._window["outputs"].append(spec)
 
     def record(self, *args: Any, **kwargs: Any) -> None:
         """Record one micro-batch of the current window by hand, as ``call_model``
@@ -225,11 +277,31 @@ class Audit(ResultBase):
             self._window["calls"].append((_detached(args), _detached(kwargs)))
             self._window["autocast"].append(_autocast_of(self.model))
 
-    def _clipped(self, parameters: list[Tensor], max_norm: float) -> None:
-        """A ``clip_grad_norm_`` call on (some of) the audited model's parameters, in this window."""
+    def _on_criterion(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._saw_target(_loss_target(args, kwargs, "criterion"))
+
+    def _saw_target(self, target: Tensor) -> None:
+        if self._window is not None and self.model.training and torch.is_grad_enabled():
+            self._window["seen_targets"].append(target.detach().clone())
+
+    def wrap(self, loss_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """``loss_fn`` recording the target of each call, for the audit's replay: the loop calls
+        ``audit.wrap(F.cross_entropy)(model(x), y)``; the targets (the second positional argument,
+        or the ``target=`` / ``targets=`` / ``labels=`` keyword) are paired with the model's calls."""
+
+        def recorded(*args: Any, **kwargs: Any) -> Tensor:
+            self._saw_target(_loss_target(args, kwargs, getattr(loss_fn, "__name__", "the wrapped loss")))
+            return loss_fn(*args, **kwargs)
+
+        return recorded
+
+    def _clipped(self, name: str, parameters: list[Tensor], limit: float) -> None:
+        """A ``clip_grad_norm_`` / ``clip_grad_value_`` call on (some of) the audited model's parameters, in this window."""
+        if clip_setting(name, limit) is None:  # clip_grad_norm_(..., inf): a norm measured, nothing clipped
+            return
         own = {id(param) for param in self.model.parameters()}
         if self._window is not None and any(id(param) in own for param in parameters):
-            self._window["clips"].append(max_norm)
+            self._window["clips"].append((name, limit))
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
@@ -254,7 +326,10 @@ class Audit(ResultBase):
         if not calls:
             raise RuntimeError(
                 f"optimizer step {step} of the audit saw no training-mode forward call of the audited model since "
-                "the step before: is the model the audit watches the one the loop calls (not a wrapper or a copy)?")
+                "the step before: is the model the audit watches the one the loop calls (not a copy of it), and in train mode "
+                "with gradients enabled? (calls through model(...), model.forward(...), torch.compile and Accelerate "
+                "are all recorded)")
+        targets_of = self._targets_of(window, step)
         self._window_sizes[len(calls)] += 1
         usual = self._window_sizes.most_common(1)[0][0]
         recorded = RecordedWindow(step=step, start_params=window["params"], start_buffers=window["buffers"],
@@ -262,8 +337,8 @@ class Audit(ResultBase):
                                   autocast=tuple(window["autocast"]))
         assert self._template is not None
         replay = WindowReplay(template=self._template, model=self.model, optimizer=self.optimizer, loss=self.loss,
-                              output_of=self.output, targets_of=self.targets, call_model=self.call_model,
-                              max_grad_norm=self.max_grad_norm)
+                              output_of=self.output, targets_of=targets_of, call_model=self.call_model,
+                              max_grad_norm=self.max_grad_norm, max_grad_value=self.max_grad_value)
         verdict = judge_window(recorded, replay, usual_micro_batches=usual)
         verdict = dataclasses.replace(verdict, position=self.position,
                                       hint=_clipping_hint(self, window) if verdict.mismatches else verdict.hint)
@@ -303,6 +378,35 @@ class Audit(ResultBase):
         since the last step took no step, and the next window starts again from here."""
         self.skipped += 1
         self._begin_window()
+
+    def _targets_of(self, window: dict[str, Any], step: int) -> Callable[[Call], Tensor]:
+        """How the window's calls map to their targets: what a criterion / wrapped loss received
+        (one per call, in order), else ``targets``; checked against the loss before any replay."""
+        calls: list[Call] = window["calls"]
+        seen: list[Tensor] = window["seen_targets"]
+        if seen and len(seen) != len(calls):
+            raise ValueError(
+                f"optimizer step {step} of the audit: the criterion (or wrapped loss) was called {len(seen)} times for "
+                f"{len(calls)} forward call{'s' if len(calls) != 1 else ''} of the model in the window; the audit pairs "
+                "one loss call with each forward call. Pass targets=lambda call: ... instead, or record each "
+                "micro-batch with Audit.record (record_forward=False)")
+        targets_of, where = self.targets, ("targets=" if self.targets is not default_targets else "")
+        if seen:
+            by_call = {id(call): target for call, target in zip(calls, seen, strict=True)}
+
+            def seen_target(call: Call) -> Tensor:
+                return by_call[id(call)]
+
+            targets_of, where = seen_target, "the target the criterion (or wrapped loss) received"
+        outputs: list[Any] = window["outputs"]
+        checked: set[Any] = set()
+        for call, output in zip(calls, outputs, strict=False):
+            target = _target_or_none(targets_of, call)
+            if output is None or target is None or (output, target.shape, target.dtype) in checked:
+                continue
+            checked.add((output, target.shape, target.dtype))
+            _check_fits(self.loss, output, target, where or _where_targets_were_found(call))
+        return targets_of
 
     # -- the outcome -------------------------------------------------------
 
@@ -466,6 +570,162 @@ def _refuse_a_foreign_optimizer(model: nn.Module, optimizer: torch.optim.Optimiz
             "build the optimizer from model.parameters() of the model the audit watches")
 
 
+def clip_setting(name: str, value: float | None) -> float | None:
+    """A clip setting as the replay applies it: None for no clipping (None, 0 or inf, as the
+    trainers mean them), else the positive float; anything else refused, naming the value."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ValueError(f"{name} must be a positive number, or None / 0 / inf for no clipping, got {value!r}")
+    return None if value == 0 or math.isinf(value) else float(value)
+
+
+def _compiled_from(model: Any) -> Any:
+    """The module a ``torch.compile``d one runs (its parameters are the optimizer's, by their own names)."""
+    original = getattr(model, "_orig_mod", None)
+    return original if isinstance(model, nn.Module) and isinstance(original, nn.Module) else model
+
+
+def _loss_target(args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> Tensor:
+    """The target of a loss call ``loss(output, target)`` (or ``target=`` / ``targets=`` / ``labels=``)."""
+    for keyword in ("target", "targets", "labels"):
+        if isinstance(kwargs.get(keyword), Tensor):
+            return kwargs[keyword]
+    if len(args) >= 2 and isinstance(args[1], Tensor):
+        return args[1]
+    raise ValueError(f"the audit takes {what}'s target as its second positional argument or its target= keyword, "
+                     f"got {len(args)} positional arguments and keywords {sorted(kwargs)}")
+
+
+def _target_or_none(targets_of: Callable[[Call], Tensor], call: Call) -> Tensor | None:
+    try:
+        return targets_of(call)
+    except (ValueError, KeyError, IndexError, TypeError):  # named where the replay asks for them
+        return None
+
+
+def _described(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"shape {tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+#: Outputs up to this many elements are probed with real zeros, larger ones on the meta device.
+_PROBE_ELEMENTS = 1 << 22
+
+
+def _check_fits(loss: Any, output: tuple[tuple[int, ...], torch.dtype], target: Tensor, where: str) -> None:
+    """The loss takes an output of the recorded call's shape and dtype with ``target``, or a
+    clear error saying what was found and how to tell the audit (never a crash in the replay)."""
+    shape, dtype = output
+    # Zeros of the output's shape on the CPU (a value out of range is caught: a class index), or on the
+    # meta device past a size (a large vocabulary's logits: shapes only); in float32 as the replay
+    # lifts a half-precision output, and a loss's warning (a broadcast target) taken as a failure.
+    device = "cpu" if math.prod(shape) <= _PROBE_ELEMENTS else "meta"
+    probe = torch.zeros(shape, dtype=torch.float32 if dtype.is_floating_point else dtype, device=device)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loss.sum(probe, target.detach().to(device))
+            loss.count(target.detach())
+    except NotImplementedError:  # the meta device cannot run this loss: the shapes go unchecked
+        return
+    except Exception as error:  # any failure of the loss on these is the same mistake
+        raise ValueError(
+            f"the targets the audit took ({where}: a tensor of {_described(tuple(target.shape), target.dtype)}) do "
+            f"not fit the loss: {loss!r} on the model's output of {_described(shape, dtype)} raised "
+            f"{type(error).__name__}: {str(error).rstrip('.')}. Tell the audit where the targets are: criterion=<the nn.Module loss "
+            "the loop calls>, audit.wrap(loss_fn) for a loss function, targets=lambda call: ... (call = (args, "
+            "kwargs) of the model's forward), or record each micro-batch with Audit.record (record_forward=False)"
+        ) from error
+
+
+class _WatchedForward:
+    """The model's ``forward`` while an audit is open, set on the instance: ``model(x)`` (whose
+    ``__call__`` looks ``forward`` up on the instance), ``model.forward(x)``, a ``torch.compile``d
+    model and an Accelerate-prepared one (whose own instance ``forward`` it wraps) all pass
+    through it, each call recorded once (a call inside one being recorded is not: a compiled
+    module's call of its model).  Copies and pickles of the model made meanwhile get the forward it had.
+
+    The record is made outside any ``torch.compile`` graph (a graph break where the model is
+    compiled and called inside it); handed the compiled module itself, the audit records before
+    its graph, so ``fullgraph=True`` holds."""
+
+    def __init__(self, watcher: Audit, module: nn.Module) -> None:
+        self.audit, self.module, self.removed = watcher, module, False
+        self.previous = module.__dict__.get("forward")
+        self.inner = self.previous if self.previous is not None else module.forward
+        with contextlib.suppress(TypeError, ValueError):  # what inspect.signature(model.forward) says stays true
+            self.__signature__ = inspect.signature(self.inner)
+
+    @classmethod
+    def install(cls, watcher: Audit, module: nn.Module) -> _WatchedForward:
+        watched = cls(watcher, module)
+        module.forward = watched
+        return watched
+
+    def remove(self) -> None:
+        """Off the model; under another audit's (closed in another order), a pass-through until that one goes."""
+        self.removed = True
+        if self.module.__dict__.get("forward") is self:
+            restored = self.previous
+            while isinstance(restored, _WatchedForward) and restored.removed:
+                restored = restored.previous
+            if restored is None:
+                del self.module.__dict__["forward"]
+            else:
+                self.module.forward = restored
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.removed or self.audit._depth:  # closed, or inside a call being recorded (a compiled module's own)
+            return self.inner(*args, **kwargs)
+        recorded = _record_eagerly(self.audit, args, kwargs)
+        # A forward someone set on the instance before the audit (Accelerate's mixed precision) may enter an
+        # autocast inside it: the call's autocast is read again at the first submodule call within.
+        inside = (_probe_autocast_eagerly(self.audit)
+                  if recorded and self.previous is not None and self.module is self.audit.model else None)
+        self.audit._depth += 1
+        try:
+            output = self.inner(*args, **kwargs)
+        finally:
+            self.audit._depth -= 1
+            if inside is not None:
+                inside.remove()
+        if recorded:
+            _see_output_eagerly(self.audit, output)
+        return output
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _unwatched, (self.module, self.previous)
+
+
+def _unwatched(module: nn.Module, previous: Any) -> Any:
+    """The forward a copy (or an unpickled model) gets: the one the model had before the audit."""
+    return previous if previous is not None else types.MethodType(type(module).forward, module)
+
+
+@torch.compiler.disable  # type: ignore[misc,unused-ignore]
+def _record_eagerly(watcher: Audit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Record outside any ``torch.compile`` graph (a graph break), so the copies are real."""
+    return watcher._record_forward(args, kwargs)
+
+
+@torch.compiler.disable  # type: ignore[misc,unused-ignore]
+def _probe_autocast_eagerly(watcher: Audit) -> RemovableHandle:
+    """A global forward pre-hook, once: the autocast in force at the first submodule call inside the
+    model's forward replaces the one read when its call was recorded."""
+    def probe(module: nn.Module, args: Any) -> None:
+        handle.remove()
+        if watcher._window is not None and watcher._window["autocast"]:
+            watcher._window["autocast"][-1] = _autocast_of(watcher.model)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(probe)
+    return handle
+
+
+@torch.compiler.disable  # type: ignore[misc,unused-ignore]
+def _see_output_eagerly(watcher: Audit, output: Any) -> None:
+    watcher._saw_output(output)
+
+
 def _autocast_of(model: nn.Module) -> Autocast | None:
     """The ``torch.autocast`` in force for the model's device now (a forward call being recorded), or None."""
     first = next(model.parameters(), None)
@@ -475,12 +735,18 @@ def _autocast_of(model: nn.Module) -> Autocast | None:
     return device_type, torch.get_autocast_dtype(device_type)
 
 
+#: torch's clip functions the audit watches: the keyword of the limit, the audit's setting that
+#: replays it, and what a run does with it, in words.
+_CLIPS = {"clip_grad_norm_": ("max_norm", "max_grad_norm", "clipped its gradients to "),
+          "clip_grad_value_": ("clip_value", "max_grad_value", "clamped its gradients to ±")}
+
+
 class _ClipWatch:
-    """Every ``torch.nn.utils.clip_grad_norm_`` call made while an audit is open,
-    told to the open audits (one wrapper however many audits are open: they may
-    close in any order).  What a run clips to is then seen, not guessed.  So is
-    a ``torch.amp.GradScaler.step`` that skips ``optimizer.step()`` (inf or NaN
-    gradients): the audit counts it and starts its window again."""
+    """Every ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` call made while an audit
+    is open, told to the open audits (one wrapper however many audits are open: they may close in
+    any order).  What a run clips to is then seen, not guessed.  So is a
+    ``torch.amp.GradScaler.step`` that skips ``optimizer.step()`` (inf or NaN gradients): the
+    audit counts it and starts its window again."""
 
     audits: ClassVar[list[Audit]] = []
     #: the functions replaced, by where they live: ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``
@@ -490,8 +756,9 @@ class _ClipWatch:
     def open(cls, audit: Audit) -> None:
         if not cls.audits:
             for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-                cls.originals[module.__name__] = getattr(module, "clip_grad_norm_")  # noqa: B009
-                setattr(module, "clip_grad_norm_", cls.clip)  # noqa: B010
+                for name in _CLIPS:
+                    cls.originals[f"{module.__name__}.{name}"] = getattr(module, name)
+                    setattr(module, name, cls.watching(name))
             cls.originals["GradScaler.step"] = torch.amp.GradScaler.step
             setattr(torch.amp.GradScaler, "step", cls.scaler_step)  # noqa: B010
         cls.audits.append(audit)
@@ -502,16 +769,24 @@ class _ClipWatch:
             cls.audits.remove(audit)
         if not cls.audits and cls.originals:
             for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-                setattr(module, "clip_grad_norm_", cls.originals.pop(module.__name__))  # noqa: B010
+                for name in _CLIPS:
+                    setattr(module, name, cls.originals.pop(f"{module.__name__}.{name}"))
             setattr(torch.amp.GradScaler, "step", cls.originals.pop("GradScaler.step"))  # noqa: B010
 
     @staticmethod
-    def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Tensor:
-        parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-        for audit in _ClipWatch.audits:
-            audit._clipped(parameters, float(max_norm))
-        clipped: Tensor = _ClipWatch.originals["torch.nn.utils.clip_grad"](parameters, max_norm, *args, **kwargs)
-        return clipped
+    def watching(name: str) -> Callable[..., Any]:
+        keyword = _CLIPS[name][0]
+
+        def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+            limit = args[0] if args else kwargs.get(keyword)
+            if limit is not None and limit == limit and limit >= 0:  # what torch refuses is torch's to say
+                for audit in _ClipWatch.audits:
+                    audit._clipped(name, parameters, float(limit))
+            return _ClipWatch.originals[f"torch.nn.utils.clip_grad.{name}"](parameters, *args, **kwargs)
+
+        clip.__name__ = clip.__qualname__ = name
+        return clip
 
     @staticmethod
     def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -524,17 +799,21 @@ class _ClipWatch:
 
 
 def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
-    """What a failing window's run clipped to when the audit was not told (``max_grad_norm``):
-    the clip calls it saw in the window, and the setting that replays them."""
-    clips: list[float] = window.get("clips", [])
-    if not clips or audit.max_grad_norm is not None:
-        return None
-    norms = sorted(set(clips))
-    calls = f"{len(clips)} clip_grad_norm_ call{'s' if len(clips) != 1 else ''} in the window"
-    if len(norms) == 1:
-        return (f"the run clipped its gradients to {norms[0]:g} ({calls}) and the audit was not told: audit with "
-                f"max_grad_norm={norms[0]:g}")
-    return f"the run clipped its gradients to {', '.join(f'{n:g}' for n in norms)} ({calls}); the audit was not told"
+    """What a failing window's run clipped to when the audit was not told (``max_grad_norm``,
+    ``max_grad_value``): the clip calls it saw in the window, and the setting that replays them."""
+    hints = []
+    for name, (_, setting, did) in _CLIPS.items():
+        limits = [limit for seen, limit in window.get("clips", []) if seen == name]
+        if not limits or getattr(audit, setting) is not None:
+            continue
+        values = sorted(set(limits))
+        calls = f"{len(limits)} {name} call{'s' if len(limits) != 1 else ''} in the window"
+        if len(values) == 1:
+            hints.append(f"the run {did}{values[0]:g} ({calls}) and the audit was not told: audit with "
+                         f"{setting}={values[0]:g}")
+        else:
+            hints.append(f"the run {did}{', '.join(f'{v:g}' for v in values)} ({calls}); the audit was not told")
+    return "; ".join(hints) or None
 
 
 def _refuse_a_rank_of_many() -> None:
@@ -557,20 +836,31 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
           max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
           on_window: Callable[[WindowAudit], None] | None = None,
           call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True,
-          allow_nothing_judged: bool = False) -> Audit:
+          allow_nothing_judged: bool = False, criterion: nn.Module | None = None,
+          max_grad_value: float | None = None) -> Audit:
     """Audit the optimizer steps of the run made inside ``with`` (see :mod:`equiv.auditing.watch`).
 
     Args:
-        model, optimizer: the run's own (the optimizer must hold the model's parameters).
+        model, optimizer: the run's own (the optimizer must hold the model's parameters); a
+            ``torch.compile``d model or an Accelerate-prepared one is watched as itself, and calls
+            through ``model(...)`` and ``model.forward(...)`` are both recorded.
         loss: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
             for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``).
         every: audit one optimizer step in every ``every`` (the first one included).
-        targets, output: read a recorded call's targets and the model's output the loss takes.
-        max_grad_norm: the norm the run clips to, once per step (None: it does not clip).
+        targets, output: read a recorded call's targets and the model's output the loss takes (by
+            default the ``labels`` / ``targets`` / ``target`` keyword, else the second positional
+            argument; a guess that does not fit ``loss`` is an error naming the shapes found).
+        criterion: the ``nn.Module`` loss the loop calls as ``criterion(output, target)``
+            (``loss = criterion(model(x), y)``): its targets are recorded where it sees them, each
+            paired with the model's call before it, with no change to the loop. For a loss
+            function, call ``audit.wrap(loss_fn)`` (:meth:`Audit.wrap`) in its place.
+        max_grad_norm: the norm the run clips to, once per step (None, 0 or inf: it does not clip).
+        max_grad_value: the value the run clamps each gradient element to (``clip_grad_value_``), once
+            per step (None, 0 or inf: it does not).
         stop_at_first_failure: raise :class:`AuditFailure` from the step that is not equivalent.
         on_window: called with each audited window's verdict as it is made.
         call_model, record_forward: with ``record_forward=False``, micro-batches are recorded with
-            :meth:`Audit.record` instead of by the forward hook, and replayed as
+            :meth:`Audit.record` instead of by the watched ``forward``, and replayed as
             ``call_model(model, (args, kwargs))``.
         allow_nothing_judged: let :meth:`Audit.assert_ok` pass an audit that judged no window and
             flagged none (by default it fails, saying why: the optimizer never stepped, an empty
@@ -582,8 +872,10 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
 
     Raises:
         TypeError, ValueError: an argument is not what the audit can take (named, with the value given),
-            or the optimizer holds parameters that are not the model's.
+            or the optimizer holds parameters that are not the model's; ValueError from a step whose recorded
+            targets do not fit ``loss`` (the shapes found named).
     """
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
                  max_grad_norm=max_grad_norm, stop_at_first_failure=stop_at_first_failure, on_window=on_window,
-                 call_model=call_model, record_forward=record_forward, allow_nothing_judged=allow_nothing_judged)
+                 call_model=call_model, record_forward=record_forward, allow_nothing_judged=allow_nothing_judged,
+                 criterion=criterion, max_grad_value=max_grad_value)
