@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 import equiv
-import equiv.checking.check as check_module
+import equiv.judging.judge as judge_module  # where the engine calls the runs
 from equiv.batches import split_batch
 from equiv.cost.memory import StorageCounter
 from equiv.cost.steps import synchronize
@@ -131,7 +131,7 @@ def _recording_runs() -> Iterator[list[Run]]:
     """The runs equiv.check makes while inside (the truth, floor samples and
     candidate runs), recorded as calls that can be replayed."""
     runs: list[Run] = []
-    originals = {"run_reference": check_module.run_reference, "run_candidate": check_module.run_candidate}
+    originals = {"run_reference": judge_module.run_reference, "run_candidate": judge_module.run_candidate}
 
     def recorder(name: str) -> Callable[..., Any]:
         def record(*args: Any, **kwargs: Any) -> Any:
@@ -141,12 +141,12 @@ def _recording_runs() -> Iterator[list[Run]]:
             return originals[name](*args, **kwargs)
         return record
 
-    check_module.run_reference = recorder("run_reference")  # type: ignore[assignment]
-    check_module.run_candidate = recorder("run_candidate")  # type: ignore[assignment]
+    judge_module.run_reference = recorder("run_reference")  # type: ignore[assignment]
+    judge_module.run_candidate = recorder("run_candidate")  # type: ignore[assignment]
     try:
         yield runs
     finally:
-        check_module.run_reference, check_module.run_candidate = originals["run_reference"], originals["run_candidate"]  # type: ignore[assignment]
+        judge_module.run_reference, judge_module.run_candidate = originals["run_reference"], originals["run_candidate"]  # type: ignore[assignment]
 
 
 def _bare_runs_seconds(runs: list[Run], case: equiv.Case) -> tuple[float, float]:
