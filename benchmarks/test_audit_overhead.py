@@ -102,3 +102,56 @@ def test_audit_overhead(benchmark, bench_settings) -> None:  # type: ignore[no-u
         plain_peak_bytes_per_parameter=plain_memory.peak_bytes / parameters,
         audited_peak_bytes_per_parameter=audited_memory.peak_bytes / parameters,
     )
+
+
+#: (every, optimizer steps per timed run): a run long enough to hold whole periods of the audit.
+RUNS = ((1, 10), (10, 100), (100, 100))
+
+
+def _run(model: nn.Module, optimizer: torch.optim.Optimizer, windows: list[list[tuple[Tensor, Tensor]]]) -> float:
+    """A run of one optimizer step per window; its seconds."""
+    start = time.perf_counter()
+    for window in windows:
+        _step(model, optimizer, window)
+    return time.perf_counter() - start
+
+
+def test_audit_whole_run_overhead(benchmark, bench_settings) -> None:  # type: ignore[no-untyped-def]
+    """Whole runs, plain and inside ``equiv.audit(every=k)`` for k = 1, 10, 100, timed
+    alternately in the same rounds on the same data: what a run pays for the audit,
+    hooks, start copies and replays together (the per-step ratios above predict it)."""
+    generator = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = equiv.CrossEntropy()
+    _step(model, optimizer, _window(generator))  # AdamW's state exists from here on
+    ratios: dict[int, list[float]] = {every: [] for every, _ in RUNS}
+    audited: dict[int, int] = {}
+    verdicts: list[bool] = []
+
+    def one_round() -> None:
+        for every, steps in RUNS:
+            windows = [_window(generator) for _ in range(steps)]
+            plain = _run(model, optimizer, windows)
+            with equiv.audit(model, optimizer, loss=loss, every=every) as watched:
+                watched_s = _run(model, optimizer, windows)
+            ratios[every].append(watched_s / plain)
+            audited[every] = len(watched.windows)
+            verdicts.extend(window.equivalent for window in watched.windows)
+
+    rounds = 3 if bench_settings.quick else 7
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=0)
+    # The loop is correct for equal micro-batches: an audit that flags it measures something else.
+    assert verdicts and all(verdicts)
+    benchmark.extra_info.update(
+        bench_settings.extra_info(),
+        audit_run_overhead=True,
+        parameters=sum(p.numel() for p in model.parameters()),
+        micro_batches=MICRO_BATCHES,
+        rounds=rounds,
+        runs=[{"every": every, "steps": steps, "audited_steps": audited[every],
+               "run_ratio_median": statistics.median(ratios[every]),
+               "run_ratio_min": min(ratios[every]), "run_ratio_max": max(ratios[every])}
+              for every, steps in RUNS],
+    )
