@@ -2,7 +2,7 @@
 step inside ``equiv.audit`` when the window is not audited (the hooks only),
 the step before an audited window (its post-hook copies the weights and
 optimizer state the audited window starts from), and the audited step (its inputs and start state copied, the full batch replayed in
-float64 and three times in float32, compared), timed alternately in the same
+float64, then in float32 only while the verdict depends on a floor sample (up to three times), compared), timed alternately in the same
 rounds; and the peak of live tensor storages of an audited step against a
 plain one, per parameter.
 
