@@ -68,11 +68,6 @@ class Rounding:
         """Whether this is the truth's own rounding (in float64 it is the truth)."""
         return self.order == "in order" and not self.after_backward
 
-    @property
-    def name(self) -> str:
-        base = f"shuffled ({self.seed})" if self.order == "shuffled" else self.order
-        return base + (", normalised after backward" if self.after_backward else "")
-
 
 IN_ORDER = Rounding()
 

@@ -273,17 +273,8 @@ class ReferenceRuns(Judge):
     ) -> list[TensorDiff]:
         """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced
         against the floors run so far.  ``final=False``: no row detailed."""
-        return self.compare_run(tier, case, candidate, default_dtype=default_dtype, notes=notes, final=final).diffs
-
-    def compare_run(
-        self, tier: Tier, case: Case, candidate: Candidate | BoundCandidate, *, default_dtype: torch.dtype | None = None,
-        notes: list[str] | None = None, final: bool = True,
-    ) -> StepComparer:
-        """:meth:`run_and_compare`, returning the comparer: with ``final=False`` its
-        rows stay undetailed and can be re-judged as more floor samples run
-        (:meth:`~equiv.judging.compare.StepComparer.rejudged`)."""
         run = self.candidate_run(tier, case, candidate, default_dtype=default_dtype, notes=notes)
-        return self.rows(tier, run, details=final)
+        return self.rows(tier, run, details=final).diffs
 
     def verdict(self, candidate: str, runs: Mapping[Tier, list[Snapshot]]) -> Verdict:
         """The verdict for one candidate trajectory per tier."""
