@@ -31,7 +31,7 @@ memory and planning (``equiv.cost.memory``, ``equiv.cost.planner``).
 
 from equiv import strategies  # the public Hypothesis strategies: equiv.strategies
 from equiv.accumulator import Accumulator, accumulator_step
-from equiv.auditing import audit
+from equiv.auditing import ExponentialAverage, audit
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.check import check
 from equiv.checking.distributed import DistributedCase, check_distributed
@@ -58,6 +58,7 @@ __all__ = [
     "DistributedCase",
     "DistributedSearchSpace",
     "EquivalenceError",
+    "ExponentialAverage",
     "InvalidCase",
     "Loss",
     "NextTokenCrossEntropy",

@@ -44,7 +44,7 @@ from equiv.results.protocol import ResultBase
 from equiv.results.verdict import TensorDiff, Tier
 
 __all__ = ["AuditFailure", "Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "inherent_advice",
-           "judge_window"]
+           "judge_window", "model_at"]
 
 #: One call of the model's forward: (positional arguments, keyword arguments), detached copies.
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -241,13 +241,7 @@ class WindowReplay:
         """A copy of the window-start model in ``dtype`` and an optimizer of the
         user's class over it, in the same param groups, with the window-start
         state and the hyperparameters the run stepped with."""
-        model = copy.deepcopy(self.template).to(dtype)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(window.start_params[name])
-            for name, buffer in model.named_buffers():
-                if name in window.start_buffers:
-                    buffer.copy_(window.start_buffers[name])
+        model = model_at(self.template, window, dtype)
         by_identity = {id(param): name for name, param in self.model.named_parameters()}
         own = dict(model.named_parameters())
         optimizer = self.optimizer
@@ -291,6 +285,27 @@ class WindowReplay:
         if self.max_grad_value is not None:
             torch.nn.utils.clip_grad_value_(model.parameters(), self.max_grad_value, foreach=True)
         optimizer.step()
+
+
+def model_at(template: nn.Module, window: RecordedWindow, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``template`` in ``dtype`` holding the window-start weights and floating buffers.
+
+    Args:
+        template: a copy of the audited model (its structure; its values are replaced).
+        window: the recorded window whose start is rebuilt.
+        dtype: the dtype of the copy.
+
+    Returns:
+        The copy, a new module.
+    """
+    model = copy.deepcopy(template).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(window.start_params[name])
+        for name, buffer in model.named_buffers():
+            if name in window.start_buffers:
+                buffer.copy_(window.start_buffers[name])
+    return model
 
 
 #: The roundings a recorded window can be replayed in (the first is the truth's own).

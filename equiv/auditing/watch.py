@@ -45,9 +45,9 @@ single-process run of the same loop, or use
 ``equiv.check_distributed`` for the distributed step.  A ``torch.amp.GradScaler``
 that skips a step (an overflow) calls no ``optimizer.step``: the audit sees
 ``scaler.step`` return without one, counts the step skipped (not judged) and
-starts its window again (an optimizer that takes the scaler's ``found_inf``
-itself, a fused one, steps and skips inside: such a window is judged as a step).
-"""
+starts its window again; an optimizer that takes the scaler's ``found_inf``
+itself (``fused=True``) is called and skips inside: the audit reads the
+``found_inf`` the scaler hands it and counts that step skipped too."""
 
 from __future__ import annotations
 
@@ -66,8 +66,10 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 
+from equiv.auditing.averaged import ExponentialAverage, averaged_weights
 from equiv.auditing.replay import (
     AuditFailure,
     Autocast,
@@ -77,11 +79,12 @@ from equiv.auditing.replay import (
     WindowReplay,
     inherent_advice,
     judge_window,
+    model_at,
 )
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase, headed
 
-__all__ = ["Audit", "AuditFailure", "audit", "jsonl_writer"]
+__all__ = ["Audit", "AuditFailure", "audit"]
 
 
 def _detached(value: Any) -> Any:
@@ -111,8 +114,10 @@ def default_targets(call: Call) -> Tensor:
         return args[1]
     raise ValueError(
         f"the audit cannot find the targets in the model's forward call (no keyword of {list(TARGET_KEYWORDS)}, no "
-        f"second positional tensor; got {len(args)} positional arguments and keywords {sorted(kwargs)}): pass "
-        "targets=lambda call: ... mapping (args, kwargs) to the targets tensor, or hand the targets to forward")
+        f"second positional tensor; got {len(args)} positional arguments and keywords {sorted(kwargs)}). For a "
+        "loop that computes loss = criterion(model(x), y), hand the audit criterion=<that nn.Module loss>, or call "
+        "the loss function through audit.wrap(loss_fn); else pass targets=lambda call: ... mapping (args, kwargs) "
+        "to the targets tensor")
 
 
 def _where_targets_were_found(call: Call) -> str:
@@ -159,7 +164,8 @@ class Audit(ResultBase):
                  on_window: Callable[[WindowAudit], None] | None = None,
                  call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True,
                  allow_nothing_judged: bool = False, criterion: nn.Module | None = None,
-                 max_grad_value: float | None = None) -> None:
+                 max_grad_value: float | None = None,
+                 averaged: AveragedModel | ExponentialAverage | None = None) -> None:
         #: what the loop calls, when the audit was handed a ``torch.compile``d module (watched too, outside its graph)
         self._compiled = model if _compiled_from(model) is not model else None
         model = _compiled_from(model)
@@ -176,6 +182,8 @@ class Audit(ResultBase):
             raise TypeError(f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
                             f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns")
         _refuse_a_foreign_optimizer(model, optimizer)
+        #: the averaged copy of the weights the run keeps (an EMA, SWA), checked once per audited window
+        self.averaged = averaged_weights(averaged, model)
         self.allow_nothing_judged = allow_nothing_judged
         self.model, self.optimizer, self.loss, self.every = model, optimizer, loss, every
         #: the clip the replay applies once per window (None: none; 0 and inf mean none too)
@@ -205,6 +213,9 @@ class Audit(ResultBase):
         self._forward_calls = 0
         #: steps a ``torch.amp.GradScaler`` skipped (inf or NaN gradients: no ``optimizer.step()``)
         self.skipped = 0
+        #: inside ``GradScaler.step``; and whether the optimizer step now running skips itself (fused, found_inf)
+        self._in_scaler_step = False
+        self._skips_inside = False
 
     # -- the hooks ---------------------------------------------------------
 
@@ -247,6 +258,8 @@ class Audit(ResultBase):
             "outputs": [],  # per recorded forward call, (shape, dtype) of what the loss takes, when it could be read
             "seen_targets": [],  # the targets a criterion / wrapped loss received, one per its call
         }
+        if self.averaged is not None and self.steps:  # after a step: its update of the average is yet to come
+            self._window["averaged"] = self.averaged.capture()
 
     def _record_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """A call of the model's forward: recorded when training with gradients (True then)."""
@@ -304,6 +317,10 @@ class Audit(ResultBase):
             self._window["clips"].append((name, limit))
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # A fused optimizer stepped by a GradScaler is handed the scaler's found_inf and skips inside.
+        found_inf = getattr(optimizer, "found_inf", None)
+        self._skips_inside = (self._in_scaler_step and getattr(optimizer, "_step_supports_amp_scaling", False)
+                              and isinstance(found_inf, Tensor) and bool(found_inf.item()))
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
                             for group in optimizer.param_groups)
         if self._window is not None:  # the gradient this step takes, named if it is not finite
@@ -313,6 +330,9 @@ class Audit(ResultBase):
                 "gradient", step=self.steps)
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._skips_inside:  # no update: GradScaler.step's wrapper counts it skipped, as a skipped call
+            self._skips_inside = False
+            return
         window, step = self._window, self.steps
         self.steps += 1
         try:
@@ -342,12 +362,25 @@ class Audit(ResultBase):
         verdict = judge_window(recorded, replay, usual_micro_batches=usual)
         verdict = dataclasses.replace(verdict, position=self.position,
                                       hint=_clipping_hint(self, window) if verdict.mismatches else verdict.hint)
+        if "averaged" in window and verdict.judged:
+            verdict = self._judge_averaged(verdict, window["averaged"], recorded)
         verdict = self._finite(verdict, window.get("not_finite"))
         self.windows.append(verdict)
         if self.on_window is not None:
             self.on_window(verdict)
         if self.stop_at_first_failure and verdict.status is Outcome.NOT_EQUIVALENT:
             raise AuditFailure(verdict)
+
+    def _judge_averaged(self, verdict: WindowAudit, start: dict[str, Tensor], recorded: RecordedWindow) -> WindowAudit:
+        """``verdict`` with the averaged model's rows: moved once, by its rule, towards the window-start weights."""
+        assert self.averaged is not None and self._template is not None
+        template = self._template
+        rows, moved = self.averaged.judge(start, lambda dtype: model_at(template, recorded, dtype))
+        worst = max([*rows, *([verdict.worst] if verdict.worst is not None else [])], key=lambda row: row.ratio,
+                    default=None)
+        failing = tuple(row for row in rows if not row.ok)
+        hint = "; ".join(part for part in (verdict.hint, moved) if part) or None
+        return dataclasses.replace(verdict, mismatches=(*verdict.mismatches, *failing), worst=worst, hint=hint)
 
     def _finite(self, verdict: WindowAudit, gradient: str | None) -> WindowAudit:
         """``verdict`` with a NaN or inf named: the run's gradient (``gradient``, seen before the
@@ -517,28 +550,13 @@ class Audit(ResultBase):
 
     def write_jsonl(self, path: str | Path) -> Path:
         """Write each audited window's ``to_dict()`` (the schema's ``window_audit``) as one JSON line
-        of ``path`` (replaced); returns the path.  :func:`jsonl_writer` appends them as they come."""
+        of ``path`` (replaced); returns the path.  :func:`equiv.auditing.writers.jsonl_writer` appends
+        them as they come."""
         path = Path(path)
         with path.open("w", encoding="utf-8") as out:
             for window in self.windows:
                 out.write(json.dumps(window.to_dict()) + "\n")
         return path
-
-
-def jsonl_writer(path: str | Path, *, then: Callable[[WindowAudit], None] | None = None
-                 ) -> Callable[[WindowAudit], None]:
-    """An ``on_window`` for :func:`audit` that appends each window's ``to_dict()`` to ``path``
-    as one JSON line as soon as it is judged (a run that dies keeps what was judged), then
-    calls ``then`` with the window, if given."""
-    target = Path(path)
-
-    def on_window(window: WindowAudit) -> None:
-        with target.open("a", encoding="utf-8") as out:
-            out.write(json.dumps(window.to_dict()) + "\n")
-        if then is not None:
-            then(window)
-
-    return on_window
 
 
 def _first_not_finite(named: Iterable[tuple[str, Tensor | None]], what: str, *, step: int) -> str | None:
@@ -790,8 +808,15 @@ class _ClipWatch:
 
     @staticmethod
     def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        stepped = {id(audit): audit.steps for audit in _ClipWatch.audits if audit.optimizer is optimizer}
-        result = _ClipWatch.originals["GradScaler.step"](scaler, optimizer, *args, **kwargs)
+        watching = [audit for audit in _ClipWatch.audits if audit.optimizer is optimizer]
+        stepped = {id(audit): audit.steps for audit in watching}
+        for audit in watching:
+            audit._in_scaler_step = True
+        try:
+            result = _ClipWatch.originals["GradScaler.step"](scaler, optimizer, *args, **kwargs)
+        finally:
+            for audit in watching:
+                audit._in_scaler_step = False
         for audit in _ClipWatch.audits:
             if id(audit) in stepped and audit.steps == stepped[id(audit)]:
                 audit._skipped()
@@ -837,7 +862,7 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
           on_window: Callable[[WindowAudit], None] | None = None,
           call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True,
           allow_nothing_judged: bool = False, criterion: nn.Module | None = None,
-          max_grad_value: float | None = None) -> Audit:
+          max_grad_value: float | None = None, averaged: AveragedModel | ExponentialAverage | None = None) -> Audit:
     """Audit the optimizer steps of the run made inside ``with`` (see :mod:`equiv.auditing.watch`).
 
     Args:
@@ -862,6 +887,11 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
         call_model, record_forward: with ``record_forward=False``, micro-batches are recorded with
             :meth:`Audit.record` instead of by the watched ``forward``, and replayed as
             ``call_model(model, (args, kwargs))``.
+        averaged: the averaged copy of the weights the run keeps: a
+            ``torch.optim.swa_utils.AveragedModel`` (an EMA by ``get_ema_multi_avg_fn``, SWA), or
+            ``equiv.ExponentialAverage(ema_model, decay)`` for a hand-written EMA. Each audited window
+            after the first checks it moved once per optimizer step, by its rule, towards the weights
+            of the step before (:mod:`equiv.auditing.averaged`): updated per micro-batch, it fails.
         allow_nothing_judged: let :meth:`Audit.assert_ok` pass an audit that judged no window and
             flagged none (by default it fails, saying why: the optimizer never stepped, an empty
             loader, every window inherently not equivalent (dropout), or none sampled).
@@ -878,4 +908,4 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
                  max_grad_norm=max_grad_norm, stop_at_first_failure=stop_at_first_failure, on_window=on_window,
                  call_model=call_model, record_forward=record_forward, allow_nothing_judged=allow_nothing_judged,
-                 criterion=criterion, max_grad_value=max_grad_value)
+                 criterion=criterion, max_grad_value=max_grad_value, averaged=averaged)

@@ -414,8 +414,10 @@ def _audit_run_lines(raw: dict[str, Any]) -> list[str]:
         + ("**met**" if at_100["run_ratio_median"] <= AUDIT_RUN_TARGET
            else f"**not met** ({at_100['run_ratio_median']:.2f}x)") + ".")
     return [
-        f"Whole runs of the same loop, plain and inside `equiv.audit(every=k)`, on the same data, alternately in "
-        f"each of {infos[0]['rounds']} rounds (the ratio of the two run times, per round).{verdict}",
+        f"Whole runs of the same loop, plain and inside `equiv.audit(every=k)`, side by side on the same data: two "
+        "copies of the model and optimizer, one step of the plain run then the same step of the audited one (so a "
+        "change in the machine's load falls on both), entering and leaving the audit counted; the ratio of the two "
+        f"runs' summed times, in each of {infos[0]['rounds']} rounds.{verdict}",
         "",
         markdown_table(table),
         "",
