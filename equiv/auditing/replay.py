@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.auditing.ranks import Ranks, RankVerdict
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
@@ -103,10 +105,19 @@ class WindowAudit(ResultBase):
     #: the full-batch step of the window is itself not finite while the run's step is: the window's
     #: own data (NaN inputs or targets, no item to count) leaves nothing to judge against
     full_batch_not_finite: bool = False
+    #: in a multi-process run, every rank's verdict on the window (this rank's among them), in rank order;
+    #: the window is equivalent only when every rank's is
+    ranks: tuple[RankVerdict, ...] = ()
 
     @property
     def equivalent(self) -> bool:
-        return not self.mismatches and not self.inherent and self.not_finite is None
+        return (not self.mismatches and not self.inherent and self.not_finite is None
+                and all(rank.equivalent for rank in self.ranks))
+
+    @property
+    def ranks_off(self) -> tuple[int, ...]:
+        """The ranks whose step is not the global full-batch one (empty in one process)."""
+        return tuple(rank.rank for rank in self.ranks if not rank.equivalent)
 
     @property
     def judged(self) -> bool:
@@ -123,7 +134,7 @@ class WindowAudit(ResultBase):
             return Outcome.INHERENTLY_NON_EQUIVALENT
         if self.full_batch_not_finite:
             return Outcome.NOT_APPLICABLE
-        return Outcome.NOT_EQUIVALENT if self.mismatches else Outcome.EQUIVALENT
+        return Outcome.NOT_EQUIVALENT if self.mismatches or self.ranks_off else Outcome.EQUIVALENT
 
     def __bool__(self) -> bool:
         return self.equivalent
@@ -138,6 +149,7 @@ class WindowAudit(ResultBase):
             "inherent": list(self.inherent), "mismatches": [d.to_dict() for d in self.mismatches],
             "worst": None if self.worst is None else self.worst.to_dict(), "hint": self.hint,
             "not_finite": self.not_finite, "full_batch_not_finite": self.full_batch_not_finite,
+            "ranks": [dataclasses.asdict(rank) for rank in self.ranks],
         }
 
     def line(self) -> str:
@@ -153,9 +165,16 @@ class WindowAudit(ResultBase):
             return f"{where}: inherently not equivalent, not replayed ({'; '.join(self.inherent)}){advice}"
         if self.full_batch_not_finite:
             return f"{where}: not judged: {self.not_finite}"
+        if self.ranks:
+            where += f" on rank {self._own_rank()} of {len(self.ranks)}"
         if self.equivalent:
-            ratio = f" (worst {self.worst.ratio:.2g} of its allowance)" if self.worst is not None else ""
+            worst = max((rank.worst_ratio for rank in self.ranks), default=None)
+            worst = self.worst.ratio if worst is None and self.worst is not None else worst
+            ratio = f" (worst {worst:.2g} of its allowance{' on any rank' if self.ranks else ''})" \
+                if worst is not None else ""
             return f"{where}: equivalent{ratio}"
+        if not self.mismatches:  # this rank's step is right, another's is not
+            return f"{where}: NOT equivalent ({self._ranks_text()})"
         first = self.mismatches[0]
         magnitude = ""
         if not math.isnan(first.update_ratio) and not math.isnan(first.cosine):
@@ -167,8 +186,22 @@ class WindowAudit(ResultBase):
         furthest_text = "" if furthest is first else \
             f"; furthest off {furthest.label}, by {furthest.relative_error:.3g} of its scale"
         hint = f"; {self.hint}" if self.hint else ""
+        ranks = f"; {self._ranks_text()}" if self.ranks else ""
         return (f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
-                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}{hint})")
+                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}"
+                f"{ranks}{hint})")
+
+    def _own_rank(self) -> int:
+        return next((rank.rank for rank in self.ranks if rank.mine), 0)
+
+    def _ranks_text(self) -> str:
+        """Which ranks are off, and the one furthest off with its tensor."""
+        off = [rank for rank in self.ranks if not rank.equivalent]
+        if not off:
+            return "every rank's step is off the same way" if self.mismatches else "every rank equivalent"
+        furthest = max(off, key=lambda rank: rank.relative_error)
+        return (f"off on rank{'s' if len(off) != 1 else ''} {[rank.rank for rank in off]} of {len(self.ranks)}, "
+                f"furthest rank {furthest.rank}: {furthest.furthest}, by {furthest.relative_error:.3g} of its scale")
 
     def message(self) -> str:
         """The line, and the first mismatch as ``assert_close`` would show it."""
@@ -221,6 +254,8 @@ class WindowReplay:
     max_grad_norm: float | None = None
     #: the value each gradient element is clamped to (``clip_grad_value_``), or None
     max_grad_value: float | None = None
+    #: the ranks of a multi-process run: the full batch is every rank's micro-batches (None: this process's)
+    ranks: Ranks | None = None
 
     def source(self, window: RecordedWindow) -> RunSource:
         """The run source of ``window``: its full-batch step from its start, the
@@ -265,6 +300,8 @@ class WindowReplay:
         optimizer.zero_grad(set_to_none=True)
         targets = [_cast(self.targets_of(call), dtype) for call in window.calls]  # float targets (MSE) in dtype too
         total = sum(float(self.loss.count(target)) for target in targets)
+        if self.ranks is not None:  # every rank's items: the global count
+            total = self.ranks.sum_items(total)
         for position in order:
             mixed = window.autocast[position] if position < len(window.autocast) else None
             # The run's mixed precision replayed in the working dtype's runs (the floors then hold its rounding);
@@ -277,6 +314,8 @@ class WindowReplay:
                 output = output.to(dtype)  # the loss taken at the parameters' precision, as AMP recipes do
             summed = self.loss.sum(output, targets[position])
             (summed if after_backward else summed / total).backward()
+        if self.ranks is not None:  # every rank's micro-batches, summed by the audit's own all-reduce
+            self.ranks.sum_gradients(model)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if after_backward and grads:
             torch._foreach_div_(grads, total)
@@ -332,6 +371,8 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
     # check's): a window within the roundoff term alone replays the float64 truth only.  Its worst
     # ratio is then an upper bound of the one every sample would give; the status is the same.
     judge = Judge(replay.source(window), working=working, tiers=(tier,), roundings=_ROUNDINGS, steps=1)
+    if replay.ranks is not None:  # every rank runs every floor sample: the same collectives on each
+        judge.with_floors()
     start, applied = _start(window), _named_snapshot(replay.model, replay.optimizer)
 
     def the_users_step(on_snapshot: OnSnapshot) -> None:
@@ -341,9 +382,18 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
 
     rows = judge.judge_tier(tier, the_users_step)
     worst = max(rows, key=lambda row: row.ratio, default=None)
+    mismatches = tuple(row for row in rows if not row.ok)
+    ranks: tuple[RankVerdict, ...] = ()
+    if replay.ranks is not None:
+        furthest = max(mismatches, key=lambda row: row.relative_error, default=None)
+        ranks = replay.ranks.gather(RankVerdict(
+            rank=replay.ranks.rank, equivalent=not mismatches,
+            furthest=None if furthest is None else furthest.label,
+            relative_error=0.0 if furthest is None else furthest.relative_error,
+            worst_ratio=0.0 if worst is None else worst.ratio))
+        ranks = tuple(dataclasses.replace(rank, mine=rank.rank == replay.ranks.rank) for rank in ranks)
     return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier,
-                       mismatches=tuple(row for row in rows if not row.ok), worst=worst,
-                       usual_micro_batches=usual_micro_batches)
+                       mismatches=mismatches, worst=worst, usual_micro_batches=usual_micro_batches, ranks=ranks)
 
 
 def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:

@@ -37,12 +37,13 @@ audited window its inputs, its start weights and optimizer state, and during
 the replay one float64 model and optimizer plus one working-dtype replica at a
 time; unaudited windows record nothing.
 
-Scope: one process.  Under DDP or FSDP2 each rank would audit its own view
-(its micro-batches, its all-reduced update) against a full batch of its own
-inputs only, which is not the global full batch: entering an audit on a rank
-of a world larger than one raises, saying so; run the audit in a
-single-process run of the same loop, or use
-``equiv.check_distributed`` for the distributed step.  A ``torch.amp.GradScaler``
+Scope: one process, or every rank of a multi-process run whose ranks each hold
+the whole model (torchrun with DDP, or gradients reduced by the loop): each
+rank enters the audit, records its own micro-batches, and the truth is the
+global full-batch step of the window, computed across the ranks
+(:mod:`equiv.auditing.ranks`).  A model sharded across the ranks (FSDP2,
+tensor parallelism) is refused on entry, naming ``equiv.check_distributed``.
+A ``torch.amp.GradScaler``
 that skips a step (an overflow) calls no ``optimizer.step``: the audit sees
 ``scaler.step`` return without one, counts the step skipped (not judged) and
 starts its window again; an optimizer that takes the scaler's ``found_inf``
@@ -70,6 +71,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
+from equiv.auditing.ranks import Ranks, ranks_of_run, unwrapped
 from equiv.auditing.replay import (
     AuditFailure,
     Autocast,
@@ -168,7 +170,7 @@ class Audit(ResultBase):
                  averaged: AveragedModel | ExponentialAverage | None = None) -> None:
         #: what the loop calls, when the audit was handed a ``torch.compile``d module (watched too, outside its graph)
         self._compiled = model if _compiled_from(model) is not model else None
-        model = _compiled_from(model)
+        model = unwrapped(_compiled_from(model))  # DDP's module: DDP's forward calls it, its calls are recorded
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -213,6 +215,7 @@ class Audit(ResultBase):
         self._forward_calls = 0
         #: steps a ``torch.amp.GradScaler`` skipped (inf or NaN gradients: no ``optimizer.step()``)
         self.skipped = 0
+        self.ranks: Ranks | None = None
         #: inside ``GradScaler.step``; and whether the optimizer step now running skips itself (fused, found_inf)
         self._in_scaler_step = False
         self._skips_inside = False
@@ -220,7 +223,8 @@ class Audit(ResultBase):
     # -- the hooks ---------------------------------------------------------
 
     def __enter__(self) -> Audit:
-        _refuse_a_rank_of_many()
+        #: the ranks of a multi-process run (None: one process), on a process group of the audit's own
+        self.ranks = ranks_of_run(self.model)
         self._template = copy.deepcopy(self.model)  # before our hooks are on it
         self._handles = [
             self.optimizer.register_step_pre_hook(self._on_step_begin),
@@ -358,7 +362,8 @@ class Audit(ResultBase):
         assert self._template is not None
         replay = WindowReplay(template=self._template, model=self.model, optimizer=self.optimizer, loss=self.loss,
                               output_of=self.output, targets_of=targets_of, call_model=self.call_model,
-                              max_grad_norm=self.max_grad_norm, max_grad_value=self.max_grad_value)
+                              max_grad_norm=self.max_grad_norm, max_grad_value=self.max_grad_value,
+                              ranks=self.ranks)
         verdict = judge_window(recorded, replay, usual_micro_batches=usual)
         verdict = dataclasses.replace(verdict, position=self.position,
                                       hint=_clipping_hint(self, window) if verdict.mismatches else verdict.hint)
@@ -839,21 +844,6 @@ def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
         else:
             hints.append(f"the run {did}{', '.join(f'{v:g}' for v in values)} ({calls}); the audit was not told")
     return "; ".join(hints) or None
-
-
-def _refuse_a_rank_of_many() -> None:
-    """A rank of a multi-process run sees only its own micro-batches while its
-    update is the all-reduced one: a replay of its inputs alone is not the
-    global full batch, so a correct step would be flagged.  Refuse, naming why
-    (a verdict on a case that does not apply is never given)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            f"equiv.audit watches one process, but this is rank {dist.get_rank()} of {dist.get_world_size()} "
-            "(torch.distributed is initialized): a rank sees only its own micro-batches, so replaying them is "
-            "not the global full-batch step and a correct run would be flagged. Audit a single-process run of "
-            "the same loop, or check the distributed step with equiv.check_distributed.")
 
 
 def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
