@@ -28,7 +28,7 @@ BUGS = ("ddp_rank_token_mean", "ddp_sync_left_off", "buffer_scaled_by_index", "b
         "buffer_last_left_out")
 
 
-def _audits(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dict[str, Any]]:
+def audits_under_torchrun(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dict[str, Any]]:
     out = tmp_path / f"audits-{world}.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
@@ -42,7 +42,7 @@ def _audits(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dic
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return _audits(2, (*CORRECT, *BUGS, "fsdp2_refused"), tmp_path_factory.mktemp("two"))
+    return audits_under_torchrun(2, (*CORRECT, *BUGS, "fsdp2_refused"), tmp_path_factory.mktemp("two"))
 
 
 @pytest.mark.parametrize("kind", CORRECT)
@@ -82,7 +82,7 @@ def test_a_model_sharded_across_the_ranks_is_refused_naming_what_to_use(two_rank
 
 
 def test_three_ranks(tmp_path: Path) -> None:
-    audits = _audits(3, ("ddp_global_tokens", "ddp_rank_token_mean", "buffer_scaled_by_index"), tmp_path)
+    audits = audits_under_torchrun(3, ("ddp_global_tokens", "ddp_rank_token_mean", "buffer_scaled_by_index"), tmp_path)
     good = audits["ddp_global_tokens"]["audit"]
     assert good["status"] == "equivalent" and good["judged"] == 3, audits["ddp_global_tokens"]["summary"]
     assert [rank["rank"] for rank in good["windows"][0]["ranks"]] == [0, 1, 2]
@@ -92,3 +92,4 @@ def test_three_ranks(tmp_path: Path) -> None:
     # bytes per rank do not grow with the world: the same as on two ranks
     parameters = 13 * 16 + (16 * 16 + 16) + (16 * 13 + 13)
     assert audits["ddp_global_tokens"]["communicated"] == 3 * ((parameters + 1) * 8 + 3 * (parameters * 4 + 8))
+

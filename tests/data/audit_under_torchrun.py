@@ -131,11 +131,22 @@ def sharded_is_refused() -> dict:
     return {"kind": "fsdp2_refused", "error": None}
 
 
+def trainer(kind: str) -> dict:
+    """The transformers Trainer as the README audits it (two lines: the callback), launched by torchrun:
+    DDP on gloo, each rank its shard of the batches; its defaults (max_grad_norm=1.0) read."""
+    from equiv.auditing.runs import trainer_run
+
+    audit = trainer_run(loss_kwargs=kind == "trainer", max_grad_norm=None)
+    return {"kind": kind, "audit": audit.to_dict(), "summary": audit.summary(), "read": audit.read,
+            "communicated": audit.ranks.communicated if audit.ranks is not None else None}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out, kinds = sys.argv[1], sys.argv[2:]
-    results = [sharded_is_refused() if kind == "fsdp2_refused" else scenario(kind, rank, world) for kind in kinds]
+    results = [sharded_is_refused() if kind == "fsdp2_refused" else trainer(kind) if kind.startswith("trainer")
+               else scenario(kind, rank, world) for kind in kinds]
     if rank == 0:
         with open(out, "w", encoding="utf-8") as handle:
             for result in results:
