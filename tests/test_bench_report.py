@@ -317,3 +317,13 @@ def test_a_missed_check_target_says_why_from_the_rows_own_figures() -> None:
     assert "Failing check, 15x target missed at 1 of 1 sizes" in why and "alone take 16.0-16.0x" in why
     assert "past the target at 1 of 1 sizes" in why
     assert "Memory, 100 B/param target missed by 1 row(s) (failing; 104 B/param at most)" in why
+
+
+def test_the_ddp_audit_row_states_bytes_per_parameter() -> None:
+    from equiv.reporting.benchmarks import _audit_ddp_lines
+
+    info = {"audit_ddp_overhead": True, "world_size": 2, "parameters": 1000, "micro_batches": 4, "rounds": 5,
+            "plain_step_median_s": 0.01, "audited_ratio": 8.0, "bytes_per_audited_step": 20008.0}
+    text = "\n".join(_audit_ddp_lines({"benchmarks": [{"extra_info": info}]}))
+    assert "| 2 " in text and "8.0x" in text and "20,008" in text and "| 20.0 " in text
+    assert _audit_ddp_lines({"benchmarks": []}) == []
