@@ -68,12 +68,21 @@ def test_each_kind_is_flagged_on_the_step_where_it_goes_wrong(two_ranks: dict[st
     assert "x the full-batch one, cosine" in first and "off on ranks [0, 1] of 2" in first, first
 
 
+PARAMETERS = 13 * 16 + (16 * 16 + 16) + (16 * 13 + 13)
+
+
+def _window_bytes(floor_samples: int) -> int:
+    """What a rank sends for one audited window: the float64 truth's gradients and item count (8 bytes
+    each), each float32 floor sample's (4 bytes a gradient, 8 the count), and one 8-byte "still past
+    its allowance?" per decision (one more than the samples run): the model's size, never the world's."""
+    return (PARAMETERS + 1) * 8 + floor_samples * (PARAMETERS * 4 + 8) + (floor_samples + 1) * 8
+
+
 def test_the_audit_sends_a_known_number_of_bytes_per_window(two_ranks: dict[str, Any]) -> None:
-    # per audited window: the float64 truth's gradients and item count (8 bytes each), then the three
-    # float32 floor samples' (4 bytes each): the model's size, never the world's
-    parameters = 13 * 16 + (16 * 16 + 16) + (16 * 13 + 13)
-    per_window = (parameters + 1) * 8 + 3 * (parameters * 4 + 8)
-    assert two_ranks["ddp_global_tokens"]["communicated"] == 3 * per_window
+    # a correct run is within the roundoff term at once: the truth alone, no floor sample
+    assert two_ranks["ddp_global_tokens"]["communicated"] == 3 * _window_bytes(0)
+    # a failing one runs the three floor samples (together on both ranks) before it is called off
+    assert two_ranks["ddp_rank_token_mean"]["communicated"] == 3 * _window_bytes(3)
 
 
 def test_a_model_sharded_across_the_ranks_is_refused_naming_what_to_use(two_ranks: dict[str, Any]) -> None:
@@ -90,6 +99,5 @@ def test_three_ranks(tmp_path: Path) -> None:
         windows = audits[kind]["audit"]["windows"]
         assert all(window["status"] == "not_equivalent" for window in windows), audits[kind]["summary"]
     # bytes per rank do not grow with the world: the same as on two ranks
-    parameters = 13 * 16 + (16 * 16 + 16) + (16 * 13 + 13)
-    assert audits["ddp_global_tokens"]["communicated"] == 3 * ((parameters + 1) * 8 + 3 * (parameters * 4 + 8))
+    assert audits["ddp_global_tokens"]["communicated"] == 3 * _window_bytes(0)
 

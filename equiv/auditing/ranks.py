@@ -16,9 +16,10 @@ the world size:
 * each rank then clips and steps its copy as the full-batch step would, and
   compares the result with the update its own optimizer applied.
 
-Every rank runs every floor sample (the lazy floors of one process would have
-the ranks decide apart, and a collective one rank skips hangs the others), then
-the ranks' verdicts are gathered, so each rank's window says which ranks were
+The floor samples run as in one process, only while a verdict depends on them,
+but decided together: a rank runs another sample while any rank still has a
+row past its allowance (a collective one rank skipped would hang the others);
+then the ranks' verdicts are gathered, so each rank's window says which ranks were
 off and how far (rank 0 prints them as one line per step).
 
 Scope: models whose parameters each rank holds whole (DDP, or a plain module
@@ -86,6 +87,15 @@ class Ranks:
             numel = param.numel()
             param.grad = flat[offset:offset + numel].view_as(param).clone()
             offset += numel
+
+    def any_of(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (every rank asks together)."""
+        value = torch.tensor([int(flag)], dtype=torch.int64, device=self._device())
+        import torch.distributed as dist
+
+        self.communicated += value.numel() * value.element_size()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
 
     def gather(self, verdict: RankVerdict) -> tuple[RankVerdict, ...]:
         """Every rank's verdict on the window, in rank order."""

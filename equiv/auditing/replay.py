@@ -371,8 +371,6 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
     # check's): a window within the roundoff term alone replays the float64 truth only.  Its worst
     # ratio is then an upper bound of the one every sample would give; the status is the same.
     judge = Judge(replay.source(window), working=working, tiers=(tier,), roundings=_ROUNDINGS, steps=1)
-    if replay.ranks is not None:  # every rank runs every floor sample: the same collectives on each
-        judge.with_floors()
     start, applied = _start(window), _named_snapshot(replay.model, replay.optimizer)
 
     def the_users_step(on_snapshot: OnSnapshot) -> None:
@@ -380,7 +378,9 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
         on_snapshot(0, start)
         on_snapshot(1, applied)
 
-    rows = judge.judge_tier(tier, the_users_step)
+    # The ranks run each floor sample together (its replay sums gradients across them) while any one
+    # still has a row past its allowance.
+    rows = judge.judge_tier(tier, the_users_step, agree=None if replay.ranks is None else replay.ranks.any_of)
     worst = max(rows, key=lambda row: row.ratio, default=None)
     mismatches = tuple(row for row in rows if not row.ok)
     ranks: tuple[RankVerdict, ...] = ()

@@ -183,7 +183,8 @@ class Judge:
         comparer.end_run()
         return comparer
 
-    def judge_tier(self, tier: Tier, run: CandidateRun, *, details: bool = True) -> list[TensorDiff]:
+    def judge_tier(self, tier: Tier, run: CandidateRun, *, details: bool = True,
+                   agree: Callable[[bool], bool] | None = None) -> list[TensorDiff]:
         """Every tensor's row of a candidate in ``tier``, running floor samples only
         while the verdict depends on them.
 
@@ -198,12 +199,21 @@ class Judge:
         to detail the rows a failing verdict shows (unless ``details`` is False):
         the same verdict as with every floor run first, number for number
         (tests/test_lazy_floors.py).
+
+        ``agree``: for judges that must run the same floor samples together (the ranks
+        of a multi-process audit, whose source runs collectives), told whether this
+        one still has a row past its allowance and answering whether any of them has.
         """
         if self.floors_complete(tier):
             return self.rows(tier, run, details=details).diffs
         comparer = self.rows(tier, run, details=False)
         rows = comparer.diffs
-        while not all(row.ok for row in rows):
+
+        def past(rows: list[TensorDiff]) -> bool:
+            still = not all(row.ok for row in rows)
+            return still if agree is None else agree(still)
+
+        while past(rows):
             if not self.run_floor_sample(tier):  # every sample in, still past
                 return self.rows(tier, run).diffs if details else rows
             rows = comparer.rejudged(self.floors[tier])

@@ -411,8 +411,9 @@ def _audit_ddp_lines(raw: dict[str, Any]) -> list[str]:
         f"each of {info['rounds']} rounds, each rank timing its own (rank 0's medians of per-round ratios). The "
         "audited step's truth is the global full-batch step, computed across the ranks: each rank replays its own "
         "micro-batches, and the audit's own all-reduces sum the item count and the gradients of the float64 truth "
-        "and of every floor sample (all three run on every rank, so the ranks make the same collectives): 8 bytes "
-        "a parameter for the truth and 4 for each float32 floor sample, whatever the world size.",
+        "and of each float32 floor sample the verdict needs (run together on every rank while any rank's rows are "
+        "past their allowance): 8 bytes a parameter for the truth and 4 for each floor sample, whatever the world "
+        "size.",
         "",
         markdown_table(table),
     ]
