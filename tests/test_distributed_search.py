@@ -27,7 +27,7 @@ def test_a_per_rank_mean_is_found_and_shrunk_to_two_ranks_holding_different_coun
     held = [sum(sizes) for sizes in dcase.rank_micro_batch_sizes]
     assert held[0] != held[1], result.message()  # equal counts would hide it
     assert "Not equivalent to full-batch training" in result.message()
-    assert "Reproduce: equiv.check_distributed(step, DistributedCase.of(" in result.message()
+    assert "Reproduce: equiv.check_distributed(local_mean_per_rank, equiv.DistributedCase.of(equiv.Case(" in result.message()
     assert not equiv.check_distributed(local_mean_per_rank, dcase)  # the shrunk case fails on its own
 
 

@@ -202,9 +202,11 @@ class DistributedSearchResult(SearchBase):
                           enumerate(self.counterexample.rank_micro_batch_sizes))
         lines = [f"{head}: counterexample, shrunk to {self.counterexample.world_size} ranks ({split}), "
                  f"engine {self.engine}:", ""]
-        lines.append(self.error if self.error is not None
-                     else self.verdict.message() if self.verdict is not None else "")
-        lines += ["", f"Reproduce: equiv.check_distributed(step, {self.counterexample!r}, engine={self.engine!r})"]
+        shown = self.error if self.error is not None else self.verdict.message() if self.verdict is not None else ""
+        # One Reproduce line, the search's own (the verdict's says the same without the engine it ran under).
+        lines.append("\n".join(line for line in shown.splitlines() if not line.startswith("Reproduce:")))
+        lines += ["", f"Reproduce: equiv.check_distributed({self.candidate}, {self.counterexample.source('equiv.')}, "
+                      f"engine={self.engine!r})"]
         return "\n".join(lines)
 
 
