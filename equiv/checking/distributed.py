@@ -567,6 +567,8 @@ def check_distributed(
             (:class:`~equiv.outcomes.Fault`) says which.  No process is left behind.
         InvalidCase: the case or engine cannot run as asked (named, with the value given).
         ValueError: ``timeout_s`` or ``train_dtype`` is not valid, or a CUDA case has fewer GPUs than ranks.
+        UnguardedMainError: called at the top level of a script the ranks import again
+            (not under ``if __name__ == "__main__":``).
     """
     __tracebackhide__ = True
     fails_because = precision_fails_because(train_dtype, strict)
