@@ -268,6 +268,7 @@ class _Bounds(TypedDict, total=False):
     max_world_size: int
     max_micro_batches: int
     max_micro_batch_size: int
+    equal_micro_batch_counts: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,7 +337,7 @@ def verify_distributed(
             :func:`equiv.check_distributed` takes it.
         space: what is drawn (:class:`DistributedSearchSpace`), or its keywords in
             ``bounds``: ``engines``, ``models``, ``max_world_size``, ``max_micro_batches``,
-            ``max_micro_batch_size`` (not both).
+            ``max_micro_batch_size``, ``equal_micro_batch_counts`` (not both).
         max_examples: distributed cases to try.
         seed: fixes the search (default: drawn and reported).
         timeout_s: seconds one case's ranks may take; a rank that hangs ends the search
