@@ -40,6 +40,7 @@ from equiv.checking.pipeline import PipelineSetting, check_pipeline
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
 from equiv.cost.planner import plan
+from equiv.distributed.launcher import UnguardedMainError
 from equiv.judging.contract import CandidateError, ContractError
 from equiv.losses import MSE, CrossEntropy, Loss, NextTokenCrossEntropy, TokenCrossEntropy
 from equiv.outcomes import Outcome
@@ -67,6 +68,7 @@ __all__ = [
     "Result",
     "SearchSpace",
     "TokenCrossEntropy",
+    "UnguardedMainError",
     "__version__",
     "accumulator_step",
     "audit",

@@ -27,8 +27,8 @@ from equiv.checking.distributed_search import DistributedSearchResult
 from equiv.checking.pipeline import PipelineVerdict
 from equiv.checking.verify import VerifyResult
 from equiv.cli import EXIT_CODES
+from equiv.judging.trajectories import RunVerdict
 from equiv.outcomes import Fault
-from equiv.peers.judge import RunVerdict
 from equiv.results.protocol import SCHEMA, EquivalenceError, Result, ResultBase, schema
 from equiv.results.verdict import CaseVerdicts, TensorDiff, Verdict
 from equiv.zoo.distributed_bugs import local_mean_per_rank
