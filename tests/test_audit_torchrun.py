@@ -22,10 +22,10 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).parent / "data" / "audit_under_torchrun.py"
-CORRECT = ("ddp_global_tokens", "buffer_correct")
+CORRECT = ("ddp_global_tokens", "fsdp2_global_tokens", "buffer_correct")
 #: each kind of 2025-2026 bug, flagged from the step where it goes wrong (the first)
-BUGS = ("ddp_rank_token_mean", "ddp_sync_left_off", "buffer_scaled_by_index", "buffer_last_only",
-        "buffer_last_left_out")
+BUGS = ("ddp_rank_token_mean", "ddp_sync_left_off", "fsdp2_rank_token_mean", "fsdp2_sync_left_off",
+        "buffer_scaled_by_index", "buffer_last_only", "buffer_last_left_out")
 
 
 def audits_under_torchrun(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dict[str, Any]]:
@@ -42,7 +42,7 @@ def audits_under_torchrun(world: int, kinds: tuple[str, ...], tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return audits_under_torchrun(2, (*CORRECT, *BUGS, "fsdp2_refused"), tmp_path_factory.mktemp("two"))
+    return audits_under_torchrun(2, (*CORRECT, *BUGS, "tp_refused"), tmp_path_factory.mktemp("two"))
 
 
 @pytest.mark.parametrize("kind", CORRECT)
@@ -64,8 +64,9 @@ def test_each_kind_is_flagged_on_the_step_where_it_goes_wrong(two_ranks: dict[st
     assert windows[0]["status"] == "not_equivalent", result["summary"]
     assert all(window["status"] == "not_equivalent" for window in windows), result["summary"]
     first = result["summary"].splitlines()[1]
-    # the update ratio and cosine, and which ranks are off
-    assert "x the full-batch one, cosine" in first and "off on ranks [0, 1] of 2" in first, first
+    # the update ratio and cosine (or that the run did not move it), and which ranks are off
+    assert "x the full-batch one, cosine" in first or "update 0x the full-batch one (not moved)" in first, first
+    assert "off on ranks [0, 1] of 2" in first, first
 
 
 PARAMETERS = 13 * 16 + (16 * 16 + 16) + (16 * 13 + 13)
@@ -85,17 +86,26 @@ def test_the_audit_sends_a_known_number_of_bytes_per_window(two_ranks: dict[str,
     assert two_ranks["ddp_rank_token_mean"]["communicated"] == 3 * _window_bytes(3)
 
 
-def test_a_model_sharded_across_the_ranks_is_refused_naming_what_to_use(two_ranks: dict[str, Any]) -> None:
-    error = two_ranks["fsdp2_refused"]["error"]
-    assert error is not None and "sharded across the ranks" in error and "equiv.check_distributed" in error
+def test_fsdp2_ranks_compare_their_own_shards(two_ranks: dict[str, Any]) -> None:
+    # each rank steps and compares its shard of each parameter (the same bytes as DDP: the model's size)
+    assert two_ranks["fsdp2_global_tokens"]["communicated"] == 3 * _window_bytes(0)
+    off = two_ranks["fsdp2_sync_left_off"]["summary"].splitlines()[1]
+    assert "update 0x the full-batch one (not moved)" in off, off  # sync left off: the shards never got a gradient
+
+
+def test_a_tensor_parallel_model_is_refused_naming_what_to_use(two_ranks: dict[str, Any]) -> None:
+    error = two_ranks["tp_refused"]["error"]
+    assert error is not None and "tensor parallelism" in error and "equiv.check_distributed" in error
 
 
 def test_three_ranks(tmp_path: Path) -> None:
-    audits = audits_under_torchrun(3, ("ddp_global_tokens", "ddp_rank_token_mean", "buffer_scaled_by_index"), tmp_path)
-    good = audits["ddp_global_tokens"]["audit"]
-    assert good["status"] == "equivalent" and good["judged"] == 3, audits["ddp_global_tokens"]["summary"]
-    assert [rank["rank"] for rank in good["windows"][0]["ranks"]] == [0, 1, 2]
-    for kind in ("ddp_rank_token_mean", "buffer_scaled_by_index"):
+    audits = audits_under_torchrun(3, ("ddp_global_tokens", "fsdp2_global_tokens", "ddp_rank_token_mean",
+                                       "fsdp2_sync_left_off", "buffer_scaled_by_index"), tmp_path)
+    for kind in ("ddp_global_tokens", "fsdp2_global_tokens"):  # 3 ranks: FSDP2's shards of 13 rows are uneven
+        good = audits[kind]["audit"]
+        assert good["status"] == "equivalent" and good["judged"] == 3, audits[kind]["summary"]
+        assert [rank["rank"] for rank in good["windows"][0]["ranks"]] == [0, 1, 2]
+    for kind in ("ddp_rank_token_mean", "fsdp2_sync_left_off", "buffer_scaled_by_index"):
         windows = audits[kind]["audit"]["windows"]
         assert all(window["status"] == "not_equivalent" for window in windows), audits[kind]["summary"]
     # bytes per rank do not grow with the world: the same as on two ranks

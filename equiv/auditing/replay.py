@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from equiv.auditing.ranks import Ranks, RankVerdict
+from equiv.auditing.ranks import Ranks, RankVerdict, local, shard_of, whole
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
-from equiv.judging.runs import Snapshot, snapshot_of
+from equiv.judging.runs import Snapshot, snapshot_of, state_snapshot
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase
 from equiv.results.verdict import TensorDiff, Tier
@@ -179,6 +179,8 @@ class WindowAudit(ResultBase):
         magnitude = ""
         if not math.isnan(first.update_ratio) and not math.isnan(first.cosine):
             magnitude = f"; update {first.update_ratio:.4g}x the full-batch one, cosine {first.cosine:.4f}"
+        elif first.update_ratio == 0:  # the run did not move it: no cosine to give
+            magnitude = "; update 0x the full-batch one (not moved)"
         tail = ""
         if self.usual_micro_batches is not None and self.micro_batches != self.usual_micro_batches:
             tail = f"; a window of {self.micro_batches} where the run's others have {self.usual_micro_batches}"
@@ -264,24 +266,37 @@ class WindowReplay:
 
         def replay(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
             order = range(len(window.calls))
-            replica, replica_optimizer = self._replica(window, dtype)
-            self._full_batch(replica, replica_optimizer, window, order=order[::-1] if rounding.order == "reversed"
-                             else order, after_backward=rounding.after_backward)
+            replica = model_at(self.template, window, dtype)
+            self._full_batch_gradient(replica, window, order=order[::-1] if rounding.order == "reversed" else order,
+                                      after_backward=rounding.after_backward)
+            stepped = self._held(replica)
+            optimizer = self._optimizer(window, stepped)
+            optimizer.step()
             on_snapshot(0, start)
-            on_snapshot(1, snapshot_of(replica, replica_optimizer, copy_tensors=False))
+            on_snapshot(1, state_snapshot(stepped, _floating_buffers(replica), optimizer, copy_tensors=False))
 
         return replay
 
-    def _replica(self, window: RecordedWindow, dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """A copy of the window-start model in ``dtype`` and an optimizer of the
-        user's class over it, in the same param groups, with the window-start
-        state and the hyperparameters the run stepped with."""
-        model = model_at(self.template, window, dtype)
+    def _held(self, replica: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters this rank steps, by name, their gradients set: the replica's own, or, where the
+        run shards its parameters across the ranks (FSDP2), this rank's shards of the replica's."""
+        if self.ranks is None or not self.ranks.sharded:
+            return dict(replica.named_parameters())
+        users = dict(self.model.named_parameters())
+        held = {}
+        for name, param in replica.named_parameters():
+            shard = nn.Parameter(shard_of(param.detach(), like=users[name]), requires_grad=param.requires_grad)
+            shard.grad = None if param.grad is None else shard_of(param.grad, like=users[name])
+            held[name] = shard
+        return held
+
+    def _optimizer(self, window: RecordedWindow, held: dict[str, nn.Parameter]) -> torch.optim.Optimizer:
+        """An optimizer of the user's class over ``held``, in the same param groups, with the
+        window-start state and the hyperparameters the run stepped with."""
         by_identity = {id(param): name for name, param in self.model.named_parameters()}
-        own = dict(model.named_parameters())
         optimizer = self.optimizer
         groups = [{**{k: v for k, v in group.items() if k != "params"},
-                   "params": [own[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
+                   "params": [held[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
         # The constructor's own keywords only (defaults may hold derived ones, e.g.
         # AdamW's decoupled_weight_decay); every group carries its hyperparameters anyway.
         accepted = inspect.signature(type(optimizer)).parameters
@@ -289,15 +304,15 @@ class WindowReplay:
         replica.load_state_dict(copy.deepcopy(window.start_optimizer))  # state cast to the replica's dtype
         for group, hyper in zip(replica.param_groups, window.hyperparameters, strict=True):
             group.update(hyper)
-        return model, replica
+        return replica
 
-    def _full_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, window: RecordedWindow, *,
-                    order: Sequence[int], after_backward: bool) -> None:
-        """One optimizer step on the window's micro-batches as one batch: the sum of
-        item losses over the window divided by the window's item count (each
-        micro-batch back-propagated on its own: the same gradient, in bounded memory)."""
+    def _full_batch_gradient(self, model: nn.Module, window: RecordedWindow, *, order: Sequence[int],
+                             after_backward: bool) -> None:
+        """The full-batch gradient of the window's micro-batches as one batch: the sum of item
+        losses over the window (every rank's, in a multi-process run) divided by its item count
+        (each micro-batch back-propagated on its own: the same gradient, in bounded memory),
+        clipped as the run clips, on the model's parameters."""
         dtype = next(model.parameters()).dtype
-        optimizer.zero_grad(set_to_none=True)
         targets = [_cast(self.targets_of(call), dtype) for call in window.calls]  # float targets (MSE) in dtype too
         total = sum(float(self.loss.count(target)) for target in targets)
         if self.ranks is not None:  # every rank's items: the global count
@@ -323,7 +338,6 @@ class WindowReplay:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm, foreach=True)
         if self.max_grad_value is not None:
             torch.nn.utils.clip_grad_value_(model.parameters(), self.max_grad_value, foreach=True)
-        optimizer.step()
 
 
 def model_at(template: nn.Module, window: RecordedWindow, dtype: torch.dtype) -> nn.Module:
@@ -340,7 +354,7 @@ def model_at(template: nn.Module, window: RecordedWindow, dtype: torch.dtype) ->
     model = copy.deepcopy(template).to(dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(window.start_params[name])
+            param.copy_(whole(window.start_params[name]))  # a sharded run's start gathered (every rank together)
         for name, buffer in model.named_buffers():
             if name in window.start_buffers:
                 buffer.copy_(window.start_buffers[name])
@@ -352,7 +366,13 @@ _ROUNDINGS = (IN_ORDER, Rounding("reversed"), Rounding(after_backward=True))
 
 
 def _start(window: RecordedWindow) -> Snapshot:
-    return Snapshot(params=window.start_params, buffers=window.start_buffers, optimizer_state={})
+    """The window's start as this rank holds it (its shards, in a sharded run)."""
+    return Snapshot(params={name: local(tensor) for name, tensor in window.start_params.items()},
+                    buffers=window.start_buffers, optimizer_state={})
+
+
+def _floating_buffers(model: nn.Module) -> dict[str, Tensor]:
+    return {name: buffer.detach() for name, buffer in model.named_buffers() if buffer.is_floating_point()}
 
 
 def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_batches: int | None = None) -> WindowAudit:
@@ -397,8 +417,11 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
 
 
 def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
-    """The user's state after its step, its own tensors lent (read at once)."""
-    return snapshot_of(model, optimizer, copy_tensors=False)
+    """The user's state after its step, its own tensors lent (read at once): what this rank holds."""
+    snapshot = snapshot_of(model, optimizer, copy_tensors=False)
+    return Snapshot(params={name: local(t) for name, t in snapshot.params.items()},
+                    buffers={name: local(t) for name, t in snapshot.buffers.items()},
+                    optimizer_state={name: local(t) for name, t in snapshot.optimizer_state.items()})
 
 
 def inherent_advice(model: nn.Module) -> str:

@@ -71,7 +71,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
-from equiv.auditing.ranks import Ranks, ranks_of_run, unwrapped
+from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
 from equiv.auditing.replay import (
     AuditFailure,
     Autocast,
@@ -225,7 +225,7 @@ class Audit(ResultBase):
     def __enter__(self) -> Audit:
         #: the ranks of a multi-process run (None: one process), on a process group of the audit's own
         self.ranks = ranks_of_run(self.model)
-        self._template = copy.deepcopy(self.model)  # before our hooks are on it
+        self._template = plain_copy(self.model)  # before our hooks are on it; an FSDP2 model's whole
         self._handles = [
             self.optimizer.register_step_pre_hook(self._on_step_begin),
             self.optimizer.register_step_post_hook(self._on_step_end),
@@ -255,7 +255,8 @@ class Audit(ResultBase):
         self._window = {
             "params": {name: p.detach().clone() for name, p in self.model.named_parameters()},
             "buffers": {name: b.detach().clone() for name, b in self.model.named_buffers() if b.is_floating_point()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            # an FSDP2 rank's state is DTensors: its own shards kept (its replica steps them)
+            "optimizer": copy.deepcopy(_local_state(self.optimizer.state_dict())),
             "calls": [],
             "autocast": [],
             "clips": [],
@@ -564,11 +565,24 @@ class Audit(ResultBase):
         return path
 
 
+def _local_state(state: Any) -> Any:
+    """An optimizer ``state_dict()`` with every DTensor replaced by this rank's shard of it."""
+    if isinstance(state, Tensor):
+        return local(state)
+    if isinstance(state, dict):
+        return {key: _local_state(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_local_state(value) for value in state]
+    return state
+
+
 def _first_not_finite(named: Iterable[tuple[str, Tensor | None]], what: str, *, step: int) -> str | None:
-    """The first tensor of ``named`` holding a NaN or inf, named with its counts and first index, or None."""
+    """The first tensor of ``named`` holding a NaN or inf, named with its counts and first index, or None
+    (of what this rank holds, in a sharded run)."""
     for name, tensor in named:
         if tensor is None or not tensor.is_floating_point():
             continue
+        tensor = local(tensor)
         bad = torch.logical_not(torch.isfinite(tensor))
         if not bool(bad.any()):
             continue

@@ -74,6 +74,22 @@ def ddp_loop(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, wind
         optimizer.zero_grad(set_to_none=True)
 
 
+def fsdp2_loop(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, windows, world: int) -> None:
+    """FSDP2's accumulation: gradient sync off but on the window's last micro-batch; FSDP2 averages the
+    reduce-scattered gradients over the ranks, so a loss over the global count is multiplied by the world."""
+    for window in windows:
+        local = sum(tokens(labels) for _, labels in window)
+        global_tokens = all_reduced(local)
+        for index, (ids, labels) in enumerate(window):
+            last = index == len(window) - 1
+            model.set_requires_gradient_sync(last and kind != "fsdp2_sync_left_off")
+            loss = summed_loss(model(ids, labels), labels)
+            loss = loss / local if kind == "fsdp2_rank_token_mean" else loss / global_tokens * world
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def buffer_loop(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, windows, world: int) -> None:
     """A gradient buffer of the loop's own, reduced across the ranks once per window (as
     Megatron's and DeepSpeed's main_grad buffers are), the loss over the global count."""
@@ -107,28 +123,36 @@ def buffer_loop(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, w
 def scenario(kind: str, rank: int, world: int) -> dict:
     torch.manual_seed(0)  # the same weights on every rank
     inner = TinyLM()
+    if kind.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(inner.mix)
+        fully_shard(inner)
     model: nn.Module = DistributedDataParallel(inner) if kind.startswith("ddp") else inner
     optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2)
     windows = rank_windows(rank, world)
+    loop = ddp_loop if kind.startswith("ddp") else fsdp2_loop if kind.startswith("fsdp2") else buffer_loop
     with equiv.audit(model, optimizer, loss=equiv.NextTokenCrossEntropy()) as audit:
-        (ddp_loop if kind.startswith("ddp") else buffer_loop)(kind, model, optimizer, windows, world)
+        loop(kind, model, optimizer, windows, world)
     return {"kind": kind, "audit": audit.to_dict(), "summary": audit.summary(),
             "communicated": audit.ranks.communicated if audit.ranks is not None else None}
 
 
-def sharded_is_refused() -> dict:
-    from torch.distributed.fsdp import fully_shard
+def tensor_parallel_is_refused() -> dict:
+    """A tensor-parallel model: its ranks share their micro-batches, so the union of theirs is not the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     torch.manual_seed(0)
     model = TinyLM()
-    fully_shard(model)
+    parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), {"mix": ColwiseParallel()})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     try:
         with equiv.audit(model, optimizer, loss=equiv.NextTokenCrossEntropy()):
             pass
     except RuntimeError as error:
-        return {"kind": "fsdp2_refused", "error": str(error)}
-    return {"kind": "fsdp2_refused", "error": None}
+        return {"kind": "tp_refused", "error": str(error)}
+    return {"kind": "tp_refused", "error": None}
 
 
 def trainer(kind: str) -> dict:
@@ -145,7 +169,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out, kinds = sys.argv[1], sys.argv[2:]
-    results = [sharded_is_refused() if kind == "fsdp2_refused" else trainer(kind) if kind.startswith("trainer")
+    results = [tensor_parallel_is_refused() if kind == "tp_refused" else trainer(kind) if kind.startswith("trainer")
                else scenario(kind, rank, world) for kind in kinds]
     if rank == 0:
         with open(out, "w", encoding="utf-8") as handle:
