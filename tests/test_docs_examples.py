@@ -65,6 +65,7 @@ class Page:
     path: str
     blocks: list[Block]
     settings: dict[str, str]
+    source: Path
 
 
 def parse(path: Path, root: Path = ROOT) -> Page:
@@ -100,7 +101,7 @@ def parse(path: Path, root: Path = ROOT) -> Page:
         assert end < len(lines), f"{name}:{index + 1}: the block never closes"
         blocks.append(Block(name, index + 2, language, "\n".join(lines[index + 1:end]) + "\n", markers))
         index = end + 1
-    return Page(name, blocks, settings)
+    return Page(name, blocks, settings, path)
 
 
 def commands(source: str) -> list[str]:
@@ -145,6 +146,9 @@ def run_page(page: Page, folder: Path) -> None:
                      "timeout": timeout})
         runs.append(block)
     shutil.copy(Path(__file__).with_name("docs_runner.py"), folder / "docs_runner.py")
+    # The page itself where its blocks' file name points, so a traceback shows the doc's own lines.
+    (folder / page.path).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(page.source, folder / page.path)
     (folder / "plan.json").write_text(json.dumps({"blocks": plan}))
     env = dict(os.environ)
     # The equiv being tested, and this interpreter's commands (equiv, pytest) first on PATH.
