@@ -75,3 +75,14 @@ def test_the_transformers_trainer_under_torchrun_is_audited_with_the_same_two_li
     # a model without **kwargs: the Trainer's mean of micro-batch means (transformers #37766), flagged
     bad = audits["trainer_no_loss_kwargs"]
     assert [window["status"] for window in bad["audit"]["windows"]] == ["not_equivalent"] * 2, bad["summary"]
+
+
+@_needs("pytorch_lightning")
+def test_lightning_under_torchrun_is_audited_with_the_same_callback(tmp_path: Path) -> None:
+    # Lightning's DDP strategy on the 2 ranks torchrun started: each rank 4 of the 7 batches (its sampler pads),
+    # windows of 3 then a tail of 1 that Lightning still divides by 3 (Lightning #19987), on every rank
+    audits = audits_under_torchrun(2, ("lightning",), tmp_path)
+    windows = audits["lightning"]["audit"]["windows"]
+    assert [window["status"] for window in windows] == ["equivalent", "not_equivalent"], audits["lightning"]["summary"]
+    assert "update 0.3333x the full-batch one" in audits["lightning"]["summary"]
+    assert "off on ranks [0, 1] of 2" in audits["lightning"]["summary"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 import torch
@@ -165,17 +166,33 @@ def trainer(kind: str) -> dict:
             "communicated": audit.ranks.communicated if audit.ranks is not None else None}
 
 
+def lightning(kind: str) -> dict:
+    """Lightning's Trainer.fit with the audit's callback, launched by torchrun: its DDP strategy on the
+    ranks torchrun started (accumulate_grad_batches=3 over each rank's share of 7 batches)."""
+    from equiv.auditing.runs import lightning_tail_run
+
+    audit = lightning_tail_run(strategy="ddp", devices=int(os.environ["WORLD_SIZE"]), num_nodes=1)
+    return {"kind": kind, "audit": audit.to_dict(), "summary": audit.summary(), "read": audit.read,
+            "communicated": audit.ranks.communicated if audit.ranks is not None else None}
+
+
 def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     out, kinds = sys.argv[1], sys.argv[2:]
+    if kinds != ["lightning"]:  # Lightning starts its own process group on the ranks torchrun made
+        dist.init_process_group("gloo")
+    else:
+        import pytorch_lightning  # noqa: F401  (imported before: the group is Lightning's to make)
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     results = [tensor_parallel_is_refused() if kind == "tp_refused" else trainer(kind) if kind.startswith("trainer")
+               else lightning(kind) if kind == "lightning"
                else scenario(kind, rank, world) for kind in kinds]
     if rank == 0:
         with open(out, "w", encoding="utf-8") as handle:
             for result in results:
                 handle.write(json.dumps(result) + "\n")
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
