@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,19 @@ BUGS = ("ddp_rank_token_mean", "ddp_sync_left_off", "fsdp2_rank_token_mean", "fs
         "buffer_scaled_by_index", "buffer_last_only", "buffer_last_left_out")
 
 
-def audits_under_torchrun(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dict[str, Any]]:
-    out = tmp_path / f"audits-{world}.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+def _launch(world: int, kinds: tuple[str, ...], out: Path, **env_settings: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_settings,
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("RANK", None)
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(SCRIPT),
-         str(out), *kinds], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+         str(out), *kinds], cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+
+
+def audits_under_torchrun(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dict[str, Any]]:
+    """Each scenario's audit as rank 0 wrote it (to_dict(), summary, bytes sent), run under torchrun."""
+    out = tmp_path / f"audits-{world}.jsonl"
+    done = _launch(world, kinds, out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {result["kind"]: result for result in map(json.loads, out.read_text().splitlines())}
 
@@ -111,3 +117,16 @@ def test_three_ranks(tmp_path: Path) -> None:
     # bytes per rank do not grow with the world: the same as on two ranks
     assert audits["ddp_global_tokens"]["communicated"] == 3 * _window_bytes(0)
 
+
+
+def test_a_rank_that_hangs_is_named_within_the_timeout_and_no_process_is_left(tmp_path: Path) -> None:
+    start = time.monotonic()
+    done = _launch(2, ("buffer_rank_1_hangs",), tmp_path / "out.jsonl", EQUIV_AUDIT_RANK_TIMEOUT_S="3")
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert ("equiv.audit: rank 0 of 2 waited for the other ranks in the full-batch replay of optimizer step 1"
+            in done.stderr), done.stderr[-3000:]
+    assert "did a rank hang, stop stepping, or raise?" in done.stderr
+    assert elapsed < 60, elapsed  # rank 1 sleeps 120 s: torchrun ended it once rank 0 raised
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout  # no rank of this run still alive

@@ -34,18 +34,42 @@ with a clear error; use ``equiv.check_distributed`` for those steps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import math
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RankVerdict", "Ranks", "ranks_of_run", "unwrapped"]
+__all__ = ["RankVerdict", "Ranks", "RanksError", "ranks_of_run", "unwrapped"]
 
-#: How long one of the audit's collectives waits for the other ranks (a rank that died or left the loop).
-TIMEOUT = datetime.timedelta(seconds=300)
+#: How long one of the audit's collectives waits for the other ranks (a rank that hangs, stopped stepping or
+#: left the loop) before this rank raises, naming where it waited; EQUIV_AUDIT_RANK_TIMEOUT_S overrides it.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class RanksError(RuntimeError):
+    """The ranks did not meet in one of the audit's collectives: another rank hung, stopped
+    stepping, raised or died (torchrun then ends the others), or did not enter the audit."""
+
+
+def timeout_s() -> float:
+    """The audit's collective timeout, in seconds (EQUIV_AUDIT_RANK_TIMEOUT_S, else the default)."""
+    text = os.environ.get("EQUIV_AUDIT_RANK_TIMEOUT_S")
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"EQUIV_AUDIT_RANK_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +99,8 @@ class Ranks:
     sharded: bool = False
     #: bytes this rank sent into the audit's all-reduces and gathers so far (payload, not the protocol's)
     communicated: int = field(default=0)
+    #: the optimizer step being judged, to name where the ranks failed to meet
+    step: int = 0
 
     def sum_items(self, count: float) -> float:
         """The global item count: every rank's ``count`` summed."""
@@ -97,11 +123,12 @@ class Ranks:
 
     def any_of(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank (every rank asks together)."""
-        value = torch.tensor([int(flag)], dtype=torch.int64, device=self._device())
         import torch.distributed as dist
 
+        value = torch.tensor([int(flag)], dtype=torch.int64, device=self._device())
         self.communicated += value.numel() * value.element_size()
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        with self._meeting("its floor samples"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value.item())
 
     def gather(self, verdict: RankVerdict) -> tuple[RankVerdict, ...]:
@@ -109,14 +136,29 @@ class Ranks:
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, verdict, group=self.group)
+        with self._meeting("its verdicts"):
+            dist.all_gather_object(gathered, verdict, group=self.group)
         return tuple(gathered)
 
     def _all_reduce(self, tensor: Tensor) -> None:
         import torch.distributed as dist
 
         self.communicated += tensor.numel() * tensor.element_size()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        with self._meeting("the full-batch replay"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    @contextlib.contextmanager
+    def _meeting(self, what: str) -> Iterator[None]:
+        """A collective of the audit's: its failure (a timeout, a peer gone) named, with where."""
+        try:
+            yield
+        except RuntimeError as error:  # gloo / NCCL raise DistBackendError, a RuntimeError
+            raise RanksError(
+                f"equiv.audit: rank {self.rank} of {self.world_size} waited for the other ranks in {what} of "
+                f"optimizer step {self.step} and they did not come ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}): every rank must enter the audit and take the "
+                f"same optimizer steps; did a rank hang, stop stepping, or raise? (waits up to {timeout_s():g} s: "
+                "EQUIV_AUDIT_RANK_TIMEOUT_S)") from error
 
     def _device(self) -> torch.device:
         import torch.distributed as dist
@@ -244,5 +286,5 @@ def ranks_of_run(model: nn.Module) -> Ranks | None:
             f"{tuple(sharded[name].device_mesh.shape)} (tensor parallelism or HSDP: its ranks do not each hold "
             "their own micro-batches of one batch), which its replay does not rebuild. Check the step with "
             "equiv.check_distributed (engine='tp' or 'fsdp2+tp'), or audit a DDP or FSDP2 run of the same loop.")
-    group = dist.new_group(backend=dist.get_backend(), timeout=TIMEOUT)
+    group = dist.new_group(backend=dist.get_backend(), timeout=datetime.timedelta(seconds=timeout_s()))
     return Ranks(rank=dist.get_rank(), world_size=world, group=group, sharded=bool(sharded))

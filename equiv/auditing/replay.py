@@ -390,6 +390,8 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
     # normalised after backward, run only while the verdict depends on them (Judge.judge_tier, as a
     # check's): a window within the roundoff term alone replays the float64 truth only.  Its worst
     # ratio is then an upper bound of the one every sample would give; the status is the same.
+    if replay.ranks is not None:
+        replay.ranks.step = window.step
     judge = Judge(replay.source(window), working=working, tiers=(tier,), roundings=_ROUNDINGS, steps=1)
     start, applied = _start(window), _named_snapshot(replay.model, replay.optimizer)
 

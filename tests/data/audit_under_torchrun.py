@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,8 @@ def buffer_loop(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, w
                 dist.all_reduce(buffer)
         for buffer, param in zip(buffers, model.parameters(), strict=True):
             param.grad = buffer
+        if kind == "buffer_rank_1_hangs" and dist.get_rank() == 1 and window is windows[1]:
+            time.sleep(120)  # hangs before its optimizer step: rank 0's audit waits for it
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
