@@ -24,10 +24,15 @@ off and how far (rank 0 prints them as one line per step).
 
 Scope: models whose parameters each rank holds whole (DDP, or a plain module
 whose gradients the loop reduces itself), and FSDP2 (``fully_shard`` on one
-mesh dimension spanning every rank): there each rank replays on a whole copy
-of the model (its start gathered once per replay: the model's size, not the
-world's), and steps only its own shard of each parameter, with its own shard
-of the optimizer state, as FSDP2 does; the comparison is of each rank's shards.
+mesh dimension spanning every rank).  An FSDP2 truth is itself sharded: each
+replay builds a fresh copy of the model sharded the same way (the same units,
+the run's ``MixedPrecisionPolicy`` in the working-dtype floors, none in the
+float64 truth) on the audit's own process group, from this rank's shards of
+the window's start, so no rank ever holds the whole model; its gradients are
+reduce-scattered by that copy's FSDP2 (torch's, with its defaults: never the
+run's own settings, which are what is judged), clipped on the global norm, and
+each rank steps its own shards with its own shard of the optimizer state, as
+FSDP2 does; the comparison is of each rank's shards.
 Tensor parallelism and HSDP (DTensor parameters on another mesh) are refused
 with a clear error; use ``equiv.check_distributed`` for those steps.
 """
@@ -97,6 +102,9 @@ class Ranks:
     group: Any
     #: whether the run shards its parameters across the ranks (FSDP2): each rank steps its shards
     sharded: bool = False
+    #: an FSDP2 run's units (the names of the modules ``fully_shard`` was applied to, innermost first) and
+    #: each unit's mixed-precision policy, rebuilt on every replica
+    units: tuple[tuple[str, Any], ...] = ()
     #: bytes this rank sent into the audit's all-reduces and gathers so far (payload, not the protocol's)
     communicated: int = field(default=0)
     #: the optimizer step being judged, to name where the ranks failed to meet
@@ -120,6 +128,59 @@ class Ranks:
             numel = param.numel()
             param.grad = flat[offset:offset + numel].view_as(param).clone()
             offset += numel
+
+    def sharded_replica(self, template: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                        dtype: torch.dtype) -> nn.Module:
+        """A copy of an FSDP2 run's model in ``dtype``, sharded as the run shards it (its units,
+        on the audit's own group; the run's mixed precision in a working-dtype copy, none in
+        float64), holding this rank's shards of ``params`` and the ``buffers``: built on the meta
+        device and given only its shards, so no rank holds the whole model."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        replica = copy.deepcopy(template)  # parameters on the meta device: structure only
+        kept = {name: buffer.detach().clone() for name, buffer in replica.named_buffers()}
+        replica.to(dtype)
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        mesh = DeviceMesh.from_group(self.group, device_type=device.type)
+        named = dict(replica.named_modules())
+        for unit, policy in self.units:
+            settings = {} if policy is None or dtype == torch.float64 else {"mp_policy": policy}
+            fully_shard(named[unit], mesh=mesh, **settings)
+        replica.to_empty(device=device)
+        with torch.no_grad():
+            for name, param in replica.named_parameters():
+                local(param).copy_(local(params[name]))
+            for name, buffer in replica.named_buffers():
+                buffer.copy_(buffers[name] if name in buffers else kept[name])
+        return replica
+
+    @contextlib.contextmanager
+    def counting_fsdp(self) -> Iterator[None]:
+        """While a sharded replica runs: the bytes this rank hands to its FSDP2's all-gathers and
+        reduce-scatters on the audit's group, added to :attr:`communicated` (FSDP2 calls
+        ``torch.distributed.all_gather_single`` / ``reduce_scatter_single``, looked up at each call)."""
+        import torch.distributed as dist
+
+        originals = {name: getattr(dist, name) for name in _FSDP_COLLECTIVES}
+
+        def counted(name: str) -> Any:
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                sent = kwargs.get("input", args[1] if len(args) > 1 else None)
+                if kwargs.get("group") is self.group and isinstance(sent, Tensor):
+                    self.communicated += sent.numel() * sent.element_size()
+                with self._meeting("the full-batch replay"):
+                    return originals[name](*args, **kwargs)
+
+            return collective
+
+        for name in _FSDP_COLLECTIVES:
+            setattr(dist, name, counted(name))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
 
     def any_of(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank (every rank asks together)."""
@@ -174,37 +235,11 @@ def local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def whole(tensor: Tensor) -> Tensor:
-    """The whole of ``tensor``: a DTensor gathered (a collective: every rank calls it together), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def shard_of(whole_tensor: Tensor, *, like: Tensor) -> Tensor:
-    """This rank's shard of ``whole_tensor``, as the run's DTensor ``like`` shards it (``Shard(d)`` on
-    one mesh dimension: ``torch.chunk`` along ``d``, as DTensor splits), with no communication."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(like, DTensor):
-        return whole_tensor
-    (placement,) = like.placements
-    assert isinstance(placement, Shard)
-    chunks = torch.chunk(whole_tensor, like.device_mesh.size(), dim=placement.dim)
-    index = like.device_mesh.get_local_rank()
-    shard = chunks[index] if index < len(chunks) else whole_tensor.narrow(placement.dim, 0, 0)
-    expected = like.to_local().shape
-    if shard.shape != expected:
-        raise RuntimeError(f"equiv.audit cannot place this rank's shard of a parameter of shape "
-                           f"{tuple(whole_tensor.shape)}: FSDP2 holds {tuple(expected)} here, an even chunk gives "
-                           f"{tuple(shard.shape)} (a shard_placement_fn of its own?)")
-    return shard
-
-
 def plain_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` as an ordinary module: an FSDP2 model's (which refuses ``deepcopy``) with
-    its own classes, no FSDP hooks or state, and whole parameters (gathered: every rank together);
-    anything else by ``copy.deepcopy``.  The model itself is left as it was."""
+    its own classes, no FSDP hooks or state, its parameters on the meta device (the structure only:
+    :meth:`Ranks.sharded_replica` gives each rank its shards); anything else by ``copy.deepcopy``.
+    The model itself is left as it was."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -216,7 +251,8 @@ def plain_copy(model: nn.Module) -> nn.Module:
     saved: list[tuple[nn.Module, type, dict[int, Any], dict[int, Any]]] = [
         (module, type(module), dict(module._forward_pre_hooks), dict(module._forward_hooks)) for module in fsdp]
     shared = {id(value): value for module in fsdp for key, value in vars(module).items() if key.startswith(_STATE_KEY)}
-    memo: dict[int, Any] = {id(p): nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                requires_grad=p.requires_grad)
                             for p in model.parameters() if isinstance(p, DTensor)}
     memo.update(shared)
     try:
@@ -236,6 +272,8 @@ def plain_copy(model: nn.Module) -> nn.Module:
     return copied
 
 
+#: The collectives an FSDP2 module makes of its parameters and gradients (torch 2.13's _fsdp_collectives).
+_FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
 #: What ``fully_shard`` adds to a module's ``__dict__``: its state (under keys of this prefix) and two marks.
 _STATE_KEY = "__composable_api_state_key"
 _FSDP_MARKS = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
@@ -287,4 +325,8 @@ def ranks_of_run(model: nn.Module) -> Ranks | None:
             "their own micro-batches of one batch), which its replay does not rebuild. Check the step with "
             "equiv.check_distributed (engine='tp' or 'fsdp2+tp'), or audit a DDP or FSDP2 run of the same loop.")
     group = dist.new_group(backend=dist.get_backend(), timeout=datetime.timedelta(seconds=timeout_s()))
-    return Ranks(rank=dist.get_rank(), world_size=world, group=group, sharded=bool(sharded))
+    units = tuple((name, getattr(module._get_fsdp_state(), "_mp_policy", None))
+                  for name, module in sorted(model.named_modules(), key=lambda item: -item[0].count(".")
+                                             if item[0] else 1)
+                  if isinstance(module, FSDPModule))
+    return Ranks(rank=dist.get_rank(), world_size=world, group=group, sharded=bool(sharded), units=units)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from equiv.auditing.ranks import Ranks, RankVerdict, local, shard_of, whole
+from equiv.auditing.ranks import Ranks, RankVerdict, local
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
@@ -266,7 +266,8 @@ class WindowReplay:
 
         def replay(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
             order = range(len(window.calls))
-            replica = model_at(self.template, window, dtype)
+            replica = (self.ranks.sharded_replica(self.template, window.start_params, window.start_buffers, dtype)
+                       if self.ranks is not None and self.ranks.sharded else model_at(self.template, window, dtype))
             self._full_batch_gradient(replica, window, order=order[::-1] if rounding.order == "reversed" else order,
                                       after_backward=rounding.after_backward)
             stepped = self._held(replica)
@@ -282,11 +283,10 @@ class WindowReplay:
         run shards its parameters across the ranks (FSDP2), this rank's shards of the replica's."""
         if self.ranks is None or not self.ranks.sharded:
             return dict(replica.named_parameters())
-        users = dict(self.model.named_parameters())
         held = {}
         for name, param in replica.named_parameters():
-            shard = nn.Parameter(shard_of(param.detach(), like=users[name]), requires_grad=param.requires_grad)
-            shard.grad = None if param.grad is None else shard_of(param.grad, like=users[name])
+            shard = nn.Parameter(local(param.detach()), requires_grad=param.requires_grad)
+            shard.grad = None if param.grad is None else local(param.grad)
             held[name] = shard
         return held
 
@@ -315,8 +315,32 @@ class WindowReplay:
         dtype = next(model.parameters()).dtype
         targets = [_cast(self.targets_of(call), dtype) for call in window.calls]  # float targets (MSE) in dtype too
         total = sum(float(self.loss.count(target)) for target in targets)
+        # A sharded replica's FSDP2 averages its reduce-scattered gradients over the ranks: the loss is
+        # taken times the world so that their average is the sum.
+        scale = 1.0
         if self.ranks is not None:  # every rank's items: the global count
             total = self.ranks.sum_items(total)
+            scale = float(self.ranks.world_size) if self.ranks.sharded else 1.0
+        counting = self.ranks.counting_fsdp() if self.ranks is not None and self.ranks.sharded \
+            else contextlib.nullcontext()
+        with counting:
+            self._backward_each(model, window, targets, order=order, total=total, scale=scale,
+                                after_backward=after_backward)
+        if self.ranks is not None and not self.ranks.sharded:  # every rank's micro-batches, by the audit's all-reduce
+            self.ranks.sum_gradients(model)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if after_backward and grads:
+            torch._foreach_div_(grads, total)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm, foreach=True)
+        if self.max_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), self.max_grad_value, foreach=True)
+
+    def _backward_each(self, model: nn.Module, window: RecordedWindow, targets: list[Tensor], *,
+                       order: Sequence[int], total: float, scale: float, after_backward: bool) -> None:
+        """Each micro-batch forward and back on its own, in ``order``, its summed loss divided by the
+        window's item count (or not, ``after_backward``), times ``scale``."""
+        dtype = next(model.parameters()).dtype
         for position in order:
             mixed = window.autocast[position] if position < len(window.autocast) else None
             # The run's mixed precision replayed in the working dtype's runs (the floors then hold its rounding);
@@ -327,17 +351,8 @@ class WindowReplay:
                 output = self.output_of(self.call_model(model, _cast(window.calls[position], dtype)))
             if output.dtype in (torch.float16, torch.bfloat16):
                 output = output.to(dtype)  # the loss taken at the parameters' precision, as AMP recipes do
-            summed = self.loss.sum(output, targets[position])
+            summed = self.loss.sum(output, targets[position]) * scale
             (summed if after_backward else summed / total).backward()
-        if self.ranks is not None:  # every rank's micro-batches, summed by the audit's own all-reduce
-            self.ranks.sum_gradients(model)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if after_backward and grads:
-            torch._foreach_div_(grads, total)
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm, foreach=True)
-        if self.max_grad_value is not None:
-            torch.nn.utils.clip_grad_value_(model.parameters(), self.max_grad_value, foreach=True)
 
 
 def model_at(template: nn.Module, window: RecordedWindow, dtype: torch.dtype) -> nn.Module:
@@ -354,7 +369,7 @@ def model_at(template: nn.Module, window: RecordedWindow, dtype: torch.dtype) ->
     model = copy.deepcopy(template).to(dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(whole(window.start_params[name]))  # a sharded run's start gathered (every rank together)
+            param.copy_(window.start_params[name])
         for name, buffer in model.named_buffers():
             if name in window.start_buffers:
                 buffer.copy_(window.start_buffers[name])

@@ -225,6 +225,10 @@ class Audit(ResultBase):
     def __enter__(self) -> Audit:
         #: the ranks of a multi-process run (None: one process), on a process group of the audit's own
         self.ranks = ranks_of_run(self.model)
+        if self.averaged is not None and self.ranks is not None and self.ranks.sharded:
+            raise ValueError("equiv.audit checks an averaged model (averaged=) in one process or under DDP; under "
+                             "FSDP2 its replay would need the whole model on a rank: audit without averaged=, or "
+                             "check the average in a DDP or single-process run of the same loop")
         self._template = plain_copy(self.model)  # before our hooks are on it; an FSDP2 model's whole
         self._handles = [
             self.optimizer.register_step_pre_hook(self._on_step_begin),
