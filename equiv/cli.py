@@ -67,7 +67,7 @@ from equiv.judging.contract import CandidateError, ContractError, bind, load_can
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.judging.runs import NonFiniteLossError
 from equiv.names import on_sys_path, target_folder
-from equiv.outcomes import Outcome
+from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import Result
 from equiv.results.verdict import CaseVerdicts
 
@@ -135,7 +135,10 @@ def _parse_case(text: str, allow_imports: Sequence[str] = ()) -> Case:
 
 def _output(path: str | Path | None, flag: str) -> Path | None:
     """An output path checked before any work (a run must not end on a path it cannot write):
-    its folder exists and is writable, and it is not itself a folder."""
+    its folder exists, it is not itself a folder, and it opens for writing.  Opening it is the
+    only honest test: ``os.access`` says yes to root everywhere, and ``/proc`` or a read-only
+    mount refuses a file its permission bits would allow.  A file that was not there is
+    removed again; one that was is opened for appending, its content untouched."""
     if path is None:
         return None
     out = Path(path)
@@ -144,8 +147,15 @@ def _output(path: str | Path | None, flag: str) -> Path | None:
         raise UsageError(f"{flag} {str(out)!r} is a folder; give a file path")
     if not folder.is_dir():
         raise UsageError(f"{flag} {str(out)!r}: the folder {str(folder)!r} does not exist (create it first)")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"{flag} {str(out)!r}: the folder {str(folder)!r} is not writable")
+    existed = out.exists()
+    try:
+        with out.open("a" if existed else "x"):
+            pass
+    except OSError as exc:
+        what = "opened for writing" if existed else f"created in the folder {str(folder)!r}"
+        raise UsageError(f"{flag} {str(out)!r} cannot be {what}: {exc.strerror or exc}") from None
+    if not existed:
+        out.unlink()
     return out
 
 
@@ -156,8 +166,35 @@ def _timeout(seconds: float) -> float | None:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    """A comma-separated list flag (``--families mlp,conv1d``)."""
-    return tuple(name.strip() for name in text.split(",") if name.strip())
+    """A comma-separated list flag (``--families mlp,conv1d``); an empty one is refused
+    (leaving the flag out is how to ask for the default, never an empty value)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    """A count flag (``--global-batch-size 64``): a whole number of at least 1.  Zero is
+    refused, never read as "the default" (leave the flag out for that)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """A time limit that must be finite and above zero (the ranks' own deadline)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 # -------------------------------------------------------------------- check
@@ -204,7 +241,11 @@ def _check_on_path(args: argparse.Namespace) -> int:
 def _finish(result: Result, json_out: Path | None) -> int:
     """Write ``result.to_dict()`` to ``--json`` (when given); the exit code of its status."""
     if json_out is not None:
-        json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+        try:
+            json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+        except OSError as exc:  # writable when checked, not now (a full disk, a folder removed meanwhile)
+            raise UsageError(f"--json {str(json_out)!r} could not be written after the check: "
+                             f"{exc.strerror or exc} (the result is printed above)") from None
     return EXIT_CODES[result.status]
 
 
@@ -310,15 +351,11 @@ def _cmd_check_distributed(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if env is not None and args.nproc is not None and args.nproc != env.world_size:
         raise UsageError(f"--nproc {args.nproc}: torchrun started {env.world_size} ranks (leave --nproc out)")
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc must be a positive number of ranks, got {args.nproc}")
     json_out = _output(args.json, "--json") if env is None or env.rank == 0 else None
-    if not (args.timeout > 0 and math.isfinite(args.timeout)):
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     with on_sys_path(target_folder(args.target)):
         # Every rank loads the step: the tasks rank 0 posts name it, and a rank unpickles them.
         candidate = load_target(args.target)
-        cases = _distributed_cases(args, candidate, (args.nproc or 2) if env is None else env.world_size)
+        cases = _distributed_cases(args, candidate, (2 if args.nproc is None else args.nproc) if env is None else env.world_size)
         if env is None:
             return _check_distributed_cases(args, candidate, cases, run_on_ranks, json_out)
         with TorchrunRanks(env) as ranks:
@@ -354,11 +391,14 @@ def _check_distributed_cases(
 ) -> int:
     verdicts: dict[str, DistributedVerdict] = {}
     errors: dict[str, str] = {}
+    faults: dict[str, Fault] = {}
+    not_run: dict[str, str] = {}
     order: list[str] = []
     setting = f"on {next(iter(cases.values())).world_size} ranks ({args.engine})"
 
     def so_far() -> CaseVerdicts[DistributedVerdict]:
-        return CaseVerdicts(args.target, dict(verdicts), dict(errors), tuple(order), setting=setting)
+        return CaseVerdicts(args.target, dict(verdicts), dict(errors), tuple(order), setting=setting,
+                            faults=dict(faults), not_run=dict(not_run))
 
     for index, (name, dcase) in enumerate(cases.items(), start=1):
         log.info("[%d/%d] %s: %s", index, len(cases), name, dcase)
@@ -371,12 +411,16 @@ def _check_distributed_cases(
         except NonFiniteLossError as exc:
             raise UsageError(f"{name}: the case itself diverges, so nothing can be compared with it: {exc}") from None
         except DistributedCheckError as exc:
-            errors[name] = str(exc)
+            errors[name], faults[name] = str(exc), exc.fault
         order.append(name)
         print(so_far().row(name), flush=True)
         if name in errors and stop_on_fault and index < len(cases):
             # A fault may leave a rank mid-collective: the ranks' process group cannot be trusted again.
-            print(f"      the other {len(cases) - index} case(s) were not run: after a fault the ranks' "
+            rest = list(cases)[index:]
+            not_run.update(dict.fromkeys(rest, f"after the fault on {name!r} the ranks' process group may be "
+                                               "left mid-collective"))
+            order.extend(rest)
+            print(f"      the other {len(rest)} case(s) were not run: after a fault the ranks' "
                   "process group may be left mid-collective", flush=True)
             break
     result = so_far()
@@ -435,7 +479,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, batch, loss_sum, count_items, default_batch = _load_plan_target(args.target)
-    global_batch_size = args.global_batch_size or default_batch or int(batch[0].shape[0])
+    global_batch_size = next(size for size in (args.global_batch_size, default_batch, int(batch[0].shape[0]))
+                             if size is not None)
     try:
         result = plan(
             model,
@@ -561,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the first mismatch to the smallest case that still shows it.",
     )
     verify_parser.add_argument("target", help=contract)
-    verify_parser.add_argument("--max-examples", type=int, default=None, help="cases to draw (default: the profile's)")
+    verify_parser.add_argument("--max-examples", type=_positive_int, default=None, help="cases to draw (default: the profile's)")
     verify_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
     verify_parser.add_argument("--profile", default=None, help="Hypothesis profile: equiv's dev, ci or thorough (shipped in the package), or one you registered")
     verify_parser.add_argument("--json", help="also write the result as JSON to this path")
@@ -579,9 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
     space.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
     space.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
-    space.add_argument("--max-batch-size", type=int, default=None,
+    space.add_argument("--max-batch-size", type=_positive_int, default=None,
                        help="largest batch drawn (default: its micro-batch count plus up to 8 samples)")
-    space.add_argument("--max-micro-batches", type=int, default=None,
+    space.add_argument("--max-micro-batches", type=_positive_int, default=None,
                        help="most micro-batches per window drawn (default 32)")
     space.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
     verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
@@ -607,9 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     # The standard splits are data-parallel ones: tensor-parallel engines are for equiv.check_distributed
     # with DistributedCase.of(..., tensor_parallel=T), and for verify-distributed.
     ddp_parser.add_argument("--engine", choices=ENGINES[:2], default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
-    ddp_parser.add_argument("--nproc", type=int, default=None,
+    ddp_parser.add_argument("--nproc", type=_positive_int, default=None,
                             help="ranks to spawn without torchrun (default 2); under torchrun, its world size")
-    ddp_parser.add_argument("--timeout", type=float, default=120.0,
+    ddp_parser.add_argument("--timeout", type=_positive_seconds, default=120.0,
                             help="seconds the ranks may take per case once started (default 120)")
     ddp_parser.add_argument("--json", help="also write the verdicts as JSON to this path (rank 0)")
     ddp_parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
@@ -629,10 +674,10 @@ def build_parser() -> argparse.ArgumentParser:
                                help=f"comma-separated engines to draw ({','.join(ENGINES)}; default ddp)")
     search_parser.add_argument("--models", type=_names, default=(),
                                help=f"comma-separated models to draw ({','.join(MODELS)}; default both)")
-    search_parser.add_argument("--max-examples", type=int, default=25, help="distributed cases to draw (default 25)")
+    search_parser.add_argument("--max-examples", type=_positive_int, default=25, help="distributed cases to draw (default 25)")
     search_parser.add_argument("--max-world-size", type=int, default=3, help="most ranks drawn (default 3)")
     search_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
-    search_parser.add_argument("--timeout", type=float, default=20.0,
+    search_parser.add_argument("--timeout", type=_positive_seconds, default=20.0,
                                help="seconds one case's ranks may take (default 20); a hung rank ends the search")
     search_parser.add_argument("--json", help="also write the result as JSON to this path")
     search_parser.set_defaults(handler=_cmd_verify_distributed)
@@ -651,19 +696,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--budget", type=parse_bytes, required=True, help="memory budget, e.g. 256MiB or 8GB")
     plan_parser.add_argument(
         "--global-batch-size",
-        type=int,
+        type=_positive_int,
         default=None,
         help="samples per optimizer step (default: the workload's, or the example batch's size)",
     )
     plan_parser.add_argument("--device", default="cpu", help="cpu or cuda[:index] (default: cpu)")
     plan_parser.add_argument(
         "--candidates",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=lambda text: [_positive_int(x) for x in text.split(",")],
         default=None,
         help="comma-separated N to consider (default: powers of two up to the batch)",
     )
-    plan_parser.add_argument("--repeats", type=int, default=3, help="timed steps per measured N (default: 3)")
-    plan_parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the measurement")
+    plan_parser.add_argument("--repeats", type=_positive_int, default=3, help="timed steps per measured N (default: 3)")
+    plan_parser.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads for the measurement")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)
 

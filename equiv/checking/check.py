@@ -27,6 +27,7 @@ from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, Ca
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.judging.floors import TIERS
 from equiv.judging.judge import ReferenceRuns, precision_fails_because, precision_finding, reference_runs
+from equiv.outcomes import Fault
 from equiv.results.verdict import CaseVerdicts, PrecisionFinding, TensorDiff, Tier, Verdict
 
 __all__ = ["check", "check_cases"]
@@ -179,29 +180,36 @@ def check_cases(
 ) -> CaseVerdicts:
     """:func:`check` on each named case; a case where the step raises is recorded,
     not raised.  After a case where the step hangs past ``timeout`` the rest are
-    not run (each would wait as long): recorded as not checked.  ``on_case(name,
-    so_far)`` hears each case as it ends (progress)."""
+    not run (each would wait as long): recorded as not run, and counted so (never as
+    not equivalent).  ``on_case(name, so_far)`` hears each case as it ends (progress)."""
     candidate = bind(candidate)
     verdicts: dict[str, Verdict] = {}
     errors: dict[str, str] = {}
+    faults: dict[str, Fault] = {}
+    not_run: dict[str, str] = {}
     tracebacks: dict[str, str] = {}
     order: list[str] = []
+
+    def so_far() -> CaseVerdicts:
+        return CaseVerdicts(candidate.name, dict(verdicts), dict(errors), tuple(order), dict(tracebacks),
+                            faults=dict(faults), not_run=dict(not_run))
+
     hung: str | None = None
     for name, case in cases.items():
         if hung is not None:
-            errors[name] = f"not checked: the step hung on {hung!r}"
+            not_run[name] = f"the step hung on {hung!r}"
         else:
             try:
                 verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
                                        strict=strict, details=details)
             except CandidateError as exc:
                 errors[name] = str(exc)
+                faults[name] = Fault.HUNG if isinstance(exc, CandidateTimeout) else Fault.RAISED
                 if exc.step_traceback is not None:
                     tracebacks[name] = exc.step_traceback
                 if isinstance(exc, CandidateTimeout):
                     hung = name
         order.append(name)
         if on_case is not None:
-            on_case(name, CaseVerdicts(candidate.name, dict(verdicts), dict(errors), tuple(order),
-                                       dict(tracebacks)))
-    return CaseVerdicts(candidate.name, verdicts, errors, tuple(order), tracebacks)
+            on_case(name, so_far())
+    return so_far()
