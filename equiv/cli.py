@@ -57,6 +57,7 @@ from equiv.checking.distributed import DistributedCase, DistributedVerdict, chec
 from equiv.checking.distributed_search import ENGINES, MODELS, standard_distributed_cases, verify_distributed
 from equiv.checking.profiles import profile_name
 from equiv.checking.search_space import SearchSpace
+from equiv.checking.threads import SMALL_MODEL_PARAMETERS
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
@@ -225,7 +226,7 @@ def _check_on_path(args: argparse.Namespace) -> int:
 
     try:
         verdicts = check_cases(step, cases, timeout=timeout, on_case=show, train_dtype=args.train_dtype,
-                               strict=args.strict_precision)
+                               strict=args.strict_precision, threads=args.threads)
     except NonFiniteLossError as exc:
         raise UsageError(f"the case itself diverges, so nothing can be compared with it: {exc}") from None
     except InvalidCase as exc:
@@ -284,6 +285,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             strict=args.strict_precision,
             progress=show,
             timeout=timeout,
+            threads=args.threads,
         )
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -566,6 +568,15 @@ def _shown_path(path: Path) -> str:
 
 
 # ------------------------------------------------------------------- parser
+def _threads_flag(parser: argparse.ArgumentParser) -> None:
+    """``--threads``: torch's CPU threads during the check (the rule: :mod:`equiv.checking.threads`)."""
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="torch CPU threads while checking (default: 1 on small models such as every standard "
+                             "and drawn case, where more threads only wait on each other, many times slower on a "
+                             "busy machine; torch's own count if OMP_NUM_THREADS is set or a model has over "
+                             f"{SMALL_MODEL_PARAMETERS:,} parameters); restored afterwards")
+
+
 def _precision_flags(parser: argparse.ArgumentParser) -> None:
     """When a float32-sized difference inside the float64 run fails (it passes with a note otherwise)."""
     parser.add_argument("--train-dtype", choices=["float64", "float32", "bfloat16", "float16"], default=None,
@@ -597,6 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
                                    "a step still running then is reported as hung (exit 3)")
     _precision_flags(check_parser)
+    _threads_flag(check_parser)
     check_parser.set_defaults(handler=_cmd_check)
 
     verify_parser = commands.add_parser(
@@ -632,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
     _precision_flags(verify_parser)
+    _threads_flag(verify_parser)
     verify_parser.set_defaults(handler=_cmd_verify)
 
     ddp_parser = commands.add_parser(
