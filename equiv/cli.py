@@ -69,6 +69,7 @@ from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.judging.runs import NonFiniteLossError
 from equiv.names import on_sys_path, target_folder
 from equiv.outcomes import Fault, Outcome
+from equiv.reporting.annotations import github_annotations, step_location
 from equiv.results.protocol import Result
 from equiv.results.verdict import CaseVerdicts
 
@@ -94,6 +95,8 @@ EXIT_COUNTEREXAMPLE = 1
 EXIT_USAGE = 2
 EXIT_STEP_FAILED = 3
 EXIT_INTERNAL_ERROR = 4
+#: What ``--format`` takes: how check, verify and their distributed forms show a result.
+FORMATS = ("text", "github", "json")
 #: A result's status -> the command's exit code (usage errors and equiv's own failures have no status).
 EXIT_CODES: dict[Outcome, int] = {
     Outcome.EQUIVALENT: EXIT_EQUIVALENT,
@@ -220,9 +223,9 @@ def _check_on_path(args: argparse.Namespace) -> int:
 
     def show(name: str, so_far: CaseVerdicts) -> None:
         log.info("[%d/%d] %s", len(so_far.order), len(cases), name)
-        print(so_far.row(name), flush=True)
+        _progress(args, so_far.row(name))
         if args.tb and name in so_far.tracebacks:
-            print("      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "), flush=True)
+            _progress(args, "      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "))
 
     try:
         verdicts = check_cases(step, cases, timeout=timeout, on_case=show, train_dtype=args.train_dtype,
@@ -233,14 +236,30 @@ def _check_on_path(args: argparse.Namespace) -> int:
         raise UsageError(f"the case cannot be run: {exc}") from None
     except CheckTimeout as exc:
         raise UsageError(f"{exc} (--timeout SECONDS, 0 for none)") from None
-    print(verdicts.summary())
     # Only an applicable case that failed fails the command as a counterexample;
     # a step that raised or hung, with no counterexample elsewhere, is told apart (the status says which).
-    return _finish(verdicts, json_out)
+    return _finish(args, verdicts, verdicts.summary(), candidate, json_out)
 
 
-def _finish(result: Result, json_out: Path | None) -> int:
-    """Write ``result.to_dict()`` to ``--json`` (when given); the exit code of its status."""
+def _progress(args: argparse.Namespace, text: str) -> None:
+    """A line shown as a command goes (a case's row): on stdout, or on stderr under
+    ``--format json`` (stdout then holds the JSON alone)."""
+    print(text, file=sys.stderr if args.format == "json" else sys.stdout, flush=True)
+
+
+def _finish(args: argparse.Namespace, result: Result, text: str, step: Callable[..., Any] | None,
+            json_out: Path | None) -> int:
+    """Show ``result`` as ``--format`` says (text: ``text``; github: ``text``, then a workflow
+    annotation per failing case at ``step``'s definition; json: ``result.to_dict()`` alone),
+    write its JSON to ``--json`` (when given), and return the exit code of its status."""
+    if args.format == "json":
+        print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(text)
+    if args.format == "github":
+        where = step_location(step) if step is not None else None
+        for line in github_annotations(result, where, command=f"equiv {args.command}", message=text):
+            print(line)
     if json_out is not None:
         try:
             json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
@@ -289,10 +308,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         )
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    print(result.message(args.target))
+    text = result.message(args.target)
     if args.tb and result.error_traceback:
-        print("The step's traceback:\n" + result.error_traceback.rstrip())
-    return _finish(result, json_out)
+        text += "\nThe step's traceback:\n" + result.error_traceback.rstrip()
+    return _finish(args, result, text, candidate, json_out)
 
 
 def _cmd_verify_distributed(args: argparse.Namespace) -> int:
@@ -313,8 +332,7 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
         )
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    print(result.message())
-    return _finish(result, json_out)
+    return _finish(args, result, result.message(), candidate, json_out)
 
 
 # -------------------------------------------------------- check-distributed
@@ -415,19 +433,18 @@ def _check_distributed_cases(
         except DistributedCheckError as exc:
             errors[name], faults[name] = str(exc), exc.fault
         order.append(name)
-        print(so_far().row(name), flush=True)
+        _progress(args, so_far().row(name))
         if name in errors and stop_on_fault and index < len(cases):
             # A fault may leave a rank mid-collective: the ranks' process group cannot be trusted again.
             rest = list(cases)[index:]
             not_run.update(dict.fromkeys(rest, f"after the fault on {name!r} the ranks' process group may be "
                                                "left mid-collective"))
             order.extend(rest)
-            print(f"      the other {len(rest)} case(s) were not run: after a fault the ranks' "
-                  "process group may be left mid-collective", flush=True)
+            _progress(args, f"      the other {len(rest)} case(s) were not run: after a fault the ranks' "
+                            "process group may be left mid-collective")
             break
     result = so_far()
-    print(result.summary())
-    return _finish(result, json_out)
+    return _finish(args, result, result.summary(), candidate, json_out)
 
 
 # --------------------------------------------------------------------- plan
@@ -568,6 +585,14 @@ def _shown_path(path: Path) -> str:
 
 
 # ------------------------------------------------------------------- parser
+def _format_flag(parser: argparse.ArgumentParser) -> None:
+    """``--format``: how the result is shown on stdout."""
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="text (default); github: the text, then a GitHub Actions ::error annotation per "
+                             "failing case on the step's definition line (a ::notice when it passes); json: the "
+                             "result's JSON (equiv/results/schema.json) alone on stdout, progress on stderr")
+
+
 def _threads_flag(parser: argparse.ArgumentParser) -> None:
     """``--threads``: torch's CPU threads during the check (the rule: :mod:`equiv.checking.threads`)."""
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
@@ -609,6 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "a step still running then is reported as hung (exit 3)")
     _precision_flags(check_parser)
     _threads_flag(check_parser)
+    _format_flag(check_parser)
     check_parser.set_defaults(handler=_cmd_check)
 
     verify_parser = commands.add_parser(
@@ -645,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
     _precision_flags(verify_parser)
     _threads_flag(verify_parser)
+    _format_flag(verify_parser)
     verify_parser.set_defaults(handler=_cmd_verify)
 
     ddp_parser = commands.add_parser(
@@ -673,6 +700,7 @@ def build_parser() -> argparse.ArgumentParser:
     ddp_parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
                             help="a module the --case may name factories from (besides the step's own)")
     _precision_flags(ddp_parser)
+    _format_flag(ddp_parser)
     ddp_parser.set_defaults(handler=_cmd_check_distributed)
 
     search_parser = commands.add_parser(
@@ -693,6 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
     search_parser.add_argument("--timeout", type=_positive_seconds, default=20.0,
                                help="seconds one case's ranks may take (default 20); a hung rank ends the search")
     search_parser.add_argument("--json", help="also write the result as JSON to this path")
+    _format_flag(search_parser)
     search_parser.set_defaults(handler=_cmd_verify_distributed)
 
     plan_parser = commands.add_parser(
