@@ -24,6 +24,13 @@ raised elsewhere (1, not 3): it is a definite answer.  Library code raises ``Val
 module turns them into codes.  Progress goes to stderr through the ``equiv``
 logger.  The ``equiv`` command exits even if the step left a non-daemon
 thread running (:func:`console`).
+
+``--format github`` adds a GitHub Actions annotation per failing case on the
+step's definition line, ``--format json`` prints the JSON alone on stdout
+(:mod:`equiv.reporting.annotations`).  ``check`` and ``verify`` run small cases
+on one CPU thread unless ``OMP_NUM_THREADS`` is set or ``--threads N`` is given
+(:mod:`equiv.checking.threads`: torch's default threads wait on each other on
+tiny steps, many times slower on a busy machine).
 """
 
 from __future__ import annotations
