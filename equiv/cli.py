@@ -27,7 +27,7 @@ thread running (:func:`console`).
 
 ``--format github`` adds a GitHub Actions annotation per failing case on the
 step's definition line, ``--format json`` prints the JSON alone on stdout
-(:mod:`equiv.reporting.annotations`).  ``check`` and ``verify`` run small cases
+(:mod:`equiv.results.annotations`).  ``check`` and ``verify`` run small cases
 on one CPU thread unless ``OMP_NUM_THREADS`` is set or ``--threads N`` is given
 (:mod:`equiv.checking.threads`: torch's default threads wait on each other on
 tiny steps, many times slower on a busy machine).
@@ -76,7 +76,7 @@ from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.judging.runs import NonFiniteLossError
 from equiv.names import on_sys_path, target_folder
 from equiv.outcomes import Fault, Outcome
-from equiv.reporting.annotations import github_annotations, step_location
+from equiv.results.annotations import github_annotations, step_location
 from equiv.results.protocol import Result
 from equiv.results.verdict import CaseVerdicts
 

@@ -122,7 +122,7 @@ def test_a_distributed_fault_stops_the_torchrun_cases_and_counts_the_rest_as_not
         raise DistributedCheckError("rank 1 hung past 5 s in step 0", Fault.HUNG)
 
     args = argparse.Namespace(target=f"{steps}:textbook", engine="ddp", timeout=5.0, train_dtype=None,
-                              strict_precision=False)
+                              strict_precision=False, format="text")
     cases = standard_distributed_cases(2, "ddp")
     candidate = equiv.cli.load_target(args.target)
     code = _check_distributed_cases(args, candidate, cases, hangs_on_every_rank, None, stop_on_fault=True)

@@ -12,7 +12,7 @@ import pytest
 
 import equiv
 from equiv.cli import EXIT_COUNTEREXAMPLE, EXIT_EQUIVALENT, EXIT_STEP_FAILED, main
-from equiv.reporting.annotations import escape_data, escape_property, step_location
+from equiv.results.annotations import escape_data, escape_property, step_location
 from equiv.results.protocol import schema
 
 STEPS = '''import equiv
