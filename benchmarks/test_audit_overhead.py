@@ -14,8 +14,14 @@ how many steps pay the audited price.
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -108,24 +114,21 @@ def test_audit_overhead(benchmark, bench_settings) -> None:  # type: ignore[no-u
 RUNS = ((1, 10), (10, 100), (100, 100))
 
 
-def _run(model: nn.Module, optimizer: torch.optim.Optimizer, windows: list[list[tuple[Tensor, Tensor]]]) -> float:
-    """A run of one optimizer step per window; its seconds."""
-    start = time.perf_counter()
-    for window in windows:
-        _step(model, optimizer, window)
-    return time.perf_counter() - start
-
-
 def test_audit_whole_run_overhead(benchmark, bench_settings) -> None:  # type: ignore[no-untyped-def]
-    """Whole runs, plain and inside ``equiv.audit(every=k)`` for k = 1, 10, 100, timed
-    alternately in the same rounds on the same data: what a run pays for the audit,
-    hooks, start copies and replays together (the per-step ratios above predict it)."""
+    """Whole runs, plain and inside ``equiv.audit(every=k)`` for k = 1, 10, 100, side by side:
+    two copies of the model and optimizer take the same windows, one step of the plain run
+    then the same step of the audited one, so a change in the machine's load (2 shared cores)
+    falls on both alike.  What a run pays for the audit: hooks, start copies, replays, and
+    entering and leaving the ``with`` block, per round (the ratio of the summed times)."""
     generator = torch.Generator().manual_seed(1)
     torch.manual_seed(1)
-    model = Classifier()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_model = Classifier()
+    plain_optimizer = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    _step(plain_model, plain_optimizer, _window(generator))  # AdamW's state exists from here on
+    audited_model = copy.deepcopy(plain_model)
+    audited_optimizer = torch.optim.AdamW(audited_model.parameters(), lr=1e-3)
+    audited_optimizer.load_state_dict(copy.deepcopy(plain_optimizer.state_dict()))  # its own state tensors
     loss = equiv.CrossEntropy()
-    _step(model, optimizer, _window(generator))  # AdamW's state exists from here on
     ratios: dict[int, list[float]] = {every: [] for every, _ in RUNS}
     audited: dict[int, int] = {}
     verdicts: list[bool] = []
@@ -133,9 +136,15 @@ def test_audit_whole_run_overhead(benchmark, bench_settings) -> None:  # type: i
     def one_round() -> None:
         for every, steps in RUNS:
             windows = [_window(generator) for _ in range(steps)]
-            plain = _run(model, optimizer, windows)
-            with equiv.audit(model, optimizer, loss=loss, every=every) as watched:
-                watched_s = _run(model, optimizer, windows)
+            plain = watched_s = 0.0
+            start = time.perf_counter()
+            with equiv.audit(audited_model, audited_optimizer, loss=loss, every=every) as watched:
+                watched_s += time.perf_counter() - start
+                for window in windows:
+                    plain += _step(plain_model, plain_optimizer, window)
+                    watched_s += _step(audited_model, audited_optimizer, window)
+                start = time.perf_counter()
+            watched_s += time.perf_counter() - start
             ratios[every].append(watched_s / plain)
             audited[every] = len(watched.windows)
             verdicts.extend(window.equivalent for window in watched.windows)
@@ -147,11 +156,45 @@ def test_audit_whole_run_overhead(benchmark, bench_settings) -> None:  # type: i
     benchmark.extra_info.update(
         bench_settings.extra_info(),
         audit_run_overhead=True,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=sum(p.numel() for p in plain_model.parameters()),
         micro_batches=MICRO_BATCHES,
         rounds=rounds,
         runs=[{"every": every, "steps": steps, "audited_steps": audited[every],
                "run_ratio_median": statistics.median(ratios[every]),
                "run_ratio_min": min(ratios[every]), "run_ratio_max": max(ratios[every])}
               for every, steps in RUNS],
+    )
+
+
+def test_audit_ddp_overhead(benchmark, bench_settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The audit of a DDP run under torchrun (2 gloo ranks, each its own micro-batches): a plain
+    DDP step and an audited one (every=1: the global full-batch truth computed across the ranks
+    by the audit's own all-reduces), alternately in the same rounds on the same data
+    (benchmarks/ddp_audit_timing.py); and the bytes each rank sent per audited step."""
+    out = tmp_path / "ddp.json"
+    rounds = 5 if bench_settings.quick else 15
+    env = {**os.environ, "OMP_NUM_THREADS": str(bench_settings.threads),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RANK", None)
+
+    def launch() -> None:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(Path(__file__).parent / "ddp_audit_timing.py"), str(out), str(rounds)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    benchmark.pedantic(launch, rounds=1, iterations=1, warmup_rounds=0)
+    measured = json.loads(out.read_text())
+    # A correct DDP loop: an audit that flags it measures something else.
+    assert measured["verdicts"] and all(measured["verdicts"])
+    benchmark.extra_info.update(
+        bench_settings.extra_info(),
+        audit_ddp_overhead=True,
+        world_size=measured["world_size"],
+        parameters=measured["parameters"],
+        micro_batches=measured["micro_batches"],
+        rounds=rounds,
+        plain_step_median_s=statistics.median(measured["plain_s"]),
+        audited_ratio=statistics.median(a / p for a, p in zip(measured["audited_s"], measured["plain_s"], strict=True)),
+        bytes_per_audited_step=measured["communicated_bytes"] / measured["audited_windows"],
     )

@@ -31,7 +31,7 @@ memory and planning (``equiv.cost.memory``, ``equiv.cost.planner``).
 
 from equiv import strategies  # the public Hypothesis strategies: equiv.strategies
 from equiv.accumulator import Accumulator, accumulator_step
-from equiv.auditing import audit
+from equiv.auditing import ExponentialAverage, audit
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.check import check
 from equiv.checking.distributed import DistributedCase, check_distributed
@@ -40,6 +40,7 @@ from equiv.checking.pipeline import PipelineSetting, check_pipeline
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
 from equiv.cost.planner import plan
+from equiv.distributed.launcher import UnguardedMainError
 from equiv.judging.contract import CandidateError, ContractError
 from equiv.losses import MSE, CrossEntropy, Loss, NextTokenCrossEntropy, TokenCrossEntropy
 from equiv.outcomes import Outcome
@@ -58,6 +59,7 @@ __all__ = [
     "DistributedCase",
     "DistributedSearchSpace",
     "EquivalenceError",
+    "ExponentialAverage",
     "InvalidCase",
     "Loss",
     "NextTokenCrossEntropy",
@@ -66,6 +68,7 @@ __all__ = [
     "Result",
     "SearchSpace",
     "TokenCrossEntropy",
+    "UnguardedMainError",
     "__version__",
     "accumulator_step",
     "audit",

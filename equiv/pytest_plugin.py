@@ -31,7 +31,8 @@ __all__ = ["FIXTURE", "PROPERTIES", "junit_properties", "record_verdict"]
 #: The fixture a test asks for to run once per standard case.
 FIXTURE = "equiv_case"
 #: The user properties a test that asserted equivalence gets, in this order.
-PROPERTIES = ("equiv_checks", "equiv_status", "equiv_kind", "equiv_tier", "equiv_worst_ratio", "equiv_case")
+PROPERTIES = ("equiv_checks", "equiv_status", "equiv_kind", "equiv_failure_kind", "equiv_tier", "equiv_worst_ratio",
+              "equiv_case")
 
 #: The verdicts :func:`record_verdict` heard during the running test (None outside one).
 _verdicts: ContextVar[list[Verdict] | None] = ContextVar("equiv_verdicts", default=None)
@@ -54,7 +55,9 @@ def junit_properties(verdicts: list[Verdict]) -> list[tuple[str, object]]:
     The verdict shown is the last that failed (under Hypothesis, the shrunk case it
     replays last), else the one closest to its allowance: ``equiv_status`` its
     status, ``equiv_kind`` its kind (a failing precision finding told apart),
-    ``equiv_tier`` where it diverged first (passing: the tier closest to its
+    ``equiv_failure_kind`` the kind of failure a mathematical mismatch amounts to
+    (:class:`~equiv.results.verdict.FailureKind`: "mean of means", ..., "unclassified";
+    with the kinds the case cannot tell apart after "/"; empty when none), ``equiv_tier`` where it diverged first (passing: the tier closest to its
     allowance), ``equiv_worst_ratio`` its greatest difference over the allowance
     (> 1 fails), ``equiv_case`` the case to paste.
 
@@ -72,7 +75,9 @@ def junit_properties(verdicts: list[Verdict]) -> list[tuple[str, object]]:
     worst = max(shown.worst.values(), key=lambda row: row.ratio, default=None)
     tier = first.tier if first is not None else (worst.tier if worst is not None else "")
     ratio = _worst_ratio(shown)
-    values: tuple[object, ...] = (len(verdicts), shown.status.value, shown.kind.value, tier,
+    failure = shown.failure_kind
+    failure_kind = "" if failure is None else " / ".join((failure.name, *failure.also))
+    values: tuple[object, ...] = (len(verdicts), shown.status.value, shown.kind.value, failure_kind, tier,
                                   f"{ratio:.3g}" if not math.isnan(ratio) else "", repr(shown.case))
     return list(zip(PROPERTIES, values, strict=True))
 

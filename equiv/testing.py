@@ -18,6 +18,10 @@ step (a clip norm for a step that cannot clip) and never passing one silently:
       def test_my_step_on_drawn_cases(case):
           equiv.testing.assert_equivalent(my_step, case)
 
+  (with :func:`equiv.strategies.cases`, which also draws cases the step
+  cannot take, those are discarded, ``hypothesis.reject()``: the property
+  goes on with the others, never skipped as a whole);
+
 - every standard case in one test: ``equiv.check(my_step).assert_ok()``.
 
 equiv's Hypothesis profiles are shipped in the package: ``pytest
@@ -27,8 +31,9 @@ equiv's Hypothesis profiles are shipped in the package: ``pytest
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
+import hypothesis
 import pytest
 import torch
 
@@ -54,8 +59,10 @@ def assert_equivalent(candidate: Candidate, case: Case, *, train_dtype: torch.dt
     """Check ``candidate`` on ``case`` and fail the test unless it is equivalent.
 
     A case that does not apply to the step, or that no accumulation can match
-    (BatchNorm, dropout), is skipped with the reason: neither a pass nor a
-    failure.  A mismatch raises :class:`equiv.EquivalenceError` with the whole
+    (BatchNorm, dropout), is neither a pass nor a failure: the test is skipped
+    with the reason, and inside a Hypothesis test (``@given``) the drawn case is
+    discarded instead (``hypothesis.reject()``), so the property goes on with
+    the cases that apply rather than skipping as a whole at the first one.  A mismatch raises :class:`equiv.EquivalenceError` with the whole
     verdict; a step that raises propagates as :class:`equiv.CandidateError`.
     Returns the verdict of an equivalent step.  ``train_dtype`` / ``strict``: as in
     :func:`equiv.check` (a precision note passes unless you train in float64).
@@ -66,8 +73,19 @@ def assert_equivalent(candidate: Candidate, case: Case, *, train_dtype: torch.dt
     verdict = check(candidate, case, train_dtype=train_dtype, strict=strict)
     record_verdict(verdict)  # the test's JUnit properties (equiv's pytest plugin)
     if verdict.status is Outcome.NOT_APPLICABLE:
-        pytest.skip("not applicable: " + "; ".join(verdict.not_applicable))
+        _set_aside("not applicable: " + "; ".join(verdict.not_applicable))
     if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:
-        pytest.skip("inherently not equivalent: " + "; ".join(verdict.inherent))
+        _set_aside("inherently not equivalent: " + "; ".join(verdict.inherent))
     verdict.assert_ok()
     return verdict
+
+
+def _set_aside(reason: str) -> NoReturn:
+    """A case that says nothing about the step: the example discarded inside a
+    Hypothesis test (``pytest.skip`` there would skip the whole property at the
+    first such draw, hiding a bug the next draw shows), the test skipped elsewhere."""
+    __tracebackhide__ = True
+    if hypothesis.currently_in_test_context():
+        hypothesis.event(reason)  # counted in Hypothesis's statistics (pytest --hypothesis-show-statistics)
+        hypothesis.reject()
+    pytest.skip(reason)

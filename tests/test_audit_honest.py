@@ -190,12 +190,17 @@ def test_every_window_is_counted_judged_or_not_sampled() -> None:
     assert watched.to_dict()["not_sampled"] == 2 and watched.to_dict()["judged"] == 3
 
 
-def test_a_step_the_grad_scaler_skips_is_counted_and_the_next_window_judged_alone() -> None:
-    # The first step overflows (a loss scale past float32): the scaler skips optimizer.step() and backs
-    # off; that window's micro-batches are not the next step's, which is judged on its own (and equivalent).
+@pytest.mark.parametrize("fused", [False, True], ids=["skips_the_call", "fused_skips_inside"])
+def test_a_step_the_grad_scaler_skips_is_counted_and_the_next_window_judged_alone(fused: bool) -> None:
+    # The first step overflows (a loss scale past float32): the scaler skips optimizer.step() (or, for a
+    # fused optimizer, calls it with found_inf set, and it skips inside) and backs off; that window's
+    # micro-batches are not the next step's, which is judged on its own (and equivalent).
     torch.manual_seed(0)
     model = Regressor()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = (torch.optim.Adam(model.parameters(), lr=0.01, fused=True) if fused
+                 else torch.optim.SGD(model.parameters(), lr=0.1))
+    start = [param.detach().clone() for param in model.parameters()]
+    seen_scales: list[float] = []
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-120)
     original = torch.amp.GradScaler.step
     with audit(model, optimizer, loss=equiv.MSE()) as watched:
@@ -205,8 +210,12 @@ def test_a_step_the_grad_scaler_skips_is_counted_and_the_next_window_judged_alon
                 loss = torch.nn.functional.mse_loss(model(inputs, targets), targets, reduction="sum") / samples
                 scaler.scale(loss).backward()
             scaler.step(optimizer)
+            if not seen_scales:  # the skipped step left the weights as they were
+                assert all(torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))
             scaler.update()
+            seen_scales.append(scaler.get_scale())
             optimizer.zero_grad()
+    assert seen_scales[0] < 2.0**127  # the scale backed off
     assert watched.skipped == 1 and watched.steps == 2 and watched, watched.summary()
     assert [window.micro_batches for window in watched.windows] == [2, 2]
     assert watched.counts()["skipped"] == 1

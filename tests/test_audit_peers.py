@@ -6,10 +6,12 @@ and skips with the reason without it."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
 from equiv.auditing.runs import accelerate_tail_run, lightning_tail_run, trainer_run
+from tests.test_audit_torchrun import audits_under_torchrun
 
 #: The extra's packages missing here: one reason for every skip of the module (one ``-ra`` line).
 _MISSING = [package for package in ("transformers", "accelerate", "pytorch_lightning")
@@ -60,3 +62,16 @@ def test_accelerates_accumulate_divides_the_short_tail_by_n_and_the_audit_flags_
     assert [w.micro_batches for w in audited.windows] == [3, 3, 1]
     assert [w.equivalent for w in audited.windows] == [True, True, False], audited.summary()
     assert abs(audited.windows[-1].mismatches[0].update_ratio - 1 / 3) < 1e-3
+
+
+@_needs("transformers", "accelerate")
+def test_the_transformers_trainer_under_torchrun_is_audited_with_the_same_two_lines(tmp_path: Path) -> None:
+    audits = audits_under_torchrun(2, ("trainer", "trainer_no_loss_kwargs"), tmp_path)
+    # DDP on gloo, each rank its shard of the batches, the Trainer's defaults read (max_grad_norm=1.0)
+    good = audits["trainer"]
+    assert "max_grad_norm=1.0" in good["read"] and "model_accepts_loss_kwargs=True" in good["read"]
+    assert good["audit"]["status"] == "equivalent" and good["audit"]["judged"] == 2, good["summary"]
+    assert "on rank 0 of 2" in good["summary"]
+    # a model without **kwargs: the Trainer's mean of micro-batch means (transformers #37766), flagged
+    bad = audits["trainer_no_loss_kwargs"]
+    assert [window["status"] for window in bad["audit"]["windows"]] == ["not_equivalent"] * 2, bad["summary"]

@@ -334,3 +334,13 @@ def test_verify_threads_rows_say_whether_equivs_choice_is_within_the_target(chos
     assert row[f"{chosen} / {one}"] == f"{chosen_ms / 100:.2f}x" and row[f"{default} / {one}"] == "8.00x"
     assert row["ms per case, torch's default threads (2)"] == "800"
     assert row["target (<= 1.5x)"] == verdict
+
+
+def test_the_ddp_audit_row_states_bytes_per_parameter() -> None:
+    from equiv.reporting.benchmarks import _audit_ddp_lines
+
+    info = {"audit_ddp_overhead": True, "world_size": 2, "parameters": 1000, "micro_batches": 4, "rounds": 5,
+            "plain_step_median_s": 0.01, "audited_ratio": 8.0, "bytes_per_audited_step": 20008.0}
+    text = "\n".join(_audit_ddp_lines({"benchmarks": [{"extra_info": info}]}))
+    assert "| 2 " in text and "8.0x" in text and "20,008" in text and "| 20.0 " in text
+    assert _audit_ddp_lines({"benchmarks": []}) == []

@@ -7,12 +7,16 @@ the searches here are short and seeded.
 import json
 from pathlib import Path
 
+import jsonschema
 import pytest
+from hypothesis import find, settings
 
 import equiv
-from equiv.checking.distributed_search import verify_distributed
+from equiv.checking.distributed_search import DistributedSearchSpace, verify_distributed
 from equiv.cli import main
-from equiv.outcomes import Outcome
+from equiv.outcomes import Fault, Outcome
+from equiv.results.protocol import schema
+from equiv.zoo.bugs import mean_of_means
 from equiv.zoo.distributed_bugs import RAGGED_TOKEN_STEPS, local_mean_per_rank, local_mean_per_rank_fsdp2
 
 
@@ -27,7 +31,7 @@ def test_a_per_rank_mean_is_found_and_shrunk_to_two_ranks_holding_different_coun
     held = [sum(sizes) for sizes in dcase.rank_micro_batch_sizes]
     assert held[0] != held[1], result.message()  # equal counts would hide it
     assert "Not equivalent to full-batch training" in result.message()
-    assert "Reproduce: equiv.check_distributed(step, DistributedCase.of(" in result.message()
+    assert "Reproduce: equiv.check_distributed(local_mean_per_rank, equiv.DistributedCase.of(equiv.Case(" in result.message()
     assert not equiv.check_distributed(local_mean_per_rank, dcase)  # the shrunk case fails on its own
 
 
@@ -52,6 +56,36 @@ def test_the_reference_accumulator_passes_every_drawn_split() -> None:
 def test_fsdp2_draws_are_searched_too() -> None:
     result = verify_distributed(local_mean_per_rank_fsdp2, engines=("fsdp2",), max_examples=15, seed=0)
     assert result.found and result.engine == "fsdp2", result.message()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_hang_on_unequal_micro_batch_counts_does_not_hide_the_mismatch_equal_counts_show() -> None:
+    # The textbook loop under DDP syncs every micro-batch: ranks holding different numbers
+    # of micro-batches wait on each other. Equal counts run, and show its real bug.
+    result = verify_distributed(mean_of_means, models=("mlp",), max_examples=10, seed=0, timeout_s=5)
+    assert result.found and result.kind is Outcome.NOT_EQUIVALENT, result.message()
+    dcase = result.counterexample
+    assert dcase is not None and len({len(sizes) for sizes in dcase.rank_micro_batch_sizes}) == 1
+    assert result.verdict is not None and not result.verdict and result.error is None
+    also = result.also
+    assert also is not None and also.fault in (Fault.HUNG, Fault.COLLECTIVE_MISMATCH), result.message()
+    assert len({len(sizes) for sizes in also.counterexample.rank_micro_batch_sizes}) > 1
+    message = result.message()
+    assert "Not equivalent to full-batch training" in message
+    assert "Also: ranks holding different numbers of micro-batches" in message
+    written = result.to_dict()
+    jsonschema.validate(written, schema())
+    assert written["outcome"] == "not_equivalent" and written["also"]["fault"] == also.fault.value
+    assert result.equal_counts_examples is not None and result.examples > result.equal_counts_examples
+
+
+def test_equal_micro_batch_counts_draw_only_equal_counts() -> None:
+    space = DistributedSearchSpace(engines=("ddp",), equal_micro_batch_counts=True)
+    drawn = find(space.strategy(clipping=False),
+                 lambda case: len(case[0].rank_micro_batch_sizes[0]) > 1, settings=settings(database=None))
+    assert len({len(sizes) for sizes in drawn[0].rank_micro_batch_sizes}) == 1
+    assert space.to_dict()["equal_micro_batch_counts"] is True
 
 
 def test_bad_search_input_is_refused() -> None:

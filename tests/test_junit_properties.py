@@ -50,9 +50,11 @@ def test_junit_xml_carries_the_status_kind_tier_and_worst_ratio(pytester: pytest
     assert list(failed) == list(PROPERTIES)
     assert (failed["equiv_checks"], failed["equiv_status"], failed["equiv_kind"]) == ("1", "not_equivalent",
                                                                                       "not_equivalent")
+    assert failed["equiv_failure_kind"] == "mean of means"
     assert failed["equiv_tier"] in ("exact", "noise") and float(failed["equiv_worst_ratio"]) > 1
     assert failed["equiv_case"].startswith("Case(batch_size=8, micro_batch_sizes=(1, 3, 4)")
-    assert (passed["equiv_status"], passed["equiv_kind"]) == ("equivalent", "equivalent")
+    assert (passed["equiv_status"], passed["equiv_kind"], passed["equiv_failure_kind"]) == ("equivalent",
+                                                                                           "equivalent", "")
     assert passed["equiv_tier"] in ("exact", "noise") and 0 <= float(passed["equiv_worst_ratio"]) <= 1
     assert cases["test_not_applicable"]["equiv_status"] == "not_applicable"
     assert cases["test_without_equiv"] == {}  # a test that asserted nothing of equiv gets no properties

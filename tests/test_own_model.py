@@ -4,7 +4,7 @@ The user's model here is a small GPT-style causal LM built from a config
 object (the shape of ``transformers``' ``GPT2Config`` + ``GPT2LMHeadModel``,
 in plain torch so the test needs nothing beyond torch), its data padded token
 batches of uneven length, and its loss a token cross-entropy written against
-the sum + count protocol.  README.md shows the same with transformers itself.
+the sum + count protocol.  docs/check.md shows the same with transformers itself.
 """
 
 from __future__ import annotations

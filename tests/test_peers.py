@@ -25,8 +25,8 @@ from equiv.adapters import (
 )
 from equiv.cases.standard import TOY_CASE
 from equiv.judging.runs import run_candidate
+from equiv.judging.trajectories import update_gap
 from equiv.peers.catalogue import CONFIGURATIONS, EPOCH_RUNS, TRAINER_RUNS
-from equiv.peers.judge import update_gap
 from equiv.peers.results import Cell, Chart, PeerRow, PeersResults, Situation
 from equiv.peers.runs import EpochRun, Measure, TokenRun, classify_step, measure, measure_epochs, windows
 from equiv.peers.search import smallest_counterexample

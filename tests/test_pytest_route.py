@@ -7,8 +7,9 @@ Each test runs a fresh pytest in a temporary folder outside the repository
 from __future__ import annotations
 
 import pytest
-from hypothesis import find, settings
-from hypothesis.errors import InvalidArgument, NoSuchExample
+from hypothesis import find, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument, NoSuchExample, Unsatisfiable
 
 import equiv
 from equiv.cases.standard import STANDARD_CASES
@@ -60,6 +61,51 @@ def test_textbook(case):
     falsifying = output.split("Falsifying example")[-1]
     assert "max_grad_norm=None" in falsifying and "micro_batch_sizes=(1, 2)" in falsifying
     assert "Not applicable" not in output
+
+
+@pytest.mark.slow
+def test_the_cases_route_discards_cases_the_step_cannot_take_and_finds_the_textbook_bug(
+    pytester: pytest.Pytester,
+) -> None:
+    # equiv.strategies.cases() also draws clip norms the textbook loop cannot take: each
+    # is discarded (not applicable), never a pytest.skip of the whole property ("1 skipped").
+    pytester.makepyfile(steps=STEPS)
+    pytester.makepyfile(test_search='''
+from hypothesis import given
+import equiv, equiv.testing
+from steps import textbook
+
+@given(equiv.strategies.cases())
+def test_textbook(case):
+    equiv.testing.assert_equivalent(textbook, case)
+''')
+    result = pytester.runpytest_subprocess("--hypothesis-profile", "equiv-ci", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    output = result.stdout.str()
+    assert "EquivalenceError: Not equivalent to full-batch training" in output
+    assert "max_grad_norm=None" in output.split("Falsifying example")[-1]
+
+
+TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",
+                 optimizer_kwargs={"lr": 0.02}, steps=1)
+
+
+def test_a_case_that_does_not_apply_is_discarded_inside_given_and_skipped_outside() -> None:
+    steps: dict[str, object] = {}
+    exec(STEPS, steps)
+    weighted = steps["weighted"]
+    clipped = TOY.replace(max_grad_norm=1.0)  # weighted takes no max_grad_norm: not applicable
+
+    @given(st.just(clipped))
+    @settings(max_examples=5, database=None)
+    def property_(case: equiv.Case) -> None:
+        equiv.testing.assert_equivalent(weighted, case)  # type: ignore[arg-type]
+
+    # Every draw discarded (hypothesis.reject), none skipping the property: nothing left to satisfy it.
+    with pytest.raises(Unsatisfiable):
+        property_()
+    with pytest.raises(pytest.skip.Exception, match="not applicable: weighted takes no max_grad_norm"):
+        equiv.testing.assert_equivalent(weighted, clipped)  # type: ignore[arg-type]
 
 
 def test_verify_and_the_given_route_shrink_the_textbook_bug_to_the_same_split() -> None:

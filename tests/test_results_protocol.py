@@ -27,8 +27,8 @@ from equiv.checking.distributed_search import DistributedSearchResult
 from equiv.checking.pipeline import PipelineVerdict
 from equiv.checking.verify import VerifyResult
 from equiv.cli import EXIT_CODES
+from equiv.judging.trajectories import RunVerdict
 from equiv.outcomes import Fault
-from equiv.peers.judge import RunVerdict
 from equiv.results.protocol import SCHEMA, EquivalenceError, Result, ResultBase, schema
 from equiv.results.verdict import CaseVerdicts, TensorDiff, Verdict
 from equiv.zoo.distributed_bugs import local_mean_per_rank
@@ -50,6 +50,7 @@ NOT_RESULTS = {
     "WindowResult": "what Accumulator.step() did to one window (items, grad norm, stepped): no judgement",
     "PeersResults": "the peers survey's table as plain data for reports/peers.md; its cells map to Outcome (Cell.status)",
     "Result": "the protocol itself",
+    "RankVerdict": "one rank's part of a WindowAudit in a multi-process run (WindowAudit.ranks), in its JSON",
 }
 
 TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",

@@ -89,7 +89,7 @@ def test_the_distributed_search_space_is_checked_when_made() -> None:
     space = DistributedSearchSpace(engines=["ddp", "fsdp2"], models=["mlp"], max_world_size=4)
     assert space.engines == ("ddp", "fsdp2") and space.models == ("mlp",)
     assert space.to_dict() == {"engines": ["ddp", "fsdp2"], "models": ["mlp"], "max_world_size": 4,
-                               "max_micro_batches": 3, "max_micro_batch_size": 4}
+                               "max_micro_batches": 3, "max_micro_batch_size": 4, "equal_micro_batch_counts": False}
     with pytest.raises(ValueError, match="engines must be a non-empty subset"):
         DistributedSearchSpace(engines=("pp",))
     with pytest.raises(ValueError, match="models must be a subset of"):

@@ -85,7 +85,7 @@ def test_a_rank_that_raises_or_dies_under_torchrun_is_named(tmp_path: Path) -> N
 
 
 def test_two_machines_are_two_torchrun_commands_meeting_at_one_rendezvous(tmp_path: Path) -> None:
-    # What the README tells users to run on each machine, here both on this one.
+    # What docs/distributed.md tells users to run on each machine, here both on this one.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

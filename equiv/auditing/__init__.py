@@ -2,18 +2,22 @@
 against the full-batch step of the same window, through hooks, with no rewrite
 (:func:`audit`; the replay and judgement in :mod:`equiv.auditing.replay`)."""
 
+from equiv.auditing.averaged import ExponentialAverage
 from equiv.auditing.replay import RecordedWindow, WindowAudit, judge_window
 from equiv.auditing.trainers import lightning_callback, transformers_callback
-from equiv.auditing.watch import Audit, AuditFailure, audit, jsonl_writer
+from equiv.auditing.watch import Audit, AuditFailure, audit
+from equiv.auditing.writers import jsonl_writer, tensorboard_writer
 
 __all__ = [
     "Audit",
     "AuditFailure",
+    "ExponentialAverage",
     "RecordedWindow",
     "WindowAudit",
     "audit",
     "jsonl_writer",
     "judge_window",
     "lightning_callback",
+    "tensorboard_writer",
     "transformers_callback",
 ]

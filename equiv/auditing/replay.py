@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -35,16 +36,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.auditing.ranks import Ranks, RankVerdict, local, shard_of, whole
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
-from equiv.judging.runs import Snapshot, snapshot_of
+from equiv.judging.runs import Snapshot, snapshot_of, state_snapshot
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase
 from equiv.results.verdict import TensorDiff, Tier
 
 __all__ = ["AuditFailure", "Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "inherent_advice",
-           "judge_window"]
+           "judge_window", "model_at"]
 
 #: One call of the model's forward: (positional arguments, keyword arguments), detached copies.
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -103,10 +105,19 @@ class WindowAudit(ResultBase):
     #: the full-batch step of the window is itself not finite while the run's step is: the window's
     #: own data (NaN inputs or targets, no item to count) leaves nothing to judge against
     full_batch_not_finite: bool = False
+    #: in a multi-process run, every rank's verdict on the window (this rank's among them), in rank order;
+    #: the window is equivalent only when every rank's is
+    ranks: tuple[RankVerdict, ...] = ()
 
     @property
     def equivalent(self) -> bool:
-        return not self.mismatches and not self.inherent and self.not_finite is None
+        return (not self.mismatches and not self.inherent and self.not_finite is None
+                and all(rank.equivalent for rank in self.ranks))
+
+    @property
+    def ranks_off(self) -> tuple[int, ...]:
+        """The ranks whose step is not the global full-batch one (empty in one process)."""
+        return tuple(rank.rank for rank in self.ranks if not rank.equivalent)
 
     @property
     def judged(self) -> bool:
@@ -123,7 +134,7 @@ class WindowAudit(ResultBase):
             return Outcome.INHERENTLY_NON_EQUIVALENT
         if self.full_batch_not_finite:
             return Outcome.NOT_APPLICABLE
-        return Outcome.NOT_EQUIVALENT if self.mismatches else Outcome.EQUIVALENT
+        return Outcome.NOT_EQUIVALENT if self.mismatches or self.ranks_off else Outcome.EQUIVALENT
 
     def __bool__(self) -> bool:
         return self.equivalent
@@ -138,6 +149,7 @@ class WindowAudit(ResultBase):
             "inherent": list(self.inherent), "mismatches": [d.to_dict() for d in self.mismatches],
             "worst": None if self.worst is None else self.worst.to_dict(), "hint": self.hint,
             "not_finite": self.not_finite, "full_batch_not_finite": self.full_batch_not_finite,
+            "ranks": [dataclasses.asdict(rank) for rank in self.ranks],
         }
 
     def line(self) -> str:
@@ -153,13 +165,22 @@ class WindowAudit(ResultBase):
             return f"{where}: inherently not equivalent, not replayed ({'; '.join(self.inherent)}){advice}"
         if self.full_batch_not_finite:
             return f"{where}: not judged: {self.not_finite}"
+        if self.ranks:
+            where += f" on rank {self._own_rank()} of {len(self.ranks)}"
         if self.equivalent:
-            ratio = f" (worst {self.worst.ratio:.2g} of its allowance)" if self.worst is not None else ""
+            worst = max((rank.worst_ratio for rank in self.ranks), default=None)
+            worst = self.worst.ratio if worst is None and self.worst is not None else worst
+            ratio = f" (worst {worst:.2g} of its allowance{' on any rank' if self.ranks else ''})" \
+                if worst is not None else ""
             return f"{where}: equivalent{ratio}"
+        if not self.mismatches:  # this rank's step is right, another's is not
+            return f"{where}: NOT equivalent ({self._ranks_text()})"
         first = self.mismatches[0]
         magnitude = ""
         if not math.isnan(first.update_ratio) and not math.isnan(first.cosine):
             magnitude = f"; update {first.update_ratio:.4g}x the full-batch one, cosine {first.cosine:.4f}"
+        elif first.update_ratio == 0:  # the run did not move it: no cosine to give
+            magnitude = "; update 0x the full-batch one (not moved)"
         tail = ""
         if self.usual_micro_batches is not None and self.micro_batches != self.usual_micro_batches:
             tail = f"; a window of {self.micro_batches} where the run's others have {self.usual_micro_batches}"
@@ -167,8 +188,22 @@ class WindowAudit(ResultBase):
         furthest_text = "" if furthest is first else \
             f"; furthest off {furthest.label}, by {furthest.relative_error:.3g} of its scale"
         hint = f"; {self.hint}" if self.hint else ""
+        ranks = f"; {self._ranks_text()}" if self.ranks else ""
         return (f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
-                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}{hint})")
+                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}"
+                f"{ranks}{hint})")
+
+    def _own_rank(self) -> int:
+        return next((rank.rank for rank in self.ranks if rank.mine), 0)
+
+    def _ranks_text(self) -> str:
+        """Which ranks are off, and the one furthest off with its tensor."""
+        off = [rank for rank in self.ranks if not rank.equivalent]
+        if not off:
+            return "every rank's step is off the same way" if self.mismatches else "every rank equivalent"
+        furthest = max(off, key=lambda rank: rank.relative_error)
+        return (f"off on rank{'s' if len(off) != 1 else ''} {[rank.rank for rank in off]} of {len(self.ranks)}, "
+                f"furthest rank {furthest.rank}: {furthest.furthest}, by {furthest.relative_error:.3g} of its scale")
 
     def message(self) -> str:
         """The line, and the first mismatch as ``assert_close`` would show it."""
@@ -221,6 +256,8 @@ class WindowReplay:
     max_grad_norm: float | None = None
     #: the value each gradient element is clamped to (``clip_grad_value_``), or None
     max_grad_value: float | None = None
+    #: the ranks of a multi-process run: the full batch is every rank's micro-batches (None: this process's)
+    ranks: Ranks | None = None
 
     def source(self, window: RecordedWindow) -> RunSource:
         """The run source of ``window``: its full-batch step from its start, the
@@ -229,30 +266,37 @@ class WindowReplay:
 
         def replay(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
             order = range(len(window.calls))
-            replica, replica_optimizer = self._replica(window, dtype)
-            self._full_batch(replica, replica_optimizer, window, order=order[::-1] if rounding.order == "reversed"
-                             else order, after_backward=rounding.after_backward)
+            replica = model_at(self.template, window, dtype)
+            self._full_batch_gradient(replica, window, order=order[::-1] if rounding.order == "reversed" else order,
+                                      after_backward=rounding.after_backward)
+            stepped = self._held(replica)
+            optimizer = self._optimizer(window, stepped)
+            optimizer.step()
             on_snapshot(0, start)
-            on_snapshot(1, snapshot_of(replica, replica_optimizer, copy_tensors=False))
+            on_snapshot(1, state_snapshot(stepped, _floating_buffers(replica), optimizer, copy_tensors=False))
 
         return replay
 
-    def _replica(self, window: RecordedWindow, dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """A copy of the window-start model in ``dtype`` and an optimizer of the
-        user's class over it, in the same param groups, with the window-start
-        state and the hyperparameters the run stepped with."""
-        model = copy.deepcopy(self.template).to(dtype)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(window.start_params[name])
-            for name, buffer in model.named_buffers():
-                if name in window.start_buffers:
-                    buffer.copy_(window.start_buffers[name])
+    def _held(self, replica: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters this rank steps, by name, their gradients set: the replica's own, or, where the
+        run shards its parameters across the ranks (FSDP2), this rank's shards of the replica's."""
+        if self.ranks is None or not self.ranks.sharded:
+            return dict(replica.named_parameters())
+        users = dict(self.model.named_parameters())
+        held = {}
+        for name, param in replica.named_parameters():
+            shard = nn.Parameter(shard_of(param.detach(), like=users[name]), requires_grad=param.requires_grad)
+            shard.grad = None if param.grad is None else shard_of(param.grad, like=users[name])
+            held[name] = shard
+        return held
+
+    def _optimizer(self, window: RecordedWindow, held: dict[str, nn.Parameter]) -> torch.optim.Optimizer:
+        """An optimizer of the user's class over ``held``, in the same param groups, with the
+        window-start state and the hyperparameters the run stepped with."""
         by_identity = {id(param): name for name, param in self.model.named_parameters()}
-        own = dict(model.named_parameters())
         optimizer = self.optimizer
         groups = [{**{k: v for k, v in group.items() if k != "params"},
-                   "params": [own[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
+                   "params": [held[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
         # The constructor's own keywords only (defaults may hold derived ones, e.g.
         # AdamW's decoupled_weight_decay); every group carries its hyperparameters anyway.
         accepted = inspect.signature(type(optimizer)).parameters
@@ -260,17 +304,19 @@ class WindowReplay:
         replica.load_state_dict(copy.deepcopy(window.start_optimizer))  # state cast to the replica's dtype
         for group, hyper in zip(replica.param_groups, window.hyperparameters, strict=True):
             group.update(hyper)
-        return model, replica
+        return replica
 
-    def _full_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, window: RecordedWindow, *,
-                    order: Sequence[int], after_backward: bool) -> None:
-        """One optimizer step on the window's micro-batches as one batch: the sum of
-        item losses over the window divided by the window's item count (each
-        micro-batch back-propagated on its own: the same gradient, in bounded memory)."""
+    def _full_batch_gradient(self, model: nn.Module, window: RecordedWindow, *, order: Sequence[int],
+                             after_backward: bool) -> None:
+        """The full-batch gradient of the window's micro-batches as one batch: the sum of item
+        losses over the window (every rank's, in a multi-process run) divided by its item count
+        (each micro-batch back-propagated on its own: the same gradient, in bounded memory),
+        clipped as the run clips, on the model's parameters."""
         dtype = next(model.parameters()).dtype
-        optimizer.zero_grad(set_to_none=True)
         targets = [_cast(self.targets_of(call), dtype) for call in window.calls]  # float targets (MSE) in dtype too
         total = sum(float(self.loss.count(target)) for target in targets)
+        if self.ranks is not None:  # every rank's items: the global count
+            total = self.ranks.sum_items(total)
         for position in order:
             mixed = window.autocast[position] if position < len(window.autocast) else None
             # The run's mixed precision replayed in the working dtype's runs (the floors then hold its rounding);
@@ -283,6 +329,8 @@ class WindowReplay:
                 output = output.to(dtype)  # the loss taken at the parameters' precision, as AMP recipes do
             summed = self.loss.sum(output, targets[position])
             (summed if after_backward else summed / total).backward()
+        if self.ranks is not None:  # every rank's micro-batches, summed by the audit's own all-reduce
+            self.ranks.sum_gradients(model)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if after_backward and grads:
             torch._foreach_div_(grads, total)
@@ -290,7 +338,27 @@ class WindowReplay:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm, foreach=True)
         if self.max_grad_value is not None:
             torch.nn.utils.clip_grad_value_(model.parameters(), self.max_grad_value, foreach=True)
-        optimizer.step()
+
+
+def model_at(template: nn.Module, window: RecordedWindow, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``template`` in ``dtype`` holding the window-start weights and floating buffers.
+
+    Args:
+        template: a copy of the audited model (its structure; its values are replaced).
+        window: the recorded window whose start is rebuilt.
+        dtype: the dtype of the copy.
+
+    Returns:
+        The copy, a new module.
+    """
+    model = copy.deepcopy(template).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(whole(window.start_params[name]))  # a sharded run's start gathered (every rank together)
+        for name, buffer in model.named_buffers():
+            if name in window.start_buffers:
+                buffer.copy_(window.start_buffers[name])
+    return model
 
 
 #: The roundings a recorded window can be replayed in (the first is the truth's own).
@@ -298,7 +366,13 @@ _ROUNDINGS = (IN_ORDER, Rounding("reversed"), Rounding(after_backward=True))
 
 
 def _start(window: RecordedWindow) -> Snapshot:
-    return Snapshot(params=window.start_params, buffers=window.start_buffers, optimizer_state={})
+    """The window's start as this rank holds it (its shards, in a sharded run)."""
+    return Snapshot(params={name: local(tensor) for name, tensor in window.start_params.items()},
+                    buffers=window.start_buffers, optimizer_state={})
+
+
+def _floating_buffers(model: nn.Module) -> dict[str, Tensor]:
+    return {name: buffer.detach() for name, buffer in model.named_buffers() if buffer.is_floating_point()}
 
 
 def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_batches: int | None = None) -> WindowAudit:
@@ -324,16 +398,30 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
         on_snapshot(0, start)
         on_snapshot(1, applied)
 
-    rows = judge.judge_tier(tier, the_users_step)
+    # The ranks run each floor sample together (its replay sums gradients across them) while any one
+    # still has a row past its allowance.
+    rows = judge.judge_tier(tier, the_users_step, agree=None if replay.ranks is None else replay.ranks.any_of)
     worst = max(rows, key=lambda row: row.ratio, default=None)
+    mismatches = tuple(row for row in rows if not row.ok)
+    ranks: tuple[RankVerdict, ...] = ()
+    if replay.ranks is not None:
+        furthest = max(mismatches, key=lambda row: row.relative_error, default=None)
+        ranks = replay.ranks.gather(RankVerdict(
+            rank=replay.ranks.rank, equivalent=not mismatches,
+            furthest=None if furthest is None else furthest.label,
+            relative_error=0.0 if furthest is None else furthest.relative_error,
+            worst_ratio=0.0 if worst is None else worst.ratio))
+        ranks = tuple(dataclasses.replace(rank, mine=rank.rank == replay.ranks.rank) for rank in ranks)
     return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier,
-                       mismatches=tuple(row for row in rows if not row.ok), worst=worst,
-                       usual_micro_batches=usual_micro_batches)
+                       mismatches=mismatches, worst=worst, usual_micro_batches=usual_micro_batches, ranks=ranks)
 
 
 def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
-    """The user's state after its step, its own tensors lent (read at once)."""
-    return snapshot_of(model, optimizer, copy_tensors=False)
+    """The user's state after its step, its own tensors lent (read at once): what this rank holds."""
+    snapshot = snapshot_of(model, optimizer, copy_tensors=False)
+    return Snapshot(params={name: local(t) for name, t in snapshot.params.items()},
+                    buffers={name: local(t) for name, t in snapshot.buffers.items()},
+                    optimizer_state={name: local(t) for name, t in snapshot.optimizer_state.items()})
 
 
 def inherent_advice(model: nn.Module) -> str:

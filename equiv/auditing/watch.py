@@ -37,17 +37,18 @@ audited window its inputs, its start weights and optimizer state, and during
 the replay one float64 model and optimizer plus one working-dtype replica at a
 time; unaudited windows record nothing.
 
-Scope: one process.  Under DDP or FSDP2 each rank would audit its own view
-(its micro-batches, its all-reduced update) against a full batch of its own
-inputs only, which is not the global full batch: entering an audit on a rank
-of a world larger than one raises, saying so; run the audit in a
-single-process run of the same loop, or use
-``equiv.check_distributed`` for the distributed step.  A ``torch.amp.GradScaler``
+Scope: one process, or every rank of a multi-process run whose ranks each hold
+the whole model (torchrun with DDP, or gradients reduced by the loop): each
+rank enters the audit, records its own micro-batches, and the truth is the
+global full-batch step of the window, computed across the ranks
+(:mod:`equiv.auditing.ranks`).  A model sharded across the ranks (FSDP2,
+tensor parallelism) is refused on entry, naming ``equiv.check_distributed``.
+A ``torch.amp.GradScaler``
 that skips a step (an overflow) calls no ``optimizer.step``: the audit sees
 ``scaler.step`` return without one, counts the step skipped (not judged) and
-starts its window again (an optimizer that takes the scaler's ``found_inf``
-itself, a fused one, steps and skips inside: such a window is judged as a step).
-"""
+starts its window again; an optimizer that takes the scaler's ``found_inf``
+itself (``fused=True``) is called and skips inside: the audit reads the
+``found_inf`` the scaler hands it and counts that step skipped too."""
 
 from __future__ import annotations
 
@@ -66,8 +67,11 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 
+from equiv.auditing.averaged import ExponentialAverage, averaged_weights
+from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
 from equiv.auditing.replay import (
     AuditFailure,
     Autocast,
@@ -77,11 +81,12 @@ from equiv.auditing.replay import (
     WindowReplay,
     inherent_advice,
     judge_window,
+    model_at,
 )
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase, headed
 
-__all__ = ["Audit", "AuditFailure", "audit", "jsonl_writer"]
+__all__ = ["Audit", "AuditFailure", "audit"]
 
 
 def _detached(value: Any) -> Any:
@@ -111,8 +116,10 @@ def default_targets(call: Call) -> Tensor:
         return args[1]
     raise ValueError(
         f"the audit cannot find the targets in the model's forward call (no keyword of {list(TARGET_KEYWORDS)}, no "
-        f"second positional tensor; got {len(args)} positional arguments and keywords {sorted(kwargs)}): pass "
-        "targets=lambda call: ... mapping (args, kwargs) to the targets tensor, or hand the targets to forward")
+        f"second positional tensor; got {len(args)} positional arguments and keywords {sorted(kwargs)}). For a "
+        "loop that computes loss = criterion(model(x), y), hand the audit criterion=<that nn.Module loss>, or call "
+        "the loss function through audit.wrap(loss_fn); else pass targets=lambda call: ... mapping (args, kwargs) "
+        "to the targets tensor")
 
 
 def _where_targets_were_found(call: Call) -> str:
@@ -159,10 +166,11 @@ class Audit(ResultBase):
                  on_window: Callable[[WindowAudit], None] | None = None,
                  call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True,
                  allow_nothing_judged: bool = False, criterion: nn.Module | None = None,
-                 max_grad_value: float | None = None) -> None:
+                 max_grad_value: float | None = None,
+                 averaged: AveragedModel | ExponentialAverage | None = None) -> None:
         #: what the loop calls, when the audit was handed a ``torch.compile``d module (watched too, outside its graph)
         self._compiled = model if _compiled_from(model) is not model else None
-        model = _compiled_from(model)
+        model = unwrapped(_compiled_from(model))  # DDP's module: DDP's forward calls it, its calls are recorded
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -176,6 +184,8 @@ class Audit(ResultBase):
             raise TypeError(f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
                             f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns")
         _refuse_a_foreign_optimizer(model, optimizer)
+        #: the averaged copy of the weights the run keeps (an EMA, SWA), checked once per audited window
+        self.averaged = averaged_weights(averaged, model)
         self.allow_nothing_judged = allow_nothing_judged
         self.model, self.optimizer, self.loss, self.every = model, optimizer, loss, every
         #: the clip the replay applies once per window (None: none; 0 and inf mean none too)
@@ -205,12 +215,17 @@ class Audit(ResultBase):
         self._forward_calls = 0
         #: steps a ``torch.amp.GradScaler`` skipped (inf or NaN gradients: no ``optimizer.step()``)
         self.skipped = 0
+        self.ranks: Ranks | None = None
+        #: inside ``GradScaler.step``; and whether the optimizer step now running skips itself (fused, found_inf)
+        self._in_scaler_step = False
+        self._skips_inside = False
 
     # -- the hooks ---------------------------------------------------------
 
     def __enter__(self) -> Audit:
-        _refuse_a_rank_of_many()
-        self._template = copy.deepcopy(self.model)  # before our hooks are on it
+        #: the ranks of a multi-process run (None: one process), on a process group of the audit's own
+        self.ranks = ranks_of_run(self.model)
+        self._template = plain_copy(self.model)  # before our hooks are on it; an FSDP2 model's whole
         self._handles = [
             self.optimizer.register_step_pre_hook(self._on_step_begin),
             self.optimizer.register_step_post_hook(self._on_step_end),
@@ -240,13 +255,16 @@ class Audit(ResultBase):
         self._window = {
             "params": {name: p.detach().clone() for name, p in self.model.named_parameters()},
             "buffers": {name: b.detach().clone() for name, b in self.model.named_buffers() if b.is_floating_point()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            # an FSDP2 rank's state is DTensors: its own shards kept (its replica steps them)
+            "optimizer": copy.deepcopy(_local_state(self.optimizer.state_dict())),
             "calls": [],
             "autocast": [],
             "clips": [],
             "outputs": [],  # per recorded forward call, (shape, dtype) of what the loss takes, when it could be read
             "seen_targets": [],  # the targets a criterion / wrapped loss received, one per its call
         }
+        if self.averaged is not None and self.steps:  # after a step: its update of the average is yet to come
+            self._window["averaged"] = self.averaged.capture()
 
     def _record_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """A call of the model's forward: recorded when training with gradients (True then)."""
@@ -304,6 +322,10 @@ class Audit(ResultBase):
             self._window["clips"].append((name, limit))
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # A fused optimizer stepped by a GradScaler is handed the scaler's found_inf and skips inside.
+        found_inf = getattr(optimizer, "found_inf", None)
+        self._skips_inside = (self._in_scaler_step and getattr(optimizer, "_step_supports_amp_scaling", False)
+                              and isinstance(found_inf, Tensor) and bool(found_inf.item()))
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
                             for group in optimizer.param_groups)
         if self._window is not None:  # the gradient this step takes, named if it is not finite
@@ -313,6 +335,9 @@ class Audit(ResultBase):
                 "gradient", step=self.steps)
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._skips_inside:  # no update: GradScaler.step's wrapper counts it skipped, as a skipped call
+            self._skips_inside = False
+            return
         window, step = self._window, self.steps
         self.steps += 1
         try:
@@ -338,16 +363,30 @@ class Audit(ResultBase):
         assert self._template is not None
         replay = WindowReplay(template=self._template, model=self.model, optimizer=self.optimizer, loss=self.loss,
                               output_of=self.output, targets_of=targets_of, call_model=self.call_model,
-                              max_grad_norm=self.max_grad_norm, max_grad_value=self.max_grad_value)
+                              max_grad_norm=self.max_grad_norm, max_grad_value=self.max_grad_value,
+                              ranks=self.ranks)
         verdict = judge_window(recorded, replay, usual_micro_batches=usual)
         verdict = dataclasses.replace(verdict, position=self.position,
                                       hint=_clipping_hint(self, window) if verdict.mismatches else verdict.hint)
+        if "averaged" in window and verdict.judged:
+            verdict = self._judge_averaged(verdict, window["averaged"], recorded)
         verdict = self._finite(verdict, window.get("not_finite"))
         self.windows.append(verdict)
         if self.on_window is not None:
             self.on_window(verdict)
         if self.stop_at_first_failure and verdict.status is Outcome.NOT_EQUIVALENT:
             raise AuditFailure(verdict)
+
+    def _judge_averaged(self, verdict: WindowAudit, start: dict[str, Tensor], recorded: RecordedWindow) -> WindowAudit:
+        """``verdict`` with the averaged model's rows: moved once, by its rule, towards the window-start weights."""
+        assert self.averaged is not None and self._template is not None
+        template = self._template
+        rows, moved = self.averaged.judge(start, lambda dtype: model_at(template, recorded, dtype))
+        worst = max([*rows, *([verdict.worst] if verdict.worst is not None else [])], key=lambda row: row.ratio,
+                    default=None)
+        failing = tuple(row for row in rows if not row.ok)
+        hint = "; ".join(part for part in (verdict.hint, moved) if part) or None
+        return dataclasses.replace(verdict, mismatches=(*verdict.mismatches, *failing), worst=worst, hint=hint)
 
     def _finite(self, verdict: WindowAudit, gradient: str | None) -> WindowAudit:
         """``verdict`` with a NaN or inf named: the run's gradient (``gradient``, seen before the
@@ -517,7 +556,8 @@ class Audit(ResultBase):
 
     def write_jsonl(self, path: str | Path) -> Path:
         """Write each audited window's ``to_dict()`` (the schema's ``window_audit``) as one JSON line
-        of ``path`` (replaced); returns the path.  :func:`jsonl_writer` appends them as they come."""
+        of ``path`` (replaced); returns the path.  :func:`equiv.auditing.writers.jsonl_writer` appends
+        them as they come."""
         path = Path(path)
         with path.open("w", encoding="utf-8") as out:
             for window in self.windows:
@@ -525,27 +565,24 @@ class Audit(ResultBase):
         return path
 
 
-def jsonl_writer(path: str | Path, *, then: Callable[[WindowAudit], None] | None = None
-                 ) -> Callable[[WindowAudit], None]:
-    """An ``on_window`` for :func:`audit` that appends each window's ``to_dict()`` to ``path``
-    as one JSON line as soon as it is judged (a run that dies keeps what was judged), then
-    calls ``then`` with the window, if given."""
-    target = Path(path)
-
-    def on_window(window: WindowAudit) -> None:
-        with target.open("a", encoding="utf-8") as out:
-            out.write(json.dumps(window.to_dict()) + "\n")
-        if then is not None:
-            then(window)
-
-    return on_window
+def _local_state(state: Any) -> Any:
+    """An optimizer ``state_dict()`` with every DTensor replaced by this rank's shard of it."""
+    if isinstance(state, Tensor):
+        return local(state)
+    if isinstance(state, dict):
+        return {key: _local_state(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_local_state(value) for value in state]
+    return state
 
 
 def _first_not_finite(named: Iterable[tuple[str, Tensor | None]], what: str, *, step: int) -> str | None:
-    """The first tensor of ``named`` holding a NaN or inf, named with its counts and first index, or None."""
+    """The first tensor of ``named`` holding a NaN or inf, named with its counts and first index, or None
+    (of what this rank holds, in a sharded run)."""
     for name, tensor in named:
         if tensor is None or not tensor.is_floating_point():
             continue
+        tensor = local(tensor)
         bad = torch.logical_not(torch.isfinite(tensor))
         if not bool(bad.any()):
             continue
@@ -790,8 +827,15 @@ class _ClipWatch:
 
     @staticmethod
     def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        stepped = {id(audit): audit.steps for audit in _ClipWatch.audits if audit.optimizer is optimizer}
-        result = _ClipWatch.originals["GradScaler.step"](scaler, optimizer, *args, **kwargs)
+        watching = [audit for audit in _ClipWatch.audits if audit.optimizer is optimizer]
+        stepped = {id(audit): audit.steps for audit in watching}
+        for audit in watching:
+            audit._in_scaler_step = True
+        try:
+            result = _ClipWatch.originals["GradScaler.step"](scaler, optimizer, *args, **kwargs)
+        finally:
+            for audit in watching:
+                audit._in_scaler_step = False
         for audit in _ClipWatch.audits:
             if id(audit) in stepped and audit.steps == stepped[id(audit)]:
                 audit._skipped()
@@ -816,28 +860,13 @@ def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
     return "; ".join(hints) or None
 
 
-def _refuse_a_rank_of_many() -> None:
-    """A rank of a multi-process run sees only its own micro-batches while its
-    update is the all-reduced one: a replay of its inputs alone is not the
-    global full batch, so a correct step would be flagged.  Refuse, naming why
-    (a verdict on a case that does not apply is never given)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            f"equiv.audit watches one process, but this is rank {dist.get_rank()} of {dist.get_world_size()} "
-            "(torch.distributed is initialized): a rank sees only its own micro-batches, so replaying them is "
-            "not the global full-batch step and a correct run would be flagged. Audit a single-process run of "
-            "the same loop, or check the distributed step with equiv.check_distributed.")
-
-
 def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
           targets: Callable[[Call], Tensor] = default_targets, output: Callable[[Any], Tensor] = default_output,
           max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
           on_window: Callable[[WindowAudit], None] | None = None,
           call_model: Callable[[nn.Module, Call], Any] = default_call, record_forward: bool = True,
           allow_nothing_judged: bool = False, criterion: nn.Module | None = None,
-          max_grad_value: float | None = None) -> Audit:
+          max_grad_value: float | None = None, averaged: AveragedModel | ExponentialAverage | None = None) -> Audit:
     """Audit the optimizer steps of the run made inside ``with`` (see :mod:`equiv.auditing.watch`).
 
     Args:
@@ -862,6 +891,11 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
         call_model, record_forward: with ``record_forward=False``, micro-batches are recorded with
             :meth:`Audit.record` instead of by the watched ``forward``, and replayed as
             ``call_model(model, (args, kwargs))``.
+        averaged: the averaged copy of the weights the run keeps: a
+            ``torch.optim.swa_utils.AveragedModel`` (an EMA by ``get_ema_multi_avg_fn``, SWA), or
+            ``equiv.ExponentialAverage(ema_model, decay)`` for a hand-written EMA. Each audited window
+            after the first checks it moved once per optimizer step, by its rule, towards the weights
+            of the step before (:mod:`equiv.auditing.averaged`): updated per micro-batch, it fails.
         allow_nothing_judged: let :meth:`Audit.assert_ok` pass an audit that judged no window and
             flagged none (by default it fails, saying why: the optimizer never stepped, an empty
             loader, every window inherently not equivalent (dropout), or none sampled).
@@ -878,4 +912,4 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
                  max_grad_norm=max_grad_norm, stop_at_first_failure=stop_at_first_failure, on_window=on_window,
                  call_model=call_model, record_forward=record_forward, allow_nothing_judged=allow_nothing_judged,
-                 criterion=criterion, max_grad_value=max_grad_value)
+                 criterion=criterion, max_grad_value=max_grad_value, averaged=averaged)

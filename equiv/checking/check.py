@@ -23,13 +23,14 @@ import torch
 
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
+from equiv.checking.failure_kinds import classify
 from equiv.checking.threads import chosen_threads, running_threads
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.judging.floors import TIERS
 from equiv.judging.judge import ReferenceRuns, precision_fails_because, precision_finding, reference_runs
-from equiv.outcomes import Fault
-from equiv.results.verdict import CaseVerdicts, PrecisionFinding, TensorDiff, Tier, Verdict
+from equiv.outcomes import Fault, Outcome
+from equiv.results.verdict import CaseVerdicts, FailureKind, PrecisionFinding, TensorDiff, Tier, Verdict
 
 __all__ = ["check", "check_cases"]
 
@@ -141,7 +142,23 @@ def _check(
     every_note = [note for tier in references.tiers for note in notes[tier]]
     verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(every_note)))
     finding = _precision_finding(references, case, candidate, verdict, fails_because)
-    return verdict if finding is None else dataclasses.replace(verdict, precision=finding)
+    if finding is not None:
+        return dataclasses.replace(verdict, precision=finding)
+    if details and verdict.status is Outcome.NOT_EQUIVALENT:
+        return dataclasses.replace(verdict, failure_kind=_failure_kind(candidate, case, verdict))
+    return verdict
+
+
+def _failure_kind(candidate: BoundCandidate, case: Case, verdict: Verdict) -> FailureKind:
+    """The kind of a mathematical mismatch (:mod:`equiv.checking.failure_kinds`),
+    or unclassified, saying why, when the time limit or the step ended the runs
+    that tell (the verdict stands either way)."""
+    try:
+        return classify(candidate, case, verdict).failure_kind()
+    except CheckTimeout as exc:
+        return FailureKind.unclassified(f"not classified: {exc}")
+    except CandidateError as exc:
+        return FailureKind.unclassified(f"not classified: the step raised when run again ({exc})")
 
 
 def _natural_overflow_possible(case: Case) -> bool:

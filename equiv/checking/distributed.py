@@ -158,9 +158,22 @@ class DistributedCase:
         out = {"case": self.case.to_dict(), "rank_micro_batch_sizes": [list(s) for s in self.rank_micro_batch_sizes]}
         return out if self.tensor_parallel == 1 else {**out, "tensor_parallel": self.tensor_parallel}
 
-    def __repr__(self) -> str:
+    def source(self, prefix: str = "") -> str:
+        """The expression that builds this case again, every name behind ``prefix``
+        (``"equiv."`` where only ``import equiv`` is in scope: a Reproduce line).
+
+        Args:
+            prefix: what goes before ``DistributedCase`` and ``Case``.
+
+        Returns:
+            ``DistributedCase.of(Case(...), [[...], ...])``, with ``tensor_parallel=T`` when T > 1.
+        """
         tp = "" if self.tensor_parallel == 1 else f", tensor_parallel={self.tensor_parallel}"
-        return f"DistributedCase.of({self.case!r}, {[list(s) for s in self.rank_micro_batch_sizes]!r}{tp})"
+        shards = [list(s) for s in self.rank_micro_batch_sizes]
+        return f"{prefix}DistributedCase.of({prefix}{self.case!r}, {shards!r}{tp})"
+
+    def __repr__(self) -> str:
+        return self.source()
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,10 +308,8 @@ class DistributedVerdict(Judgement):
             imports = "torch, equiv"
         # The keywords that make a failing precision finding fail again (the same on every rank).
         extra += next((v._precision_flags() for v in self.ranks if v.precision is not None), "")
-        # Every name as the imports reach it, so the line runs as printed.
-        shards = [list(sizes) for sizes in self.case.rank_micro_batch_sizes]
-        call = (f"equiv.check_distributed({self.candidate}, "
-                f"equiv.DistributedCase.of(equiv.{self.case.case!r}, {shards!r}){extra})")
+        # Every name as the imports reach it, so the line runs as printed (tensor_parallel included).
+        call = f"equiv.check_distributed({self.candidate}, {self.case.source('equiv.')}{extra})"
         return f"Reproduce: {call}" if imports == "equiv" else f"Reproduce: import {imports}; {call}"
 
     def note(self) -> str | None:
@@ -556,6 +567,8 @@ def check_distributed(
             (:class:`~equiv.outcomes.Fault`) says which.  No process is left behind.
         InvalidCase: the case or engine cannot run as asked (named, with the value given).
         ValueError: ``timeout_s`` or ``train_dtype`` is not valid, or a CUDA case has fewer GPUs than ranks.
+        UnguardedMainError: called at the top level of a script the ranks import again
+            (not under ``if __name__ == "__main__":``).
     """
     __tracebackhide__ = True
     fails_because = precision_fails_because(train_dtype, strict)

@@ -19,6 +19,7 @@ finds the same split on every machine.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -35,8 +36,8 @@ from equiv.judging.contract import BoundCandidate, Candidate, bind
 from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import SearchBase
 
-__all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "DistributedSearchSpace", "distributed_cases",
-           "standard_distributed_cases", "verify_distributed"]
+__all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "DistributedSearchSpace", "UnequalCountsFault",
+           "distributed_cases", "standard_distributed_cases", "verify_distributed"]
 
 #: The engines a search may draw (see :func:`~equiv.checking.distributed.check_distributed`).
 ENGINES = ("ddp", "fsdp2", "tp", "fsdp2+tp")
@@ -62,6 +63,7 @@ _CLIP_NORM = 0.05
 def distributed_cases(
     draw: st.DrawFn, *, max_world_size: int = 3, max_micro_batches: int = 3, max_micro_batch_size: int = 4,
     clipping: bool = False, models: Sequence[str] = MODELS, engine: str = "ddp",
+    equal_micro_batch_counts: bool = False,
 ) -> DistributedCase:
     """Distributed cases: 2 to ``max_world_size`` ranks, each with 1 to
     ``max_micro_batches`` micro-batches of 1 to ``max_micro_batch_size``
@@ -70,6 +72,8 @@ def distributed_cases(
     steps, and an active clip norm when ``clipping``.  Under ``engine="fsdp2"``
     every rank has the same number of micro-batches (each forward and backward
     all-gathers the parameters on every rank), of its own sizes.  Under
+    ``equal_micro_batch_counts`` asks the same of every engine (a step whose
+    collectives depend on its micro-batch count runs only so).  Under
     ``engine="tp"`` one data rank served by :data:`SEARCH_TENSOR_PARALLEL`
     TP ranks; under ``"fsdp2+tp"`` 2 to ``max_world_size // 2`` data ranks (at
     least 2: 4 processes even when ``max_world_size`` is 3) of
@@ -83,7 +87,7 @@ def distributed_cases(
         world_size = draw(st.integers(2, max(2, max_world_size // tensor_parallel)))
     else:
         world_size = draw(st.integers(2, max_world_size))
-    if engine in ("fsdp2", "fsdp2+tp"):
+    if engine in ("fsdp2", "fsdp2+tp") or equal_micro_batch_counts:
         count = draw(st.integers(1, max_micro_batches))
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=count, max_size=count)
     else:
@@ -138,6 +142,39 @@ def _check_bounds(max_world_size: int, max_micro_batches: int, max_micro_batch_s
         raise ValueError(f"models must be a non-empty subset of {MODELS}, got {tuple(models)!r}")
 
 
+#: Faults that say the ranks' collectives did not line up (or waited on each other for ever).
+_COLLECTIVE_FAULTS = (Fault.HUNG, Fault.COLLECTIVE_MISMATCH)
+
+
+@dataclass(frozen=True)
+class UnequalCountsFault:
+    """Ranks holding different numbers of micro-batches hung or mismatched their
+    collectives under the step: its collectives depend on its micro-batch count
+    (a sync per micro-batch).  A finding of its own, reported beside the search
+    of the cases the step can run (every rank as many micro-batches), never
+    instead of it."""
+
+    counterexample: DistributedCase
+    engine: str
+    error: str
+    fault: Fault
+
+    def describe(self) -> str:
+        """One paragraph: which split, hang or mismatch, why, what to do, and the ranks' first line."""
+        split = "; ".join(f"rank {rank}: {list(sizes)}" for rank, sizes in
+                          enumerate(self.counterexample.rank_micro_batch_sizes))
+        what = "hang" if self.fault is Fault.HUNG else "mismatch their collectives"
+        first = next((line.strip() for line in self.error.splitlines() if line.strip()), "")
+        return (f"Also: ranks holding different numbers of micro-batches {what} under this step ({split}; engine "
+                f"{self.engine}): its collectives depend on its micro-batch count (a gradient sync per micro-batch). "
+                f"Sync once per window (DDP's no_sync() around all but the last backward) or give every rank as "
+                f"many micro-batches. The ranks said: {first}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"counterexample": self.counterexample.to_dict(), "engine": self.engine, "error": self.error,
+                "fault": self.fault.value}
+
+
 @dataclass(frozen=True)
 class DistributedSearchResult(SearchBase):
     """What :func:`verify_distributed` found: the smallest split that shows a
@@ -159,6 +196,12 @@ class DistributedSearchResult(SearchBase):
     precision_notes: int = 0
     #: how the ranks of the counterexample failed to give a verdict (with ``error``), as data
     fault: Fault | None = None
+    #: Ranks with unequal micro-batch counts hung or mismatched collectives, and a search of
+    #: equal counts found the counterexample above: that fault, reported beside it.
+    also: UnequalCountsFault | None = None
+    #: Cases searched with every rank holding as many micro-batches, after unequal counts
+    #: hung or mismatched collectives (None: no such search was needed).
+    equal_counts_examples: int | None = None
 
     @property
     def found(self) -> bool:
@@ -189,6 +232,8 @@ class DistributedSearchResult(SearchBase):
             "engine": self.engine, "counterexample": None if found is None else found.to_dict(),
             "verdict": None if self.verdict is None else self.verdict.to_dict(), "error": self.error,
             "precision_notes": self.precision_notes, "fault": None if self.fault is None else self.fault.value,
+            "also": None if self.also is None else self.also.to_dict(),
+            "equal_counts_examples": self.equal_counts_examples,
         }
 
     def message(self) -> str:
@@ -202,9 +247,16 @@ class DistributedSearchResult(SearchBase):
                           enumerate(self.counterexample.rank_micro_batch_sizes))
         lines = [f"{head}: counterexample, shrunk to {self.counterexample.world_size} ranks ({split}), "
                  f"engine {self.engine}:", ""]
-        lines.append(self.error if self.error is not None
-                     else self.verdict.message() if self.verdict is not None else "")
-        lines += ["", f"Reproduce: equiv.check_distributed(step, {self.counterexample!r}, engine={self.engine!r})"]
+        shown = self.error if self.error is not None else self.verdict.message() if self.verdict is not None else ""
+        # One Reproduce line, the search's own (the verdict's says the same without the engine it ran under).
+        lines.append("\n".join(line for line in shown.splitlines() if not line.startswith("Reproduce:")))
+        lines += ["", f"Reproduce: equiv.check_distributed({self.candidate}, {self.counterexample.source('equiv.')}, "
+                      f"engine={self.engine!r})"]
+        if self.also is not None:
+            lines += ["", self.also.describe()]
+        elif self.equal_counts_examples is not None:
+            lines += ["", f"With every rank holding as many micro-batches: no counterexample in "
+                          f"{self.equal_counts_examples} case(s)."]
         return "\n".join(lines)
 
 
@@ -216,6 +268,7 @@ class _Bounds(TypedDict, total=False):
     max_world_size: int
     max_micro_batches: int
     max_micro_batch_size: int
+    equal_micro_batch_counts: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +285,8 @@ class DistributedSearchSpace:
     max_world_size: int = 3
     max_micro_batches: int = 3
     max_micro_batch_size: int = 4
+    #: Every rank holds as many micro-batches as the others (a step whose collectives depend on the count).
+    equal_micro_batch_counts: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engines", tuple(self.engines))
@@ -252,7 +307,7 @@ class DistributedSearchSpace:
             return distributed_cases(
                 max_world_size=self.max_world_size, max_micro_batches=self.max_micro_batches,
                 max_micro_batch_size=self.max_micro_batch_size, clipping=clipping, models=self.models,
-                engine=engine,
+                engine=engine, equal_micro_batch_counts=self.equal_micro_batch_counts,
             ).map(lambda dcase: (dcase, engine))
 
         return st.sampled_from(tuple(self.engines)).flatmap(on)
@@ -282,7 +337,7 @@ def verify_distributed(
             :func:`equiv.check_distributed` takes it.
         space: what is drawn (:class:`DistributedSearchSpace`), or its keywords in
             ``bounds``: ``engines``, ``models``, ``max_world_size``, ``max_micro_batches``,
-            ``max_micro_batch_size`` (not both).
+            ``max_micro_batch_size``, ``equal_micro_batch_counts`` (not both).
         max_examples: distributed cases to try.
         seed: fixes the search (default: drawn and reported).
         timeout_s: seconds one case's ranks may take; a rank that hangs ends the search
@@ -293,7 +348,10 @@ def verify_distributed(
         A :class:`DistributedSearchResult`: the smallest split found with its verdict,
         or the error and :class:`~equiv.outcomes.Fault` of ranks that raised, hung,
         died or mismatched their collectives; or nothing found.  A case that is only
-        a precision note passes and is counted.
+        a precision note passes and is counted.  When ranks holding different numbers
+        of micro-batches hang or mismatch their collectives, the search goes on among
+        cases where every rank holds as many (another ``max_examples``): a mismatch
+        found there is the counterexample, that fault reported beside it (``also``).
 
     Raises:
         TypeError: both ``space`` and keywords were given.
@@ -322,13 +380,45 @@ def verify_distributed(
             precision_notes[0] += 1
         return None
 
+    clipping = "max_grad_norm" in bound.keywords
     run = SearchRun(max_examples=max_examples, seed=seed, progress=progress)
-    outcome = run_search(space.strategy(clipping="max_grad_norm" in bound.keywords), judge, run, name=bound.name)
+    outcome = run_search(space.strategy(clipping=clipping), judge, run, name=bound.name)
+    started, examples = outcome.started, outcome.examples
+    also: UnequalCountsFault | None = None
+    equal_counts_examples: int | None = None
+    unequal = _unequal_counts_fault(outcome.example, outcome.failure)
+    if unequal is not None:
+        # Unequal micro-batch counts hang this step or mismatch its collectives: search on among the
+        # cases it can run (every rank as many micro-batches) for a mathematical mismatch, the same budget.
+        def more(done: int, seconds: float) -> None:
+            if progress is not None:
+                progress(examples + done, time.perf_counter() - started)
+
+        equal = dataclasses.replace(space, equal_micro_batch_counts=True)
+        again = run_search(equal.strategy(clipping=clipping), judge,
+                           SearchRun(max_examples=max_examples, seed=seed, progress=more), name=bound.name)
+        examples += again.examples
+        equal_counts_examples = again.examples
+        if again.found:
+            outcome, also = again, unequal
     dcase, engine = outcome.example if outcome.example is not None else (None, None)
     failure = outcome.failure
     return DistributedSearchResult(
-        candidate=bound.name, engines=tuple(space.engines), examples=outcome.examples, seed=seed,
-        elapsed_s=time.perf_counter() - outcome.started, counterexample=dcase, engine=engine,
+        candidate=bound.name, engines=tuple(space.engines), examples=examples, seed=seed,
+        elapsed_s=time.perf_counter() - started, counterexample=dcase, engine=engine,
         verdict=None if failure is None else failure.verdict, error=None if failure is None else failure.error,
         precision_notes=precision_notes[0], fault=None if failure is None else failure.fault,
+        also=also, equal_counts_examples=equal_counts_examples,
     )
+
+
+def _unequal_counts_fault(example: tuple[DistributedCase, str] | None,
+                          failure: Failure[DistributedVerdict] | None) -> UnequalCountsFault | None:
+    """The finding, when ranks holding different numbers of micro-batches hung or
+    mismatched their collectives (None for any other finding, or none)."""
+    if example is None or failure is None or failure.fault not in _COLLECTIVE_FAULTS or failure.error is None:
+        return None
+    dcase, engine = example
+    if len({len(sizes) for sizes in dcase.rank_micro_batch_sizes}) < 2:
+        return None
+    return UnequalCountsFault(dcase, engine, failure.error, failure.fault)

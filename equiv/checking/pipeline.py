@@ -269,6 +269,8 @@ def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
 
     Raises:
         ValueError: ``timeout_s`` is not a positive number.
+        UnguardedMainError: called at the top level of a script the ranks import again
+            (not under ``if __name__ == "__main__":``).
     """
     from equiv.distributed.launcher import DistributedCheckError
 

@@ -13,6 +13,9 @@ deadline (started by a fork server that has imported torch once, see
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import sys
 import tempfile
 import time
 import traceback
@@ -29,8 +32,8 @@ import torch.multiprocessing as mp
 from equiv.distributed.matching import CollectiveLog
 from equiv.outcomes import Fault
 
-__all__ = ["DistributedCheckError", "Launcher", "RankOutcome", "RankState", "RankTask", "fault_of", "fault_report",
-           "run_on_ranks", "run_rank_task"]
+__all__ = ["DistributedCheckError", "Launcher", "RankOutcome", "RankState", "RankTask", "UnguardedMainError",
+           "fault_of", "fault_report", "run_on_ranks", "run_rank_task"]
 
 #: Seconds a rank that already failed gives the others to report before all are stopped.
 _GRACE_S = 3.0
@@ -49,6 +52,38 @@ class DistributedCheckError(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (str(self), self.fault)
+
+
+class UnguardedMainError(RuntimeError):
+    """The ranks could not start: each one imports the calling script again
+    (spawned processes do), and the script's module-level code launched ranks
+    again there.  Not a fault of the step, so never a verdict: the call
+    belongs under ``if __name__ == "__main__":``."""
+
+
+#: A rank's exit code for "my script launched ranks again while I was importing it"
+#: (see :func:`_refuse_launch_while_bootstrapping`); any code no rank exits with otherwise.
+_UNGUARDED_MAIN_EXIT = 87
+
+
+def _refuse_launch_while_bootstrapping() -> None:
+    """In a rank still importing its parent's main script (multiprocessing's own
+    test before it refuses to start a process, ``spawn._check_not_importing_main``):
+    end this rank at once with :data:`_UNGUARDED_MAIN_EXIT`, silently, so its
+    parent raises one :class:`UnguardedMainError` instead of every rank printing
+    multiprocessing's bootstrapping traceback and the check ending as a rank that died."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stdout.flush()
+        os._exit(_UNGUARDED_MAIN_EXIT)
+
+
+def _unguarded_main(describe: str) -> UnguardedMainError:
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
+    return UnguardedMainError(
+        f"{describe or 'the check'}: the ranks never started, because each one imports {main} again (a spawned "
+        "process does) and its module-level code calls equiv again there: put that call under "
+        "`if __name__ == \"__main__\":` (https://docs.python.org/3/library/multiprocessing.html"
+        "#the-spawn-and-forkserver-start-methods)")
 
 
 class RankTask(Protocol):
@@ -208,6 +243,7 @@ def run_on_ranks(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    _refuse_launch_while_bootstrapping()
     device_type = torch.device(device).type
     if device_type == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"{world_size} ranks on {device!r} need as many GPUs, {torch.cuda.device_count()} visible")
@@ -239,6 +275,8 @@ def run_on_ranks(
                 codes = [p.exitcode for p in processes]
                 if all(code == 0 for code in codes):
                     break
+                if _UNGUARDED_MAIN_EXIT in codes and not started:
+                    raise _unguarded_main(describe)
                 failed = any(code not in (None, 0) for code in codes)
                 if failed and first_failure is None:
                     first_failure = time.monotonic()
@@ -255,10 +293,11 @@ def run_on_ranks(
             return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
         finally:
             # No worker outlives the call, whatever happened.
-            for process in processes:
+            launched = [process for process in processes if process.pid is not None]  # start() may have raised
+            for process in launched:
                 if process.is_alive():
                     process.terminate()
-            for process in processes:
+            for process in launched:
                 process.join(timeout=5)
                 if process.is_alive():
                     process.kill()

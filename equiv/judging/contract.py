@@ -173,7 +173,7 @@ def bind(candidate: Callable[..., Any] | BoundCandidate) -> BoundCandidate:
     except TypeError as exc:
         raise ContractError(
             f"candidate {name}{signature} cannot be called as "
-            f"step(model, optimizer, micro_batches, loss_fn) ({exc}); see the candidate contract in the README"
+            f"step(model, optimizer, micro_batches, loss_fn) ({exc}); see the candidate contract in docs/check.md"
         ) from None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
         keywords = frozenset(OPTIONAL_KEYWORDS)

@@ -52,6 +52,7 @@ __all__ = [
     "OnSnapshot",
     "ReferenceRuns",
     "RunSource",
+    "case_key",
     "case_roundings",
     "clear_reference_cache",
     "float32_sized",
@@ -183,7 +184,8 @@ class Judge:
         comparer.end_run()
         return comparer
 
-    def judge_tier(self, tier: Tier, run: CandidateRun, *, details: bool = True) -> list[TensorDiff]:
+    def judge_tier(self, tier: Tier, run: CandidateRun, *, details: bool = True,
+                   agree: Callable[[bool], bool] | None = None) -> list[TensorDiff]:
         """Every tensor's row of a candidate in ``tier``, running floor samples only
         while the verdict depends on them.
 
@@ -198,12 +200,21 @@ class Judge:
         to detail the rows a failing verdict shows (unless ``details`` is False):
         the same verdict as with every floor run first, number for number
         (tests/test_lazy_floors.py).
+
+        ``agree``: for judges that must run the same floor samples together (the ranks
+        of a multi-process audit, whose source runs collectives), told whether this
+        one still has a row past its allowance and answering whether any of them has.
         """
         if self.floors_complete(tier):
             return self.rows(tier, run, details=details).diffs
         comparer = self.rows(tier, run, details=False)
         rows = comparer.diffs
-        while not all(row.ok for row in rows):
+
+        def past(rows: list[TensorDiff]) -> bool:
+            still = not all(row.ok for row in rows)
+            return still if agree is None else agree(still)
+
+        while past(rows):
             if not self.run_floor_sample(tier):  # every sample in, still past
                 return self.rows(tier, run).diffs if details else rows
             rows = comparer.rejudged(self.floors[tier])
@@ -355,15 +366,21 @@ def clear_reference_cache() -> None:
 
 
 def _cache_key(case: Case, tiers: Sequence[Tier]) -> tuple[str, tuple[Tier, ...]] | None:
-    """The case as JSON text when it is names and numbers only (None otherwise)."""
+    key = case_key(case)
+    return None if key is None else (key, tuple(tiers))
+
+
+def case_key(case: Case) -> str | None:
+    """The case as JSON text when it is names and numbers only, None otherwise:
+    what runs of it may be kept under (a case holding a user's object may
+    change between two checks, so its runs are never kept)."""
     objects = [case.model, case.data, case.loss]
     if not all(isinstance(value, str) and ":" not in value for value in objects):
         return None  # a user's object, or an import path to one: it may change between checks
     try:
-        text = json.dumps(case.to_dict(), sort_keys=True, allow_nan=True)
+        return json.dumps(case.to_dict(), sort_keys=True, allow_nan=True)
     except (TypeError, ValueError):
         return None  # keyword values that are not plain data
-    return text, tuple(tiers)
 
 
 #: Training dtypes a user may declare, by name.
@@ -427,7 +444,7 @@ def float32_sized(diffs: Sequence[TensorDiff]) -> bool:
     allowance (ROUNDOFF_UNITS_PER_STEP x steps x u(float32) x scale): a difference
     float32 arithmetic inside a float64 run makes, which a float32 check passes
     whatever its floor.  The one rule for precision findings (also for whole runs,
-    :mod:`equiv.peers.judge`)."""
+    :mod:`equiv.judging.trajectories`)."""
     return all(
         d.max_abs_diff <= ROUNDOFF_UNITS_PER_STEP * d.step * unit_roundoff(torch.float32) * d.scale for d in diffs
     )

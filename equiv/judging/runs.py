@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ __all__ = [
     "run_candidate",
     "run_reference",
     "snapshot_of",
+    "state_snapshot",
 ]
 
 class NonFiniteLossError(ValueError):
@@ -60,11 +61,32 @@ def snapshot_of(
     """Float64 copies of the run's state; with ``copy_tensors=False`` the run's
     own tensors, in its dtype (no copy, no conversion: for a consumer that
     reads them at once and computes in float64, which promotes them exactly)."""
+    return state_snapshot(dict(model.named_parameters()),
+                          {name: b for name, b in model.named_buffers() if b.is_floating_point()},
+                          optimizer, grad_scaler, copy_tensors=copy_tensors)
+
+
+def state_snapshot(
+    params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], optimizer: torch.optim.Optimizer,
+    grad_scaler: torch.amp.GradScaler | None = None, *, copy_tensors: bool = True,
+) -> Snapshot:
+    """:func:`snapshot_of` of named tensors that are not one module's (a rank's shards of them).
+
+    Args:
+        params: the parameters the optimizer steps, by name (its state is named after them).
+        buffers: the floating buffers, by name.
+        optimizer: the optimizer over ``params``.
+        grad_scaler: the run's loss scaler, whose scale is part of its state (or None).
+        copy_tensors: float64 copies (True), or the tensors themselves, lent (False).
+
+    Returns:
+        The snapshot.
+    """
 
     def copy(tensor: Tensor) -> Tensor:
         return tensor.detach().to(dtype=torch.float64, copy=True) if copy_tensors else tensor.detach()
 
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): name for name, p in params.items()}
     state: dict[str, Tensor] = {}
     for param, param_state in optimizer.state.items():
         for key, value in param_state.items():
@@ -74,11 +96,8 @@ def snapshot_of(
         # The scale must move exactly as the full-batch step's: backed off once
         # per overflowing window, never per micro-batch.
         state["grad_scaler:scale"] = torch.tensor(grad_scaler.get_scale(), dtype=torch.float64)
-    return Snapshot(
-        params={name: copy(p) for name, p in model.named_parameters()},
-        buffers={name: copy(b) for name, b in model.named_buffers() if b.is_floating_point()},
-        optimizer_state=state,
-    )
+    return Snapshot(params={name: copy(p) for name, p in params.items()},
+                    buffers={name: copy(b) for name, b in buffers.items()}, optimizer_state=state)
 
 
 def full_batch_step(

@@ -3,10 +3,12 @@
 - :mod:`equiv.adapters`: each library (Accelerate, Lightning, the
   transformers Trainer, nanoGPT's loop, the MindSpore tutorials' patterns)
   under the candidate contract, and over whole epochs where it has its own loop;
-- :mod:`equiv.peers.judge`: a whole run judged step by step against a float64
-  reference, in both tiers, with the derived allowances of :func:`equiv.check`;
-- :mod:`equiv.peers.kinds`: the kinds of failure (mean of means, tail divided
-  by N, ...) a failing run is named by;
+- :mod:`equiv.judging.trajectories` (the engine's): a whole run judged step by
+  step against a float64 reference, in both tiers, with the derived allowances
+  of :func:`equiv.check`;
+- :mod:`equiv.zoo.kinds` and :mod:`equiv.checking.failure_kinds`: the kinds of
+  failure (mean of means, tail divided by N, ...) a failing run is named by,
+  as ``equiv check``'s verdicts name them;
 - :mod:`equiv.peers.runs`: the whole-run drivers (one DataLoader / one ``fit``
   / one ``Trainer.train()``) and their measurement;
 - :mod:`equiv.peers.catalogue`: the peers, the situations they are measured

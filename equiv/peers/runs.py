@@ -7,10 +7,10 @@ library is driven as one run: one DataLoader / one ``fit`` over an epoch of
 several windows, for one or more epochs, and every optimizer step it takes is
 judged against the full-batch step over the same window (the epoch's
 micro-batches grouped N at a time, the last window shorter when the epoch is
-not a multiple of N, windows restarting each epoch) by :mod:`equiv.peers.judge`:
+not a multiple of N, windows restarting each epoch) by :mod:`equiv.judging.trajectories`:
 the checker and derived allowances of :func:`equiv.check`, in both tiers.
 
-Failures are named by KIND (:mod:`equiv.peers.kinds`): the wrong weighting of
+Failures are named by KIND (:mod:`equiv.zoo.kinds`): the wrong weighting of
 the micro-batches' mean gradients that the same checker finds the run
 equivalent to.  The magnitude is reported as the update's scale and direction
 (``|Δ|/|Δ_full|`` and the cosine between the two updates), which Adam's
@@ -29,32 +29,26 @@ from torch import Tensor, nn
 from equiv.batches import split_batch
 from equiv.cases.case import Case
 from equiv.checking.check import check
-from equiv.judging.contract import bind
-from equiv.judging.runs import Snapshot, run_candidate, run_reference, snapshot_of
-from equiv.losses import Loss
-from equiv.peers.judge import (
+from equiv.checking.failure_kinds import classify
+from equiv.judging.runs import Snapshot, snapshot_of
+from equiv.judging.trajectories import (
     References,
     StepMagnitude,
     Trajectories,
-    flat_params,
     judge,
     magnitude,
     record,
     step_scales,
 )
-from equiv.peers.kinds import (
+from equiv.losses import Loss
+from equiv.results.verdict import TensorDiff, Verdict
+from equiv.zoo.kinds import (
     KINDS,
-    ORDERS,
-    PER_MICRO_BATCH_CLIPPING,
-    WINDOW_BOUNDARY,
     Kind,
     Weighting,
     exact_weights,
     ordered,
-    weighted_step,
 )
-from equiv.results.verdict import TensorDiff, Verdict
-from equiv.zoo.bugs import clip_per_micro_batch
 
 __all__ = [
     "EpochRun",
@@ -201,7 +195,7 @@ class TokenRun:
 class Measure:
     """What a run did against full batch, as the checker judged it: the first
     failing step's magnitude, and which kind of failure (if any of
-    :data:`~equiv.peers.kinds.KINDS`) the checker finds the run equivalent to."""
+    :data:`~equiv.zoo.kinds.KINDS`) the checker finds the run equivalent to."""
 
     gap: StepMagnitude | None
     kind: Kind | None = None
@@ -254,63 +248,18 @@ class Measure:
 # -- one window per call (the candidate contract) --------------------------------------------------------
 
 
-def _trajectories(case: Case, candidate: Callable[..., Any]) -> Trajectories:
-    return Trajectories(run_candidate(case, candidate, torch.float64),
-                        run_candidate(case, candidate, case.working_dtype), case.working_dtype)
-
-
-#: Suspects' references by (case, kind, N): a search meets a case again (its shrinking).
-_SUSPECTS: dict[tuple[str, str, int | None], References] = {}
-_SUSPECTS_KEPT = 64
-
-
-def _suspect_references(case: Case, kind: Kind, configured_n: int | None) -> References | None:
-    """The references of one kind of failure on ``case`` (None when the suspect
-    cannot take the case: per-micro-batch clipping under loss scaling)."""
-    key = (repr(case), kind.name, configured_n)
-    if key in _SUSPECTS:
-        return _SUSPECTS[key]
-    if kind is PER_MICRO_BATCH_CLIPPING:
-        # Clipping after each micro-batch depends on their order: only the in-order rounding is this kind's.
-        steps: dict[str, Callable[..., Any]] = {"in order": clip_per_micro_batch}
-    else:
-        steps = {order: weighted_step(kind.weights, configured_n, order) for order in ORDERS}
-    orders = tuple(steps)
-    if bind(steps["in order"]).not_applicable_reasons(case):
-        return None
-
-    def run(dtype: torch.dtype, order: str, on_snapshot: Callable[[int, Snapshot], None]) -> None:
-        run_candidate(case, steps[order], dtype, on_snapshot=on_snapshot)
-
-    if len(_SUSPECTS) >= _SUSPECTS_KEPT:
-        _SUSPECTS.clear()
-    references = _SUSPECTS[key] = References(run, case.working_dtype, orders=orders)
-    return references
-
-
 def classify_step(candidate: Callable[..., Any], case: Case, *, configured_n: int | None = None,
                   verdict: Verdict | None = None) -> Measure:
     """A contract step on ``case``: :func:`equiv.check`'s verdict (``verdict`` when
     already made), the magnitude of its first failing step in float64, and the kind
-    of failure the same checker finds it equivalent to (None if no listed one).
+    of failure the same checker finds it equivalent to (None if no listed one), as
+    :func:`equiv.checking.failure_kinds.classify` finds it for ``equiv check``.
     A step that fails only in the noise tier has no float64 gap (``gap`` None)."""
     verdict = verdict if verdict is not None else check(candidate, case)
     if verdict or not verdict.mismatches:
         return Measure(None, note=verdict.precision_note)
-    exact = [d for d in verdict.mismatches if d.tier == "exact"]
-    if not exact:
-        return Measure(None, first=verdict.first_mismatch)
-    first = min(exact, key=lambda d: (d.step, d.kind != "update"))
-    trajectories = _trajectories(case, candidate)
-    full = [flat_params(s.params) for s in run_reference(case, torch.float64)]
-    gap = magnitude(first.step, trajectories.exact, full)
-    if gap.scale == 0.0:
-        return Measure(gap, WINDOW_BOUNDARY, first=first)
-    for kind in (*KINDS, PER_MICRO_BATCH_CLIPPING):
-        references = _suspect_references(case, kind, configured_n)
-        if references is not None and judge(trajectories, references).equivalent:
-            return Measure(gap, kind, first=first)
-    return Measure(gap, first=first)
+    found = classify(candidate, case, verdict, configured_n=configured_n)
+    return Measure(found.gap, found.kind, first=found.first)
 
 
 # -- runs spanning all windows ---------------------------------------------------------------------------
@@ -318,7 +267,7 @@ def classify_step(candidate: Callable[..., Any], case: Case, *, configured_n: in
 
 def _reference_run(problem: Problem, weights: Weighting) -> Callable[[torch.dtype, str, Callable[[int, Snapshot], None]], None]:
     """One step per window with the given weighting of the micro-batches' means
-    (:func:`~equiv.peers.kinds.exact_weights`: one step on the window's samples as one batch)."""
+    (:func:`~equiv.zoo.kinds.exact_weights`: one step on the window's samples as one batch)."""
 
     def run(dtype: torch.dtype, order: str, on_snapshot: Callable[[int, Snapshot], None]) -> None:
         model, optimizer, micro = problem.fresh(dtype)

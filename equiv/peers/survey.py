@@ -33,7 +33,6 @@ from equiv.peers.catalogue import (
     peers,
     versions,
 )
-from equiv.peers.kinds import KINDS, PER_MICRO_BATCH_CLIPPING, WINDOW_BOUNDARY
 from equiv.peers.results import (
     EQUIVALENT,
     NOT_APPLICABLE,
@@ -47,6 +46,7 @@ from equiv.peers.results import (
 )
 from equiv.peers.runs import EpochRun, Measure, classify_step, measure, measure_epochs, windows
 from equiv.peers.search import SEARCHABLE, smallest_counterexample
+from equiv.zoo.kinds import KINDS, PER_MICRO_BATCH_CLIPPING, WINDOW_BOUNDARY
 
 __all__ = ["survey", "trainer_results", "write_trainer_results"]
 

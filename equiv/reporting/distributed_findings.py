@@ -50,6 +50,6 @@ def torchrun_section(table: pd.DataFrame) -> str:
         "micro-batches of 1 and r + 2 samples (ranks differ in samples, and on the token model in real tokens); "
         "under DDP also r + 1 micro-batches of 2 samples; an active clip norm (n/a to a step without "
         "`max_grad_norm`). Across machines the same command runs on each with `--nnodes` and a c10d rendezvous "
-        "(README).",
+        "(docs/distributed.md).",
         markdown_table(table),
     ])

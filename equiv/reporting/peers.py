@@ -134,7 +134,7 @@ def render_peers(results: PeersResults, *, trainer_sections: Sequence[str] = ())
         "x unit roundoff x scale`, the floor being how far the full-batch run itself lands from the truth when "
         "rounded other ways, in float32 and float64 (one window per call: the batch shuffled, or normalised after "
         "backward; whole runs: each window's micro-batches reversed, or rotated). Whole runs are judged the same "
-        "way, each step against the full-batch step of its window (`equiv.peers.judge`). A difference inside the "
+        "way, each step against the full-batch step of its window (`equiv.judging.trajectories`). A difference inside the "
         "float64 run only, float32-sized, where the float32 run matches, is a precision finding, as `equiv.check` "
         "calls it: the cell stays equivalent, with a note (below).",
         "A NOT cell names the kind of failure: the wrong weighting of the micro-batches' mean gradients whose "

@@ -106,7 +106,9 @@ def github_annotations(result: Result, where: Location | None, *, command: str, 
         if name in result.failed:
             verdict = result.failed[name]
             kind = getattr(verdict, "kind", verdict.status)  # a failing precision finding told apart
-            lines.append(_command("error", where, f"{command}: {kind.label}: {name}", verdict.message()))
+            failure = getattr(verdict, "failure_kind", None)  # what wrong step it amounts to, where known
+            named = f" ({failure.name})" if failure is not None and failure.classified else ""
+            lines.append(_command("error", where, f"{command}: {kind.label}{named}: {name}", verdict.message()))
         elif name in result.errors:
             fault = result.fault(name).value.replace("_", " ")
             lines.append(_command("error", where, f"{command}: step error ({fault}): {name}", result.errors[name]))

@@ -15,7 +15,7 @@ from equiv.cases.case import Case
 from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import EquivalenceError, ResultBase, headed
 
-__all__ = ["CaseVerdicts", "EquivalenceError", "Judgement", "PrecisionFinding", "TensorDiff", "Verdict"]
+__all__ = ["CaseVerdicts", "EquivalenceError", "FailureKind", "Judgement", "PrecisionFinding", "TensorDiff", "Verdict"]
 
 Tier = Literal["exact", "noise"]
 #: Relative errors this close are one tie (ten times the largest move of a
@@ -249,6 +249,43 @@ class PrecisionFinding:
         return f"float32-sized differences inside the float64 run, {size}. Cause: {why}. Effect: {effect}."
 
 
+@dataclass(frozen=True, slots=True)
+class FailureKind:
+    """What kind of failure a mathematical mismatch is: the known wrong step it
+    amounts to (:mod:`equiv.checking.failure_kinds`: "mean of means", "sum without
+    division", ...), or "unclassified" with why none fits (never the nearest guess)."""
+
+    #: the kind's name, or "unclassified"
+    name: str
+    #: what it means (with the upstream reports it matches), or why no kind fits
+    means: str
+    #: other kinds whose steps make the same updates on this case (the case cannot tell them apart)
+    also: tuple[str, ...] = ()
+
+    #: The name of a mismatch no known kind reproduces.
+    UNCLASSIFIED = "unclassified"
+
+    @classmethod
+    def unclassified(cls, why: str) -> FailureKind:
+        """No known kind fits: ``why`` says what was tried, or what the difference is instead."""
+        return cls(cls.UNCLASSIFIED, why)
+
+    @property
+    def classified(self) -> bool:
+        return self.name != self.UNCLASSIFIED
+
+    def describe(self) -> str:
+        """One line: the name and what it means."""
+        if not self.classified:
+            return f"unclassified ({self.means})"
+        also = (f" (or {' or '.join(self.also)}: the same updates on this case, which cannot tell them apart)"
+                if self.also else "")
+        return f"{self.name}{also}: {self.means}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "means": self.means, "also": list(self.also)}
+
+
 #: float32's unit roundoff: the size of one float32 rounding, relative.
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -275,6 +312,9 @@ class Verdict(Judgement):
     precision: PrecisionFinding | None = None
     #: What the step did to the model besides training it (a parameter replaced, a dtype changed).
     notes: tuple[str, ...] = ()
+    #: The kind of a mathematical mismatch (mean of means, ... or unclassified), named by
+    #: :func:`equiv.check`; None for a verdict that is not one (or made without its details).
+    failure_kind: FailureKind | None = None
 
     @property
     def status(self) -> Outcome:
@@ -362,6 +402,8 @@ class Verdict(Judgement):
                 lines.append(f"Precision ({head}): {self.precision_note}")
             elif not self.inherent:
                 lines.append(f"Not equivalent to full-batch training ({head}).")
+                if self.failure_kind is not None:
+                    lines.append(f"Kind of failure: {self.failure_kind.describe()}")
             lines += [f"Note: {note}" for note in self.notes]  # what the step did besides training
             lines.append(
                 f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):"
@@ -437,6 +479,7 @@ class Verdict(Judgement):
             "precision": None if self.precision is None else {
                 "cause": self.precision.cause, "fails_because": self.precision.fails_because,
                 "note": self.precision_note},
+            "failure_kind": None if self.failure_kind is None else self.failure_kind.to_dict(),
         }
 
 

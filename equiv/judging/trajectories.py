@@ -1,4 +1,4 @@
-"""Judge a whole run of a peer with the checker of :func:`equiv.check`.
+"""Judge a whole run (a peer's, or a failing step's against a kind of failure) with the checker of :func:`equiv.check`.
 
 A peer driven over whole epochs (or one window per call) leaves a trajectory:
 its weights and optimizer state after every optimizer step it takes.  It is
@@ -36,9 +36,9 @@ from equiv.judging.floors import Order, Rounding
 from equiv.judging.judge import Judge, OnSnapshot, float32_sized
 from equiv.judging.runs import Snapshot, snapshot_of
 from equiv.outcomes import Outcome
-from equiv.peers.kinds import ORDERS
 from equiv.results.protocol import ResultBase, headed
 from equiv.results.verdict import PrecisionFinding, TensorDiff, Tier
+from equiv.zoo.kinds import ORDERS
 
 __all__ = [
     "ReferenceRun",
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: Runs a reference from the start in ``dtype``, each window's micro-batches in
-#: ``order`` (one of :data:`equiv.peers.kinds.ORDERS`), handing over a snapshot
+#: ``order`` (one of :data:`equiv.zoo.kinds.ORDERS`), handing over a snapshot
 #: before the first step (step 0) and after each optimizer step.
 ReferenceRun = Callable[[torch.dtype, str, Callable[[int, Snapshot], None]], None]
 

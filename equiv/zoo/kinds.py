@@ -1,10 +1,11 @@
-"""Kinds of failure: the wrong weightings of a window's micro-batch means that peers are found to reproduce.
+"""Kinds of failure: the wrong weightings of a window's micro-batch means that steps are found to reproduce.
 
 A kind is named by the step it amounts to (``Σ w_i ∇mean_i`` with its own
 weights ``w``), so a verdict can say "the tail divided by N" rather than only
 "different".  A run is said to be of a kind when the same checker that judges
-it against the full batch (:mod:`equiv.peers.judge`) finds it equivalent to
-that kind's step instead.
+it against the full batch (:mod:`equiv.judging.trajectories`) finds it equivalent to
+that kind's step instead: :mod:`equiv.checking.failure_kinds` asks, for
+``equiv check``'s verdicts and the peers survey alike.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Kind:
     weights: Weighting
     #: what it means, with the upstream reports it matches where one exists
     means: str
+    #: told apart only by a configured N (a window shorter than N): without one it is another kind's step
+    needs_configured_n: bool = False
 
 
 def exact_weights(counts: list[float], n: int) -> list[float]:
@@ -58,7 +61,7 @@ KINDS: tuple[Kind, ...] = (
          "each micro-batch's mean weighted 1/len(window), not by its item count "
          "(uneven splits, token losses: transformers #34191, Lightning #20350)"),
     Kind("tail divided by N", lambda counts, n: [1.0 / n] * len(counts),
-         "a window of fewer than N micro-batches still divided by N (Lightning #19987)"),
+         "a window of fewer than N micro-batches still divided by N (Lightning #19987)", needs_configured_n=True),
     Kind("sum without division", lambda counts, n: [1.0] * len(counts),
          "the micro-batch means summed, never divided (nanoGPT #168; the MindSpore r1.x tutorial)"),
 )

@@ -1,0 +1,141 @@
+"""The kind of a failing step's failure: which known wrong step it amounts to.
+
+One classifier, for ``equiv check``'s verdicts (:func:`equiv.check` names the
+kind of every mathematical mismatch it finds) and for the peers survey
+(:func:`equiv.peers.runs.classify_step`).  A step is of a kind
+(:data:`~equiv.zoo.kinds.KINDS`: mean of means, tail divided by N, sum without
+division; per-micro-batch clipping) when the checker that failed it against
+the full batch finds it equivalent to that kind's own step instead
+(:mod:`equiv.judging.trajectories`: both tiers, the kind's step rounded in
+three micro-batch orders as its floors); a step that never updates where the
+full batch does is a window boundary (a step missing).  When none fits the
+answer is "unclassified", never the nearest guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from equiv.cases.case import Case
+from equiv.judging.contract import bind
+from equiv.judging.judge import case_key
+from equiv.judging.runs import Snapshot, run_candidate, run_reference
+from equiv.judging.trajectories import References, StepMagnitude, Trajectories, flat_params, judge, magnitude
+from equiv.results.verdict import FailureKind, TensorDiff, Verdict
+from equiv.zoo.bugs import clip_per_micro_batch
+from equiv.zoo.kinds import KINDS, ORDERS, PER_MICRO_BATCH_CLIPPING, WINDOW_BOUNDARY, Kind, weighted_step
+
+__all__ = ["Classification", "classify"]
+
+#: The kinds tried, in order: the first the step is equivalent to names it.
+_SUSPECTS_TRIED = (*KINDS, PER_MICRO_BATCH_CLIPPING)
+
+
+@dataclass(frozen=True)
+class Classification:
+    """A failing step's kind, measured: the kind (None: unclassified), the first
+    failing step's magnitude in float64 (None: the float64 run matches the full
+    batch) and the checker's first row past its allowance there."""
+
+    kind: Kind | None
+    gap: StepMagnitude | None
+    first: TensorDiff | None
+    #: other kinds whose steps make the same updates on this case (e.g. under active
+    #: clipping a sum of means and a mean of means clip to one update): named too, never dropped
+    also: tuple[Kind, ...] = ()
+    #: the kinds whose steps were run against this one (what "unclassified" rules out)
+    tried: tuple[Kind, ...] = ()
+
+    def failure_kind(self) -> FailureKind:
+        """The kind as a verdict carries it (name and meaning), "unclassified" saying why none fits."""
+        if self.kind is not None:
+            return FailureKind(self.kind.name, self.kind.means, also=tuple(kind.name for kind in self.also))
+        if self.gap is None:
+            return FailureKind.unclassified(
+                "the float64 run matches the full batch: the difference is the working dtype's rounding past its "
+                "floor (e.g. gradients accumulated in a lower precision), not a known kind of failure")
+        tried = ", ".join(kind.name for kind in (*self.tried, WINDOW_BOUNDARY))
+        return FailureKind.unclassified(f"none of the known kinds ({tried}) reproduces this step's updates")
+
+
+def _trajectories(case: Case, candidate: Callable[..., Any]) -> Trajectories:
+    return Trajectories(run_candidate(case, candidate, torch.float64),
+                        run_candidate(case, candidate, case.working_dtype), case.working_dtype)
+
+
+#: Suspects' references by (case, kind, N): a search meets a case again (its shrinking).
+_SUSPECTS: dict[tuple[str, str, int | None], References] = {}
+_SUSPECTS_KEPT = 64
+
+
+def _suspect_references(case: Case, kind: Kind, configured_n: int | None) -> References | None:
+    """The references of one kind of failure on ``case`` (None when the suspect
+    cannot take the case: per-micro-batch clipping under loss scaling).  Kept
+    only for a case of names and numbers (:func:`~equiv.judging.judge.case_key`)."""
+    key = case_key(case)
+    cache_key = None if key is None else (key, kind.name, configured_n)
+    if cache_key is not None and cache_key in _SUSPECTS:
+        return _SUSPECTS[cache_key]
+    if kind is PER_MICRO_BATCH_CLIPPING:
+        # Clipping after each micro-batch depends on their order: only the in-order rounding is this kind's.
+        steps: dict[str, Callable[..., Any]] = {"in order": clip_per_micro_batch}
+    else:
+        steps = {order: weighted_step(kind.weights, configured_n, order) for order in ORDERS}
+    if bind(steps["in order"]).not_applicable_reasons(case):
+        return None
+
+    def run(dtype: torch.dtype, order: str, on_snapshot: Callable[[int, Snapshot], None]) -> None:
+        run_candidate(case, steps[order], dtype, on_snapshot=on_snapshot)
+
+    references = References(run, case.working_dtype, orders=tuple(steps))
+    if cache_key is not None:
+        if len(_SUSPECTS) >= _SUSPECTS_KEPT:
+            _SUSPECTS.clear()
+        _SUSPECTS[cache_key] = references
+    return references
+
+
+def classify(candidate: Callable[..., Any], case: Case, verdict: Verdict, *,
+             configured_n: int | None = None) -> Classification:
+    """The kind of failure of ``candidate`` on ``case``, whose verdict is ``verdict``.
+
+    Args:
+        candidate: the step (the candidate contract), already checked on ``case``.
+        case: the case it failed.
+        verdict: its :func:`equiv.check` verdict on ``case``.
+        configured_n: the N a "tail divided by N" step divides by (None: each window's own count).
+
+    Returns:
+        A :class:`Classification`: no kind, no gap for a verdict without mismatches or
+        with none in the exact tier (the float64 run matches); else the first failing
+        step's magnitude and the kind (None: unclassified), with every other kind whose
+        step makes the same updates on this case (``also``).
+    """
+    if verdict or not verdict.mismatches:
+        return Classification(None, None, None)
+    exact = [d for d in verdict.mismatches if d.tier == "exact"]
+    if not exact:
+        return Classification(None, None, verdict.first_mismatch)
+    first = min(exact, key=lambda d: (d.step, d.kind != "update"))
+    trajectories = _trajectories(case, candidate)
+    full = [flat_params(s.params) for s in run_reference(case, torch.float64)]
+    gap = magnitude(first.step, trajectories.exact, full)
+    if gap.scale == 0.0:
+        return Classification(WINDOW_BOUNDARY, gap, first)
+    matching, tried = [], []
+    for kind in _SUSPECTS_TRIED:
+        if kind.needs_configured_n and configured_n is None:
+            continue  # each window's own count as N: the mean of means, tried already
+        references = _suspect_references(case, kind, configured_n)
+        if references is None:
+            continue  # the suspect cannot take the case
+        tried.append(kind)
+        if judge(trajectories, references).equivalent:
+            matching.append(kind)
+    if not matching:
+        return Classification(None, gap, first, tried=tuple(tried))
+    return Classification(matching[0], gap, first, also=tuple(matching[1:]), tried=tuple(tried))
