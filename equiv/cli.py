@@ -24,6 +24,13 @@ raised elsewhere (1, not 3): it is a definite answer.  Library code raises ``Val
 module turns them into codes.  Progress goes to stderr through the ``equiv``
 logger.  The ``equiv`` command exits even if the step left a non-daemon
 thread running (:func:`console`).
+
+``--format github`` adds a GitHub Actions annotation per failing case on the
+step's definition line, ``--format json`` prints the JSON alone on stdout
+(:mod:`equiv.results.annotations`).  ``check`` and ``verify`` run small cases
+on one CPU thread unless ``OMP_NUM_THREADS`` is set or ``--threads N`` is given
+(:mod:`equiv.checking.threads`: torch's default threads wait on each other on
+tiny steps, many times slower on a busy machine).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from equiv.checking.distributed import DistributedCase, DistributedVerdict, chec
 from equiv.checking.distributed_search import ENGINES, MODELS, standard_distributed_cases, verify_distributed
 from equiv.checking.profiles import profile_name
 from equiv.checking.search_space import SearchSpace
+from equiv.checking.threads import SMALL_MODEL_PARAMETERS
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
@@ -67,7 +75,8 @@ from equiv.judging.contract import CandidateError, ContractError, bind, load_can
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.judging.runs import NonFiniteLossError
 from equiv.names import on_sys_path, target_folder
-from equiv.outcomes import Outcome
+from equiv.outcomes import Fault, Outcome
+from equiv.results.annotations import github_annotations, step_location
 from equiv.results.protocol import Result
 from equiv.results.verdict import CaseVerdicts
 
@@ -93,6 +102,8 @@ EXIT_COUNTEREXAMPLE = 1
 EXIT_USAGE = 2
 EXIT_STEP_FAILED = 3
 EXIT_INTERNAL_ERROR = 4
+#: What ``--format`` takes: how check, verify and their distributed forms show a result.
+FORMATS = ("text", "github", "json")
 #: A result's status -> the command's exit code (usage errors and equiv's own failures have no status).
 EXIT_CODES: dict[Outcome, int] = {
     Outcome.EQUIVALENT: EXIT_EQUIVALENT,
@@ -135,7 +146,10 @@ def _parse_case(text: str, allow_imports: Sequence[str] = ()) -> Case:
 
 def _output(path: str | Path | None, flag: str) -> Path | None:
     """An output path checked before any work (a run must not end on a path it cannot write):
-    its folder exists and is writable, and it is not itself a folder."""
+    its folder exists, it is not itself a folder, and it opens for writing.  Opening it is the
+    only honest test: ``os.access`` says yes to root everywhere, and ``/proc`` or a read-only
+    mount refuses a file its permission bits would allow.  A file that was not there is
+    removed again; one that was is opened for appending, its content untouched."""
     if path is None:
         return None
     out = Path(path)
@@ -144,8 +158,15 @@ def _output(path: str | Path | None, flag: str) -> Path | None:
         raise UsageError(f"{flag} {str(out)!r} is a folder; give a file path")
     if not folder.is_dir():
         raise UsageError(f"{flag} {str(out)!r}: the folder {str(folder)!r} does not exist (create it first)")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"{flag} {str(out)!r}: the folder {str(folder)!r} is not writable")
+    existed = out.exists()
+    try:
+        with out.open("a" if existed else "x"):
+            pass
+    except OSError as exc:
+        what = "opened for writing" if existed else f"created in the folder {str(folder)!r}"
+        raise UsageError(f"{flag} {str(out)!r} cannot be {what}: {exc.strerror or exc}") from None
+    if not existed:
+        out.unlink()
     return out
 
 
@@ -156,8 +177,35 @@ def _timeout(seconds: float) -> float | None:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    """A comma-separated list flag (``--families mlp,conv1d``)."""
-    return tuple(name.strip() for name in text.split(",") if name.strip())
+    """A comma-separated list flag (``--families mlp,conv1d``); an empty one is refused
+    (leaving the flag out is how to ask for the default, never an empty value)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    """A count flag (``--global-batch-size 64``): a whole number of at least 1.  Zero is
+    refused, never read as "the default" (leave the flag out for that)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """A time limit that must be finite and above zero (the ranks' own deadline)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 # -------------------------------------------------------------------- check
@@ -182,29 +230,49 @@ def _check_on_path(args: argparse.Namespace) -> int:
 
     def show(name: str, so_far: CaseVerdicts) -> None:
         log.info("[%d/%d] %s", len(so_far.order), len(cases), name)
-        print(so_far.row(name), flush=True)
+        _progress(args, so_far.row(name))
         if args.tb and name in so_far.tracebacks:
-            print("      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "), flush=True)
+            _progress(args, "      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "))
 
     try:
         verdicts = check_cases(step, cases, timeout=timeout, on_case=show, train_dtype=args.train_dtype,
-                               strict=args.strict_precision)
+                               strict=args.strict_precision, threads=args.threads)
     except NonFiniteLossError as exc:
         raise UsageError(f"the case itself diverges, so nothing can be compared with it: {exc}") from None
     except InvalidCase as exc:
         raise UsageError(f"the case cannot be run: {exc}") from None
     except CheckTimeout as exc:
         raise UsageError(f"{exc} (--timeout SECONDS, 0 for none)") from None
-    print(verdicts.summary())
     # Only an applicable case that failed fails the command as a counterexample;
     # a step that raised or hung, with no counterexample elsewhere, is told apart (the status says which).
-    return _finish(verdicts, json_out)
+    return _finish(args, verdicts, verdicts.summary(), candidate, json_out)
 
 
-def _finish(result: Result, json_out: Path | None) -> int:
-    """Write ``result.to_dict()`` to ``--json`` (when given); the exit code of its status."""
+def _progress(args: argparse.Namespace, text: str) -> None:
+    """A line shown as a command goes (a case's row): on stdout, or on stderr under
+    ``--format json`` (stdout then holds the JSON alone)."""
+    print(text, file=sys.stderr if args.format == "json" else sys.stdout, flush=True)
+
+
+def _finish(args: argparse.Namespace, result: Result, text: str, step: Callable[..., Any] | None,
+            json_out: Path | None) -> int:
+    """Show ``result`` as ``--format`` says (text: ``text``; github: ``text``, then a workflow
+    annotation per failing case at ``step``'s definition; json: ``result.to_dict()`` alone),
+    write its JSON to ``--json`` (when given), and return the exit code of its status."""
+    if args.format == "json":
+        print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(text)
+    if args.format == "github":
+        where = step_location(step) if step is not None else None
+        for line in github_annotations(result, where, command=f"equiv {args.command}", message=text):
+            print(line)
     if json_out is not None:
-        json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+        try:
+            json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+        except OSError as exc:  # writable when checked, not now (a full disk, a folder removed meanwhile)
+            raise UsageError(f"--json {str(json_out)!r} could not be written after the check: "
+                             f"{exc.strerror or exc} (the result is printed above)") from None
     return EXIT_CODES[result.status]
 
 
@@ -243,13 +311,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             strict=args.strict_precision,
             progress=show,
             timeout=timeout,
+            threads=args.threads,
         )
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    print(result.message(args.target))
+    text = result.message(args.target)
     if args.tb and result.error_traceback:
-        print("The step's traceback:\n" + result.error_traceback.rstrip())
-    return _finish(result, json_out)
+        text += "\nThe step's traceback:\n" + result.error_traceback.rstrip()
+    return _finish(args, result, text, candidate, json_out)
 
 
 def _cmd_verify_distributed(args: argparse.Namespace) -> int:
@@ -270,8 +339,7 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
         )
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    print(result.message())
-    return _finish(result, json_out)
+    return _finish(args, result, result.message(), candidate, json_out)
 
 
 # -------------------------------------------------------- check-distributed
@@ -310,15 +378,11 @@ def _cmd_check_distributed(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if env is not None and args.nproc is not None and args.nproc != env.world_size:
         raise UsageError(f"--nproc {args.nproc}: torchrun started {env.world_size} ranks (leave --nproc out)")
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc must be a positive number of ranks, got {args.nproc}")
     json_out = _output(args.json, "--json") if env is None or env.rank == 0 else None
-    if not (args.timeout > 0 and math.isfinite(args.timeout)):
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     with on_sys_path(target_folder(args.target)):
         # Every rank loads the step: the tasks rank 0 posts name it, and a rank unpickles them.
         candidate = load_target(args.target)
-        cases = _distributed_cases(args, candidate, (args.nproc or 2) if env is None else env.world_size)
+        cases = _distributed_cases(args, candidate, (2 if args.nproc is None else args.nproc) if env is None else env.world_size)
         if env is None:
             return _check_distributed_cases(args, candidate, cases, run_on_ranks, json_out)
         with TorchrunRanks(env) as ranks:
@@ -354,11 +418,14 @@ def _check_distributed_cases(
 ) -> int:
     verdicts: dict[str, DistributedVerdict] = {}
     errors: dict[str, str] = {}
+    faults: dict[str, Fault] = {}
+    not_run: dict[str, str] = {}
     order: list[str] = []
     setting = f"on {next(iter(cases.values())).world_size} ranks ({args.engine})"
 
     def so_far() -> CaseVerdicts[DistributedVerdict]:
-        return CaseVerdicts(args.target, dict(verdicts), dict(errors), tuple(order), setting=setting)
+        return CaseVerdicts(args.target, dict(verdicts), dict(errors), tuple(order), setting=setting,
+                            faults=dict(faults), not_run=dict(not_run))
 
     for index, (name, dcase) in enumerate(cases.items(), start=1):
         log.info("[%d/%d] %s: %s", index, len(cases), name, dcase)
@@ -371,17 +438,20 @@ def _check_distributed_cases(
         except NonFiniteLossError as exc:
             raise UsageError(f"{name}: the case itself diverges, so nothing can be compared with it: {exc}") from None
         except DistributedCheckError as exc:
-            errors[name] = str(exc)
+            errors[name], faults[name] = str(exc), exc.fault
         order.append(name)
-        print(so_far().row(name), flush=True)
+        _progress(args, so_far().row(name))
         if name in errors and stop_on_fault and index < len(cases):
             # A fault may leave a rank mid-collective: the ranks' process group cannot be trusted again.
-            print(f"      the other {len(cases) - index} case(s) were not run: after a fault the ranks' "
-                  "process group may be left mid-collective", flush=True)
+            rest = list(cases)[index:]
+            not_run.update(dict.fromkeys(rest, f"after the fault on {name!r} the ranks' process group may be "
+                                               "left mid-collective"))
+            order.extend(rest)
+            _progress(args, f"      the other {len(rest)} case(s) were not run: after a fault the ranks' "
+                            "process group may be left mid-collective")
             break
     result = so_far()
-    print(result.summary())
-    return _finish(result, json_out)
+    return _finish(args, result, result.summary(), candidate, json_out)
 
 
 # --------------------------------------------------------------------- plan
@@ -435,7 +505,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, batch, loss_sum, count_items, default_batch = _load_plan_target(args.target)
-    global_batch_size = args.global_batch_size or default_batch or int(batch[0].shape[0])
+    global_batch_size = next(size for size in (args.global_batch_size, default_batch, int(batch[0].shape[0]))
+                             if size is not None)
     try:
         result = plan(
             model,
@@ -521,6 +592,23 @@ def _shown_path(path: Path) -> str:
 
 
 # ------------------------------------------------------------------- parser
+def _format_flag(parser: argparse.ArgumentParser) -> None:
+    """``--format``: how the result is shown on stdout."""
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="text (default); github: the text, then a GitHub Actions ::error annotation per "
+                             "failing case on the step's definition line (a ::notice when it passes); json: the "
+                             "result's JSON (equiv/results/schema.json) alone on stdout, progress on stderr")
+
+
+def _threads_flag(parser: argparse.ArgumentParser) -> None:
+    """``--threads``: torch's CPU threads during the check (the rule: :mod:`equiv.checking.threads`)."""
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="torch CPU threads while checking (default: 1 on small models such as every standard "
+                             "and drawn case, where more threads only wait on each other, many times slower on a "
+                             "busy machine; torch's own count if OMP_NUM_THREADS is set or a model has over "
+                             f"{SMALL_MODEL_PARAMETERS:,} parameters); restored afterwards")
+
+
 def _precision_flags(parser: argparse.ArgumentParser) -> None:
     """When a float32-sized difference inside the float64 run fails (it passes with a note otherwise)."""
     parser.add_argument("--train-dtype", choices=["float64", "float32", "bfloat16", "float16"], default=None,
@@ -552,6 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
                                    "a step still running then is reported as hung (exit 3)")
     _precision_flags(check_parser)
+    _threads_flag(check_parser)
+    _format_flag(check_parser)
     check_parser.set_defaults(handler=_cmd_check)
 
     verify_parser = commands.add_parser(
@@ -561,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the first mismatch to the smallest case that still shows it.",
     )
     verify_parser.add_argument("target", help=contract)
-    verify_parser.add_argument("--max-examples", type=int, default=None, help="cases to draw (default: the profile's)")
+    verify_parser.add_argument("--max-examples", type=_positive_int, default=None, help="cases to draw (default: the profile's)")
     verify_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
     verify_parser.add_argument("--profile", default=None, help="Hypothesis profile: equiv's dev, ci or thorough (shipped in the package), or one you registered")
     verify_parser.add_argument("--json", help="also write the result as JSON to this path")
@@ -579,14 +669,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
     space.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
     space.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
-    space.add_argument("--max-batch-size", type=int, default=None,
+    space.add_argument("--max-batch-size", type=_positive_int, default=None,
                        help="largest batch drawn (default: its micro-batch count plus up to 8 samples)")
-    space.add_argument("--max-micro-batches", type=int, default=None,
+    space.add_argument("--max-micro-batches", type=_positive_int, default=None,
                        help="most micro-batches per window drawn (default 32)")
     space.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
     verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
     _precision_flags(verify_parser)
+    _threads_flag(verify_parser)
+    _format_flag(verify_parser)
     verify_parser.set_defaults(handler=_cmd_verify)
 
     ddp_parser = commands.add_parser(
@@ -607,14 +699,15 @@ def build_parser() -> argparse.ArgumentParser:
     # The standard splits are data-parallel ones: tensor-parallel engines are for equiv.check_distributed
     # with DistributedCase.of(..., tensor_parallel=T), and for verify-distributed.
     ddp_parser.add_argument("--engine", choices=ENGINES[:2], default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
-    ddp_parser.add_argument("--nproc", type=int, default=None,
+    ddp_parser.add_argument("--nproc", type=_positive_int, default=None,
                             help="ranks to spawn without torchrun (default 2); under torchrun, its world size")
-    ddp_parser.add_argument("--timeout", type=float, default=120.0,
+    ddp_parser.add_argument("--timeout", type=_positive_seconds, default=120.0,
                             help="seconds the ranks may take per case once started (default 120)")
     ddp_parser.add_argument("--json", help="also write the verdicts as JSON to this path (rank 0)")
     ddp_parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
                             help="a module the --case may name factories from (besides the step's own)")
     _precision_flags(ddp_parser)
+    _format_flag(ddp_parser)
     ddp_parser.set_defaults(handler=_cmd_check_distributed)
 
     search_parser = commands.add_parser(
@@ -629,12 +722,13 @@ def build_parser() -> argparse.ArgumentParser:
                                help=f"comma-separated engines to draw ({','.join(ENGINES)}; default ddp)")
     search_parser.add_argument("--models", type=_names, default=(),
                                help=f"comma-separated models to draw ({','.join(MODELS)}; default both)")
-    search_parser.add_argument("--max-examples", type=int, default=25, help="distributed cases to draw (default 25)")
+    search_parser.add_argument("--max-examples", type=_positive_int, default=25, help="distributed cases to draw (default 25)")
     search_parser.add_argument("--max-world-size", type=int, default=3, help="most ranks drawn (default 3)")
     search_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
-    search_parser.add_argument("--timeout", type=float, default=20.0,
+    search_parser.add_argument("--timeout", type=_positive_seconds, default=20.0,
                                help="seconds one case's ranks may take (default 20); a hung rank ends the search")
     search_parser.add_argument("--json", help="also write the result as JSON to this path")
+    _format_flag(search_parser)
     search_parser.set_defaults(handler=_cmd_verify_distributed)
 
     plan_parser = commands.add_parser(
@@ -651,19 +745,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--budget", type=parse_bytes, required=True, help="memory budget, e.g. 256MiB or 8GB")
     plan_parser.add_argument(
         "--global-batch-size",
-        type=int,
+        type=_positive_int,
         default=None,
         help="samples per optimizer step (default: the workload's, or the example batch's size)",
     )
     plan_parser.add_argument("--device", default="cpu", help="cpu or cuda[:index] (default: cpu)")
     plan_parser.add_argument(
         "--candidates",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=lambda text: [_positive_int(x) for x in text.split(",")],
         default=None,
         help="comma-separated N to consider (default: powers of two up to the batch)",
     )
-    plan_parser.add_argument("--repeats", type=int, default=3, help="timed steps per measured N (default: 3)")
-    plan_parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the measurement")
+    plan_parser.add_argument("--repeats", type=_positive_int, default=3, help="timed steps per measured N (default: 3)")
+    plan_parser.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads for the measurement")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)
 

@@ -42,6 +42,7 @@ from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check
 from equiv.judging.contract import Candidate
 from equiv.outcomes import Outcome
+from equiv.pytest_plugin import record_verdict
 from equiv.results.verdict import Verdict
 
 __all__ = ["assert_equivalent", "standard_cases"]
@@ -65,9 +66,12 @@ def assert_equivalent(candidate: Candidate, case: Case, *, train_dtype: torch.dt
     verdict; a step that raises propagates as :class:`equiv.CandidateError`.
     Returns the verdict of an equivalent step.  ``train_dtype`` / ``strict``: as in
     :func:`equiv.check` (a precision note passes unless you train in float64).
+    Under equiv's pytest plugin the test's JUnit XML gets the verdict's status, kind,
+    tier and worst ratio as properties (:func:`equiv.pytest_plugin.junit_properties`).
     """
     __tracebackhide__ = True
     verdict = check(candidate, case, train_dtype=train_dtype, strict=strict)
+    record_verdict(verdict)  # the test's JUnit properties (equiv's pytest plugin)
     if verdict.status is Outcome.NOT_APPLICABLE:
         _set_aside("not applicable: " + "; ".join(verdict.not_applicable))
     if verdict.status is Outcome.INHERENTLY_NON_EQUIVALENT:

@@ -27,14 +27,28 @@ MLP = {"hidden": (8,)}
         ({"batch_size": 2, "micro_batch_sizes": (2,), "dtype": "float8"}, "unknown dtype 'float8'"),
         ({"batch_size": 2, "micro_batch_sizes": (2,), "max_grad_norm": -1.0}, "max_grad_norm must be positive"),
         ({"batch_size": 2, "micro_batch_sizes": (2,), "scheduler": "Nope"}, "unknown scheduler 'Nope'"),
+        # Issue 36: LBFGS got past the case and failed inside the full-batch reference (exit 4).
+        ({"batch_size": 2, "micro_batch_sizes": (2,), "optimizer": "LBFGS"},
+         "optimizer 'LBFGS' is not supported: its step(closure) re-evaluates the loss"),
+        ({"batch_size": 2, "micro_batch_sizes": (2,), "optimizer": "lbfgs"}, "optimizer 'LBFGS' is not supported"),
+        ({"batch_size": 2, "micro_batch_sizes": (2,), "optimizer": torch.optim.SparseAdam},
+         "optimizer 'SparseAdam' is not supported: it takes sparse gradients only"),
     ],
     ids=["sizes_do_not_add_up", "empty_micro_batch", "no_micro_batch", "zero_batch", "zero_steps",
          "unknown_optimizer", "unknown_loss", "unknown_model", "unknown_dtype", "negative_clip",
-         "unknown_scheduler"],
+         "unknown_scheduler", "lbfgs", "lbfgs_lowercase", "sparse_adam"],
 )
 def test_invalid_case_names_the_value(fields: dict[str, object], message: str) -> None:
     with pytest.raises(equiv.InvalidCase, match=re.escape(message)):
         equiv.Case(**fields)  # type: ignore[arg-type]
+
+
+def test_an_unsupported_optimizer_lists_the_supported_ones() -> None:
+    with pytest.raises(equiv.InvalidCase) as refused:
+        equiv.Case(batch_size=2, micro_batch_sizes=(2,), optimizer="LBFGS")
+    supported = str(refused.value).rpartition("; supported: ")[2].split(", ")
+    assert {"SGD", "Adam", "AdamW", *equiv.strategies.OPTIMIZERS} <= set(supported)
+    assert "LBFGS" not in supported and "SparseAdam" not in supported
 
 
 def test_non_finite_reference_loss_is_an_error_naming_the_case() -> None:

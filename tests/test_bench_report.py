@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from equiv.cli import main
-from equiv.reporting.benchmarks import VERIFY_MODES, load_benchmarks, render_report
+from equiv.reporting.benchmarks import THREAD_MODES, VERIFY_MODES, load_benchmarks, render_report
 from equiv.reporting.markdown import read_markdown_table
 
 MIB, KIB = 2**20, 2**10
@@ -317,6 +317,23 @@ def test_a_missed_check_target_says_why_from_the_rows_own_figures() -> None:
     assert "Failing check, 15x target missed at 1 of 1 sizes" in why and "alone take 16.0-16.0x" in why
     assert "past the target at 1 of 1 sizes" in why
     assert "Memory, 100 B/param target missed by 1 row(s) (failing; 104 B/param at most)" in why
+
+
+@pytest.mark.parametrize(("chosen_ms", "verdict"), [(110.0, "met"), (400.0, "NOT met")])
+def test_verify_threads_rows_say_whether_equivs_choice_is_within_the_target(chosen_ms: float, verdict: str) -> None:
+    raw = _fixture()
+    default, chosen, one = THREAD_MODES
+    per_case = {default: 800.0, chosen: chosen_ms, one: 100.0}
+    raw["benchmarks"].append({
+        "name": "test_verify_threads",
+        "extra_info": {"verify_threads": True, "seed": 0, "max_examples": 20, "examples": 20, "default_threads": 2,
+                       "per_case_ms": per_case, "ratio_chosen": chosen_ms / 100.0, "ratio_default": 8.0},
+        "stats": {"median": 1.0},
+    })
+    [row] = _table_after(render_report(raw), "## equiv verify on a busy machine: threads")
+    assert row[f"{chosen} / {one}"] == f"{chosen_ms / 100:.2f}x" and row[f"{default} / {one}"] == "8.00x"
+    assert row["ms per case, torch's default threads (2)"] == "800"
+    assert row["target (<= 1.5x)"] == verdict
 
 
 def test_the_ddp_audit_row_states_bytes_per_parameter() -> None:

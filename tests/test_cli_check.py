@@ -41,7 +41,7 @@ NOT_CALLABLE = 3
 def test_reference_passes_all_standard_cases(steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", f"{steps_file}:reference"]) == 0
     count = len(STANDARD_CASES)
-    assert f"{count} equivalent, 0 not, of {count} case(s)" in capsys.readouterr().out
+    assert f"{count} equivalent, 0 not equivalent, of {count} case(s)" in capsys.readouterr().out
 
 
 def test_textbook_loop_fails_uneven_cases_and_writes_json(
@@ -71,7 +71,7 @@ def test_a_correct_step_that_does_not_clip_passes_with_clipping_not_applicable(
     not_applicable = sorted(name for name, status in statuses.items() if status == "not_applicable")
     equivalent = sum(status == "equivalent" for status in statuses.values())
     assert "SGD, active clipping 3+5" in not_applicable
-    assert f"{equivalent} equivalent, 0 not, {len(not_applicable)} not applicable, of {len(statuses)} case(s)" in text
+    assert f"{equivalent} equivalent, 0 not equivalent, {len(not_applicable)} not applicable, of {len(statuses)} case(s)" in text
 
 
 def test_a_step_that_cannot_take_the_contract_is_a_usage_error(

@@ -6,17 +6,24 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
 import equiv
+import equiv.cli
+from equiv.cases.standard import STANDARD_CASES
 from equiv.cli import EXIT_COUNTEREXAMPLE, EXIT_INTERNAL_ERROR, EXIT_STEP_FAILED, EXIT_USAGE, main
+from equiv.judging.contract import bind
+from equiv.outcomes import Fault
+from equiv.results.protocol import schema
 
 STEPS = '''
 import threading, time
@@ -70,11 +77,90 @@ def test_a_hanging_step_ends_the_check_at_the_timeout_with_exit_3(steps: Path, c
     assert "ERROR --case: candidate hangs did not finish step 0 in float32 within the check's limit of 2 s" in out
 
 
-def test_after_a_hang_the_other_standard_cases_are_not_run(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_after_a_hang_the_other_standard_cases_are_not_run(
+    steps: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     started = time.monotonic()
-    assert main(["check", f"{steps}:hangs", "--timeout", "1"]) == EXIT_STEP_FAILED
+    out = tmp_path / "hung.json"
+    assert main(["check", f"{steps}:hangs", "--timeout", "1", "--json", str(out)]) == EXIT_STEP_FAILED
     assert time.monotonic() - started < 30
-    assert "not checked: the step hung on" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    first = next(iter(STANDARD_CASES))
+    assert f"not run: the step hung on {first!r}" in text
+    # Issue 36: one hang and 21 cases never run were tallied "0 not, 22 step error", read as "22 not".
+    rest = len(STANDARD_CASES) - 1
+    assert f"0 equivalent, 0 not equivalent, 1 hung, {rest} not run, of {len(STANDARD_CASES)} case(s)" in text
+    written = json.loads(out.read_text())
+    jsonschema.validate(written, schema())
+    assert written["counts"] == {"equivalent": 0, "not equivalent": 0, "not applicable": 0,
+                                 "inherently non-equivalent": 0, "raised": 0, "hung": 1, "died": 0,
+                                 "collective mismatch": 0, "not run": rest}
+    rows = {row["case_name"]: row for row in written["cases"]}
+    assert rows[first]["fault"] == "hung" and sum(row.get("not_run", False) for row in rows.values()) == rest
+
+
+def test_a_step_that_raises_everywhere_is_tallied_raised_never_not_equivalent(
+    steps: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", f"{steps}:raises"]) == EXIT_STEP_FAILED
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    step = bind(equiv.cli.load_target(f"{steps}:raises"))
+    raised = sum(not step.not_applicable_reasons(case) for case in STANDARD_CASES.values())
+    assert raised > 1
+    assert summary == (f"0 equivalent, 0 not equivalent, {len(STANDARD_CASES) - raised} not applicable, "
+                       f"{raised} raised, of {len(STANDARD_CASES)} case(s)")
+
+
+def test_a_distributed_fault_stops_the_torchrun_cases_and_counts_the_rest_as_not_run(
+    steps: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from equiv.checking.distributed_search import standard_distributed_cases
+    from equiv.cli import _check_distributed_cases
+    from equiv.distributed.launcher import DistributedCheckError
+
+    def hangs_on_every_rank(task: object, world_size: int, **options: object) -> list[object]:
+        raise DistributedCheckError("rank 1 hung past 5 s in step 0", Fault.HUNG)
+
+    args = argparse.Namespace(target=f"{steps}:textbook", engine="ddp", timeout=5.0, train_dtype=None,
+                              strict_precision=False, format="text")
+    cases = standard_distributed_cases(2, "ddp")
+    candidate = equiv.cli.load_target(args.target)
+    code = _check_distributed_cases(args, candidate, cases, hangs_on_every_rank, None, stop_on_fault=True)
+    assert code == EXIT_STEP_FAILED
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary == (f"0 equivalent, 0 not equivalent, 1 hung, {len(cases) - 1} not run, of {len(cases)} case(s) "
+                       "on 2 ranks (ddp)")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a folder that takes no new file)")
+@pytest.mark.parametrize("command", ["check", "verify"])
+def test_an_unwritable_json_path_is_a_usage_error_before_any_work(
+    steps: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    # Issue 36: --json /proc/x.json ended, after all the work, in exit 4 "internal error" (as root,
+    # os.access says every folder is writable; only opening the file tells).
+    started = time.monotonic()
+    assert main([command, f"{steps}:textbook", "--json", "/proc/equiv-out.json"]) == EXIT_USAGE
+    assert time.monotonic() - started < 20
+    assert "--json '/proc/equiv-out.json' cannot be created in the folder '/proc'" in capsys.readouterr().err
+
+
+def test_the_json_path_check_leaves_an_existing_file_alone_and_creates_none(steps: Path, tmp_path: Path) -> None:
+    from equiv.cli import _output
+
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    assert _output(kept, "--json") == kept and kept.read_text() == "old"
+    fresh = tmp_path / "fresh.json"
+    assert _output(fresh, "--json") == fresh and not fresh.exists()
+
+
+def test_an_unsupported_optimizer_in_a_case_is_a_usage_error(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue 36: '"optimizer": "LBFGS"' was exit 4 from inside the full-batch reference.
+    case = json.dumps({**TOY.to_dict(), "optimizer": "LBFGS"})
+    assert main(["check", f"{steps}:textbook", "--case", case]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "optimizer 'LBFGS' is not supported" in err and "supported: " in err and "SGD" in err
 
 
 def test_a_hanging_step_ends_the_search_without_shrinking(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,3 +285,25 @@ def test_tb_shows_the_step_s_own_traceback(steps: Path, capsys: pytest.CaptureFi
     assert "The step's traceback:" in capsys.readouterr().out
     assert main(["check", f"{steps}:raises", "--case", _case_json()]) == EXIT_STEP_FAILED
     assert "Traceback" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["verify", "{steps}:textbook", "--max-examples", "0"], "argument --max-examples: expected a whole number >= 1"),
+        (["verify", "{steps}:textbook", "--max-batch-size", "0"], "argument --max-batch-size: expected a whole number"),
+        (["verify", "{steps}:textbook", "--families", ","], "argument --families: expected comma-separated names"),
+        (["verify-distributed", "{steps}:textbook", "--timeout", "0"], "argument --timeout: expected a number of "
+                                                                       "seconds > 0, got '0'"),
+        (["verify-distributed", "{steps}:textbook", "--engines", ""], "argument --engines: expected comma-separated"),
+        (["check-distributed", "{steps}:textbook", "--nproc", "0"], "argument --nproc: expected a whole number >= 1"),
+    ],
+    ids=["verify-examples", "verify-batch", "verify-families", "distributed-timeout", "distributed-engines", "nproc"],
+)
+def test_a_zero_or_empty_flag_is_refused_never_read_as_its_default(
+    steps: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main([arg.format(steps=steps) for arg in argv])
+    assert refused.value.code == EXIT_USAGE
+    assert message in capsys.readouterr().err

@@ -206,3 +206,24 @@ def test_cli_names_a_bad_target(target: str, message: str) -> None:
 def test_cli_exit_code_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "mlp", "--budget", "1MiB", "--repeats", "1"]) == 1
     assert "no N fits: even micro-batch 1 (N=256)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "shown"),
+    [
+        # Issue 36: --global-batch-size 0 planned for the workload's 64 and exited 0.
+        (["--global-batch-size", "0"], "--global-batch-size", "0"),
+        (["--global-batch-size", "-4"], "--global-batch-size", "-4"),
+        (["--repeats", "0"], "--repeats", "0"),
+        (["--threads", "0"], "--threads", "0"),  # was exit 4: torch.set_num_threads raised
+        (["--candidates", "4,0"], "--candidates", "0"),
+    ],
+    ids=["zero-batch", "negative-batch", "zero-repeats", "zero-threads", "zero-candidate"],
+)
+def test_cli_refuses_a_count_below_one_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], flag: str, shown: str
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["plan", "mlp", "--budget", "1GiB", *argv])
+    assert refused.value.code == 2  # argparse's usage error: the CLI's EXIT_USAGE
+    assert f"argument {flag}: expected a whole number >= 1, got {shown}" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def test_torchrun_checks_a_correct_step_and_a_per_rank_mean_from_the_shell(tmp_p
     assert good.returncode == 0, good.stdout + good.stderr
     # The standard splits: ranks holding different samples, micro-batch counts and real tokens.
     # ... and an active clip norm: the reference step takes max_grad_norm and clips by the global norm once.
-    assert "5 equivalent, 0 not, of 5 case(s) on 2 ranks (ddp)" in good.stdout, good.stdout
+    assert "5 equivalent, 0 not equivalent, of 5 case(s) on 2 ranks (ddp)" in good.stdout, good.stdout
     assert "ok    clipped (max_grad_norm), Adam" in good.stdout
     verdicts = json.loads((tmp_path / "good.json").read_text())["cases"]
     assert [v["status"] for v in verdicts] == ["equivalent"] * 5

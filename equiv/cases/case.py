@@ -28,6 +28,7 @@ __all__ = [
     "DTYPES",
     "HEAD_LR_BODY_FACTOR",
     "PARAM_GROUPS",
+    "UNSUPPORTED_OPTIMIZERS",
     "Case",
     "InvalidCase",
     "check_device",
@@ -74,6 +75,15 @@ HEAD_LR_BODY_FACTOR = 0.1
 #: scheduler_kwargs={"schedulers": [["LinearLR", {...}], ["CosineAnnealingLR",
 #: {...}]], "milestones": [2]}`` (warm-up, then cosine decay).
 COMPOSITE_SCHEDULERS: tuple[str, ...] = ("ChainedScheduler", "SequentialLR")
+
+#: ``torch.optim`` classes a case cannot name, and why: their step is not one update
+#: from the accumulated gradient, so there is no full-batch step to compare with
+#: (refused when the case is made, not from inside the first run).
+UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
+    "LBFGS": "its step(closure) re-evaluates the loss several times per step, not one update from the "
+             "accumulated gradient",
+    "SparseAdam": "it takes sparse gradients only (nn.Embedding(sparse=True)); the cases' models make dense ones",
+}
 
 
 class InvalidCase(ValueError):
@@ -177,7 +187,7 @@ class Case:
                     raise InvalidCase(f"{name} {given.__module__}.{given.__qualname__} is not a class of {label}; "
                                       "a case names one of those")
                 object.__setattr__(self, name, class_name)
-        choices = {"dtype": DTYPES, "autocast": ("float16", "bfloat16"), "optimizer": _optimizer_names(),
+        choices = {"dtype": DTYPES, "autocast": ("float16", "bfloat16"), "optimizer": [*_optimizer_names(), *UNSUPPORTED_OPTIMIZERS],
                    "scheduler": _scheduler_names(), "loss": LOSSES, "model": MODELS, "param_groups": PARAM_GROUPS}
         for name, names in choices.items():
             spelled = getattr(self, name)
@@ -283,6 +293,9 @@ class Case:
         if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise InvalidCase(f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim"
                               f"{_did_you_mean(self.optimizer, _optimizer_names())}")
+        if self.optimizer in UNSUPPORTED_OPTIMIZERS:
+            raise InvalidCase(f"optimizer {self.optimizer!r} is not supported: {UNSUPPORTED_OPTIMIZERS[self.optimizer]}; "
+                              f"supported: {', '.join(sorted(_optimizer_names()))}")
         if self.scheduler is not None and not inspect.isclass(getattr(torch.optim.lr_scheduler, self.scheduler, None)):
             raise InvalidCase(f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler"
                               f"{_did_you_mean(self.scheduler, _scheduler_names())}")
@@ -547,8 +560,10 @@ def _build_scheduler(name: str, kwargs: Mapping[str, Any], optimizer: torch.opti
 
 @functools.cache
 def _optimizer_names() -> list[str]:
+    """The ``torch.optim`` classes a case can name (every optimizer but :data:`UNSUPPORTED_OPTIMIZERS`)."""
     return [name for name, value in vars(torch.optim).items()
-            if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer]
+            if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer
+            and name not in UNSUPPORTED_OPTIMIZERS]
 
 
 @functools.cache

@@ -24,11 +24,12 @@ import torch
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.failure_kinds import classify
+from equiv.checking.threads import chosen_threads, running_threads
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.judging.floors import TIERS
 from equiv.judging.judge import ReferenceRuns, precision_fails_because, precision_finding, reference_runs
-from equiv.outcomes import Outcome
+from equiv.outcomes import Fault, Outcome
 from equiv.results.verdict import CaseVerdicts, FailureKind, PrecisionFinding, TensorDiff, Tier, Verdict
 
 __all__ = ["check", "check_cases"]
@@ -38,19 +39,20 @@ __all__ = ["check", "check_cases"]
 def check(
     candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS, timeout: float | None = DEFAULT_TIMEOUT_S,
     train_dtype: torch.dtype | str | None = None, strict: bool = False, details: bool = True,
+    threads: int | None = None,
 ) -> Verdict: ...
 @overload
 def check(
     candidate: Candidate, case: None = None, *, tiers: Sequence[Tier] = TIERS,
     timeout: float | None = DEFAULT_TIMEOUT_S, train_dtype: torch.dtype | str | None = None, strict: bool = False,
-    details: bool = True,
+    details: bool = True, threads: int | None = None,
 ) -> CaseVerdicts: ...
 
 
 def check(
     candidate: Candidate, case: Case | None = None, *, tiers: Sequence[Tier] = TIERS,
     timeout: float | None = DEFAULT_TIMEOUT_S, train_dtype: torch.dtype | str | None = None, strict: bool = False,
-    details: bool = True,
+    details: bool = True, threads: int | None = None,
 ) -> Verdict | CaseVerdicts:
     """Compare ``candidate`` with one full-batch step per optimizer step of ``case``.
 
@@ -74,6 +76,9 @@ def check(
             are (index, relative difference, mismatched count, values), which costs
             running the candidate again; status, first divergence, differences and
             allowances are the same.  For a search.
+        threads: torch's CPU thread count during the check (None: equiv chooses, by
+            :mod:`equiv.checking.threads`: one thread on small cases unless ``OMP_NUM_THREADS``
+            is set; the count before is restored afterwards).
 
     Returns:
         The :class:`~equiv.results.verdict.Verdict` of ``case``, or, without a case, the
@@ -85,15 +90,15 @@ def check(
         CandidateError: the candidate raised (naming the case and step);
             :class:`~equiv.judging.contract.CandidateTimeout` when it ran past ``timeout``.
         CheckTimeout: equiv's own runs (the reference and its floors) took past ``timeout``.
-        TypeError, ValueError: ``case``, ``tiers``, ``train_dtype`` or ``strict`` is not valid.
+        TypeError, ValueError: ``case``, ``tiers``, ``train_dtype``, ``strict`` or ``threads`` is not valid.
     """
     __tracebackhide__ = True
     fails_because = precision_fails_because(train_dtype, strict)
     if case is None:
         return check_cases(candidate, STANDARD_CASES, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
-                           strict=strict, details=details)
+                           strict=strict, details=details, threads=threads)
     try:
-        with deadline(timeout):
+        with running_threads(chosen_threads(threads, [case] if isinstance(case, Case) else [])), deadline(timeout):
             return _check(bind(candidate), case, tiers, fails_because, details)
     except CheckTimeout as exc:  # not inside the candidate (that is a CandidateTimeout): in equiv's own runs
         raise CheckTimeout(exc.seconds, f"the check of {case!r} took over its limit of {exc.seconds:g} s in "
@@ -194,32 +199,44 @@ def check_cases(
     train_dtype: torch.dtype | str | None = None,
     strict: bool = False,
     details: bool = True,
+    threads: int | None = None,
 ) -> CaseVerdicts:
     """:func:`check` on each named case; a case where the step raises is recorded,
     not raised.  After a case where the step hangs past ``timeout`` the rest are
-    not run (each would wait as long): recorded as not checked.  ``on_case(name,
-    so_far)`` hears each case as it ends (progress)."""
+    not run (each would wait as long): recorded as not run, and counted so (never as
+    not equivalent).  ``on_case(name, so_far)`` hears each case as it ends (progress).
+    ``threads``: as :func:`check`'s, chosen once for all the cases."""
     candidate = bind(candidate)
     verdicts: dict[str, Verdict] = {}
     errors: dict[str, str] = {}
+    faults: dict[str, Fault] = {}
+    not_run: dict[str, str] = {}
     tracebacks: dict[str, str] = {}
     order: list[str] = []
+
+    def so_far() -> CaseVerdicts:
+        return CaseVerdicts(candidate.name, dict(verdicts), dict(errors), tuple(order), dict(tracebacks),
+                            faults=dict(faults), not_run=dict(not_run))
+
+    count = chosen_threads(threads, cases.values())
     hung: str | None = None
-    for name, case in cases.items():
-        if hung is not None:
-            errors[name] = f"not checked: the step hung on {hung!r}"
-        else:
-            try:
-                verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
-                                       strict=strict, details=details)
-            except CandidateError as exc:
-                errors[name] = str(exc)
-                if exc.step_traceback is not None:
-                    tracebacks[name] = exc.step_traceback
-                if isinstance(exc, CandidateTimeout):
-                    hung = name
-        order.append(name)
-        if on_case is not None:
-            on_case(name, CaseVerdicts(candidate.name, dict(verdicts), dict(errors), tuple(order),
-                                       dict(tracebacks)))
-    return CaseVerdicts(candidate.name, verdicts, errors, tuple(order), tracebacks)
+    with running_threads(count):
+        for name, case in cases.items():
+            if hung is not None:
+                not_run[name] = f"the step hung on {hung!r}"
+            else:
+                try:
+                    # The count chosen for all, passed on: each case's check need not choose again.
+                    verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
+                                           strict=strict, details=details, threads=count)
+                except CandidateError as exc:
+                    errors[name] = str(exc)
+                    faults[name] = Fault.HUNG if isinstance(exc, CandidateTimeout) else Fault.RAISED
+                    if exc.step_traceback is not None:
+                        tracebacks[name] = exc.step_traceback
+                    if isinstance(exc, CandidateTimeout):
+                        hung = name
+            order.append(name)
+            if on_case is not None:
+                on_case(name, so_far())
+    return so_far()

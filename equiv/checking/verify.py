@@ -29,6 +29,7 @@ from equiv.checking.check import check
 from equiv.checking.profiles import profile_settings
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchOutcome, SearchRun, run_search
 from equiv.checking.search_space import SearchSpace
+from equiv.checking.threads import chosen_threads, running_threads
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S
 from equiv.judging.judge import precision_fails_because
@@ -213,7 +214,7 @@ def verify(
     candidate: Candidate | BoundCandidate, space: SearchSpace | None = None, *, max_examples: int | None = None,
     seed: int | None = None, profile: str | None = None, reproduce: str | None = None,
     progress: Progress | None = None, replay_in_fresh_process: bool = True, timeout: float | None = DEFAULT_TIMEOUT_S,
-    train_dtype: torch.dtype | str | None = None, strict: bool = False,
+    train_dtype: torch.dtype | str | None = None, strict: bool = False, threads: int | None = None,
 ) -> VerifyResult:
     """Search for a case where ``candidate`` is not the full-batch step.
 
@@ -247,6 +248,9 @@ def verify(
         train_dtype, strict: as in :func:`equiv.check`; a case with only a precision
             note passes and is counted (``precision_notes``) unless the user trains in
             float64 or asks for strict precision.
+        threads: torch's CPU thread count during the search (None: equiv chooses one thread,
+            the drawn cases being small, unless ``OMP_NUM_THREADS`` is set; see
+            :mod:`equiv.checking.threads`); the count before is restored afterwards.
 
     Returns:
         A :class:`VerifyResult`: the smallest counterexample and its verdict (or the
@@ -261,9 +265,11 @@ def verify(
     precision_fails_because(train_dtype, strict)  # a bad value is refused before the search starts
     space = SearchSpace() if space is None else space
     strategy, run = space.strategy(candidate), _search_run(profile, max_examples, seed, reproduce, progress)
-    judge = _Judge(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict)
-    outcome = run_search(strategy, judge, run, name=candidate.name)
-    case, failure, first_failure_at = judge.finding(outcome)
+    count = chosen_threads(threads)  # the drawn cases are equiv's own, small models
+    judge = _Judge(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict, threads=count)
+    with running_threads(count):
+        outcome = run_search(strategy, judge, run, name=candidate.name)
+        case, failure, first_failure_at = judge.finding(outcome)
     elapsed_s, state_across_calls, fresh_replay = time.perf_counter() - outcome.started, None, ""
     if case is not None and not outcome.flaky and not outcome.hung and replay_in_fresh_process:
         state_across_calls, fresh_replay = _replay_alone(candidate, case)

@@ -344,6 +344,7 @@ def render_report(
     lines += _regret_section(raw)
     lines += _scaling_section(raw, scaling_full)
     lines += _verify_speed_section(raw)
+    lines += _verify_threads_section(raw)
     lines += _audit_section(raw)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -780,6 +781,44 @@ def _summary(steps: pd.DataFrame, paired: pd.DataFrame) -> str:
 VERIFY_SPEEDUP_TARGET = 2.0
 #: The two ways benchmarks/test_verify_speed.py runs a search: as shipped, and as a check ran before.
 VERIFY_MODES = ("as shipped", "every floor, details, nothing kept")
+
+
+#: The thread counts benchmarks/test_verify_threads.py times a search with, side by side.
+THREAD_MODES = ("torch's default threads", "equiv's choice", "one thread")
+#: equiv's choice of threads must keep a verify's per-case time within this factor of one thread's.
+THREADS_RATIO_TARGET = 1.5
+
+
+def _verify_threads_section(raw: dict[str, Any]) -> list[str]:
+    """equiv verify's per-case time on a busy machine by thread count (benchmarks/test_verify_threads.py)."""
+    infos = [b["extra_info"] for b in raw.get("benchmarks", []) if b.get("extra_info", {}).get("verify_threads")]
+    if not infos:
+        return []
+    default, chosen, one = THREAD_MODES
+    info = infos[0]
+    ratio = float(info["ratio_chosen"])
+    verdict = "met" if ratio <= THREADS_RATIO_TARGET else "NOT met"
+    table = pd.DataFrame([{
+        "cases": info["examples"],
+        f"ms per case, {default} ({info['default_threads']})": f"{info['per_case_ms'][default]:.0f}",
+        f"ms per case, {chosen}": f"{info['per_case_ms'][chosen]:.0f}",
+        f"ms per case, {one}": f"{info['per_case_ms'][one]:.0f}",
+        f"{chosen} / {one}": f"{ratio:.2f}x",
+        f"{default} / {one}": f"{float(info['ratio_default']):.2f}x",
+        f"target (<= {THREADS_RATIO_TARGET:g}x)": verdict,
+    }])
+    return [
+        "## equiv verify on a busy machine: threads",
+        "",
+        f"`equiv.verify(equiv.accumulator_step, seed={info['seed']}, max_examples={info['max_examples']})` "
+        "with another process holding one core (a busy loop), no `OMP_NUM_THREADS`, timed alternately in the same "
+        f"rounds with {THREAD_MODES[0]} (one per core), {chosen} (`threads=None`: one on small cases, see "
+        "`equiv.checking.threads`) and one thread. The target is equiv's choice within "
+        f"{THREADS_RATIO_TARGET:g}x of one thread.",
+        "",
+        markdown_table(table),
+        "",
+    ]
 
 
 def _verify_speed_section(raw: dict[str, Any]) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from equiv.cases.case import Case
-from equiv.outcomes import Outcome
+from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import EquivalenceError, ResultBase, headed
 
 __all__ = ["CaseVerdicts", "EquivalenceError", "FailureKind", "Judgement", "PrecisionFinding", "TensorDiff", "Verdict"]
@@ -492,7 +492,10 @@ class CaseVerdicts(ResultBase, Generic[V]):
     """One candidate on several named cases (``equiv.check(step)`` runs the standard
     cases, ``equiv check-distributed`` the standard splits): truthy when no case that
     applies failed and the step never raised.  A case not applicable to the step, or
-    inherently non-equivalent, is neither a pass nor a failure: it is counted apart."""
+    inherently non-equivalent, is neither a pass nor a failure: it is counted apart, and
+    so is each case with no verdict, by why (the step raised, hung, a rank died, the
+    collectives did not line up, or the case was never run after such a fault): a case
+    without a verdict is never tallied as "not equivalent"."""
 
     KIND = "case_verdicts"
 
@@ -507,6 +510,10 @@ class CaseVerdicts(ResultBase, Generic[V]):
     tracebacks: dict[str, str] = field(default_factory=dict)
     #: where the cases ran, said after the count ("on 2 ranks (ddp)"; "": one process)
     setting: str = ""
+    #: case name -> how the step failed there, for each case in ``errors`` (absent: it raised)
+    faults: dict[str, Fault] = field(default_factory=dict)
+    #: case name -> why it was never run (after a hang or a rank's fault the rest are not)
+    not_run: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return self.status is Outcome.EQUIVALENT
@@ -514,10 +521,10 @@ class CaseVerdicts(ResultBase, Generic[V]):
     @property
     def status(self) -> Outcome:
         """NOT_EQUIVALENT when an applicable case failed (a definite answer wins), else
-        STEP_ERROR when the step raised or hung on one, else EQUIVALENT."""
+        STEP_ERROR when the step raised or hung on one (or a case was not run), else EQUIVALENT."""
         if self.failed:
             return Outcome.NOT_EQUIVALENT
-        return Outcome.STEP_ERROR if self.errors else Outcome.EQUIVALENT
+        return Outcome.STEP_ERROR if self.errors or self.not_run else Outcome.EQUIVALENT
 
     @property
     def failed(self) -> dict[str, V]:
@@ -527,30 +534,39 @@ class CaseVerdicts(ResultBase, Generic[V]):
     @property
     def names(self) -> tuple[str, ...]:
         """Every case name, in the order checked."""
-        return self.order or (*self.verdicts, *self.errors)
+        return self.order or (*self.verdicts, *self.errors, *self.not_run)
+
+    def fault(self, name: str) -> Fault:
+        """How the step failed on the case ``name`` (one of :attr:`errors`)."""
+        return self.faults.get(name, Fault.RAISED)
 
     def counts(self) -> dict[str, int]:
-        """How many cases ended each way (zeros included for equivalent and not; a step
-        that raised or hung counted apart, as "step error")."""
-        labels = {Outcome.EQUIVALENT: "equivalent", Outcome.NOT_EQUIVALENT: "not",
-                  Outcome.NOT_APPLICABLE: "not applicable",
-                  Outcome.INHERENTLY_NON_EQUIVALENT: "inherently non-equivalent"}
-        counts = dict.fromkeys(labels.values(), 0)
+        """How many cases ended each way, by label: "equivalent" and "not equivalent" (always,
+        zeros included), "not applicable", "inherently non-equivalent", then the cases with no
+        verdict by why: "raised", "hung", "died", "collective mismatch", "not run"."""
+        verdict_labels = [Outcome.EQUIVALENT, Outcome.NOT_EQUIVALENT, Outcome.NOT_APPLICABLE,
+                          Outcome.INHERENTLY_NON_EQUIVALENT]
+        counts = {outcome.label: 0 for outcome in verdict_labels}
         for verdict in self.verdicts.values():
-            counts[labels[verdict.status]] += 1
-        counts["step error"] = len(self.errors)
+            counts[verdict.status.label] += 1
+        for fault in Fault:
+            counts[_fault_label(fault)] = sum(self.fault(name) is fault for name in self.errors)
+        counts[_NOT_RUN] = len(self.not_run)
         return counts
 
     def row(self, name: str) -> str:
         """One case's outcome as ``equiv check`` prints it (failures with the whole message)."""
         if name in self.errors:
             return f"ERROR {name}: {self.errors[name]}"
+        if name in self.not_run:
+            return f"--    {name}: not run: {self.not_run[name]}"
         return self.verdicts[name].row(name)
 
     def summary(self) -> str:
         counts = self.counts()
-        shown = ", ".join(f"{n} {label}" for label, n in counts.items() if n or label in ("equivalent", "not"))
-        text = f"{shown}, of {len(self.verdicts) + len(self.errors)} case(s)" + (f" {self.setting}" if self.setting else "")
+        always = (Outcome.EQUIVALENT.label, Outcome.NOT_EQUIVALENT.label)
+        shown = ", ".join(f"{n} {label}" for label, n in counts.items() if n or label in always)
+        text = f"{shown}, of {len(self.names)} case(s)" + (f" {self.setting}" if self.setting else "")
         noted = [name for name, v in self.verdicts.items() if v.note()]
         if noted:
             # One note for all: the same cause shows on every case it touches.
@@ -574,10 +590,24 @@ class CaseVerdicts(ResultBase, Generic[V]):
             "candidate": self.candidate,
             "setting": self.setting,
             "counts": self.counts(),
-            "cases": [
-                {"case_name": name, "status": Outcome.STEP_ERROR.value, "error": self.errors[name],
-                 "traceback": self.tracebacks.get(name)} if name in self.errors
-                else {"case_name": name, **self.verdicts[name].to_dict()}
-                for name in self.names
-            ],
+            "cases": [self._case_dict(name) for name in self.names],
         }
+
+    def _case_dict(self, name: str) -> dict[str, Any]:
+        """One case's JSON: its verdict's, or (no verdict) why, with ``fault`` or ``not_run``."""
+        if name in self.errors:
+            return {"case_name": name, "status": Outcome.STEP_ERROR.value, "error": self.errors[name],
+                    "fault": self.fault(name).value, "traceback": self.tracebacks.get(name)}
+        if name in self.not_run:
+            return {"case_name": name, "status": Outcome.STEP_ERROR.value, "error": f"not run: {self.not_run[name]}",
+                    "not_run": True}
+        return {"case_name": name, **self.verdicts[name].to_dict()}
+
+
+#: How :meth:`CaseVerdicts.counts` names cases never run.
+_NOT_RUN = "not run"
+
+
+def _fault_label(fault: Fault) -> str:
+    """A fault as a count's label: "raised", "collective mismatch"."""
+    return fault.value.replace("_", " ")
