@@ -115,7 +115,8 @@ def distributed_cases(
     if clipping and draw(st.booleans()):
         case = case.replace(max_grad_norm=_CLIP_NORM)
     if case.loss == "token_cross_entropy":
-        case = case.replace(empty_samples=draw(_empty_micro_batch(ranks)))
+        flat = [size for sizes in ranks for size in sizes]  # the window as DistributedCase.of lays it out
+        case = case.replace(batch_size=sum(flat), micro_batch_sizes=flat, empty_samples=draw(_empty_micro_batch(ranks)))
     return DistributedCase.of(case, ranks, tensor_parallel=tensor_parallel, context_parallel=context_parallel)
 
 
