@@ -63,8 +63,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
-from equiv.distributed.context_parallel import CP_ENGINES, POSITIONWISE_MODELS, install_layout, position_slice
 from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
+from equiv.distributed.context_parallel import CP_ENGINES, POSITIONWISE_MODELS, install_layout, position_slice
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.distributed.matching import mark
 from equiv.distributed.sharding import (

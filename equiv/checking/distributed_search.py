@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 
 from equiv.cases.case import Case
 from equiv.checking.distributed import FSDP_ENGINES, DistributedCase, DistributedVerdict, check_distributed
-from equiv.distributed.context_parallel import CP_ENGINES
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchRun, run_search
+from equiv.distributed.context_parallel import CP_ENGINES
 from equiv.distributed.launcher import DistributedCheckError
 from equiv.judging.contract import BoundCandidate, Candidate, bind
 from equiv.outcomes import Fault, Outcome
