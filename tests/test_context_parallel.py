@@ -11,9 +11,9 @@ from equiv.checking.distributed import DistributedCase, check_distributed
 from equiv.checking.distributed_search import DistributedSearchSpace, distributed_cases, verify_distributed
 from equiv.distributed.context_parallel import layout, position_slice
 from equiv.findings.distributed_findings import search_zoo_rows
+from equiv.findings.results import DistributedSearchFindings
 from equiv.outcomes import Fault, Outcome
 from equiv.reporting.distributed_findings import aux_loss_section, context_parallel_section
-from equiv.findings.results import DistributedSearchFindings
 from equiv.zoo.aux_loss_bugs import AUX_SEARCH_ZOO
 from equiv.zoo.context_parallel_bugs import CP_SEARCH_ZOO, token_count_over_data_ranks_only
 from equiv.zoo.distributed_bugs import SEARCH_ZOO
@@ -50,7 +50,7 @@ def test_context_parallelism_refuses_what_it_cannot_split() -> None:
         DistributedCase.of(TOKENS, [[1]], tensor_parallel=2, context_parallel=2)
     with pytest.raises(InvalidCase, match="context_parallel must be a positive int"):
         DistributedCase.of(TOKENS, [[1]], context_parallel=0)
-    with pytest.raises(InvalidCase, match="needs DistributedCase.of\\(..., context_parallel=C\\)"):
+    with pytest.raises(InvalidCase, match=r"needs DistributedCase\.of\(\.\.\., context_parallel=C\)"):
         check_distributed(equiv.accumulator_step, DistributedCase.of(TOKENS, [[1], [1]]), engine="cp")
     with pytest.raises(InvalidCase, match="needs engine 'cp' or 'fsdp2\\+cp'"):
         check_distributed(equiv.accumulator_step, DistributedCase.of(TOKENS, [[1]], context_parallel=2))

@@ -27,7 +27,7 @@ from equiv.accumulator import accumulator_step
 from equiv.distributed.context_parallel import layout
 from equiv.losses import item_count, loss_sum_and_count
 from equiv.outcomes import Outcome
-from equiv.zoo.distributed_bugs import SearchEntry, sum_over_ranks_divided_by_global_tokens
+from equiv.zoo.distributed_bugs import SearchEntry
 
 __all__ = [
     "CP_SEARCH_ZOO",
@@ -152,7 +152,4 @@ CP_SEARCH_ZOO: dict[str, SearchEntry] = {
         "each slice's own token mean (1 for an empty slice), averaged over DP x CP"),
     "accumulator_step (FSDP2 + CP)": SearchEntry(
         accumulator_step, "fsdp2+cp", ("tokens",), Outcome.EQUIVALENT, "", "the reference accumulator"),
-    "sum_over_ranks_divided_by_global_tokens (FSDP2 + CP)": SearchEntry(
-        sum_over_ranks_divided_by_global_tokens, "fsdp2+cp", ("tokens",), Outcome.EQUIVALENT, "torchtitan PR #2206",
-        "divide factor 1.0, summed loss / tokens all-reduced over every rank"),
 }
