@@ -134,6 +134,10 @@ class Case:
     #: (step, sample): that sample's inputs are +inf at that step, so the window
     #: overflows and its update must be skipped (needs ``loss_scale``).
     overflow_at: tuple[int, int] | None = None
+    #: Samples (indices into every step's batch) whose targets are all padding: no
+    #: real token at all (a token loss only).  A micro-batch of such samples holds
+    #: zero items, on one rank only or on several (drawn by the distributed search).
+    empty_samples: tuple[int, ...] = ()
     #: GradScaler's ``growth_interval``: the scale doubles after this many clean
     #: windows in a row (needs ``loss_scale``).  None: torch's default of 2000,
     #: which no case of a few steps reaches; 1 or 2 make growth happen within a
@@ -156,6 +160,7 @@ class Case:
         object.__setattr__(self, "micro_batch_sizes", tuple(self.micro_batch_sizes))
         if self.overflow_at is not None:
             object.__setattr__(self, "overflow_at", tuple(self.overflow_at))
+        object.__setattr__(self, "empty_samples", tuple(self.empty_samples))
         if isinstance(self.frozen_layers, list):
             object.__setattr__(self, "frozen_layers", tuple(self.frozen_layers))
         for name in ("model_kwargs", "optimizer_kwargs", "scheduler_kwargs"):
@@ -262,6 +267,7 @@ class Case:
             if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
                 raise InvalidCase(f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
                                   f"x samples 0..{self.batch_size - 1}")
+        self._validate_empty_samples()
         if self.scale_growth_interval is not None:
             interval = self.scale_growth_interval
             if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
@@ -302,6 +308,22 @@ class Case:
         check_device(self.device)
         _check_optimizer_kwargs(optimizer_class, self.optimizer, self.optimizer_kwargs)
 
+    def _validate_empty_samples(self) -> None:
+        empty = self.empty_samples
+        if not empty:
+            return
+        if (len(set(empty)) != len(empty)
+                or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.batch_size for i in empty)):
+            raise InvalidCase(f"empty_samples must be distinct sample indices in 0..{self.batch_size - 1}, "
+                              f"got {empty!r}")
+        if self.loss != "token_cross_entropy" or self.data != "random":
+            raise InvalidCase(f"empty_samples={empty!r} pads every token of those samples: it needs "
+                              f"loss='token_cross_entropy' with data='random', got loss={self.loss!r}, "
+                              f"data={_reference(self.data)!r}")
+        if len(empty) == self.batch_size:
+            raise InvalidCase(f"empty_samples={empty!r} leaves no real token in the batch of {self.batch_size}: "
+                              "the full-batch mean would divide by zero")
+
     # ----------------------------------------------------------- serialising
     def __repr__(self) -> str:
         """Only the fields that differ from the defaults: short, and still
@@ -331,6 +353,11 @@ class Case:
             out["frozen_layers"] = list(self.frozen_layers)
         if self.overflow_at is not None:
             out["overflow_at"] = list(self.overflow_at)
+        # Kept out when empty, so the rows of cases that pad no whole sample read as before.
+        if self.empty_samples:
+            out["empty_samples"] = list(self.empty_samples)
+        else:
+            del out["empty_samples"]
         out["model"] = _reference(self.model)
         out["data"] = _reference(self.data)
         out["loss"] = self.loss if isinstance(self.loss, str) else _loss_reference(self.loss)
@@ -474,6 +501,8 @@ class Case:
         tokens = torch.randint(0, vocab, (batch, seq_len), generator=generator)
         lengths = torch.randint(1, seq_len + 1, (batch, 1), generator=generator)
         padding = torch.arange(seq_len).expand(batch, seq_len) >= lengths
+        if self.empty_samples:
+            padding[list(self.empty_samples)] = True
         ignore_index: int = self.build_loss().ignore_index  # type: ignore[attr-defined]
         return tokens.masked_fill(padding, ignore_index)
 

@@ -16,6 +16,11 @@ expert ``e``, ``P_e``: its mean router probability), taken either
   this reason).  :func:`equiv.judging.inherent.inherent_non_equivalences` reports it, as it
   reports BatchNorm.
 
+A router z-loss (ST-MoE, Zoph et al. 2022, eq. 5: the mean over tokens of
+``logsumexp(router_logits)^2``) is added per sequence with ``z_weight`` > 0:
+one value per sample, like the sequence-wise balance loss, so the full-batch
+objective stays a mean over samples.
+
 The model returns ``(batch, out_features + 1)``: the task output and, in the
 last column, each sample's weighted aux loss, so that a loss following the
 candidate contract sees both (:class:`equiv.losses.MSEWithAux`).
@@ -48,10 +53,14 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(width, experts, bias=False)
         self.experts = nn.Parameter(torch.randn(experts, width, width) / width**0.5)
 
-    def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """``hidden`` (batch, seq, width) -> (mixed output, per-sample aux loss (batch,))."""
+    def forward(self, hidden: Tensor, with_z: bool = False) -> tuple[Tensor, ...]:
+        """``hidden`` (batch, seq, width) -> (mixed output, per-sample aux loss (batch,)),
+        and with ``with_z`` each sample's router z-loss (batch,) too: the mean over its
+        tokens of ``logsumexp(router_logits)^2``.  (One forward, so FSDP2's hooks run.)"""
         experts = self.experts.shape[0]
-        probs = torch.softmax(self.router(hidden), dim=-1)
+        logits = self.router(hidden)
+        z_loss = torch.logsumexp(logits, dim=-1).square().mean(1)
+        probs = torch.softmax(logits, dim=-1)
         top_probs, top_index = probs.topk(self.top_k, dim=-1)
         gates = torch.zeros_like(probs).scatter(-1, top_index, top_probs / top_probs.sum(-1, keepdim=True))
         # Every expert on every token, weighted by a gate that is zero off the top-k:
@@ -65,37 +74,44 @@ class MoELayer(nn.Module):
         else:
             batch_aux = experts * (chosen.mean((0, 1)) * probs.mean((0, 1))).sum()
             aux = batch_aux.expand(hidden.shape[0])
-        return mixed, aux
+        return (mixed, aux, z_loss) if with_z else (mixed, aux)
 
 
 class MoEModel(nn.Module):
     """Input projection -> one MoE layer (residual) -> mean over tokens -> head;
-    the aux loss times ``aux_weight`` rides along as the last output column."""
+    the aux loss times ``aux_weight`` (plus the router z-loss times ``z_weight``)
+    rides along as the last output column."""
 
     def __init__(self, in_features: int, width: int, experts: int, top_k: int, out_features: int,
-                 balance: str, aux_weight: float) -> None:
+                 balance: str, aux_weight: float, z_weight: float = 0.0) -> None:
         super().__init__()
         self.project = nn.Linear(in_features, width)
         self.moe = MoELayer(width, experts, top_k, balance)
         self.head = nn.Linear(width, out_features)
         self.aux_weight = aux_weight
+        self.z_weight = z_weight
 
     def forward(self, inputs: Tensor) -> Tensor:
         hidden = torch.tanh(self.project(inputs))
-        mixed, aux = self.moe(hidden)
+        mixed, aux, z_loss = self.moe(hidden, with_z=True)
         task = self.head((hidden + mixed).mean(1))
-        return torch.cat([task, (self.aux_weight * aux).unsqueeze(-1)], dim=-1)
+        router = self.aux_weight * aux
+        if self.z_weight:  # added only when asked, so a model without it computes exactly as before
+            router = router + self.z_weight * z_loss
+        return torch.cat([task, router.unsqueeze(-1)], dim=-1)
 
 
 @register_model("moe")
 def moe(*, in_features: int = 3, seq_len: int = 4, width: int = 4, experts: int = 4, top_k: int = 2,
-        out_features: int = 2, balance: str = "sequence", aux_weight: float = 0.1) -> ModelBundle:
+        out_features: int = 2, balance: str = "sequence", aux_weight: float = 0.1,
+        z_weight: float = 0.0) -> ModelBundle:
     """A one-layer top-k MoE on (seq_len, in_features) inputs; use it with
     ``loss="mse_aux"``.  ``balance`` "sequence" (equivalent under accumulation)
-    or "batch" (inherently not: see the module docstring)."""
+    or "batch" (inherently not: see the module docstring); ``z_weight`` > 0 adds
+    the router z-loss per sequence."""
 
     def make(batch_size: int, generator: torch.Generator) -> Tensor:
         return torch.randn(batch_size, seq_len, in_features, generator=generator)
 
-    module = MoEModel(in_features, width, experts, top_k, out_features, balance, aux_weight)
+    module = MoEModel(in_features, width, experts, top_k, out_features, balance, aux_weight, z_weight)
     return ModelBundle(module, make, (out_features + 1,))

@@ -14,7 +14,13 @@ rank at once::
   mesh whose ranks all see the same micro-batches, and ``engine="fsdp2+tp"``
   TP inside each data rank and FSDP2 over the data ranks on a 2-D mesh
   (``DistributedCase.of(..., tensor_parallel=T)``; see
-  :mod:`equiv.distributed.tensor_parallel`);
+  :mod:`equiv.distributed.tensor_parallel`); ``engine="cp"`` is context
+  parallelism: each data rank's micro-batches are served by C ranks
+  (``DistributedCase.of(..., context_parallel=C)``), each holding one
+  contiguous slice of every sequence's positions (inputs and targets), the
+  model wrapped in DDP over every rank (data x context), as Megatron reduces
+  gradients over its DP x CP group; ``engine="fsdp2+cp"`` shards with FSDP2
+  over the same ranks instead (see :mod:`equiv.distributed.context_parallel`);
 - ``micro_batches`` are THIS rank's micro-batches: each step's global batch is
   cut into consecutive rank shards (sizes may differ between ranks), and each
   shard into that rank's micro-batches;
@@ -58,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
 from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
+from equiv.distributed.context_parallel import CP_ENGINES, POSITIONWISE_MODELS, install_layout, position_slice
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.distributed.matching import mark
 from equiv.distributed.sharding import (
@@ -86,12 +93,15 @@ __all__ = [
 ]
 
 #: The engines a distributed check wraps the model in: data parallel (DDP,
-#: FSDP2), tensor parallel on a 1-D mesh ("tp"), and FSDP2 over TP on a 2-D
-#: mesh ("fsdp2+tp"; see :mod:`equiv.distributed.tensor_parallel`).
-ENGINES: tuple[str, ...] = ("ddp", "fsdp2", "tp", "fsdp2+tp")
-Engine = Literal["ddp", "fsdp2", "tp", "fsdp2+tp"]
+#: FSDP2), tensor parallel on a 1-D mesh ("tp"), FSDP2 over TP on a 2-D
+#: mesh ("fsdp2+tp"; see :mod:`equiv.distributed.tensor_parallel`), and context
+#: parallel under DDP ("cp") or FSDP2 ("fsdp2+cp"; see :mod:`equiv.distributed.context_parallel`).
+ENGINES: tuple[str, ...] = ("ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp")
+Engine = Literal["ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp"]
 #: The engines that shard with FSDP2 (reduce-scatters counted, equal micro-batch counts per rank).
-FSDP_ENGINES: tuple[str, ...] = ("fsdp2", "fsdp2+tp")
+FSDP_ENGINES: tuple[str, ...] = ("fsdp2", "fsdp2+tp", "fsdp2+cp")
+#: The engines that wrap the model in DDP (all-reduces counted).
+DDP_ENGINES: tuple[str, ...] = ("ddp", "cp")
 #: The engines that shard weights over tensor-parallel ranks (``DistributedCase.tensor_parallel`` > 1).
 TP_ENGINES: tuple[str, ...] = ("tp", "fsdp2+tp")
 
@@ -108,18 +118,27 @@ class DistributedCase:
     is a data rank served by T tensor-parallel ranks that all see its
     micro-batches: ``world_size`` is data ranks x T, and rank r is data rank
     r // T (engines "tp" with one data rank, "fsdp2+tp" with several).
+
+    With ``context_parallel`` = C > 1 each data rank is served by C ranks that
+    see the same samples, rank r holding slice r % C of every sequence's
+    positions (C contiguous, equal slices; engines "cp" and "fsdp2+cp").
     """
 
     case: Case
     rank_micro_batch_sizes: tuple[tuple[int, ...], ...]
     tensor_parallel: int = 1
+    context_parallel: int = 1
 
     @classmethod
     def of(cls, base: Case, rank_micro_batch_sizes: Sequence[Sequence[int]], *,
-           tensor_parallel: int = 1) -> DistributedCase:
-        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-            raise InvalidCase(f"tensor_parallel must be a positive int (ranks per tensor-parallel group), "
-                              f"got {tensor_parallel!r}")
+           tensor_parallel: int = 1, context_parallel: int = 1) -> DistributedCase:
+        for name, value in (("tensor_parallel", tensor_parallel), ("context_parallel", context_parallel)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidCase(f"{name} must be a positive int (ranks per {name.replace('_', '-')} group), "
+                                  f"got {value!r}")
+        if tensor_parallel > 1 and context_parallel > 1:
+            raise InvalidCase(f"tensor_parallel={tensor_parallel} and context_parallel={context_parallel}: "
+                              "a case splits its ranks one way, not both")
         ranks = tuple(tuple(sizes) for sizes in rank_micro_batch_sizes)
         if not ranks:
             raise InvalidCase("rank_micro_batch_sizes needs at least one rank, got ()")
@@ -131,32 +150,50 @@ class DistributedCase:
                 )
         flat = tuple(size for sizes in ranks for size in sizes)
         case = base.replace(batch_size=sum(flat), micro_batch_sizes=list(flat))
-        return cls(case=case, rank_micro_batch_sizes=ranks, tensor_parallel=tensor_parallel)
+        if context_parallel > 1:
+            _check_context_parallel_case(case, context_parallel)
+        return cls(case=case, rank_micro_batch_sizes=ranks, tensor_parallel=tensor_parallel,
+                   context_parallel=context_parallel)
 
     @property
     def data_ranks(self) -> int:
         return len(self.rank_micro_batch_sizes)
 
     @property
+    def ranks_per_data_rank(self) -> int:
+        """The ranks that see one data rank's samples: its TP or CP group."""
+        return self.tensor_parallel * self.context_parallel
+
+    @property
     def world_size(self) -> int:
-        return self.data_ranks * self.tensor_parallel
+        return self.data_ranks * self.ranks_per_data_rank
 
     def data_rank(self, rank: int) -> int:
         """Which entry of ``rank_micro_batch_sizes`` rank ``rank`` trains on."""
-        return rank // self.tensor_parallel
+        return rank // self.ranks_per_data_rank
 
-    def rank_slice(self, rank: int) -> slice:
+    def rank_slice(self, rank: int) -> slice | tuple[slice, slice]:
+        """What rank ``rank`` keeps of every batch: its data rank's samples, and
+        under context parallelism its slice of every sequence's positions."""
         data_rank = self.data_rank(rank)
         start = sum(sum(sizes) for sizes in self.rank_micro_batch_sizes[:data_rank])
-        return slice(start, start + sum(self.rank_micro_batch_sizes[data_rank]))
+        samples = slice(start, start + sum(self.rank_micro_batch_sizes[data_rank]))
+        if self.context_parallel == 1:
+            return samples
+        seq_len = _sequence_length(self.case)
+        return samples, position_slice(seq_len, self.context_parallel, rank % self.context_parallel)
 
     def rank_micro_batches(self, rank: int) -> tuple[int, ...]:
         """Rank ``rank``'s micro-batch sizes (its data rank's)."""
         return self.rank_micro_batch_sizes[self.data_rank(rank)]
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"case": self.case.to_dict(), "rank_micro_batch_sizes": [list(s) for s in self.rank_micro_batch_sizes]}
-        return out if self.tensor_parallel == 1 else {**out, "tensor_parallel": self.tensor_parallel}
+        out: dict[str, Any] = {"case": self.case.to_dict(),
+                               "rank_micro_batch_sizes": [list(s) for s in self.rank_micro_batch_sizes]}
+        for name in ("tensor_parallel", "context_parallel"):
+            if getattr(self, name) != 1:
+                out[name] = getattr(self, name)
+        return out
 
     def source(self, prefix: str = "") -> str:
         """The expression that builds this case again, every name behind ``prefix``
@@ -166,14 +203,35 @@ class DistributedCase:
             prefix: what goes before ``DistributedCase`` and ``Case``.
 
         Returns:
-            ``DistributedCase.of(Case(...), [[...], ...])``, with ``tensor_parallel=T`` when T > 1.
+            ``DistributedCase.of(Case(...), [[...], ...])``, with ``tensor_parallel=T`` when T > 1
+            (``context_parallel=C`` when C > 1).
         """
         tp = "" if self.tensor_parallel == 1 else f", tensor_parallel={self.tensor_parallel}"
+        tp += "" if self.context_parallel == 1 else f", context_parallel={self.context_parallel}"
         shards = [list(s) for s in self.rank_micro_batch_sizes]
         return f"{prefix}DistributedCase.of({prefix}{self.case!r}, {shards!r}{tp})"
 
     def __repr__(self) -> str:
         return self.source()
+
+
+def _sequence_length(case: Case) -> int:
+    shape = case.build_model().output_shape
+    assert shape is not None and len(shape) == 2, shape  # checked by _check_context_parallel_case
+    return shape[0]
+
+
+def _check_context_parallel_case(case: Case, context_parallel: int) -> None:
+    """A case context parallelism can split: a position-wise token model and a
+    token loss, its sequence length a multiple of the group."""
+    if case.model not in POSITIONWISE_MODELS or case.loss != "token_cross_entropy":
+        raise InvalidCase(f"context_parallel={context_parallel} splits every sequence's positions over ranks: it needs "
+                          f"a position-wise token model {list(POSITIONWISE_MODELS)} (no attention across the slices) "
+                          f"with loss='token_cross_entropy', got model={case.model!r}, loss={case.loss!r}")
+    seq_len = _sequence_length(case)
+    if seq_len % context_parallel:
+        raise InvalidCase(f"context_parallel={context_parallel} needs a sequence length divisible by it, got "
+                          f"seq_len={seq_len} (model_kwargs={dict(case.model_kwargs)!r})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +309,7 @@ class DistributedVerdict(Judgement):
     @property
     def collective(self) -> str:
         """The gradient collective counted: "all-reduce" (DDP) or "reduce-scatter" (FSDP2)."""
-        return {"ddp": "all-reduce", "tp": "none"}.get(self.engine, "reduce-scatter")
+        return {"ddp": "all-reduce", "cp": "all-reduce", "tp": "none"}.get(self.engine, "reduce-scatter")
 
     def collectives_per_step(self, tier: str = "exact") -> set[int]:
         """The distinct gradient-collective counts per step seen on any rank."""
@@ -259,7 +317,7 @@ class DistributedVerdict(Judgement):
 
     def allreduces_per_step(self, tier: str = "exact") -> set[int]:
         """The distinct DDP all-reduce counts per step seen on any rank."""
-        if self.engine != "ddp":
+        if self.engine not in DDP_ENGINES:
             raise ValueError(
                 f"allreduces_per_step() counts DDP's gradient all-reduces; this check ran engine={self.engine!r}: "
                 "use reduce_scatters_per_step()"
@@ -352,8 +410,12 @@ class DistributedVerdict(Judgement):
         engine = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2 (fully_shard)",
                   "tp": f"tensor parallel ({self.case.tensor_parallel} ranks, parallelize_module)",
                   "fsdp2+tp": f"FSDP2 over tensor parallel ({self.case.data_ranks} x {self.case.tensor_parallel} "
-                              "mesh)"}[self.engine]
-        per = "data rank" if self.case.tensor_parallel > 1 else "rank"
+                              "mesh)",
+                  "cp": f"context parallel ({self.case.data_ranks} data x {self.case.context_parallel} sequence "
+                        "slices, DistributedDataParallel over all)",
+                  "fsdp2+cp": f"context parallel ({self.case.data_ranks} data x {self.case.context_parallel} "
+                              "sequence slices, FSDP2 over all)"}[self.engine]
+        per = "data rank" if self.case.ranks_per_data_rank > 1 else "rank"
         lines = [
             f"{self.case.world_size} ranks under {engine}, micro-batches per {per} "
             f"{[list(s) for s in self.case.rank_micro_batch_sizes]}"
@@ -430,7 +492,9 @@ class _CheckTask:
             # Points every rank passes in order, so a rank that made one collective more
             # or less is named at the next one (see equiv.distributed.matching).
             mark(f"the start of the {tier} tier")
-            if self.engine == "ddp":
+            if self.engine in CP_ENGINES:  # the groups a step reads (equiv.distributed.context_parallel.layout())
+                install_layout(self.dcase.context_parallel)
+            if self.engine in DDP_ENGINES:
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     ddp = DistributedDataParallel(
@@ -454,7 +518,8 @@ class _CheckTask:
                         mesh2d = tensor_parallel_mesh(device.type, self.dcase.data_ranks, self.dcase.tensor_parallel)
                         parallelize(model, mesh2d)
                         mesh = mesh2d["dp"]
-                    else:
+                    else:  # "fsdp2", and "fsdp2+cp": FSDP2 over every rank, data x context
+
                         mesh = init_device_mesh(device.type, (world_size,))
                     units = fully_shard_layers(model, mesh, self.mp_policy)
                     # A correct step may ask for a reduce op the CPU backend lacks (PREMUL_SUM).
@@ -495,6 +560,12 @@ def _check_tensor_parallel(dcase: DistributedCase, engine: str) -> None:
                           f"tensor-parallel group, got tensor_parallel={tp}")
     if engine not in TP_ENGINES and tp != 1:
         raise InvalidCase(f"tensor_parallel={tp} needs engine 'tp' or 'fsdp2+tp', got engine={engine!r}")
+    cp = dcase.context_parallel
+    if engine in CP_ENGINES and cp < 2:
+        raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., context_parallel=C) with C >= 2 ranks "
+                          f"per context-parallel group, got context_parallel={cp}")
+    if engine not in CP_ENGINES and cp != 1:
+        raise InvalidCase(f"context_parallel={cp} needs engine 'cp' or 'fsdp2+cp', got engine={engine!r}")
     if engine == "tp" and data != 1:
         raise InvalidCase(f"engine='tp' runs one data rank (every TP rank sees the same micro-batches), got "
                           f"{data} data ranks {[list(s) for s in dcase.rank_micro_batch_sizes]}; use "
@@ -522,7 +593,10 @@ def check_distributed(
     with ``parallelize_module`` (column-wise then row-wise ``nn.Linear``
     pairs) on a 1-D mesh of ``dcase.tensor_parallel`` ranks that all see the
     same micro-batches; ``"fsdp2+tp"`` with TP inside each group of
-    ``tensor_parallel`` ranks and FSDP2 over the data ranks (a 2-D mesh).  A candidate
+    ``tensor_parallel`` ranks and FSDP2 over the data ranks (a 2-D mesh); ``"cp"``
+    with ``dcase.context_parallel`` ranks per data rank, each holding a slice of
+    every sequence's positions, under DDP over all ranks (``"fsdp2+cp"``: FSDP2 over
+    all ranks; see :mod:`equiv.distributed.context_parallel`).  A candidate
     that fails only under a 16-bit ``mp_policy`` and matches without it is a
     precision finding (``verdict.kind == "precision"``), reported with the
     measured error.  Where the backend has no ``PREMUL_SUM`` (gloo), FSDP2
@@ -553,7 +627,7 @@ def check_distributed(
         tiers: as in :func:`equiv.check`.
         timeout_s: seconds the ranks may take, counted once every rank has started
             (starting has 120 s of its own).
-        engine: ``"ddp"``, ``"fsdp2"``, ``"tp"`` or ``"fsdp2+tp"`` (above).
+        engine: ``"ddp"``, ``"fsdp2"``, ``"tp"``, ``"fsdp2+tp"``, ``"cp"`` or ``"fsdp2+cp"`` (above).
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` (``engine="fsdp2"``).
         train_dtype, strict: as in :func:`equiv.check`.
         launcher: runs the ranks (above).

@@ -29,8 +29,9 @@ from typing import Any, TypedDict, Unpack
 from hypothesis import strategies as st
 
 from equiv.cases.case import Case
-from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
+from equiv.checking.distributed import FSDP_ENGINES, DistributedCase, DistributedVerdict, check_distributed
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchRun, run_search
+from equiv.distributed.context_parallel import CP_ENGINES
 from equiv.distributed.launcher import DistributedCheckError
 from equiv.judging.contract import BoundCandidate, Candidate, bind
 from equiv.outcomes import Fault, Outcome
@@ -40,17 +41,25 @@ __all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "DistributedSearchSpa
            "distributed_cases", "standard_distributed_cases", "verify_distributed"]
 
 #: The engines a search may draw (see :func:`~equiv.checking.distributed.check_distributed`).
-ENGINES = ("ddp", "fsdp2", "tp", "fsdp2+tp")
+ENGINES = ("ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp")
 #: Ranks per tensor-parallel group the search draws under "tp" and "fsdp2+tp"
 #: (the MLP's hidden width, 8, splits evenly over them).
 SEARCH_TENSOR_PARALLEL = 2
 #: The models the tensor-parallel plan can shard (nn.Linear pairs: not the token model's embedding).
 TP_MODELS = ("mlp",)
-#: The models drawn: a small MLP on a sample-mean loss, and a token model whose
-#: batches hold padding (each sample a different number of real tokens, some none).
+#: Ranks per context-parallel group the search draws under "cp" and "fsdp2+cp"
+#: (the token model's 6 positions: 3 per slice).
+SEARCH_CONTEXT_PARALLEL = 2
+#: The models context parallelism can split (position-wise: the token model).
+CP_MODELS = ("tokens",)
+#: The models drawn: a small MLP on a sample-mean loss, a token model whose
+#: batches hold padding (each sample a different number of real tokens, and
+#: whole micro-batches with none drawn on some ranks), and the MoE model with its
+#: sequence-wise load-balancing loss and a router z-loss (``loss="mse_aux"``).
 _BASES: dict[str, Case] = {
     "mlp": Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,), "activation": "tanh"}),
     "tokens": Case(batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy"),
+    "moe": Case(batch_size=1, micro_batch_sizes=(1,), model="moe", model_kwargs={"z_weight": 0.01}, loss="mse_aux"),
 }
 #: The model names a search draws from, in shrinking order.
 MODELS = tuple(_BASES)
@@ -77,17 +86,24 @@ def distributed_cases(
     ``engine="tp"`` one data rank served by :data:`SEARCH_TENSOR_PARALLEL`
     TP ranks; under ``"fsdp2+tp"`` 2 to ``max_world_size // 2`` data ranks (at
     least 2: 4 processes even when ``max_world_size`` is 3) of
-    ``SEARCH_TENSOR_PARALLEL`` each.  Shrinks towards 2 ranks of one 1-sample
-    micro-batch."""
+    ``SEARCH_TENSOR_PARALLEL`` each.  Under ``"cp"`` and ``"fsdp2+cp"`` 1 to
+    ``max_world_size // 2`` data ranks of :data:`SEARCH_CONTEXT_PARALLEL`
+    ranks each (the token model only), each holding a slice of every sequence.
+    On the token model, one micro-batch of one rank may be drawn with no real
+    token at all (``Case.empty_samples``), besides the padding every sample has.
+    Shrinks towards 2 ranks of one 1-sample micro-batch."""
     _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
     tensor_parallel = SEARCH_TENSOR_PARALLEL if engine in ("tp", "fsdp2+tp") else 1
+    context_parallel = SEARCH_CONTEXT_PARALLEL if engine in CP_ENGINES else 1
     if engine == "tp":
         world_size = 1
     elif engine == "fsdp2+tp":
         world_size = draw(st.integers(2, max(2, max_world_size // tensor_parallel)))
+    elif engine in CP_ENGINES:
+        world_size = draw(st.integers(1, max(1, max_world_size // context_parallel)))
     else:
         world_size = draw(st.integers(2, max_world_size))
-    if engine in ("fsdp2", "fsdp2+tp") or equal_micro_batch_counts:
+    if engine in FSDP_ENGINES or equal_micro_batch_counts:
         count = draw(st.integers(1, max_micro_batches))
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=count, max_size=count)
     else:
@@ -98,7 +114,26 @@ def distributed_cases(
     case = base.replace(optimizer=optimizer, optimizer_kwargs=_OPTIMIZERS[optimizer], steps=draw(st.integers(1, 2)))
     if clipping and draw(st.booleans()):
         case = case.replace(max_grad_norm=_CLIP_NORM)
-    return DistributedCase.of(case, ranks, tensor_parallel=tensor_parallel)
+    if case.loss == "token_cross_entropy":
+        flat = [size for sizes in ranks for size in sizes]  # the window as DistributedCase.of lays it out
+        case = case.replace(batch_size=sum(flat), micro_batch_sizes=flat, empty_samples=draw(_empty_micro_batch(ranks)))
+    return DistributedCase.of(case, ranks, tensor_parallel=tensor_parallel, context_parallel=context_parallel)
+
+
+def _empty_micro_batch(ranks: Sequence[Sequence[int]]) -> st.SearchStrategy[tuple[int, ...]]:
+    """No sample without real tokens (shrinks to it), or every sample of one
+    micro-batch of one rank: a micro-batch with no real token on that rank only
+    (never the only micro-batch of the window: the full-batch mean needs a token)."""
+    slots = [(rank, index) for rank, sizes in enumerate(ranks) for index in range(len(sizes))]
+    if len(slots) < 2:
+        return st.just(())
+
+    def samples(slot: tuple[int, int]) -> tuple[int, ...]:
+        rank, index = slot
+        start = sum(sum(sizes) for sizes in ranks[:rank]) + sum(ranks[rank][:index])
+        return tuple(range(start, start + ranks[rank][index]))
+
+    return st.just(()) | st.sampled_from(slots).map(samples)
 
 
 def standard_distributed_cases(world_size: int, engine: str = "ddp") -> dict[str, DistributedCase]:
@@ -279,7 +314,8 @@ class DistributedSearchSpace:
 
     #: The engines drawn (:data:`ENGINES`), kept as a tuple.
     engines: Sequence[str] = ("ddp",)
-    #: The models drawn (:data:`MODELS`), kept as a tuple; "tp" and "fsdp2+tp" shard :data:`TP_MODELS` only.
+    #: The models drawn (:data:`MODELS`), kept as a tuple; "tp" and "fsdp2+tp" shard :data:`TP_MODELS` only,
+    #: "cp" and "fsdp2+cp" split :data:`CP_MODELS` only.
     models: Sequence[str] = MODELS
     #: Bounds on the ranks, each rank's micro-batch count and each micro-batch's samples.
     max_world_size: int = 3
@@ -299,6 +335,10 @@ class DistributedSearchSpace:
         if untensorable and any(engine in ("tp", "fsdp2+tp") for engine in self.engines):
             raise ValueError(f"engines 'tp' and 'fsdp2+tp' shard nn.Linear pairs: models must be a subset of "
                              f"{TP_MODELS} with them, got {self.models!r}")
+        unsliceable = [model for model in self.models if model not in CP_MODELS]
+        if unsliceable and any(engine in CP_ENGINES for engine in self.engines):
+            raise ValueError(f"engines 'cp' and 'fsdp2+cp' split every sequence's positions over ranks: models must "
+                             f"be a subset of {CP_MODELS} with them, got {self.models!r}")
 
     def strategy(self, *, clipping: bool) -> st.SearchStrategy[tuple[DistributedCase, str]]:
         """(a case, the engine it runs on): an engine drawn first, then a case for it;

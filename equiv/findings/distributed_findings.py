@@ -5,12 +5,15 @@
   :func:`equiv.verify_distributed` at a fixed seed, no split picked by hand:
   what it found and the split it shrank to, each bug with the upstream report
   it reproduces.
+- :func:`measure_context_parallel_search` and :func:`measure_aux_loss_search`:
+  the same for the context-parallel zoo (``"cp"`` / ``"fsdp2+cp"``, up to 2 data
+  x 2 context ranks) and the router aux / z-loss zoo (the MoE model, DDP / FSDP2).
 - :func:`torchrun_table`: ``torchrun --standalone --nproc-per-node 2 -m equiv
   check-distributed STEP`` on the standard splits, as a user runs it.
 
 Only facts that hold on every machine are kept: pass / fail, the shrunk
 split of a mismatch (the search is steered by pass / fail alone).  A rank fault
-is kept as one, without the split: whether a deadlocked DDP rank is seen
+under DDP is kept as one, without the split: whether a deadlocked DDP rank is seen
 as a hang or, first, as a mismatched collective depends on timing, and only a
 mismatch is shrunk.  :mod:`equiv.reporting.distributed_findings` renders both.
 """
@@ -23,16 +26,21 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
 
+from equiv.checking.distributed import DistributedCase
 from equiv.checking.distributed_search import standard_distributed_cases, verify_distributed
 from equiv.findings.results import RANK_FAULT, DistributedSearchFindings
-from equiv.outcomes import Outcome
+from equiv.outcomes import Fault, Outcome
+from equiv.zoo.aux_loss_bugs import AUX_SEARCH_ZOO
+from equiv.zoo.context_parallel_bugs import CP_SEARCH_ZOO
 from equiv.zoo.distributed_bugs import SEARCH_ZOO, SearchEntry
 
-__all__ = ["measure_distributed_search", "torchrun_table"]
+__all__ = ["CP_MAX_WORLD_SIZE", "measure_aux_loss_search", "measure_context_parallel_search",
+           "measure_distributed_search", "search_zoo_rows", "torchrun_table"]
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +61,30 @@ def _upstream(entry: SearchEntry) -> str:
     return entry.upstream or "equiv's zoo, no upstream report"
 
 
-def measure_distributed_search() -> DistributedSearchFindings:
-    """Every step of ``SEARCH_ZOO`` searched: what was found, the split it shrank to, the upstream report."""
+def search_zoo_rows(zoo: Mapping[str, SearchEntry], *, max_world_size: int = 3) -> pd.DataFrame:
+    """Every step of ``zoo`` searched at the report's seed: what was found, the split it shrank to, the upstream report.
+
+    Args:
+        zoo: name -> :class:`~equiv.zoo.distributed_bugs.SearchEntry`.
+        max_world_size: the most ranks a drawn case may have.
+
+    Returns:
+        One row per step.
+    """
     rows = []
-    for name, entry in SEARCH_ZOO.items():
+    for name, entry in zoo.items():
         result = verify_distributed(entry.step, engines=(entry.engine,), models=entry.models,
-                                    max_examples=_EXAMPLES, seed=_SEED)
+                                    max_examples=_EXAMPLES, seed=_SEED, max_world_size=max_world_size)
         log.info("distributed search: %s: %s", name, result.kind)
         expected = None if entry.expected is Outcome.EQUIVALENT else entry.expected
-        shown = result.counterexample is not None and result.kind is not Outcome.STEP_ERROR
+        found = result.counterexample
+        # A split is shown where it is the same on every machine: a mismatch, and mismatched
+        # collectives outside DDP (whose own syncs are not logged, so a DDP deadlock may read as a hang).
+        named = result.fault is Fault.COLLECTIVE_MISMATCH and entry.engine not in ("ddp", "cp")
+        shown = found is not None and (result.kind is not Outcome.STEP_ERROR or named)
         split = "-" if not shown else "; ".join(
-            str(list(sizes)) for sizes in result.counterexample.rank_micro_batch_sizes  # type: ignore[union-attr]
-        )
+            str(list(sizes)) for sizes in found.rank_micro_batch_sizes  # type: ignore[union-attr]
+        ) + _split_notes(found)  # type: ignore[arg-type]
         rows.append({
             "step": name,
             "engine": entry.engine.upper(),
@@ -76,7 +96,37 @@ def measure_distributed_search() -> DistributedSearchFindings:
             "shrunk split (samples per micro-batch, per rank)": split,
             "upstream": _upstream(entry) if entry.expected is not Outcome.EQUIVALENT else (entry.upstream or "-"),
         })
-    return DistributedSearchFindings(table=pd.DataFrame(rows), examples=_EXAMPLES, seed=_SEED)
+    return pd.DataFrame(rows)
+
+
+def _split_notes(found: DistributedCase) -> str:
+    """What the split alone does not say: slices per data rank, samples with no real token."""
+    notes = []
+    if found.context_parallel > 1:
+        notes.append(f"{found.context_parallel} sequence slices per data rank")
+    if found.case.empty_samples:
+        notes.append(f"no real token in sample(s) {list(found.case.empty_samples)}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def measure_distributed_search() -> DistributedSearchFindings:
+    """Every step of ``SEARCH_ZOO`` searched: what was found, the split it shrank to, the upstream report."""
+    return DistributedSearchFindings(table=search_zoo_rows(SEARCH_ZOO), examples=_EXAMPLES, seed=_SEED)
+
+
+#: Data x context ranks a context-parallel case may draw: 1 or 2 data ranks of 2 slices.
+CP_MAX_WORLD_SIZE = 4
+
+
+def measure_context_parallel_search() -> DistributedSearchFindings:
+    """Every step of :data:`~equiv.zoo.context_parallel_bugs.CP_SEARCH_ZOO` searched under its CP engine."""
+    return DistributedSearchFindings(table=search_zoo_rows(CP_SEARCH_ZOO, max_world_size=CP_MAX_WORLD_SIZE),
+                                     examples=_EXAMPLES, seed=_SEED, max_world_size=CP_MAX_WORLD_SIZE)
+
+
+def measure_aux_loss_search() -> DistributedSearchFindings:
+    """Every step of :data:`~equiv.zoo.aux_loss_bugs.AUX_SEARCH_ZOO` searched on the MoE model."""
+    return DistributedSearchFindings(table=search_zoo_rows(AUX_SEARCH_ZOO), examples=_EXAMPLES, seed=_SEED)
 
 
 def _torchrun(target: str, engine: str, out: Path) -> subprocess.CompletedProcess[str]:

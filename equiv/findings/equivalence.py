@@ -31,7 +31,12 @@ from equiv.checking.check import check
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import VerifyResult, verify
 from equiv.findings.distributed import measure_distributed
-from equiv.findings.distributed_findings import measure_distributed_search, torchrun_table
+from equiv.findings.distributed_findings import (
+    measure_aux_loss_search,
+    measure_context_parallel_search,
+    measure_distributed_search,
+    torchrun_table,
+)
 from equiv.findings.moe import measure_moe
 from equiv.findings.pipeline import pipeline_table
 from equiv.findings.results import EquivalenceFindings, SearchFindings
@@ -190,4 +195,6 @@ def measure_equivalence(*, searches: bool = True) -> EquivalenceFindings:
         moe=measure_moe(),
         tensor_parallel=measure_tensor_parallel() if searches else None,
         pipeline=pipeline_table() if searches else None,
+        context_parallel_search=measure_context_parallel_search() if searches else None,
+        aux_loss_search=measure_aux_loss_search() if searches else None,
     )

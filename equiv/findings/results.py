@@ -91,6 +91,8 @@ class DistributedSearchFindings:
     table: pd.DataFrame
     examples: int
     seed: int
+    #: the most ranks a case could draw (data x context under context parallelism)
+    max_world_size: int = 3
 
 
 @dataclass(frozen=True)
@@ -134,3 +136,7 @@ class EquivalenceFindings:
     tensor_parallel: TensorParallelFindings | None = None
     #: one row per pipeline setting, one column per schedule
     pipeline: pd.DataFrame | None = None
+    #: the context-parallel zoo searched under "cp" / "fsdp2+cp"
+    context_parallel_search: DistributedSearchFindings | None = None
+    #: the router aux / z-loss zoo searched on the MoE model under DDP and FSDP2
+    aux_loss_search: DistributedSearchFindings | None = None

@@ -184,7 +184,7 @@ def _run(
     permutation_seed: int | None = None,
     *,
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
-    batch_slice: slice | None = None,
+    batch_slice: slice | tuple[slice, ...] | None = None,
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
     initial: ModelBundle | None = None,
     on_note: Callable[[str], None] | None = None,
@@ -193,7 +193,8 @@ def _run(
 
     ``wrap_model`` (e.g. DistributedDataParallel) wraps the model the step
     sees; snapshots read the unwrapped one.  ``batch_slice`` keeps one part of
-    every batch (one rank's shard).  ``initial``: the case's model as
+    every batch (one rank's shard; a tuple indexes further dimensions too: a
+    context-parallel rank's slice of every sequence's positions).  ``initial``: the case's model as
     ``case.build_model()`` makes it, built once for many runs (a copy is
     trained; initialising a large model costs more than copying it).
     """
@@ -354,7 +355,7 @@ def run_candidate(
     dtype: torch.dtype,
     *,
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
-    batch_slice: slice | None = None,
+    batch_slice: slice | tuple[slice, ...] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     on_step: Callable[[int], None] | None = None,
     default_dtype: torch.dtype | None = None,
@@ -366,7 +367,7 @@ def run_candidate(
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
 
     For one rank of a distributed run: ``wrap_model`` wraps the model in DDP,
-    ``batch_slice`` selects the rank's shard, ``micro_batch_sizes`` cuts it,
+    ``batch_slice`` selects the rank's shard (with a tuple, its positions too), ``micro_batch_sizes`` cuts it,
     and ``on_step`` hears each step start (progress for fault reports).
     ``default_dtype`` sets torch's default dtype while the candidate runs
     (how :func:`equiv.check` tells a precision finding from a mismatch).

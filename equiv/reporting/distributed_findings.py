@@ -18,7 +18,7 @@ import pandas as pd
 from equiv.findings.results import RANK_FAULT, DistributedSearchFindings
 from equiv.reporting.markdown import markdown_table
 
-__all__ = ["distributed_search_section", "torchrun_section"]
+__all__ = ["aux_loss_section", "context_parallel_section", "distributed_search_section", "torchrun_section"]
 
 
 def distributed_search_section(findings: DistributedSearchFindings) -> str:
@@ -35,6 +35,42 @@ def distributed_search_section(findings: DistributedSearchFindings) -> str:
         f"\"{RANK_FAULT}\": under DDP, a step that syncs every micro-batch deadlocks on ranks holding different "
         "numbers of micro-batches (the search reports it; the split is left out, as whether it is seen as a hang "
         "or, first, as mismatched collectives depends on timing).",
+        markdown_table(findings.table),
+    ])
+
+
+def context_parallel_section(findings: DistributedSearchFindings) -> str:
+    """The section, from :func:`equiv.findings.distributed_findings.measure_context_parallel_search`."""
+    return "\n\n".join([
+        "## Context parallelism: the real-token count over every slice",
+        "`equiv.check_distributed(step, DistributedCase.of(case, split, context_parallel=2), engine=\"cp\")`: each "
+        "data rank's micro-batches are served by 2 ranks, each holding one contiguous half of every sequence's "
+        "positions (inputs and targets) of the position-wise token model, the model DDP-wrapped over every rank "
+        "(data x context, as Megatron reduces over its DP x CP group); `\"fsdp2+cp\"` shards with FSDP2 over the "
+        "same ranks. The reference is the float64 full-batch step on whole sequences: the mean over the window's "
+        "real tokens, every slice of every data rank. Padding sits at the end of each sequence, so slices hold "
+        "ragged numbers of real tokens and the second often none; the search also draws a micro-batch with no "
+        "real token on one data rank. Steps read their groups from `equiv.distributed.context_parallel.layout()`. "
+        f"`equiv.verify_distributed(step, engines=(engine,), models=('tokens',), max_world_size="
+        f"{findings.max_world_size}, max_examples={findings.examples}, seed={findings.seed})` on every step of "
+        "`equiv.zoo.context_parallel_bugs.CP_SEARCH_ZOO`, no split picked by hand (1 or 2 data ranks of 2 slices).",
+        markdown_table(findings.table),
+    ])
+
+
+def aux_loss_section(findings: DistributedSearchFindings) -> str:
+    """The section, from :func:`equiv.findings.distributed_findings.measure_aux_loss_search`."""
+    return "\n\n".join([
+        "## Router aux and z-losses under data parallelism",
+        "The MoE model (`model=\"moe\"`, sequence-wise load-balancing loss at weight 0.1 and a router z-loss, the "
+        "mean over a sequence's tokens of `logsumexp(router_logits)^2`, at weight 0.01, `loss=\"mse_aux\"`), drawn "
+        "by the distributed search under DDP and FSDP2. The full-batch objective is the mean over the window's "
+        "samples of task loss + router losses, so the router losses take the task loss's weight: summed, over the "
+        "global sample count, times the world size DDP's average divides out. "
+        f"`equiv.verify_distributed(step, engines=(engine,), models=('moe',), max_examples={findings.examples}, "
+        f"seed={findings.seed})` on every step of `equiv.zoo.aux_loss_bugs.AUX_SEARCH_ZOO`. Not expressed here: "
+        "aux/z-loss scalings that depend on the TP or CP size (Megatron-LM PR #5047, #1652) need a router under "
+        "TP or CP, which neither the TP plan (nn.Linear pairs) nor the position-wise CP model has.",
         markdown_table(findings.table),
     ])
 

@@ -26,7 +26,12 @@ import pandas as pd
 
 from equiv.findings.results import EquivalenceFindings, SearchFindings
 from equiv.reporting.distributed import distributed_section
-from equiv.reporting.distributed_findings import distributed_search_section, torchrun_section
+from equiv.reporting.distributed_findings import (
+    aux_loss_section,
+    context_parallel_section,
+    distributed_search_section,
+    torchrun_section,
+)
 from equiv.reporting.markdown import markdown_table
 from equiv.reporting.moe import moe_section
 from equiv.reporting.pipeline import pipeline_section
@@ -133,6 +138,8 @@ def render_equivalence(findings: EquivalenceFindings, *, properties_record: Path
         *([] if findings.distributed is None else [distributed_section(findings.distributed)]),
         *([] if findings.distributed_search is None else [distributed_search_section(findings.distributed_search)]),
         *([] if findings.torchrun is None else [torchrun_section(findings.torchrun)]),
+        *([] if findings.context_parallel_search is None else [context_parallel_section(findings.context_parallel_search)]),
+        *([] if findings.aux_loss_search is None else [aux_loss_section(findings.aux_loss_search)]),
         moe_section(findings.moe),
         *([] if findings.tensor_parallel is None else [tensor_parallel_section(findings.tensor_parallel)]),
         *([] if findings.pipeline is None else [pipeline_section(findings.pipeline)]),

@@ -11,7 +11,7 @@ check must find; the loss-scaling one a ``grad_scaler``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ __all__ = [
     "no_sync_missing",
     "overflow_checked_on_last_micro_batch",
     "scale_made_in_the_default_dtype",
+    "skip_backward_without_real_tokens",
     "sum_over_ranks_divided_by_global_tokens",
     "sync_disabled_on_last_micro_batch",
     "sync_every_micro_batch",
@@ -110,6 +111,43 @@ def global_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
             loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
             (loss_sum * scale).backward()
     optimizer.step()
+
+
+def skip_backward_without_real_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                      loss_fn: Callable[..., Tensor]) -> None:
+    """Skips the backward of a micro-batch with no real token (its token mean is
+    NaN), as karpathy/nanochat PR #623 and EleutherAI/bergson PR #461 do to avoid a
+    NaN loss; weighted by the all-reduced global count otherwise.  On one process
+    that is harmless (such a micro-batch's gradient is zero), but under FSDP2 the
+    backward is a collective: the rank that skips it makes fewer all-gathers and
+    reduce-scatters than its peers, so the ranks fall out of step the first time a
+    micro-batch with no real token lands on some ranks only."""
+    optimizer.zero_grad(set_to_none=True)
+    counts = [int(item_count(loss_fn, targets)) for _, targets in micro_batches]
+    total = torch.tensor(sum(counts), dtype=torch.float64)
+    dist.all_reduce(total)
+    world = dist.get_world_size()
+    for index, ((inputs, targets), count) in enumerate(zip(micro_batches, counts, strict=True)):
+        with _sync_on_last_only(model, index == len(micro_batches) - 1):
+            loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+            if count == 0:
+                continue  # BUG: a collective the other ranks make
+            (loss_sum * (world / float(total))).backward()
+    optimizer.step()
+
+
+@contextlib.contextmanager
+def _sync_on_last_only(model: nn.Module, last: bool) -> Iterator[None]:
+    """DDP's ``no_sync`` or FSDP2's gradient-sync switch: sync on the last micro-batch only."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+        yield
+    elif last:
+        yield
+    else:
+        assert isinstance(model, DistributedDataParallel)
+        with model.no_sync():
+            yield
 
 
 def _global_weighted_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
@@ -384,6 +422,10 @@ SEARCH_ZOO: dict[str, SearchEntry] = {
     "sum_over_ranks_divided_by_global_tokens": SearchEntry(
         sum_over_ranks_divided_by_global_tokens, "fsdp2", ("tokens",), Outcome.EQUIVALENT, "torchtitan PR #2206",
         "divide factor 1.0, summed loss / all-reduced global token count"),
+    "skip_backward_without_real_tokens": SearchEntry(
+        skip_backward_without_real_tokens, "fsdp2", ("tokens",), Outcome.STEP_ERROR,
+        "karpathy/nanochat PR #623; EleutherAI/bergson PR #461",
+        "backward skipped for a micro-batch with no real token: ranks' collectives fall out of step"),
     "sync_disabled_on_last_micro_batch": SearchEntry(
         sync_disabled_on_last_micro_batch, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "",
         "gradient sync switched back on after the last backward"),

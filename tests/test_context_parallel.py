@@ -1,0 +1,155 @@
+"""Context parallelism ("cp", "fsdp2+cp"), micro-batches with no real token, and
+router aux / z-losses under data parallelism: the engine, the search's draws, the zoos."""
+
+import pytest
+import torch
+from hypothesis import find, settings
+
+import equiv
+from equiv.cases.case import Case, InvalidCase
+from equiv.checking.distributed import DistributedCase, check_distributed
+from equiv.checking.distributed_search import DistributedSearchSpace, distributed_cases, verify_distributed
+from equiv.distributed.context_parallel import layout, position_slice
+from equiv.findings.distributed_findings import search_zoo_rows
+from equiv.findings.results import DistributedSearchFindings
+from equiv.outcomes import Fault, Outcome
+from equiv.reporting.distributed_findings import aux_loss_section, context_parallel_section
+from equiv.zoo.aux_loss_bugs import AUX_SEARCH_ZOO
+from equiv.zoo.context_parallel_bugs import CP_SEARCH_ZOO, token_count_over_data_ranks_only
+from equiv.zoo.distributed_bugs import SEARCH_ZOO
+
+TOKENS = Case(batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy", steps=2)
+MOE = Case(batch_size=1, micro_batch_sizes=(1,), model="moe", model_kwargs={"z_weight": 0.01}, loss="mse_aux", steps=2)
+SETTINGS = settings(database=None, max_examples=2000)
+
+
+def _real_tokens(dcase: DistributedCase, rank: int) -> list[int]:
+    """Real tokens per sample that ``rank`` holds at step 0."""
+    _, targets = dcase.case.batches(dcase.case.build_model())[0]
+    return (targets[dcase.rank_slice(rank)] != -100).sum(1).tolist()
+
+
+def test_a_cp_rank_holds_its_slice_of_every_sequence_of_its_data_rank() -> None:
+    dcase = DistributedCase.of(TOKENS, [[1, 2], [3]], context_parallel=2)
+    assert (dcase.world_size, dcase.data_ranks) == (4, 2)
+    assert dcase.rank_slice(0) == (slice(0, 3), slice(0, 3)) and dcase.rank_slice(1) == (slice(0, 3), slice(3, 6))
+    assert dcase.rank_slice(3) == (slice(3, 6), slice(3, 6)) and dcase.rank_micro_batches(2) == (3,)
+    assert DistributedCase.of(TOKENS, [[1, 2], [3]]).rank_slice(1) == slice(3, 6)  # no CP: samples only
+    assert dcase.to_dict()["context_parallel"] == 2
+    assert eval(dcase.source("equiv."), {"equiv": equiv}) == dcase  # the Reproduce line rebuilds it
+    assert position_slice(6, 3, 2) == slice(4, 6)
+
+
+def test_context_parallelism_refuses_what_it_cannot_split() -> None:
+    with pytest.raises(InvalidCase, match="position-wise token model"):
+        DistributedCase.of(TOKENS.replace(model="attention", model_kwargs={"head": "tokens"}), [[1]],
+                           context_parallel=2)
+    with pytest.raises(InvalidCase, match="divisible"):
+        DistributedCase.of(TOKENS.replace(model_kwargs={"seq_len": 5}), [[1]], context_parallel=2)
+    with pytest.raises(InvalidCase, match="one way, not both"):
+        DistributedCase.of(TOKENS, [[1]], tensor_parallel=2, context_parallel=2)
+    with pytest.raises(InvalidCase, match="context_parallel must be a positive int"):
+        DistributedCase.of(TOKENS, [[1]], context_parallel=0)
+    with pytest.raises(InvalidCase, match=r"needs DistributedCase\.of\(\.\.\., context_parallel=C\)"):
+        check_distributed(equiv.accumulator_step, DistributedCase.of(TOKENS, [[1], [1]]), engine="cp")
+    with pytest.raises(InvalidCase, match="needs engine 'cp' or 'fsdp2\\+cp'"):
+        check_distributed(equiv.accumulator_step, DistributedCase.of(TOKENS, [[1]], context_parallel=2))
+    with pytest.raises(RuntimeError, match="no context-parallel layout"):
+        layout()
+
+
+def test_empty_samples_pad_whole_samples_and_leave_the_others_as_drawn() -> None:
+    case = TOKENS.replace(batch_size=3, micro_batch_sizes=(3,))
+    padded = case.replace(empty_samples=(1,))
+    plain, empty = case.batches(case.build_model())[0][1], padded.batches(padded.build_model())[0][1]
+    assert (empty[1] == -100).all() and torch.equal(empty[[0, 2]], plain[[0, 2]])
+    assert "empty_samples" not in case.to_dict() and Case.from_dict(padded.to_dict()) == padded
+    for bad, match in (((3,), "distinct sample indices"), ((0, 0), "distinct"), ((0, 1, 2), "no real token")):
+        with pytest.raises(InvalidCase, match=match):
+            case.replace(empty_samples=bad)
+    with pytest.raises(InvalidCase, match="token_cross_entropy"):
+        Case(batch_size=2, micro_batch_sizes=(2,), empty_samples=(0,))
+
+
+def test_the_search_draws_a_micro_batch_with_no_real_token_on_one_rank_only() -> None:
+    def one_rank_empty(dcase: DistributedCase) -> bool:
+        held = [sum(_real_tokens(dcase, rank)) for rank in range(dcase.world_size)]
+        return 0 in held and any(held)
+
+    for engine in ("ddp", "fsdp2"):
+        drawn = find(distributed_cases(models=("tokens",), engine=engine), one_rank_empty, settings=SETTINGS)
+        assert drawn.case.empty_samples, drawn
+
+
+def test_the_cp_search_draws_ragged_slices_including_one_with_none() -> None:
+    def ragged_with_empty_slice(dcase: DistributedCase) -> bool:
+        held = [sum(_real_tokens(dcase, rank)) for rank in range(dcase.world_size)]
+        return dcase.context_parallel == 2 and 0 in held and len(set(held)) > 1 and dcase.data_ranks == 2
+
+    drawn = find(distributed_cases(models=("tokens",), engine="cp", max_world_size=4), ragged_with_empty_slice,
+                 settings=SETTINGS)
+    assert drawn.case.model == "token_mlp"
+    with pytest.raises(ValueError, match="models must be a subset of \\('tokens',\\)"):
+        DistributedSearchSpace(engines=("cp",), models=("mlp",))
+
+
+def test_the_search_draws_the_moe_model_with_its_z_loss() -> None:
+    drawn = find(distributed_cases(engine="ddp"), lambda d: d.case.model == "moe", settings=SETTINGS)
+    assert drawn.case.loss == "mse_aux" and drawn.case.model_kwargs["z_weight"] > 0
+
+
+def test_the_router_z_loss_is_added_only_when_weighted() -> None:
+    without, with_z = MOE.replace(model_kwargs={}), MOE
+    inputs = without.batches(without.build_model())[0][0]
+    plain, weighted = without.build_model().module(inputs), with_z.build_model().module(inputs)
+    assert torch.equal(plain[:, :-1], weighted[:, :-1]) and (weighted[:, -1] > plain[:, -1]).all()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(CP_SEARCH_ZOO))
+def test_each_cp_step_gets_its_verdict_on_ragged_slices(name: str) -> None:
+    entry = CP_SEARCH_ZOO[name]
+    split = [[1, 2], [2, 1]]  # 2 data ranks x 2 slices; the slices hold ragged real-token counts
+    verdict = check_distributed(entry.step, DistributedCase.of(TOKENS, split, context_parallel=2), engine=entry.engine)
+    assert verdict.status is entry.expected, verdict.message()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(AUX_SEARCH_ZOO))
+def test_each_router_loss_weighting_gets_its_verdict(name: str) -> None:
+    entry = AUX_SEARCH_ZOO[name]
+    verdict = check_distributed(entry.step, DistributedCase.of(MOE, [[1, 2], [2, 1]]), engine=entry.engine)
+    assert verdict.status is entry.expected, verdict.message()
+
+
+@pytest.mark.distributed
+def test_a_cp_undercount_is_found_by_the_search_and_shrunk() -> None:
+    result = verify_distributed(token_count_over_data_ranks_only, engines=("cp",), models=("tokens",),
+                                max_examples=10, seed=0)
+    assert result.found and result.kind is Outcome.NOT_EQUIVALENT and result.engine == "cp", result.message()
+    dcase = result.counterexample
+    assert dcase is not None and dcase.context_parallel == 2 and dcase.data_ranks == 1, result.message()
+    assert "context_parallel=2), engine='cp')" in result.message()
+    assert not check_distributed(token_count_over_data_ranks_only, dcase, engine="cp")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_every_cp_and_router_loss_zoo_entry_is_concluded_by_the_search() -> None:
+    rows = search_zoo_rows(CP_SEARCH_ZOO, max_world_size=4)
+    assert list(rows["as expected"]) == ["yes"] * len(CP_SEARCH_ZOO), rows.to_string()
+    section = context_parallel_section(DistributedSearchFindings(rows, 25, 0, max_world_size=4))
+    assert "## Context parallelism" in section and "verl #5983" in section
+    rows = search_zoo_rows(AUX_SEARCH_ZOO)
+    assert list(rows["as expected"]) == ["yes"] * len(AUX_SEARCH_ZOO), rows.to_string()
+    assert "Megatron-LM #3672" in aux_loss_section(DistributedSearchFindings(rows, 25, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_backward_skipped_for_a_micro_batch_with_no_real_token_is_named_and_shrunk() -> None:
+    entry = SEARCH_ZOO["skip_backward_without_real_tokens"]
+    result = verify_distributed(entry.step, engines=("fsdp2",), models=("tokens",), max_examples=25, seed=0)
+    assert result.fault is Fault.COLLECTIVE_MISMATCH, result.message()
+    dcase = result.counterexample
+    assert dcase is not None and dcase.world_size == 2 and dcase.case.empty_samples, result.message()
