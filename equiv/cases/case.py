@@ -22,9 +22,9 @@ from equiv.cases import packed as _packed  # noqa: F401  (registers the "packed_
 from equiv.cases import policy as _policy  # noqa: F401  (registers the "policy" family)
 from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model
 from equiv.losses import LOSSES, Loss, build_loss
+from equiv.names import reference, resolve
 from equiv.packed_losses import PACKED_LOSSES  # noqa: F401  (registers the packed losses in LOSSES)
 from equiv.policy_losses import POLICY_LOSSES  # noqa: F401  (registers the policy losses in LOSSES)
-from equiv.names import reference, resolve
 
 __all__ = [
     "COMPOSITE_SCHEDULERS",
