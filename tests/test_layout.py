@@ -188,7 +188,7 @@ def test_the_public_api_is_exactly_all() -> None:
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli", "peers",
         "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing", "findings", "judging", "results",
-        "adapters", "layers",
+        "adapters", "layers", "packed_losses", "policy_losses",
     }
     assert public == set(equiv.__all__) - {"__version__"}
 

@@ -62,7 +62,7 @@ def test_the_pin_records_no_digits_of_noise() -> None:
     for row in pinned_rows():
         assert set(row["facts"]) == {"status", "kind", "tiers", "first_divergence", "precision"}
         assert set(row["facts"]["tiers"].values()) <= {"≤ 1", "> 1"}
-        assert row["facts"]["precision"] in (None, "default_dtype", "float32_sized")
+        assert row["facts"]["precision"] in (None, "default_dtype", "float32_sized", "bfloat16_arithmetic")
         first = row["facts"]["first_divergence"]
         # A divergence is recorded for a failure, and for a pass with a precision note (where it is).
         assert (first is None) == (row["facts"]["status"] != "not_equivalent" and row["facts"]["precision"] is None)

@@ -116,3 +116,36 @@ def test_every_correct_real_loop_passes_every_standard_case(name: str) -> None:
     verdicts = equiv.check(CORRECT_STEPS[name])
     assert verdicts, verdicts.message()
     assert verdicts.counts()["equivalent"] >= len(STANDARD_CASES) // 2
+
+
+def test_a_bfloat16_accumulation_buffer_is_a_precision_finding_told_apart_from_a_float32_one() -> None:
+    # ISEEKYAN #149 (Megatron-FSDP): bf16 gradient accumulation at 3.5e-5 relative, float32 buffers at 2.7e-8.
+    from equiv.zoo.bugs import low_precision_buffer
+
+    bf16 = equiv.check(low_precision_buffer, SGD)
+    assert bf16.status is Outcome.NOT_EQUIVALENT and bf16.kind is Outcome.PRECISION
+    assert bf16.precision is not None and bf16.precision.cause == "bfloat16_arithmetic"
+    note = bf16.precision_note or ""
+    assert "bfloat16-sized differences in the float32 and float64 runs" in note
+    assert "you train with float32 master weights and gradients" in note
+    # The sensitivity, per dtype judged: far below bfloat16's rounding (3.9e-3) in both.
+    resolved = dict(bf16.precision.resolves)
+    assert set(resolved) == {"float32", "float64"} and resolved["float64"] < 1e-12 < resolved["float32"] < 1e-4
+    assert "The check resolves relative differences down to" in note
+    # bfloat16 training rounds this much itself: a pass; float32 training named explicitly still fails.
+    assert equiv.check(low_precision_buffer, SGD, train_dtype="bfloat16")
+    assert not equiv.check(low_precision_buffer, SGD, train_dtype="float32")
+    # A float32 buffer is exact in float32 training: a passing float32-sized note only.
+    f32 = equiv.check(CORRECT_STEPS["float32_buffer"], SGD)
+    assert f32 and f32.precision is not None and f32.precision.cause == "float32_sized"
+
+
+def test_a_mathematical_bug_in_a_bfloat16_step_stays_a_mismatch() -> None:
+    # Lifting bfloat16 to the run's dtype leaves a mean of means a mean of means.
+    from equiv.zoo.bugs import _buffered_step
+
+    def bf16_mean_of_means(model, optimizer, micro_batches, loss_fn, *, max_grad_norm=None):  # type: ignore[no-untyped-def]
+        _buffered_step(model, optimizer, micro_batches[:1], loss_fn, torch.bfloat16, max_grad_norm)
+
+    verdict = equiv.check(bf16_mean_of_means, SGD)
+    assert verdict.kind is Outcome.NOT_EQUIVALENT and verdict.precision is None

@@ -18,9 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.cases import packed as _packed  # noqa: F401  (registers the "packed_lm" family)
+from equiv.cases import policy as _policy  # noqa: F401  (registers the "policy" family)
 from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model
 from equiv.losses import LOSSES, Loss, build_loss
 from equiv.names import reference, resolve
+from equiv.packed_losses import PACKED_LOSSES  # noqa: F401  (registers the packed losses in LOSSES)
+from equiv.policy_losses import POLICY_LOSSES  # noqa: F401  (registers the policy losses in LOSSES)
 
 __all__ = [
     "COMPOSITE_SCHEDULERS",
@@ -456,7 +460,7 @@ class Case:
                         "or return a ModelBundle from the factory"
                     )
                 inputs = bundle.make_inputs(self.batch_size, generator)
-                targets = self._targets(bundle.output_shape, generator)
+                targets = self._targets(bundle.output_shape, generator, inputs)
             else:
                 inputs, targets = self._user_batch(step, generator)
             if self.overflow_at is not None and self.overflow_at[0] == step:
@@ -479,11 +483,18 @@ class Case:
                                   f"at step {step}; expected batch_size={self.batch_size} samples along dim 0")
         return inputs.detach().cpu(), targets.detach().cpu()
 
-    def _targets(self, output_shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    def _targets(self, output_shape: tuple[int, ...], generator: torch.Generator, inputs: Tensor) -> Tensor:
         batch = self.batch_size
         if not isinstance(self.loss, str):
             raise InvalidCase(f"random targets are drawn for a built-in loss ({sorted(LOSSES)}); with your own "
                               f"loss {self.loss!r} pass data=your_batches as well")
+        drawn_by_loss = getattr(LOSSES[self.loss], "draw_targets", None)
+        if drawn_by_loss is not None:  # packed and policy losses: targets that follow the inputs' layout
+            try:
+                targets: Tensor = drawn_by_loss(self.build_loss(), inputs, output_shape, generator)
+            except ValueError as exc:
+                raise InvalidCase(f"loss {self.loss!r} with model {_reference(self.model)!r}: {exc}") from None
+            return targets
         if self.loss == "mse":
             return torch.randn(batch, *output_shape, generator=generator)
         if self.loss == "mse_aux":  # the model's last output column is its aux loss, with no target

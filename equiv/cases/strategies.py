@@ -46,6 +46,7 @@ __all__ = [
     "PARAM_GROUPS",
     "SAMPLE_LOSSES",
     "SCHEDULERS",
+    "SEQUENCE_LOSS_FAMILIES",
     "TOKEN_FAMILIES",
     "cases",
     "losses",
@@ -64,6 +65,14 @@ ITEM_WEIGHTED_LOSSES: tuple[str, ...] = ("token_cross_entropy",)
 MODEL_FAMILIES: tuple[str, ...] = ("mlp", "conv1d", "conv2d", "gru", "lstm", "attention")
 #: Model families with (seq, vocab) outputs, for the token-level loss.
 TOKEN_FAMILIES: tuple[str, ...] = ("token_mlp", "attention")
+#: Losses drawn only when named (``loss_names``), each with the families its
+#: targets need: packed rows (:mod:`equiv.packed_losses`, DPO's rows packing
+#: chosen/rejected pairs) and completions' log-probs (:mod:`equiv.policy_losses`).
+SEQUENCE_LOSS_FAMILIES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("packed_token_ce", "packed_sequence_ce", "packed_row_ce", "packed_dpo"), ("packed_lm",)),
+    **dict.fromkeys(("policy_grpo", "policy_dapo", "policy_dr_grpo"), ("policy",)),
+}
+_SEQUENCE_FAMILIES: tuple[str, ...] = ("packed_lm", "policy")
 #: Every deterministic first-order ``torch.optim`` optimizer the two tiers can
 #: judge, simplest first (see :func:`optimizers` for the ones left out and why).
 OPTIMIZERS: tuple[str, ...] = (
@@ -150,7 +159,7 @@ SCHEDULERS: dict[str | None, dict[str, Any]] = {
 LOSS_SCALING: tuple[str, ...] = ("none", "dynamic", "overflow")
 #: Model families whose inputs are integer tokens: no +inf can be put in them,
 #: so no "overflow" case is drawn with one.
-_TOKEN_INPUT_FAMILIES = frozenset({"attention", "token_mlp"})
+_TOKEN_INPUT_FAMILIES = frozenset({"attention", "token_mlp", "packed_lm", "policy"})
 
 
 # ------------------------------------------------------------------ checks
@@ -261,7 +270,9 @@ def _tiny(kwargs: dict[str, Any]) -> dict[str, Any]:
         out["channels"] = out["channels"][:1]
     if "layers" in out:  # gru / lstm: one layer over at most 2 steps
         out["layers"], out["seq_len"] = 1, min(out["seq_len"], 2)
-    elif "seq_len" in out:  # attention / token_mlp: at most 3 positions
+    elif "pairs" in out:  # packed_lm: rows of 4 (two sequences, or one chosen/rejected pair)
+        out["seq_len"] = min(out["seq_len"], 4)
+    elif "seq_len" in out:  # attention / token_mlp / policy: at most 3 positions
         out["seq_len"] = min(out["seq_len"], 3)
     return out
 
@@ -303,6 +314,11 @@ def _full_family_kwargs(family: str, *, tokens: bool, allow_batchnorm: bool,
         })
     if family == "token_mlp":
         return st.fixed_dictionaries({"width": st.sampled_from([4, 8]), "seq_len": st.integers(1, 6)})
+    if family == "packed_lm":  # at least 4 positions: room for a chosen/rejected pair (pairs set by the loss)
+        return st.fixed_dictionaries({"width": st.sampled_from([4, 8]), "seq_len": st.integers(4, 8),
+                                      "pairs": st.just(False)})
+    if family == "policy":
+        return st.fixed_dictionaries({"width": st.sampled_from([4, 8]), "seq_len": st.integers(1, 6)})
     raise InvalidArgument(f"no strategy for model family {family!r}")  # pragma: no cover
 
 
@@ -332,8 +348,9 @@ def models(
     _check_flag("tiny", tiny)
     _check_flag("allow_batchnorm", allow_batchnorm)
     _check_flag("allow_dropout", allow_dropout)
-    known = TOKEN_FAMILIES if tokens else MODEL_FAMILIES
-    chosen = known if families is None else _check_names("families", families, known)
+    known = TOKEN_FAMILIES + _SEQUENCE_FAMILIES if tokens else MODEL_FAMILIES
+    chosen = (TOKEN_FAMILIES if tokens else MODEL_FAMILIES) if families is None else _check_names(
+        "families", families, known)
     if allow_batchnorm and not any(f in ("mlp", "conv1d", "conv2d") for f in chosen):
         raise InvalidArgument(f"allow_batchnorm=True, but none of families={list(chosen)} has BatchNorm")
     return st.one_of([
@@ -687,9 +704,19 @@ def _model_strategies(bounds: _CaseBounds, losses: tuple[str, ...]) -> dict[tupl
     sample_families = tuple(f for f in (families or MODEL_FAMILIES) if f in MODEL_FAMILIES)
     token_families = tuple(f for f in (families or TOKEN_FAMILIES) if f in TOKEN_FAMILIES)
     if families is not None:
-        _check_names("families", families, tuple(dict.fromkeys(MODEL_FAMILIES + TOKEN_FAMILIES)))
+        _check_names("families", families, tuple(dict.fromkeys(MODEL_FAMILIES + TOKEN_FAMILIES + _SEQUENCE_FAMILIES)))
     strategies: dict[tuple[str, bool], st.SearchStrategy[Spec]] = {}
     for loss in losses:
+        if loss in SEQUENCE_LOSS_FAMILIES:  # the loss's own families (a families filter may not leave them out)
+            own = SEQUENCE_LOSS_FAMILIES[loss]
+            if families is not None and not set(own) & set(families):
+                raise InvalidArgument(f"loss {loss!r} needs a model family among {list(own)}, "
+                                      f"but families={list(families)}")
+            for tiny in (False, True):
+                drawn = models(families=own, tokens=True, tiny=tiny)
+                # DPO's rows pack chosen/rejected pairs: a function of the loss, not a drawn choice.
+                strategies[loss, tiny] = drawn.map(_with_pairs) if loss == "packed_dpo" else drawn
+            continue
         tokens = loss in ITEM_WEIGHTED_LOSSES
         pool = token_families if tokens else sample_families
         if not pool:
@@ -702,6 +729,10 @@ def _model_strategies(bounds: _CaseBounds, losses: tuple[str, ...]) -> dict[tupl
             strategies[loss, tiny] = models(
                 families=pool, tokens=tokens, allow_batchnorm=batchnorm, allow_dropout=bounds.allow_dropout, tiny=tiny)
     return strategies
+
+
+def _with_pairs(spec: Spec) -> Spec:
+    return spec[0], {**spec[1], "pairs": True}
 
 
 @st.composite

@@ -28,7 +28,13 @@ from equiv.checking.threads import chosen_threads, running_threads
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.judging.floors import TIERS
-from equiv.judging.judge import ReferenceRuns, precision_fails_because, precision_finding, reference_runs
+from equiv.judging.judge import (
+    FailsBecause,
+    ReferenceRuns,
+    precision_fails_because,
+    precision_finding,
+    reference_runs,
+)
 from equiv.outcomes import Fault, Outcome
 from equiv.results.verdict import CaseVerdicts, FailureKind, PrecisionFinding, TensorDiff, Tier, Verdict
 
@@ -93,7 +99,11 @@ def check(
         TypeError, ValueError: ``case``, ``tiers``, ``train_dtype``, ``strict`` or ``threads`` is not valid.
     """
     __tracebackhide__ = True
-    fails_because = precision_fails_because(train_dtype, strict)
+    precision_fails_because(train_dtype, strict)  # a bad value is refused before anything runs
+
+    def fails_because(sized: torch.dtype) -> str:
+        return precision_fails_because(train_dtype, strict, sized)
+
     if case is None:
         return check_cases(candidate, STANDARD_CASES, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
                            strict=strict, details=details, threads=threads)
@@ -107,7 +117,7 @@ def check(
 
 
 def _check(
-    candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_because: str, details: bool = True,
+    candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_because: FailsBecause, details: bool = True,
 ) -> Verdict:
     if not isinstance(case, Case):
         raise TypeError(f"case must be an equiv.Case, got {type(case).__name__}: {case!r}")
@@ -177,14 +187,15 @@ _LARGEST_SAFE_SCALE = 2.0**40
 
 
 def _precision_finding(
-    references: ReferenceRuns, case: Case, candidate: BoundCandidate, verdict: Verdict, fails_because: str,
+    references: ReferenceRuns, case: Case, candidate: BoundCandidate, verdict: Verdict, fails_because: FailsBecause,
 ) -> PrecisionFinding | None:
     """:func:`precision_finding` for one process: the re-run is the candidate's
-    own, in this process, with torch's default dtype set to float64."""
+    own, in this process, with torch's default dtype set to float64 or its
+    bfloat16 and float16 lifted to the run's dtype."""
 
-    def rerun(tiers: Sequence[Tier]) -> list[TensorDiff]:
-        return [d for tier in tiers for d in references.run_and_compare(tier, case, candidate,
-                                                                        default_dtype=torch.float64)]
+    def rerun(tiers: Sequence[Tier], how: str) -> list[TensorDiff]:
+        options = {"default_dtype": torch.float64} if how == "default_dtype" else {"promote_low_precision": True}
+        return [d for tier in tiers for d in references.run_and_compare(tier, case, candidate, **options)]
 
     return precision_finding([verdict], references, rerun, fails_because)
 

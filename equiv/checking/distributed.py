@@ -50,6 +50,7 @@ re-exported here, where they were first published.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pickle
 from collections.abc import Callable, Collection, Sequence
@@ -76,7 +77,7 @@ from equiv.distributed.sharding import (
 from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
 from equiv.judging.contract import Candidate, bind, shipped
 from equiv.judging.floors import TIERS
-from equiv.judging.judge import ReferenceRuns, precision_fails_because, precision_finding
+from equiv.judging.judge import FailsBecause, ReferenceRuns, precision_fails_because, precision_finding
 from equiv.judging.runs import Snapshot, run_candidate
 from equiv.outcomes import Outcome
 from equiv.results.protocol import headed
@@ -645,7 +646,8 @@ def check_distributed(
             (not under ``if __name__ == "__main__":``).
     """
     __tracebackhide__ = True
-    fails_because = precision_fails_because(train_dtype, strict)
+    precision_fails_because(train_dtype, strict)  # a bad value is refused before any rank starts
+    fails_because = functools.partial(_fails_because, train_dtype, strict)
     _check_arguments(dcase, engine, mp_policy, timeout_s)
     bound = bind(candidate)
     sent = _sendable(candidate, bound.name)
@@ -737,14 +739,16 @@ class _Ranks:
             timeout_s=self.timeout_s, describe=f"candidate {self.name}, case {dcase!r}{extra}", match_collectives=True,
         )
 
-    def verdict(self, mp_policy: MixedPrecisionPolicy | None, fails_because: str) -> DistributedVerdict:
+    def verdict(self, mp_policy: MixedPrecisionPolicy | None, fails_because: FailsBecause) -> DistributedVerdict:
         """Every tier on the ranks, each rank's verdict, precision told apart (as :func:`check_distributed` says)."""
         references, name = self.references, self.name
         per_rank = self.launch(references.tiers, mp_policy)
         verdicts = [references.verdict(name, {tier: results[tier]["snapshots"] for tier in references.tiers})
                     for results in per_rank]
 
-        def rerun_with_float64_default(failing: Sequence[Tier]) -> list[TensorDiff]:
+        def rerun_with_float64_default(failing: Sequence[Tier], how: str) -> list[TensorDiff] | None:
+            if how != "default_dtype":
+                return None  # the ranks rerun with the default dtype only: a low-precision step stays a mismatch here
             rerun = self.launch(failing, mp_policy, "float64")
             return [d for r in rerun for t in failing for d in references.compare(t, r[t]["snapshots"])]
 
@@ -789,3 +793,8 @@ def _policy_dtypes(policy: MixedPrecisionPolicy | None) -> str:
             "micro-batches without sync)"
         )
     return " and ".join(parts)
+
+
+def _fails_because(train_dtype: torch.dtype | str | None, strict: bool, sized: torch.dtype) -> str:
+    """:func:`precision_fails_because` with the user's settings bound (a picklable callable)."""
+    return precision_fails_because(train_dtype, strict, sized)

@@ -23,6 +23,7 @@ rule telling a precision note from a mathematical mismatch.
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
@@ -48,6 +49,7 @@ from equiv.results.verdict import PrecisionFinding, TensorDiff, Tier, Verdict
 
 __all__ = [
     "CandidateRun",
+    "FailsBecause",
     "Judge",
     "OnSnapshot",
     "ReferenceRuns",
@@ -59,6 +61,8 @@ __all__ = [
     "precision_fails_because",
     "precision_finding",
     "reference_runs",
+    "resolution",
+    "rounding_sized",
 ]
 
 #: Hears one snapshot of a run: (step, snapshot), step 0 (the start) first.
@@ -268,23 +272,26 @@ class ReferenceRuns(Judge):
         return cls(case, tiers)
 
     def candidate_run(self, tier: Tier, case: Case, candidate: Candidate | BoundCandidate, *,
-                      default_dtype: torch.dtype | None = None, notes: list[str] | None = None) -> CandidateRun:
+                      default_dtype: torch.dtype | None = None, notes: list[str] | None = None,
+                      promote_low_precision: bool = False) -> CandidateRun:
         """``candidate`` run on ``case`` in ``tier``'s dtype from :attr:`initial`; what the
         step did to the model besides training it goes to ``notes``."""
 
         def run(on_snapshot: OnSnapshot) -> None:
             run_candidate(case, candidate, self.dtype(tier), on_snapshot=on_snapshot, default_dtype=default_dtype,
-                          initial=self.initial, on_note=None if notes is None else notes.append)
+                          initial=self.initial, on_note=None if notes is None else notes.append,
+                          promote_low_precision=promote_low_precision)
 
         return run
 
     def run_and_compare(
         self, tier: Tier, case: Case, candidate: Candidate | BoundCandidate, *, default_dtype: torch.dtype | None = None,
-        notes: list[str] | None = None, final: bool = True,
+        notes: list[str] | None = None, final: bool = True, promote_low_precision: bool = False,
     ) -> list[TensorDiff]:
         """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced
         against the floors run so far.  ``final=False``: no row detailed."""
-        run = self.candidate_run(tier, case, candidate, default_dtype=default_dtype, notes=notes)
+        run = self.candidate_run(tier, case, candidate, default_dtype=default_dtype, notes=notes,
+                                 promote_low_precision=promote_low_precision)
         return self.rows(tier, run, details=final).diffs
 
     def verdict(self, candidate: str, runs: Mapping[Tier, list[Snapshot]]) -> Verdict:
@@ -388,9 +395,12 @@ _TRAIN_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16":
                  "float16": torch.float16}
 
 
-def precision_fails_because(train_dtype: torch.dtype | str | None, strict: bool) -> str:
-    """Why a precision finding fails for this user ("" when it passes): they train in
-    float64, or asked for strict precision.
+def precision_fails_because(train_dtype: torch.dtype | str | None, strict: bool,
+                            sized: torch.dtype = torch.float32) -> str:
+    """Why a precision finding of differences ``sized`` like one rounding of that dtype
+    fails for this user ("" when it passes): they train in a finer dtype (float64 for a
+    float32-sized finding; float32 or float64, or no dtype named, for a bfloat16-sized
+    one: float32 master weights and gradients), or asked for strict precision.
 
     Raises:
         ValueError: ``strict`` is not a bool, or ``train_dtype`` is not one of
@@ -408,35 +418,82 @@ def precision_fails_because(train_dtype: torch.dtype | str | None, strict: bool)
         raise ValueError(f"train_dtype must be one of {sorted(_TRAIN_DTYPES)} (or a torch dtype), got {train_dtype!r}")
     if strict:
         return "strict precision was asked for"
+    if sized == torch.bfloat16:
+        if train_dtype in (torch.bfloat16, torch.float16):
+            return ""
+        trained = "float32" if train_dtype is None else str(train_dtype).removeprefix("torch.")
+        return (f"you train with {trained} master weights and gradients (equiv check --train-dtype bfloat16 if "
+                "yours are bfloat16), finer than the bfloat16 the step accumulates in")
     if train_dtype == torch.float64:
         return "you train in float64"
     return ""
 
 
+#: Why a finding sized like one rounding of a dtype fails (see :func:`precision_fails_because`).
+FailsBecause = Callable[[torch.dtype], str]
+#: Runs the candidate again in the failing tiers, torch's default dtype set to float64
+#: ("default_dtype") or its bfloat16 / float16 lifted to the run's dtype ("low_precision"),
+#: returning their rows; None when the front door cannot run it that way.
+Rerun = Callable[[Sequence[Tier], str], "Sequence[TensorDiff] | None"]
+
+
 def precision_finding(
-    verdicts: Sequence[Verdict], references: Judge,
-    rerun_with_float64_default: Callable[[Sequence[Tier]], Sequence[TensorDiff]], fails_because: str,
+    verdicts: Sequence[Verdict], references: Judge, rerun: Rerun, fails_because: FailsBecause,
 ) -> PrecisionFinding | None:
     """Whether the mismatches of ``verdicts`` (one process's, or every rank's
     of one distributed check) are a precision finding, and why.
 
-    Only when every mismatch is in a float64 run and every run in a lower
+    Float32-sized: every mismatch is in a float64 run and every run in a lower
     precision matched (a user training in float32 or below cannot see it), and
-    either torch's default dtype explains it (``rerun_with_float64_default``
-    runs the failing tiers again with the default set to float64 and returns
-    their rows: all within their allowances means a tensor made without a
-    dtype), or every mismatch is float32-sized (:func:`float32_sized`).
-    A mathematical mismatch larger than float32 rounding is never one."""
+    either torch's default dtype explains it (the failing tiers run again with
+    the default set to float64 are all within their allowances: a tensor made
+    without a dtype), or every mismatch is float32-sized (:func:`float32_sized`).
+
+    Bfloat16-sized: every mismatch is in a run finer than bfloat16 (float32 or
+    float64), at most one bfloat16 rounding per step in size, and the failing
+    tiers run again with the step's own bfloat16 and float16 lifted to the run's
+    dtype are all within their allowances: the step computes in bfloat16 (an
+    accumulation buffer, ISEEKYAN #149), which fails a user whose master weights
+    and gradients are float32.  A mathematical mismatch is never one: it stays
+    when the precision is lifted."""
     mismatches = [d for verdict in verdicts for d in verdict.mismatches]
     if not mismatches or any(verdict.inherent for verdict in verdicts):
         return None
-    float64_tiers = {tier for tier in references.tiers if references.dtype(tier) == torch.float64}
-    if any(d.tier not in float64_tiers for d in mismatches):
-        return None
     failing = sorted({d.tier for d in mismatches})
-    if all(d.ok for d in rerun_with_float64_default(failing)):
-        return PrecisionFinding("default_dtype", fails_because)
-    return PrecisionFinding("float32_sized", fails_because) if float32_sized(mismatches) else None
+    float64_tiers = {tier for tier in references.tiers if references.dtype(tier) == torch.float64}
+    if all(d.tier in float64_tiers for d in mismatches):
+        if all(d.ok for d in rerun(failing, "default_dtype") or [_NOT_RUN]):
+            return PrecisionFinding("default_dtype", fails_because(torch.float32))
+        if float32_sized(mismatches):
+            return PrecisionFinding("float32_sized", fails_because(torch.float32))
+    finer = {tier for tier in references.tiers if references.dtype(tier) in (torch.float64, torch.float32)}
+    if all(d.tier in finer for d in mismatches) and rounding_sized(mismatches, torch.bfloat16):
+        lifted = rerun(failing, "low_precision")
+        if lifted and all(d.ok for d in lifted):
+            rows = [*mismatches, *(d for verdict in verdicts for d in verdict.worst.values())]
+            return PrecisionFinding("bfloat16_arithmetic", fails_because(torch.bfloat16), resolves=resolution(rows))
+    return None
+
+
+#: A row that is never within its allowance: a rerun that could not run decides nothing.
+_NOT_RUN = TensorDiff(step=1, name="(not run)", kind="update", tier="exact", dtype="float64", max_abs_diff=math.inf,
+                      index=(), max_rel_diff=math.inf, rel_index=(), allowed=0.0, explanation="", mismatched=0, numel=0)
+
+
+def resolution(rows: Sequence[TensorDiff]) -> tuple[tuple[str, float], ...]:
+    """Per dtype judged, the smallest relative difference the check resolves: the
+    smallest allowance relative to its tensor's scale among ``rows``."""
+    smallest: dict[str, float] = {}
+    for row in rows:
+        if row.scale > 0 and row.allowed > 0:
+            smallest[row.dtype] = min(smallest.get(row.dtype, math.inf), row.allowed / row.scale)
+    return tuple(sorted(smallest.items(), key=lambda item: item[1]))
+
+
+def rounding_sized(diffs: Sequence[TensorDiff], dtype: torch.dtype) -> bool:
+    """Whether every difference is within the roundoff term of a ``dtype`` tier's
+    allowance (ROUNDOFF_UNITS_PER_STEP x steps x u(dtype) x scale)."""
+    return all(d.max_abs_diff <= ROUNDOFF_UNITS_PER_STEP * d.step * unit_roundoff(dtype) * d.scale for d in diffs)
 
 
 def float32_sized(diffs: Sequence[TensorDiff]) -> bool:
@@ -445,6 +502,4 @@ def float32_sized(diffs: Sequence[TensorDiff]) -> bool:
     float32 arithmetic inside a float64 run makes, which a float32 check passes
     whatever its floor.  The one rule for precision findings (also for whole runs,
     :mod:`equiv.judging.trajectories`)."""
-    return all(
-        d.max_abs_diff <= ROUNDOFF_UNITS_PER_STEP * d.step * unit_roundoff(torch.float32) * d.scale for d in diffs
-    )
+    return rounding_sized(diffs, torch.float32)

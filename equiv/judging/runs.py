@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case
@@ -349,6 +350,27 @@ def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+class _PromoteLowPrecision(TorchFunctionMode):
+    """bfloat16 and float16 asked for by the code it wraps (``dtype=``, ``.to()``,
+    ``.bfloat16()``, ``.half()``) given ``to`` instead: a step's own low-precision
+    arithmetic (an accumulation buffer) lifted to the run's dtype."""
+
+    _LOW = (torch.bfloat16, torch.float16)
+
+    def __init__(self, to: torch.dtype) -> None:
+        super().__init__()
+        self.to = to
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.Tensor.bfloat16, torch.Tensor.half):
+            return args[0].to(self.to)
+        args = tuple(self.to if isinstance(a, torch.dtype) and a in self._LOW else a for a in args)
+        kwargs = dict(kwargs or {})
+        if kwargs.get("dtype") in self._LOW:
+            kwargs["dtype"] = self.to
+        return func(*args, **kwargs)
+
+
 def run_candidate(
     case: Case,
     candidate: Callable[..., Any] | BoundCandidate,
@@ -362,6 +384,7 @@ def run_candidate(
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
     initial: ModelBundle | None = None,
     on_note: Callable[[str], None] | None = None,
+    promote_low_precision: bool = False,
 ) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
@@ -370,7 +393,9 @@ def run_candidate(
     ``batch_slice`` selects the rank's shard (with a tuple, its positions too), ``micro_batch_sizes`` cuts it,
     and ``on_step`` hears each step start (progress for fault reports).
     ``default_dtype`` sets torch's default dtype while the candidate runs
-    (how :func:`equiv.check` tells a precision finding from a mismatch).
+    (how :func:`equiv.check` tells a precision finding from a mismatch);
+    ``promote_low_precision`` runs it with the bfloat16 and float16 it asks for
+    lifted to ``dtype`` (how it tells a low-precision buffer from a mismatch).
     """
     loss_fn = case.build_loss()
     candidate = bind(candidate)
@@ -384,7 +409,8 @@ def run_candidate(
         micro_batches = split_batch(batch, sizes, copy=True)  # copies: a step may write into its inputs
         started = time.monotonic()
         try:
-            with _default_dtype(default_dtype):
+            promoted = _PromoteLowPrecision(dtype) if promote_low_precision else contextlib.nullcontext()
+            with _default_dtype(default_dtype), promoted:
                 candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
         except CheckTimeout as exc:
             raise CandidateTimeout(

@@ -64,6 +64,7 @@ from equiv.auditing.replay import Call, WindowAudit
 from equiv.auditing.trainers import torch_optimizer
 from equiv.auditing.watch import Audit, audit
 from equiv.losses import NextTokenCrossEntropy
+from equiv.policy_losses import GRPO_LOSS_TYPES, GRPOObjective
 
 __all__ = [
     "DEFAULT",
@@ -158,18 +159,6 @@ LITE_PPO_EQUAL = Setting("GA=32, steps_per_generation=8, completions all max len
 SETTINGS = (DEFAULT, SPG_ABOVE_GA, SPG_BELOW_GA, SPG_WITHOUT_GA, SPG_ABOVE_GA_EQUAL, SPG_BELOW_GA_EQUAL,
             LITE_PPO_EQUAL)
 
-#: loss_type -> (what it normalises by, the full-batch objective it documents)
-GRPO_LOSS_TYPES: dict[str, tuple[str, str]] = {
-    "grpo": ("sequences", "mean over a sequence's tokens, then over the window's sequences"),
-    "sapo": ("sequences", "mean over a sequence's tokens, then over the window's sequences"),
-    "luspo": ("sequences", "sequence-level ratio; the sequence's loss × its length, mean over the window's sequences"),
-    "dr_grpo": ("constant", "sum over the window's tokens / (its sequences × max_completion_length)"),
-    "dapo": ("tokens", "sum over the window's tokens / its active tokens (the global accumulated batch)"),
-    "cispo": ("tokens", "sum over the window's tokens / its active tokens (the global accumulated batch)"),
-    "bnpo": ("local tokens", "by design each local batch's token mean (TRL's docs: 'normalization is performed "
-                             "over the local batch only'); measured against the window's token mean"),
-}
-
 #: Loss types TRL offers that this module does not reproduce, and why.
 NOT_MEASURED = {"vespo": "its sequence-level Gamma weights (GRPOTrainer.get_gamma_weights) are not reproduced "
                          "by equiv's objective"}
@@ -195,73 +184,6 @@ HYPOTHESES: dict[str, tuple[str, Normaliser]] = {
 }
 
 _TOKEN_NORMALISED = ("dapo", "cispo", "bnpo")
-
-
-class GRPOObjective:
-    """GRPO's per-token surrogate as ``GRPOTrainer._compute_loss`` defines it
-    (beta = 0, no entropy mask or bonus, no vLLM), as a named sum + count
-    (:class:`equiv.Loss`'s protocol) so the audit's replay divides the window's
-    sum by the window's count.
-
-    The model output it takes is the completion tokens' log-probabilities (see
-    :func:`completion_log_probs`); the targets are :func:`pack`'s tensor:
-    the completion mask, the advantages, the old log-probs (NaN where the
-    trainer uses the current ones, detached) and a per-micro-batch normaliser.
-    ``per_micro_batch=False``: the loss type's documented full-batch objective;
-    ``True``: ``Σ_i sum_i / n_i``, a hypothesis of :data:`HYPOTHESES`."""
-
-    def __init__(self, loss_type: str, *, epsilon_low: float, epsilon_high: float, max_completion_length: int,
-                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-                 per_micro_batch: bool = False) -> None:
-        if loss_type not in GRPO_LOSS_TYPES:
-            raise ValueError(f"loss_type {loss_type!r} is not reproduced here (known: {sorted(GRPO_LOSS_TYPES)})")
-        self.loss_type, self.per_micro_batch = loss_type, per_micro_batch
-        self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
-        self.max_completion_length = max_completion_length
-        self.sapo = (sapo_temperature_pos, sapo_temperature_neg)
-
-    def _per_token(self, logps: Tensor, packed: Tensor) -> tuple[Tensor, Tensor]:
-        mask, advantages, old, _ = packed.unbind(0)
-        old = torch.where(torch.isnan(old), logps.detach(), old)
-        log_ratio = logps - old
-        if self.loss_type == "luspo":  # importance_sampling_level="sequence"
-            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-            advantages = advantages[:, :1]
-        coef = torch.exp(log_ratio)
-        if self.loss_type == "cispo":
-            loss = -torch.clamp(coef, max=self.epsilon_high).detach() * advantages * logps
-        elif self.loss_type == "sapo":
-            pos, neg = self.sapo
-            temperatures = torch.where(advantages > 0, torch.full_like(advantages, pos), torch.full_like(advantages, neg))
-            loss = -torch.sigmoid(temperatures * (coef - 1)) * 4 / temperatures * advantages
-        else:
-            clipped = torch.clamp(coef, 1 - self.epsilon_low, 1 + self.epsilon_high)
-            loss = -torch.min(coef * advantages, clipped * advantages)
-        return loss, mask
-
-    def sum(self, logps: Tensor, packed: Tensor) -> Tensor:
-        loss, mask = self._per_token(logps, packed)
-        if self.loss_type in ("grpo", "sapo"):
-            summed = ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
-        else:  # luspo's (B, 1) loss broadcasts: its sequence loss times its length
-            summed = (loss * mask).sum()
-        if self.per_micro_batch:  # Σ_i sum_i / n_i over the window, with count 1 per micro-batch
-            normaliser, accumulation = packed[3, 0, 0], packed[3, 1, 0]
-            return summed * accumulation / normaliser
-        return summed
-
-    def count(self, packed: Tensor) -> Tensor:
-        mask = packed[0]
-        if self.per_micro_batch:
-            return torch.ones((), dtype=packed.dtype)
-        if self.loss_type in ("grpo", "sapo", "luspo"):
-            return torch.tensor(float(mask.shape[0]), dtype=packed.dtype)
-        if self.loss_type == "dr_grpo":
-            return torch.tensor(float(mask.shape[0] * self.max_completion_length), dtype=packed.dtype)
-        return mask.sum()
-
-    def __repr__(self) -> str:
-        return f"GRPOObjective({self.loss_type!r}, per_micro_batch={self.per_micro_batch})"
 
 
 #: the tensors of GRPOTrainer's micro-batch the objective needs

@@ -205,7 +205,7 @@ class TensorDiff:
 
 
 #: Why a float64 run's differences are float32-sized (see :class:`PrecisionFinding`).
-PrecisionCause = Literal["default_dtype", "float32_sized"]
+PrecisionCause = Literal["default_dtype", "float32_sized", "bfloat16_arithmetic"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +222,11 @@ class PrecisionFinding:
     cause: PrecisionCause
     #: Why it fails ("you train in float64", "strict precision"), or "" when it passes.
     fails_because: str = ""
+    #: "bfloat16_arithmetic": bfloat16 (or float16) computed inside the step, an accumulation buffer:
+    #: with it lifted to the run's dtype the step matches.  Bfloat16-sized differences in the float32
+    #: and float64 runs.  ``resolves``: per dtype judged, the smallest relative difference the check
+    #: resolves there (its smallest allowance relative to the tensor's scale), smallest first.
+    resolves: tuple[tuple[str, float], ...] = ()
 
     @property
     def fails(self) -> bool:
@@ -230,6 +235,8 @@ class PrecisionFinding:
     def describe(self, largest: TensorDiff) -> str:
         """What, where, how large, why, and when it would matter."""
         where = f"{largest.label} at step {largest.step}"
+        if self.cause == "bfloat16_arithmetic":
+            return self._describe_low_precision(largest, where)
         size = (f"up to {largest.relative_error:.2g} of its scale ({where}); float32 rounds at "
                 f"{FLOAT32_UNIT_ROUNDOFF:.2g}")
         if self.cause == "default_dtype":
@@ -247,6 +254,19 @@ class PrecisionFinding:
                       "precision only in float64 training (equiv check --train-dtype float64, or --strict-precision, "
                       "fails it)")
         return f"float32-sized differences inside the float64 run, {size}. Cause: {why}. Effect: {effect}."
+
+
+    def _describe_low_precision(self, largest: TensorDiff, where: str) -> str:
+        resolved = ", ".join(f"{relative:.2g} in {dtype}" for dtype, relative in self.resolves)
+        sensitivity = f" The check resolves relative differences down to {resolved}." if resolved else ""
+        effect = (f"it fails because {self.fails_because}" if self.fails else
+                  "harmless in bfloat16 or float16 training, whose own rounding is this size; it costs precision "
+                  "with float32 master weights and gradients (equiv check --train-dtype float32 fails it)")
+        return (f"bfloat16-sized differences in the float32 and float64 runs, up to {largest.relative_error:.2g} of "
+                f"its scale ({where}); bfloat16 rounds at {BFLOAT16_UNIT_ROUNDOFF:.2g}, float32 at "
+                f"{FLOAT32_UNIT_ROUNDOFF:.2g}. Cause: bfloat16 or float16 arithmetic inside the step (an "
+                f"accumulation buffer in bfloat16): with it lifted to the run's dtype the step matches the full "
+                f"batch.{sensitivity} Effect: {effect}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +308,8 @@ class FailureKind:
 
 #: float32's unit roundoff: the size of one float32 rounding, relative.
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+#: bfloat16's (8 significant bits).
+BFLOAT16_UNIT_ROUNDOFF = 2.0**-8
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from equiv.losses import item_count, loss_sum_and_count
+from equiv.zoo.bugs import _buffered_step  # one buffered accumulation for both zoos
 
-__all__ = ["CORRECT_STEPS", "FLOAT32_ON_THE_GRADIENT", "accumulates_into_zeros", "clips_in_float32", "scales_by_inverse_item_count"]
+__all__ = ["CORRECT_STEPS", "FLOAT32_ON_THE_GRADIENT", "accumulates_into_zeros", "clips_in_float32", "float32_buffer",
+           "scales_by_inverse_item_count"]
 
 Batches = list[tuple[Tensor, Tensor]]
 
@@ -83,11 +85,20 @@ def clips_in_float32(model: nn.Module, optimizer: torch.optim.Optimizer, micro_b
 
 
 #: name -> a correct step that does some float32 arithmetic of its own.
+def float32_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    """Accumulates the micro-batch gradients in a float32 buffer (``dtype=torch.float32``,
+    as Megatron-FSDP's float32 main-grad buffers): exact in float32 training, float32-sized
+    inside equiv's float64 run, the step :func:`equiv.zoo.bugs.low_precision_buffer` is told apart from."""
+    _buffered_step(model, optimizer, micro_batches, loss_fn, torch.float32, max_grad_norm)
+
+
 CORRECT_STEPS: dict[str, Callable[..., Any]] = {
     "scales_by_inverse_item_count": scales_by_inverse_item_count,
     "accumulates_into_zeros": accumulates_into_zeros,
     "clips_in_float32": clips_in_float32,
+    "float32_buffer": float32_buffer,
 }
 
 #: The correct steps whose float32 arithmetic reaches the gradient: a precision note in float64 runs.
-FLOAT32_ON_THE_GRADIENT: frozenset[str] = frozenset({"scales_by_inverse_item_count", "clips_in_float32"})
+FLOAT32_ON_THE_GRADIENT: frozenset[str] = frozenset({"scales_by_inverse_item_count", "clips_in_float32", "float32_buffer"})
