@@ -666,7 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
     space.add_argument("--optimizers", type=_names, default=(),
                        help=f"comma-separated optimizers ({','.join(eqst.OPTIMIZERS)})")
     space.add_argument("--losses", type=_names, default=(),
-                       help="comma-separated losses (mse,cross_entropy,token_cross_entropy)")
+                       help="comma-separated losses ("
+                            + ",".join((*eqst.SAMPLE_LOSSES, *eqst.ITEM_WEIGHTED_LOSSES, *eqst.SEQUENCE_LOSS_FAMILIES))
+                            + "; the packed_* and policy_* ones only when named)")
     space.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
     space.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
     space.add_argument("--max-batch-size", type=_positive_int, default=None,
