@@ -200,8 +200,6 @@ AUX_SEARCH_ZOO: dict[str, SearchEntry] = {
     "aux_at_full_weight_per_micro_batch": SearchEntry(
         aux_at_full_weight_per_micro_batch, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "Megatron-LM PR #2217",
         "each micro-batch's router-loss mean at full weight"),
-    "accumulator_step (CP, token MoE)": SearchEntry(
-        accumulator_step, "cp", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"),
     "router_loss_over_global_tokens": SearchEntry(
         router_loss_over_global_tokens, "cp", (AUX_MODEL,), Outcome.EQUIVALENT, "Megatron-LM PR #2217 (the fix)",
         "router losses apart, times data x context ranks / global tokens"),
