@@ -12,9 +12,9 @@ from equiv.checking.distributed_search import DistributedSearchSpace, distribute
 from equiv.distributed.context_parallel import layout, position_slice, sequence_group
 from equiv.findings.distributed_findings import search_zoo_rows
 from equiv.findings.results import DistributedSearchFindings
+from equiv.losses import TokenMSEWithAux
 from equiv.outcomes import Fault, Outcome
 from equiv.reporting.distributed_findings import aux_loss_section, context_parallel_section
-from equiv.losses import TokenMSEWithAux
 from equiv.zoo.aux_loss_bugs import AUX_SEARCH_ZOO
 from equiv.zoo.context_parallel_bugs import CP_SEARCH_ZOO, token_count_over_data_ranks_only
 from equiv.zoo.distributed_bugs import SEARCH_ZOO

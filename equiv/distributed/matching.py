@@ -89,8 +89,9 @@ class CollectiveLog:
         that group's own sequence: two context-parallel groups each reducing
         their own sequences' counts, in shapes of their own micro-batches, do
         not line up with each other and need not."""
+        peers: tuple[int, ...]
         if group is None or len(group) == self.world_size:
-            position, peers, key_prefix = self.count, range(self.world_size), _KEY
+            position, peers, key_prefix = self.count, tuple(range(self.world_size)), _KEY
             self.count += 1
         else:
             key_prefix = f"{_KEY}/group{','.join(map(str, group))}"
