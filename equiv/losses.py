@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -25,6 +26,7 @@ __all__ = [
     "MSEWithAux",
     "NextTokenCrossEntropy",
     "TokenCrossEntropy",
+    "TokenMSEWithAux",
     "build_loss",
     "item_count",
     "loss_sum_and_count",
@@ -153,7 +155,49 @@ class MSEWithAux(Loss):
         return self.task_sum(output, target) + output[..., -1].sum()
 
 
-LOSSES: dict[str, type[Loss]] = {cls.name: cls for cls in (MSE, CrossEntropy, TokenCrossEntropy, MSEWithAux)}
+class TokenMSEWithAux(Loss):
+    """A per-token task loss plus each token's share of its sequence's router
+    losses (model ``"token_moe"``): ``output`` is (batch, seq, features + 2), the
+    last two columns each token's weighted load-balancing and z-loss shares,
+    ``target`` (batch, seq, features).  An item is a token (every one real), so
+    the mean is the token mean of the task MSE plus each sequence's router losses
+    averaged over the window's sequences; :meth:`task_sum`, :meth:`aux_sum` and
+    :meth:`z_sum` give the parts apart, for a step that attaches the router
+    losses on their own as Megatron does."""
+
+    name = "token_mse_aux"
+
+    def task_sum(self, output: Tensor, target: Tensor) -> Tensor:
+        """The task loss summed over tokens (each token's MSE over its features)."""
+        features = output.shape[-1] - 2
+        if target.shape[-1] != features or target.shape[:-1] != output.shape[:-1]:
+            raise ValueError(f"loss 'token_mse_aux' needs targets shaped like the output less its two router "
+                             f"columns; got output {tuple(output.shape)}, target {tuple(target.shape)}")
+        return F.mse_loss(output[..., :-2], target, reduction="sum") / features
+
+    def aux_sum(self, output: Tensor) -> Tensor:
+        """The weighted load-balancing loss summed over tokens (a sequence's sum is its loss x its length)."""
+        return output[..., -2].sum()
+
+    def z_sum(self, output: Tensor) -> Tensor:
+        """The weighted router z-loss summed over tokens."""
+        return output[..., -1].sum()
+
+    def sum(self, output: Tensor, target: Tensor) -> Tensor:
+        return self.task_sum(output, target) + self.aux_sum(output) + self.z_sum(output)
+
+    def count(self, target: Tensor) -> int:
+        return int(target.shape[0] * target.shape[1])
+
+    def draw_targets(self, inputs: Tensor, output_shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+        """Random targets for every position, two columns fewer than the output (the router losses)."""
+        if len(output_shape) != 2 or output_shape[1] < 3:
+            raise ValueError(f"it needs a (seq, features + 2) output, the model gives {output_shape}")
+        return torch.randn(inputs.shape[0], output_shape[0], output_shape[1] - 2, generator=generator)
+
+
+LOSSES: dict[str, type[Loss]] = {cls.name: cls for cls in (MSE, CrossEntropy, TokenCrossEntropy, MSEWithAux,
+                                                           TokenMSEWithAux)}
 
 
 def build_loss(name: str) -> Loss:

@@ -1,5 +1,5 @@
 """Context parallelism ("cp", "fsdp2+cp"), micro-batches with no real token, and
-router aux / z-losses under data parallelism: the engine, the search's draws, the zoos."""
+router aux / z-losses under data and context parallelism: the engine, the search's draws, the zoos."""
 
 import pytest
 import torch
@@ -9,9 +9,10 @@ import equiv
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.distributed import DistributedCase, check_distributed
 from equiv.checking.distributed_search import DistributedSearchSpace, distributed_cases, verify_distributed
-from equiv.distributed.context_parallel import layout, position_slice
+from equiv.distributed.context_parallel import layout, position_slice, sequence_group
 from equiv.findings.distributed_findings import search_zoo_rows
 from equiv.findings.results import DistributedSearchFindings
+from equiv.losses import TokenMSEWithAux
 from equiv.outcomes import Fault, Outcome
 from equiv.reporting.distributed_findings import aux_loss_section, context_parallel_section
 from equiv.zoo.aux_loss_bugs import AUX_SEARCH_ZOO
@@ -20,6 +21,8 @@ from equiv.zoo.distributed_bugs import SEARCH_ZOO
 
 TOKENS = Case(batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy", steps=2)
 MOE = Case(batch_size=1, micro_batch_sizes=(1,), model="moe", model_kwargs={"z_weight": 0.01}, loss="mse_aux", steps=2)
+TOKEN_MOE = Case(batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01},
+                 loss="token_mse_aux", steps=2)
 SETTINGS = settings(database=None, max_examples=2000)
 
 
@@ -89,13 +92,40 @@ def test_the_cp_search_draws_ragged_slices_including_one_with_none() -> None:
     drawn = find(distributed_cases(models=("tokens",), engine="cp", max_world_size=4), ragged_with_empty_slice,
                  settings=SETTINGS)
     assert drawn.case.model == "token_mlp"
-    with pytest.raises(ValueError, match="models must be a subset of \\('tokens',\\)"):
+    with pytest.raises(ValueError, match="models must be a subset of \\('tokens', 'moe'\\)"):
         DistributedSearchSpace(engines=("cp",), models=("mlp",))
 
 
 def test_the_search_draws_the_moe_model_with_its_z_loss() -> None:
     drawn = find(distributed_cases(engine="ddp"), lambda d: d.case.model == "moe", settings=SETTINGS)
     assert drawn.case.loss == "mse_aux" and drawn.case.model_kwargs["z_weight"] > 0
+
+
+def test_the_cp_search_draws_the_moe_as_the_token_level_moe() -> None:
+    drawn = find(distributed_cases(models=("moe",), engine="cp"), lambda d: d.context_parallel == 2,
+                 settings=SETTINGS)
+    assert (drawn.case.model, drawn.case.loss) == ("token_moe", "token_mse_aux")
+    assert drawn.case.model_kwargs["z_weight"] > 0 and drawn.rank_slice(1) == (slice(0, 1), slice(2, 4))
+
+
+def test_the_token_moe_carries_each_sequences_router_losses_per_token() -> None:
+    """Outside context parallelism (no group) each token's shares average to the
+    sequence-wise balance loss and z-loss of the pooled MoE with the same weights."""
+    assert sequence_group() is None
+    bundle = TOKEN_MOE.build_model()
+    inputs, targets = TOKEN_MOE.batches(bundle)[0]
+    output = bundle.module(inputs)
+    pooled = MOE.replace(model_kwargs={"z_weight": 0.01, "aux_weight": 0.1}).build_model().module
+    pooled.load_state_dict(bundle.module.state_dict())
+    _, aux, z_loss = pooled.moe(torch.tanh(pooled.project(inputs)), with_z=True)
+    torch.testing.assert_close(output[..., -2].mean(1), 0.1 * aux)
+    torch.testing.assert_close(output[..., -1].mean(1), 0.01 * z_loss)
+    loss = TokenMSEWithAux()
+    torch.testing.assert_close(loss(output, targets) * loss.count(targets), loss.sum(output, targets))
+    with pytest.raises(ValueError, match="two router columns"):
+        loss.task_sum(output, targets[..., :1])
+    with pytest.raises(InvalidCase, match="position-wise token model"):
+        DistributedCase.of(TOKEN_MOE.replace(loss="mse_aux"), [[1]], context_parallel=2)
 
 
 def test_the_router_z_loss_is_added_only_when_weighted() -> None:
@@ -118,8 +148,18 @@ def test_each_cp_step_gets_its_verdict_on_ragged_slices(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(AUX_SEARCH_ZOO))
 def test_each_router_loss_weighting_gets_its_verdict(name: str) -> None:
     entry = AUX_SEARCH_ZOO[name]
-    verdict = check_distributed(entry.step, DistributedCase.of(MOE, [[1, 2], [2, 1]]), engine=entry.engine)
+    dcase = (DistributedCase.of(TOKEN_MOE, [[1, 2]], context_parallel=2) if entry.engine == "cp"
+             else DistributedCase.of(MOE, [[1, 2], [2, 1]]))
+    verdict = check_distributed(entry.step, dcase, engine=entry.engine)
     assert verdict.status is entry.expected, verdict.message()
+
+
+@pytest.mark.distributed
+def test_the_accumulator_is_the_token_moes_full_batch_step_under_context_parallelism() -> None:
+    """About 3 s: 2 data ranks x 2 slices, the routing counts summed over each sequence's slices."""
+    verdict = check_distributed(equiv.accumulator_step, DistributedCase.of(TOKEN_MOE, [[1, 2], [2, 1]],
+                                                                           context_parallel=2), engine="cp")
+    assert verdict.status is Outcome.EQUIVALENT, verdict.message()
 
 
 @pytest.mark.distributed
@@ -142,7 +182,13 @@ def test_every_cp_and_router_loss_zoo_entry_is_concluded_by_the_search() -> None
     assert "## Context parallelism" in section and "verl #5983" in section
     rows = search_zoo_rows(AUX_SEARCH_ZOO)
     assert list(rows["as expected"]) == ["yes"] * len(AUX_SEARCH_ZOO), rows.to_string()
-    assert "Megatron-LM #3672" in aux_loss_section(DistributedSearchFindings(rows, 25, 0))
+    found_under_cp = rows[(rows["engine"] == "CP") & (rows["found"] != "nothing")]
+    assert len(found_under_cp) == 3, rows.to_string()  # Megatron-LM #1652, PR #5047, commit cac8d1a
+    # Each shrunk to one data rank of one 1-sample micro-batch, cut into 2 sequence slices.
+    assert set(found_under_cp["shrunk split (samples per micro-batch, per rank)"]) == {
+        "[1] (2 sequence slices per data rank)"}, rows.to_string()
+    section = aux_loss_section(DistributedSearchFindings(rows, 25, 0))
+    assert "Megatron-LM #3672" in section and "Megatron-LM PR #5047; #1652" in section
 
 
 @pytest.mark.slow

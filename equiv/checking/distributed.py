@@ -65,7 +65,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
 from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
-from equiv.distributed.context_parallel import CP_ENGINES, POSITIONWISE_MODELS, install_layout, position_slice
+from equiv.distributed.context_parallel import (
+    CP_ENGINES,
+    POSITIONWISE_LOSSES,
+    POSITIONWISE_MODELS,
+    clear_layout,
+    install_layout,
+    position_slice,
+)
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.distributed.matching import mark
 from equiv.distributed.sharding import (
@@ -225,10 +232,10 @@ def _sequence_length(case: Case) -> int:
 def _check_context_parallel_case(case: Case, context_parallel: int) -> None:
     """A case context parallelism can split: a position-wise token model and a
     token loss, its sequence length a multiple of the group."""
-    if case.model not in POSITIONWISE_MODELS or case.loss != "token_cross_entropy":
+    if case.model not in POSITIONWISE_MODELS or case.loss != POSITIONWISE_LOSSES[case.model]:
         raise InvalidCase(f"context_parallel={context_parallel} splits every sequence's positions over ranks: it needs "
                           f"a position-wise token model {list(POSITIONWISE_MODELS)} (no attention across the slices) "
-                          f"with loss='token_cross_entropy', got model={case.model!r}, loss={case.loss!r}")
+                          f"with its loss {POSITIONWISE_LOSSES}, got model={case.model!r}, loss={case.loss!r}")
     seq_len = _sequence_length(case)
     if seq_len % context_parallel:
         raise InvalidCase(f"context_parallel={context_parallel} needs a sequence length divisible by it, got "
@@ -495,6 +502,8 @@ class _CheckTask:
             mark(f"the start of the {tier} tier")
             if self.engine in CP_ENGINES:  # the groups a step reads (equiv.distributed.context_parallel.layout())
                 install_layout(self.dcase.context_parallel)
+            else:  # whole sequences on every rank: nothing to sum over (the token MoE's routing counts)
+                clear_layout()
             if self.engine in DDP_ENGINES:
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:

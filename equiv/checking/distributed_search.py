@@ -50,8 +50,9 @@ TP_MODELS = ("mlp",)
 #: Ranks per context-parallel group the search draws under "cp" and "fsdp2+cp"
 #: (the token model's 6 positions: 3 per slice).
 SEARCH_CONTEXT_PARALLEL = 2
-#: The models context parallelism can split (position-wise: the token model).
-CP_MODELS = ("tokens",)
+#: The models context parallelism can split (position-wise: the token model; "moe" drawn there as the
+#: token-level MoE, its routing counts summed over each sequence's slices, :data:`_CP_BASES`).
+CP_MODELS = ("tokens", "moe")
 #: The models drawn: a small MLP on a sample-mean loss, a token model whose
 #: batches hold padding (each sample a different number of real tokens, and
 #: whole micro-batches with none drawn on some ranks), and the MoE model with its
@@ -63,6 +64,12 @@ _BASES: dict[str, Case] = {
 }
 #: The model names a search draws from, in shrinking order.
 MODELS = tuple(_BASES)
+#: What a model name means under "cp" and "fsdp2+cp" where it differs: the MoE with an output at
+#: every position (``model="token_moe"``, ``loss="token_mse_aux"``), the same router losses per sequence.
+_CP_BASES: dict[str, Case] = {
+    "moe": Case(batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01},
+                loss="token_mse_aux"),
+}
 _OPTIMIZERS = {"SGD": {"lr": 0.05}, "Adam": {"lr": 1e-2}}
 #: An active clip norm for these models' gradients (drawn only for a step that takes max_grad_norm).
 _CLIP_NORM = 0.05
@@ -88,7 +95,8 @@ def distributed_cases(
     least 2: 4 processes even when ``max_world_size`` is 3) of
     ``SEARCH_TENSOR_PARALLEL`` each.  Under ``"cp"`` and ``"fsdp2+cp"`` 1 to
     ``max_world_size // 2`` data ranks of :data:`SEARCH_CONTEXT_PARALLEL`
-    ranks each (the token model only), each holding a slice of every sequence.
+    ranks each (the token model, and "moe" as the token-level MoE), each
+    holding a slice of every sequence.
     On the token model, one micro-batch of one rank may be drawn with no real
     token at all (``Case.empty_samples``), besides the padding every sample has.
     Shrinks towards 2 ranks of one 1-sample micro-batch."""
@@ -109,7 +117,8 @@ def distributed_cases(
     else:
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=1, max_size=max_micro_batches)
     ranks = draw(st.lists(sizes, min_size=world_size, max_size=world_size))
-    base = _BASES[draw(st.sampled_from(tuple(models)))]
+    model = draw(st.sampled_from(tuple(models)))
+    base = _CP_BASES.get(model, _BASES[model]) if context_parallel > 1 else _BASES[model]
     optimizer = draw(st.sampled_from(sorted(_OPTIMIZERS, reverse=True)))  # SGD first: it shrinks to it
     case = base.replace(optimizer=optimizer, optimizer_kwargs=_OPTIMIZERS[optimizer], steps=draw(st.integers(1, 2)))
     if clipping and draw(st.booleans()):

@@ -20,7 +20,10 @@ before the step runs.
 
 Only a model whose outputs at a position depend on that position's input
 alone can be split so without exchanging activations (attention would need
-ring attention); :data:`POSITIONWISE_MODELS` names those.
+ring attention); :data:`POSITIONWISE_MODELS` names those.  The token-level MoE
+is one but for its router's sequence-wise routing counts, which it sums over
+:func:`sequence_group` in the forward, as Megatron's router sums them over its
+TP x CP group (Megatron-LM #1652).
 """
 
 from __future__ import annotations
@@ -29,13 +32,17 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["CP_ENGINES", "POSITIONWISE_MODELS", "ContextParallelLayout", "install_layout", "layout", "position_slice"]
+__all__ = ["CP_ENGINES", "POSITIONWISE_LOSSES", "POSITIONWISE_MODELS", "ContextParallelLayout", "clear_layout", "install_layout", "layout",
+           "position_slice", "sequence_group"]
 
 #: The context-parallel engines: under DDP, under FSDP2.
 CP_ENGINES: tuple[str, ...] = ("cp", "fsdp2+cp")
 #: Registered model families whose output at each position depends on that
-#: position's input only (embedding -> per-token MLP -> logits).
-POSITIONWISE_MODELS: tuple[str, ...] = ("token_mlp",)
+#: position's input only (embedding -> per-token MLP -> logits; the token-level
+#: MoE, its routing counts summed over :func:`sequence_group`), with the loss each takes.
+POSITIONWISE_MODELS: tuple[str, ...] = ("token_mlp", "token_moe")
+#: The loss each of :data:`POSITIONWISE_MODELS` is split with (a sum over tokens).
+POSITIONWISE_LOSSES: dict[str, str] = {"token_mlp": "token_cross_entropy", "token_moe": "token_mse_aux"}
 
 
 def position_slice(seq_len: int, context_parallel: int, index: int) -> slice:
@@ -114,3 +121,18 @@ def layout() -> ContextParallelLayout:
         raise RuntimeError("no context-parallel layout on this rank: the step runs under engine 'cp' or 'fsdp2+cp' "
                            "(equiv.check_distributed(..., engine='cp'))")
     return _LAYOUT[0]
+
+
+def clear_layout() -> None:
+    """Forget this rank's layout (an engine without context parallelism runs next)."""
+    _LAYOUT.clear()
+
+
+def sequence_group() -> dist.ProcessGroup | None:
+    """The ranks holding the other slices of this rank's sequences, or None where
+    a rank (or a single process) holds whole sequences.
+
+    Returns:
+        The installed layout's context-parallel group, else None.
+    """
+    return _LAYOUT[0].context_parallel_group if _LAYOUT else None

@@ -77,18 +77,30 @@ class CollectiveLog:
     def __init__(self, store: dist.Store, rank: int, world_size: int, where: Callable[[], str]) -> None:
         self.store, self.rank, self.world_size, self.where = store, rank, world_size, where
         self.count = 0
+        #: Collectives so far on each subgroup (its ranks -> count).
+        self.group_counts: dict[tuple[int, ...], int] = {}
         #: The report, once a mismatch was found here (the step may wrap the exception in its own).
         self.mismatch: str | None = None
 
-    def record(self, call: str) -> None:
+    def record(self, call: str, group: tuple[int, ...] | None = None) -> None:
         """Record this rank's next collective; raise :class:`CollectiveMismatch`
-        if a peer recorded a different one at the same position."""
-        position = self.count
-        self.count += 1
+        if a peer recorded a different one at the same position.  A collective
+        on a subgroup (``group``: its ranks) is matched only among those ranks, in
+        that group's own sequence: two context-parallel groups each reducing
+        their own sequences' counts, in shapes of their own micro-batches, do
+        not line up with each other and need not."""
+        peers: tuple[int, ...]
+        if group is None or len(group) == self.world_size:
+            position, peers, key_prefix = self.count, tuple(range(self.world_size)), _KEY
+            self.count += 1
+        else:
+            key_prefix = f"{_KEY}/group{','.join(map(str, group))}"
+            position = self.group_counts.get(group, 0)
+            self.group_counts[group], peers = position + 1, group
         here = f"{call}\t{self.where()}"
-        self.store.set(f"{_KEY}/{position}/{self.rank}", here)
-        for peer in range(self.world_size):
-            key = f"{_KEY}/{position}/{peer}"
+        self.store.set(f"{key_prefix}/{position}/{self.rank}", here)
+        for peer in peers:
+            key = f"{key_prefix}/{position}/{peer}"
             if peer == self.rank or not self.store.check([key]):
                 continue
             theirs = self.store.get(key).decode()
@@ -128,10 +140,16 @@ def _recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         if _installed is not None:
-            _installed.record(_describe(name, args, kwargs))
+            _installed.record(_describe(name, args, kwargs), _group_ranks(args, kwargs))
         return original(*args, **kwargs)
 
     return recorded
+
+
+def _group_ranks(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The ranks of the process group a collective is called on (None: the default group)."""
+    group = next((a for a in (*args, *kwargs.values()) if isinstance(a, dist.ProcessGroup)), None)
+    return None if group is None else tuple(dist.get_process_group_ranks(group))
 
 
 def mark(point: str) -> None:

@@ -61,16 +61,21 @@ def context_parallel_section(findings: DistributedSearchFindings) -> str:
 def aux_loss_section(findings: DistributedSearchFindings) -> str:
     """The section, from :func:`equiv.findings.distributed_findings.measure_aux_loss_search`."""
     return "\n\n".join([
-        "## Router aux and z-losses under data parallelism",
+        "## Router aux and z-losses under data and context parallelism",
         "The MoE model (`model=\"moe\"`, sequence-wise load-balancing loss at weight 0.1 and a router z-loss, the "
         "mean over a sequence's tokens of `logsumexp(router_logits)^2`, at weight 0.01, `loss=\"mse_aux\"`), drawn "
         "by the distributed search under DDP and FSDP2. The full-batch objective is the mean over the window's "
         "samples of task loss + router losses, so the router losses take the task loss's weight: summed, over the "
-        "global sample count, times the world size DDP's average divides out. "
+        "global sample count, times the world size DDP's average divides out. Under CP the search draws `moe` as "
+        "the token-level MoE (`model=\"token_moe\"`, `loss=\"token_mse_aux\"`: an output at every position, each "
+        "token carrying its share of its sequence's router losses, the routing counts summed over the sequence's "
+        "slices in the forward as Megatron's router sums them over its TP x CP group): each slice's router shares "
+        "take the task's weight, data x context ranks over the global token count. "
         f"`equiv.verify_distributed(step, engines=(engine,), models=('moe',), max_examples={findings.examples}, "
         f"seed={findings.seed})` on every step of `equiv.zoo.aux_loss_bugs.AUX_SEARCH_ZOO`. Not expressed here: "
-        "aux/z-loss scalings that depend on the TP or CP size (Megatron-LM PR #5047, #1652) need a router under "
-        "TP or CP, which neither the TP plan (nn.Linear pairs) nor the position-wise CP model has.",
+        "the TP side of the same reports (Megatron-LM PR #5047: the router's tokens split over TP ranks by "
+        "sequence parallelism) needs a sequence-parallel router, which the TP engine (nn.Linear pairs, whole "
+        "sequences on every TP rank) does not have.",
         markdown_table(findings.table),
     ])
 
