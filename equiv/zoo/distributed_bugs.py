@@ -34,7 +34,12 @@ __all__ = [
     "SEARCH_ZOO",
     "Fsdp2Entry",
     "SearchEntry",
+    "bfloat16_buffer_before_sync",
+    "bfloat16_compressed_all_reduce",
+    "bfloat16_sharded_buffer",
     "clip_shard_with_local_norm",
+    "float32_buffer_before_sync",
+    "float32_sharded_buffer",
     "forward_outside_no_sync",
     "global_item_count",
     "local_mean_per_rank",
@@ -492,13 +497,17 @@ class SearchEntry:
     engine: str
     #: The models the search draws (``"mlp"``: per-sample mean; ``"tokens"``: padded sequences).
     models: tuple[str, ...]
-    #: EQUIVALENT (nothing found), NOT_EQUIVALENT, or STEP_ERROR (a rank hung or
-    #: made mismatched collectives on some split).
+    #: EQUIVALENT (nothing found), NOT_EQUIVALENT, PRECISION (a failing precision finding:
+    #: bfloat16 arithmetic inside the step), or STEP_ERROR (a rank hung or made
+    #: mismatched collectives on some split).
     expected: Outcome
     #: The upstream report or recipe it reproduces ("" for equiv's own zoo).
     upstream: str
     what: str
 
+
+#: The report of bfloat16 gradient accumulation against float32 buffers (3.5e-5 vs 2.7e-8 relative).
+_MEGATRON_FSDP_BF16 = "Megatron-FSDP, ISEEKYAN #149"
 
 #: The distributed zoo as the search meets it: every bug found, every correct step passing.
 SEARCH_ZOO: dict[str, SearchEntry] = {
@@ -540,6 +549,20 @@ SEARCH_ZOO: dict[str, SearchEntry] = {
     "clip_shard_with_local_norm": SearchEntry(
         clip_shard_with_local_norm, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "",
         "each gradient shard clipped with its own norm"),
+    # The accumulation buffer's precision: a precision finding (bfloat16_arithmetic), failing
+    # float32 master weights and gradients, never a mathematical mismatch nor a silent pass.
+    "bfloat16_buffer_before_sync": SearchEntry(
+        bfloat16_buffer_before_sync, "ddp", ("mlp",), Outcome.PRECISION, _MEGATRON_FSDP_BF16,
+        "its own bfloat16 accumulation buffer, handed to DDP's one all-reduce per window"),
+    "float32_buffer_before_sync": SearchEntry(
+        float32_buffer_before_sync, "ddp", ("mlp",), Outcome.EQUIVALENT, "",
+        "the same with a float32 buffer (a float32-sized note in the float64 run)"),
+    "bfloat16_sharded_buffer": SearchEntry(
+        bfloat16_sharded_buffer, "fsdp2", ("mlp",), Outcome.PRECISION, _MEGATRON_FSDP_BF16,
+        "each micro-batch reduce-scattered, its gradient shard accumulated in bfloat16"),
+    "bfloat16_compressed_all_reduce": SearchEntry(
+        bfloat16_compressed_all_reduce, "ddp", ("tokens",), Outcome.PRECISION, "",
+        "DDP's bf16_compress_hook: the window's gradient all-reduced in bfloat16"),
 }
 
 #: name -> candidate, for suites and reports.
