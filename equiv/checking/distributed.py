@@ -500,14 +500,14 @@ class _CheckTask:
                 install_layout(self.dcase.context_parallel)
             if self.engine in DDP_ENGINES:
 
-                def wrap(model: nn.Module, counter: CollectiveCounts = counter, dtype_name: str = dtype_name
-                         ) -> nn.Module:
+                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     ddp = DistributedDataParallel(
                         model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None
                     )
                     hook = counter.allreduce_hook
-                    if self.promote_low_precision:  # the step's own comm hook (bf16_compress_hook) lifted too
-                        hook = lifted_low_precision(hook, getattr(torch, dtype_name))
+                    if self.promote_low_precision:  # the step's own comm hook (bf16_compress_hook) lifted too,
+                        # to the tier's dtype, which the model was cast to before it is wrapped
+                        hook = lifted_low_precision(hook, next(model.parameters()).dtype)
                     ddp.register_comm_hook(None, hook)
                     counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
                     return ddp

@@ -35,6 +35,7 @@ __all__ = [
     "Fsdp2Entry",
     "SearchEntry",
     "bfloat16_buffer_before_sync",
+    "bfloat16_buffer_local_mean",
     "bfloat16_compressed_all_reduce",
     "bfloat16_sharded_buffer",
     "clip_shard_with_local_norm",
@@ -307,17 +308,19 @@ def clip_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimize
 
 # ------------------------------------------- the accumulation buffer's precision
 def _buffered_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
-                       loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype) -> None:
+                       loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype, *, global_count: bool = True) -> None:
     """Globally weighted micro-batch gradients (summed loss x world / all-reduced item
-    count) accumulated in the step's own buffer of ``buffer_dtype`` under ``no_sync``,
+    count; with ``global_count`` False, over this rank's own count: a mean of rank means)
+    accumulated in the step's own buffer of ``buffer_dtype`` under ``no_sync``,
     the buffer written into ``.grad`` before the last micro-batch's backward, whose
     DDP all-reduce (once per window) then reduces the window's whole gradient."""
     assert isinstance(model, DistributedDataParallel)
     optimizer.zero_grad(set_to_none=True)
     items = torch.tensor(float(sum(item_count(loss_fn, targets) for _, targets in micro_batches)),
                          dtype=torch.float64)
-    dist.all_reduce(items)
-    scale = dist.get_world_size() / float(items)
+    if global_count:
+        dist.all_reduce(items)
+    scale = (dist.get_world_size() if global_count else 1) / float(items)
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = [torch.zeros_like(p, dtype=buffer_dtype) for p in params]
     for inputs, targets in micro_batches[:-1]:
@@ -353,6 +356,14 @@ def float32_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimize
     buffer (Megatron's float32 main-grad buffers): exact in float32 training, a
     passing float32-sized note inside equiv's float64 run."""
     _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.float32)
+
+
+def bfloat16_buffer_local_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                               loss_fn: Callable[..., Tensor]) -> None:
+    """:func:`bfloat16_buffer_before_sync` normalised by each rank's OWN item count
+    (transformers #34191's per-device mean): a mathematical mismatch computed in
+    bfloat16, which stays one with the bfloat16 lifted (never a precision finding)."""
+    _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, global_count=False)
 
 
 def _buffered_fsdp2_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
