@@ -15,6 +15,7 @@ import torch
 import equiv
 from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
 from equiv.checking.distributed_search import verify_distributed
+from equiv.cli import main
 from equiv.distributed.launcher import run_on_ranks
 from equiv.judging.runs import lifted_low_precision
 from equiv.outcomes import Outcome
@@ -143,3 +144,17 @@ def test_a_lifted_function_keeps_its_signature_and_computes_in_the_runs_dtype() 
     rounded, made = lifted(None, tensor)
     assert rounded.dtype == made.dtype == torch.float64 and rounded.item() == 1 / 3
     assert [t.dtype for t in hook(None, tensor)] == [torch.bfloat16, torch.float16]  # unlifted, as it was
+
+
+@pytest.mark.distributed
+def test_the_search_takes_the_users_training_dtype_from_the_shell(capsys: pytest.CaptureFixture[str]) -> None:
+    # bf16_compress_hook rounds on every split: a failing finding for float32 training, a note for bfloat16.
+    target = ["verify-distributed", "equiv.zoo.distributed_bugs:bfloat16_compressed_all_reduce", "--models", "tokens",
+              "--max-examples", "3", "--seed", "0"]
+    assert main(target) == 1
+    out = capsys.readouterr().out
+    assert "Precision (candidate bfloat16_compressed_all_reduce)" in out and "train_dtype" not in out
+    assert main([*target, "--train-dtype", "bfloat16"]) == 0
+    assert "no counterexample; 3 with a precision note" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="train_dtype must be one of"):
+        verify_distributed(bfloat16_compressed_all_reduce, train_dtype="int8")
