@@ -335,7 +335,7 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
         result = verify_distributed(
             candidate, engines=args.engines or ("ddp",), models=args.models or MODELS,
             max_examples=args.max_examples, seed=args.seed, max_world_size=args.max_world_size,
-            timeout_s=args.timeout, progress=show,
+            timeout_s=args.timeout, progress=show, train_dtype=args.train_dtype, strict=args.strict_precision,
         )
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -613,7 +613,9 @@ def _precision_flags(parser: argparse.ArgumentParser) -> None:
     """When a float32-sized difference inside the float64 run fails (it passes with a note otherwise)."""
     parser.add_argument("--train-dtype", choices=["float64", "float32", "bfloat16", "float16"], default=None,
                         help="the dtype you train in (default: float32 or lower); with float64, float32-sized "
-                             "differences inside the float64 run fail as a precision finding")
+                             "differences inside the float64 run fail as a precision finding; with bfloat16 or "
+                             "float16, a step computing its gradient in bfloat16 (an accumulation buffer) passes "
+                             "with a note")
     parser.add_argument("--strict-precision", action="store_true",
                         help="fail float32-sized differences inside the float64 run whatever you train in")
 
@@ -730,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     search_parser.add_argument("--timeout", type=_positive_seconds, default=20.0,
                                help="seconds one case's ranks may take (default 20); a hung rank ends the search")
     search_parser.add_argument("--json", help="also write the result as JSON to this path")
+    _precision_flags(search_parser)
     _format_flag(search_parser)
     search_parser.set_defaults(handler=_cmd_verify_distributed)
 

@@ -85,7 +85,7 @@ from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
 from equiv.judging.contract import Candidate, bind, shipped
 from equiv.judging.floors import TIERS
 from equiv.judging.judge import FailsBecause, ReferenceRuns, precision_fails_because, precision_finding
-from equiv.judging.runs import Snapshot, run_candidate
+from equiv.judging.runs import Snapshot, lifted_low_precision, run_candidate
 from equiv.outcomes import Outcome
 from equiv.results.protocol import headed
 from equiv.results.verdict import Judgement, TensorDiff, Tier, Verdict
@@ -488,6 +488,9 @@ class _CheckTask:
     #: torch's default dtype while the candidate runs (None: unchanged), e.g. "float64"
     #: to tell a tensor made without a dtype from a mismatch (as equiv.check does).
     default_dtype: str | None = None
+    #: The bfloat16 and float16 the step asks for lifted to each tier's dtype, to tell
+    #: its own low-precision arithmetic (an accumulation buffer) from a mismatch (as equiv.check does).
+    promote_low_precision: bool = False
 
     def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> dict[str, Any]:
         device = torch.device(self.dcase.case.device)
@@ -510,7 +513,11 @@ class _CheckTask:
                     ddp = DistributedDataParallel(
                         model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None
                     )
-                    ddp.register_comm_hook(None, counter.allreduce_hook)
+                    hook = counter.allreduce_hook
+                    if self.promote_low_precision:  # the step's own comm hook (bf16_compress_hook) lifted too,
+                        # to the tier's dtype, which the model was cast to before it is wrapped
+                        hook = lifted_low_precision(hook, next(model.parameters()).dtype)
+                    ddp.register_comm_hook(None, hook)
                     counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
                     return ddp
 
@@ -550,6 +557,7 @@ class _CheckTask:
                 self.dcase.case, self.candidate, getattr(torch, dtype_name), wrap_model=wrap,
                 batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batches(rank),
                 on_step=on_step, default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
+                promote_low_precision=self.promote_low_precision,
             )
             own.stop()
             mark(f"the end of the {tier} tier's steps")
@@ -619,7 +627,13 @@ def check_distributed(
     float64; if every rank then matches (a tensor made without a dtype), or
     every difference is float32-sized, each rank's verdict carries that
     precision finding.  It passes with a precision note unless ``train_dtype``
-    is float64 or ``strict`` is set; then it fails as PRECISION.
+    is float64 or ``strict`` is set; then it fails as PRECISION.  Bfloat16-sized
+    differences in the float32 and float64 runs (a step that accumulates in its
+    own bfloat16 buffer, or all-reduces through ``bf16_compress_hook``) run again
+    on the ranks with the step's bfloat16 and float16 lifted to each tier's dtype
+    (its DDP comm hook too); if every rank then matches, the finding is
+    ``bfloat16_arithmetic``, failing unless ``train_dtype`` is bfloat16 or float16.
+    (Under a 16-bit ``mp_policy`` the policy's rerun without it decides instead.)
 
     Ranks whose collectives do not line up end the check at once with a
     :class:`DistributedCheckError` naming which rank called what, where
@@ -714,11 +728,17 @@ def _sendable(candidate: Candidate, name: str) -> Any:
     return sent
 
 
+#: How the ranks run a step again for :func:`~equiv.judging.judge.precision_finding`, in words.
+_RERUNS = {"default_dtype": "with torch's default dtype set to float64",
+           "low_precision": "with the step's bfloat16 and float16 lifted to each tier's dtype"}
+
+
 @dataclass(frozen=True)
 class _Ranks:
     """One distributed check's ranks: launched once per question (every tier;
-    the failing tiers again with float64 as torch's default dtype, or without
-    the mixed-precision policy), each rank judged against the same references."""
+    the failing tiers again with float64 as torch's default dtype, with the
+    step's bfloat16 lifted, or without the mixed-precision policy), each rank
+    judged against the same references."""
 
     sent: Any
     name: str
@@ -733,13 +753,19 @@ class _Ranks:
         return [(tier, str(self.references.dtype(tier)).removeprefix("torch.")) for tier in self.references.tiers]
 
     def launch(self, tiers: Collection[Tier], policy: MixedPrecisionPolicy | None,
-               default_dtype: str | None = None) -> list[dict[str, Any]]:
-        """Run ``tiers`` on the ranks: what each rank returned, in rank order."""
+               rerun: str | None = None) -> list[dict[str, Any]]:
+        """Run ``tiers`` on the ranks: what each rank returned, in rank order.  ``rerun``: how
+        :func:`~equiv.judging.judge.precision_finding` asks the step to run again, one of
+        :data:`_RERUNS` (torch's default dtype set to float64, or the step's own bfloat16
+        and float16 lifted to each tier's dtype), or None: as it is."""
+        if rerun is not None and rerun not in _RERUNS:
+            raise ValueError(f"rerun must be one of {sorted(_RERUNS)} or None, got {rerun!r}")
         dcase, engine = self.dcase, self.engine
         task = _CheckTask(self.sent, dcase, [(t, d) for t, d in self.tier_dtypes if t in tiers], engine, policy,
-                          default_dtype)
+                          default_dtype="float64" if rerun == "default_dtype" else None,
+                          promote_low_precision=rerun == "low_precision")
         extra = "" if engine == "ddp" else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
-        extra += "" if default_dtype is None else f", with torch's default dtype set to {default_dtype}"
+        extra += "" if rerun is None else f", {_RERUNS[rerun]}"
         # Under FSDP2 on CUDA the snapshots' shards are gathered where they live
         # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
         fsdp_on_cuda = engine in FSDP_ENGINES and dcase.case.device.startswith("cuda")
@@ -755,14 +781,16 @@ class _Ranks:
         verdicts = [references.verdict(name, {tier: results[tier]["snapshots"] for tier in references.tiers})
                     for results in per_rank]
 
-        def rerun_with_float64_default(failing: Sequence[Tier], how: str) -> list[TensorDiff] | None:
-            if how != "default_dtype":
-                return None  # the ranks rerun with the default dtype only: a low-precision step stays a mismatch here
-            rerun = self.launch(failing, mp_policy, "float64")
+        def rerun_on_the_ranks(failing: Sequence[Tier], how: str) -> list[TensorDiff] | None:
+            if how == "low_precision" and _lowers_precision(mp_policy):
+                # Lifting bfloat16 would lift the policy's casts with the step's own: whether the
+                # policy is what differs is _policy_note's question (rerun without it), not the step's.
+                return None
+            rerun = self.launch(failing, mp_policy, how)
             return [d for r in rerun for t in failing for d in references.compare(t, r[t]["snapshots"])]
 
         # One judge of precision for one process and for W ranks: every rank's mismatches together.
-        finding = precision_finding(verdicts, references, rerun_with_float64_default, fails_because)
+        finding = precision_finding(verdicts, references, rerun_on_the_ranks, fails_because)
         if finding is not None:
             verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
         precision_note = None

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypedDict, Unpack
 
+import torch
 from hypothesis import strategies as st
 
 from equiv.cases.case import Case
@@ -34,6 +35,7 @@ from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchRun
 from equiv.distributed.context_parallel import CP_ENGINES
 from equiv.distributed.launcher import DistributedCheckError
 from equiv.judging.contract import BoundCandidate, Candidate, bind
+from equiv.judging.judge import precision_fails_because
 from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import SearchBase
 
@@ -294,8 +296,11 @@ class DistributedSearchResult(SearchBase):
         shown = self.error if self.error is not None else self.verdict.message() if self.verdict is not None else ""
         # One Reproduce line, the search's own (the verdict's says the same without the engine it ran under).
         lines.append("\n".join(line for line in shown.splitlines() if not line.startswith("Reproduce:")))
+        # The keywords that make a failing precision finding fail again (the same on every rank).
+        ranks = self.verdict.ranks if self.verdict is not None else ()
+        flags = next((v._precision_flags() for v in ranks if v.precision is not None), "")
         lines += ["", f"Reproduce: equiv.check_distributed({self.candidate}, {self.counterexample.source('equiv.')}, "
-                      f"engine={self.engine!r})"]
+                      f"engine={self.engine!r}{flags})"]
         if self.also is not None:
             lines += ["", self.also.describe()]
         elif self.equal_counts_examples is not None:
@@ -373,6 +378,8 @@ def verify_distributed(
     seed: int | None = None,
     timeout_s: float = 20.0,
     progress: Progress | None = None,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
     **bounds: Unpack[_Bounds],
 ) -> DistributedSearchResult:
     """Search distributed cases for one where ``candidate`` is not the full-batch step,
@@ -392,6 +399,9 @@ def verify_distributed(
         timeout_s: seconds one case's ranks may take; a rank that hangs ends the search
             with that case (not shrunk).
         progress: hears (cases so far, seconds) after every case.
+        train_dtype, strict: when a precision finding fails, as in :func:`equiv.check_distributed`
+            (a step computing in bfloat16 fails float32 training, the default, and passes
+            ``train_dtype="bfloat16"``).
 
     Returns:
         A :class:`DistributedSearchResult`: the smallest split found with its verdict,
@@ -407,6 +417,7 @@ def verify_distributed(
         ValueError, InvalidArgument: a bound out of range (named, with the value given).
     """
     bound = bind(candidate)
+    precision_fails_because(train_dtype, strict)  # a bad value is refused before any case runs
     if space is not None and bounds:
         raise TypeError(f"give the search space or its keywords, not both (got space and {sorted(bounds)})")
     space = DistributedSearchSpace(**bounds) if space is None else space
@@ -418,7 +429,8 @@ def verify_distributed(
     def judge(drawn: tuple[DistributedCase, str]) -> Failure[DistributedVerdict] | Discard | None:
         dcase, engine = drawn
         try:
-            verdict = check_distributed(candidate, dcase, engine=engine, timeout_s=timeout_s)
+            verdict = check_distributed(candidate, dcase, engine=engine, timeout_s=timeout_s, train_dtype=train_dtype,
+                                        strict=strict)
         except DistributedCheckError as exc:
             return Failure(error=str(exc), fault=exc.fault, cause=exc)
         if verdict.status is Outcome.NOT_APPLICABLE:

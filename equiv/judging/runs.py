@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "NonFiniteLossError",
     "Snapshot",
     "full_batch_step",
+    "lifted_low_precision",
     "run_candidate",
     "run_reference",
     "snapshot_of",
@@ -369,6 +371,29 @@ class _PromoteLowPrecision(TorchFunctionMode):
         if kwargs.get("dtype") in self._LOW:
             kwargs["dtype"] = self.to
         return func(*args, **kwargs)
+
+
+def lifted_low_precision(function: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
+    """``function`` run with the bfloat16 and float16 it asks for lifted to ``dtype``, as
+    :func:`run_candidate`'s ``promote_low_precision`` runs a candidate: for code that
+    torch calls from the autograd engine (a DDP comm hook such as ``bf16_compress_hook``),
+    which the candidate's own lift does not reach (autograd runs hooks without the
+    caller's torch function modes).
+
+    Args:
+        function: what to lift (a DDP comm hook: its signature is kept, as DDP inspects it).
+        dtype: the run's dtype, which bfloat16 and float16 become.
+
+    Returns:
+        ``function``, lifted.
+    """
+
+    @functools.wraps(function)
+    def lifted(*args: Any, **kwargs: Any) -> Any:
+        with _PromoteLowPrecision(dtype):
+            return function(*args, **kwargs)
+
+    return lifted
 
 
 def run_candidate(

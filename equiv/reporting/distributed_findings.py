@@ -32,6 +32,9 @@ def distributed_search_section(findings: DistributedSearchFindings) -> str:
         "whose padded sequences give ranks different real-token counts, SGD or Adam, 1-2 steps and, for a step "
         "that takes `max_grad_norm`, an active clip norm; each case runs on spawned gloo ranks and a mismatch is "
         "shrunk to the smallest split that still shows it. A correct step must give nothing in every drawn case. "
+        "\"precision\": a step computing its gradient in bfloat16 (its own accumulation buffer, a compressed "
+        "all-reduce) is a precision finding of class `bfloat16_arithmetic`, failing float32 master weights and "
+        "gradients: the ranks run it again with its bfloat16 lifted to each tier's dtype and then match. "
         f"\"{RANK_FAULT}\": under DDP, a step that syncs every micro-batch deadlocks on ranks holding different "
         "numbers of micro-batches (the search reports it; the split is left out, as whether it is seen as a hang "
         "or, first, as mismatched collectives depends on timing).",

@@ -265,8 +265,8 @@ class PrecisionFinding:
         return (f"bfloat16-sized differences in the float32 and float64 runs, up to {largest.relative_error:.2g} of "
                 f"its scale ({where}); bfloat16 rounds at {BFLOAT16_UNIT_ROUNDOFF:.2g}, float32 at "
                 f"{FLOAT32_UNIT_ROUNDOFF:.2g}. Cause: bfloat16 or float16 arithmetic inside the step (an "
-                f"accumulation buffer in bfloat16): with it lifted to the run's dtype the step matches the full "
-                f"batch.{sensitivity} Effect: {effect}.")
+                f"accumulation buffer in bfloat16, or a gradient all-reduce compressed to it): with it lifted to the "
+                f"run's dtype the step matches the full batch.{sensitivity} Effect: {effect}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,7 +452,10 @@ class Verdict(Judgement):
         """The keywords that make a failing precision finding fail again when replayed."""
         if self.precision is None or not self.precision.fails:
             return ""
-        return ", strict=True" if "strict" in self.precision.fails_because else ", train_dtype='float64'"
+        if "strict" in self.precision.fails_because:
+            return ", strict=True"
+        # A bfloat16-sized finding fails float32 training, the default: no flag makes it fail again.
+        return "" if self.precision.cause == "bfloat16_arithmetic" else ", train_dtype='float64'"
 
     def _step_count_diagnosis(self, step: int) -> list[str]:
         """An optimizer's own step counter (Adam's ``step`` state) says outright how

@@ -34,7 +34,13 @@ __all__ = [
     "SEARCH_ZOO",
     "Fsdp2Entry",
     "SearchEntry",
+    "bfloat16_buffer_before_sync",
+    "bfloat16_buffer_local_mean",
+    "bfloat16_compressed_all_reduce",
+    "bfloat16_sharded_buffer",
     "clip_shard_with_local_norm",
+    "float32_buffer_before_sync",
+    "float32_sharded_buffer",
     "forward_outside_no_sync",
     "global_item_count",
     "local_mean_per_rank",
@@ -300,6 +306,121 @@ def clip_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimize
     optimizer.step()
 
 
+# ------------------------------------------- the accumulation buffer's precision
+def _buffered_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                       loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype, *, global_count: bool = True) -> None:
+    """Globally weighted micro-batch gradients (summed loss x world / all-reduced item
+    count; with ``global_count`` False, over this rank's own count: a mean of rank means)
+    accumulated in the step's own buffer of ``buffer_dtype`` under ``no_sync``,
+    the buffer written into ``.grad`` before the last micro-batch's backward, whose
+    DDP all-reduce (once per window) then reduces the window's whole gradient."""
+    assert isinstance(model, DistributedDataParallel)
+    optimizer.zero_grad(set_to_none=True)
+    items = torch.tensor(float(sum(item_count(loss_fn, targets) for _, targets in micro_batches)),
+                         dtype=torch.float64)
+    if global_count:
+        dist.all_reduce(items)
+    scale = (dist.get_world_size() if global_count else 1) / float(items)
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [torch.zeros_like(p, dtype=buffer_dtype) for p in params]
+    for inputs, targets in micro_batches[:-1]:
+        with model.no_sync():
+            loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+            (loss_sum * scale).backward()
+        for param, buffer in zip(params, buffers, strict=True):
+            if param.grad is not None:
+                buffer += param.grad.to(buffer_dtype)
+                param.grad = None
+    for param, buffer in zip(params, buffers, strict=True):
+        param.grad = buffer.to(param.dtype)  # DDP's sync adds the last micro-batch to it, then averages
+    inputs, targets = micro_batches[-1]
+    loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+    (loss_sum * scale).backward()
+    optimizer.step()
+
+
+def bfloat16_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                loss_fn: Callable[..., Tensor]) -> None:
+    """Accumulates the micro-batch gradients in its own bfloat16 buffer under DDP's
+    ``no_sync`` (to save memory) and hands it to DDP's one all-reduce per window:
+    correctly weighted, but every gradient keeps 8 bits between micro-batches
+    (Megatron-FSDP's bf16 gradient accumulation at 3.5e-5 relative where float32
+    buffers agree to 2.7e-8, ISEEKYAN #149).  A precision finding: it fails a
+    user with float32 master weights and gradients, passes bfloat16 training."""
+    _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16)
+
+
+def float32_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                               loss_fn: Callable[..., Tensor]) -> None:
+    """Correct, for contrast: :func:`bfloat16_buffer_before_sync` with a float32
+    buffer (Megatron's float32 main-grad buffers): exact in float32 training, a
+    passing float32-sized note inside equiv's float64 run."""
+    _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.float32)
+
+
+def bfloat16_buffer_local_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                               loss_fn: Callable[..., Tensor]) -> None:
+    """:func:`bfloat16_buffer_before_sync` normalised by each rank's OWN item count
+    (transformers #34191's per-device mean): a mathematical mismatch computed in
+    bfloat16, which stays one with the bfloat16 lifted (never a precision finding)."""
+    _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, global_count=False)
+
+
+def _buffered_fsdp2_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                         loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype,
+                         max_grad_norm: float | None) -> None:
+    """Every micro-batch reduce-scattered (gradient sync on), its gradient shard
+    added into the step's own sharded buffer of ``buffer_dtype`` (Megatron-FSDP's
+    main-grad buffer), the step on the buffer: globally weighted (summed loss x
+    world / all-reduced item count, which the reduce-scatter's average divides out)."""
+    assert isinstance(model, FSDPModule)
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.tensor(sum(int(item_count(loss_fn, targets)) for _, targets in micro_batches), dtype=torch.int64)
+    dist.all_reduce(total)
+    scale = dist.get_world_size() / float(total)
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [torch.zeros_like(p, dtype=buffer_dtype) for p in params]
+    for inputs, targets in micro_batches:
+        loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
+        (loss_sum * scale).backward()
+        for param, buffer in zip(params, buffers, strict=True):
+            if param.grad is not None:
+                buffer += param.grad.to(buffer_dtype)
+                param.grad = None
+    for param, buffer in zip(params, buffers, strict=True):
+        param.grad = buffer.to(param.dtype)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+    optimizer.step()
+
+
+def bfloat16_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    """FSDP2: each micro-batch's gradient shard accumulated in a bfloat16 buffer
+    after its reduce-scatter, as Megatron-FSDP does with bfloat16 main grads
+    (ISEEKYAN #149): a precision finding for float32 master weights and gradients."""
+    _buffered_fsdp2_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, max_grad_norm)
+
+
+def float32_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    """Correct, for contrast: :func:`bfloat16_sharded_buffer` with float32 main grads."""
+    _buffered_fsdp2_step(model, optimizer, micro_batches, loss_fn, torch.float32, max_grad_norm)
+
+
+def bfloat16_compressed_all_reduce(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                   loss_fn: Callable[..., Tensor]) -> None:
+    """:func:`global_item_count` with DDP's ``bf16_compress_hook``: each window's
+    gradient is cast to bfloat16 for the all-reduce and summed in bfloat16
+    (communication halved).  Another bfloat16 rounding of the gradient, once per
+    window: a precision finding, like a bfloat16 accumulation buffer."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    assert isinstance(model, DistributedDataParallel)
+    model.register_comm_hook(None, bf16_compress_hook)
+    global_item_count(model, optimizer, micro_batches, loss_fn)
+
+
 @dataclass(frozen=True, slots=True)
 class Fsdp2Entry:
     """An FSDP2 zoo entry: a step, the sharding policy it runs under, and what
@@ -387,13 +508,17 @@ class SearchEntry:
     engine: str
     #: The models the search draws (``"mlp"``: per-sample mean; ``"tokens"``: padded sequences).
     models: tuple[str, ...]
-    #: EQUIVALENT (nothing found), NOT_EQUIVALENT, or STEP_ERROR (a rank hung or
-    #: made mismatched collectives on some split).
+    #: EQUIVALENT (nothing found), NOT_EQUIVALENT, PRECISION (a failing precision finding:
+    #: bfloat16 arithmetic inside the step), or STEP_ERROR (a rank hung or made
+    #: mismatched collectives on some split).
     expected: Outcome
     #: The upstream report or recipe it reproduces ("" for equiv's own zoo).
     upstream: str
     what: str
 
+
+#: The report of bfloat16 gradient accumulation against float32 buffers (3.5e-5 vs 2.7e-8 relative).
+_MEGATRON_FSDP_BF16 = "Megatron-FSDP, ISEEKYAN #149"
 
 #: The distributed zoo as the search meets it: every bug found, every correct step passing.
 SEARCH_ZOO: dict[str, SearchEntry] = {
@@ -435,6 +560,20 @@ SEARCH_ZOO: dict[str, SearchEntry] = {
     "clip_shard_with_local_norm": SearchEntry(
         clip_shard_with_local_norm, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "",
         "each gradient shard clipped with its own norm"),
+    # The accumulation buffer's precision: a precision finding (bfloat16_arithmetic), failing
+    # float32 master weights and gradients, never a mathematical mismatch nor a silent pass.
+    "bfloat16_buffer_before_sync": SearchEntry(
+        bfloat16_buffer_before_sync, "ddp", ("mlp",), Outcome.PRECISION, _MEGATRON_FSDP_BF16,
+        "its own bfloat16 accumulation buffer, handed to DDP's one all-reduce per window"),
+    "float32_buffer_before_sync": SearchEntry(
+        float32_buffer_before_sync, "ddp", ("mlp",), Outcome.EQUIVALENT, "",
+        "the same with a float32 buffer (a float32-sized note in the float64 run)"),
+    "bfloat16_sharded_buffer": SearchEntry(
+        bfloat16_sharded_buffer, "fsdp2", ("mlp",), Outcome.PRECISION, _MEGATRON_FSDP_BF16,
+        "each micro-batch reduce-scattered, its gradient shard accumulated in bfloat16"),
+    "bfloat16_compressed_all_reduce": SearchEntry(
+        bfloat16_compressed_all_reduce, "ddp", ("tokens",), Outcome.PRECISION, "",
+        "DDP's bf16_compress_hook: the window's gradient all-reduced in bfloat16"),
 }
 
 #: name -> candidate, for suites and reports.
