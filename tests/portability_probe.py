@@ -5,7 +5,7 @@ thread count this process runs with (``ATEN_CPU_CAPABILITY``,
 ``OMP_NUM_THREADS``): the capability torch actually picked, its thread count,
 the facts of every pinned verdict, the markdown of the report's search
 sections (the bug zoo searched, the reference searched, the inherent
-non-equivalences), and what the ``ci`` Hypothesis profile's search of each
+non-equivalences, packed sequences, RL normalisers, precision), and what the ``ci`` Hypothesis profile's search of each
 zoo bug (as the quality suites run it) finds and shrinks to: all of which must
 be the same whatever the kernels.
 """
@@ -23,7 +23,9 @@ from equiv import strategies as eqst
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
 from equiv.findings.equivalence import measure_searches
+from equiv.findings.sequence_search import measure_packed_search, measure_policy_search, measure_precision_search
 from equiv.reporting.equivalence import search_sections
+from equiv.reporting.sequence_search import packed_section, policy_section, precision_section
 from equiv.results.facts import VerdictFacts
 from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
 
@@ -54,7 +56,9 @@ def main(out: str) -> None:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "facts": {f"{row['candidate']} | {row['case_name']}": facts_of(row) for row in rows},
-        "search_sections": search_sections(measure_searches(), properties_record=None),
+        "search_sections": [*search_sections(measure_searches(), properties_record=None),
+                            packed_section(measure_packed_search()), policy_section(measure_policy_search()),
+                            precision_section(measure_precision_search())],
         "ci_searches": ci_searches(),
     }, ensure_ascii=False))
 

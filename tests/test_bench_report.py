@@ -344,3 +344,22 @@ def test_the_ddp_audit_row_states_bytes_per_parameter() -> None:
     text = "\n".join(_audit_ddp_lines({"benchmarks": [{"extra_info": info}]}))
     assert "| 2 " in text and "8.0x" in text and "20,008" in text and "| 20.0 " in text
     assert _audit_ddp_lines({"benchmarks": []}) == []
+
+
+def test_search_time_rows_are_shown_beside_the_search_they_extend() -> None:
+    raw = _fixture()
+    rows = [
+        {"search": "verify_distributed: DDP, tokens", "cases": 10, "seconds": 5.0, "per_case_s": 0.5, "baseline": "",
+         "ratio": None},
+        {"search": "verify_distributed: CP, tokens", "cases": 10, "seconds": 8.0, "per_case_s": 0.8,
+         "baseline": "verify_distributed: DDP, tokens", "ratio": 1.6},
+    ]
+    raw["benchmarks"].append({
+        "name": "test_search_times",
+        "extra_info": {"search_times": True, "seed": 0, "threads": 1, "load_average_1min": 1.5, "rows": rows},
+        "stats": {"median": 1.0},
+    })
+    base, cp = _table_after(render_report(raw), "## Search times: context parallelism, router losses, packed and RL losses")
+    assert base["beside"] == "-" and base["per case / beside"] == "-" and base["s per case"] == "0.500"
+    assert cp["beside"] == "verify_distributed: DDP, tokens" and cp["per case / beside"] == "1.60x"
+    assert cp["seconds"] == "8.0" and cp["cases"] == "10"

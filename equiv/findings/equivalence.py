@@ -5,6 +5,7 @@ zoo searched with :func:`equiv.verify`, the reference's equivalent cases by
 model family x optimizer, inherent non-equivalences, and the measurements of
 :mod:`equiv.findings.distributed` (distributed and loss-scale windows),
 :mod:`equiv.findings.distributed_findings` (distributed search, torchrun),
+:mod:`equiv.findings.sequence_search` (packed sequences, RL normalisers, precision),
 :mod:`equiv.findings.moe`, :mod:`equiv.findings.tensor_parallel` and
 :mod:`equiv.findings.pipeline`; :mod:`equiv.reporting.equivalence` renders
 the result.  Everything runs with fixed seeds, rows are sorted, and only what
@@ -40,6 +41,7 @@ from equiv.findings.distributed_findings import (
 from equiv.findings.moe import measure_moe
 from equiv.findings.pipeline import pipeline_table
 from equiv.findings.results import EquivalenceFindings, SearchFindings
+from equiv.findings.sequence_search import measure_packed_search, measure_policy_search, measure_precision_search
 from equiv.findings.tensor_parallel import measure_tensor_parallel
 from equiv.judging.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
 from equiv.results.facts import Divergence, VerdictFacts
@@ -197,4 +199,7 @@ def measure_equivalence(*, searches: bool = True) -> EquivalenceFindings:
         pipeline=pipeline_table() if searches else None,
         context_parallel_search=measure_context_parallel_search() if searches else None,
         aux_loss_search=measure_aux_loss_search() if searches else None,
+        packed_search=measure_packed_search() if searches else None,
+        policy_search=measure_policy_search() if searches else None,
+        precision_search=measure_precision_search() if searches else None,
     )

@@ -22,6 +22,7 @@ __all__ = [
     "MoeFindings",
     "SearchFindings",
     "TensorParallelFindings",
+    "ZooSearchFindings",
 ]
 
 #: What a distributed cell says of a rank fault (a deadlock or mismatched collectives): its table's cells and
@@ -96,6 +97,16 @@ class DistributedSearchFindings:
 
 
 @dataclass(frozen=True)
+class ZooSearchFindings:
+    """A single-process zoo searched with :func:`equiv.verify` at one seed: each entry's outcome and shrunk case."""
+
+    table: pd.DataFrame
+    #: the most cases each search could draw
+    examples: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class TensorParallelFindings:
     """The TP zoo checked under TP and FSDP2 + TP, and searched under TP."""
 
@@ -140,3 +151,9 @@ class EquivalenceFindings:
     context_parallel_search: DistributedSearchFindings | None = None
     #: the router aux / z-loss zoo searched on the MoE model under DDP and FSDP2
     aux_loss_search: DistributedSearchFindings | None = None
+    #: the reference on every packed loss and the packed-sequence zoo, searched
+    packed_search: ZooSearchFindings | None = None
+    #: the reference on every RL policy loss and the normaliser zoo, searched
+    policy_search: ZooSearchFindings | None = None
+    #: the accumulation buffer's precision zoo, each entry for its user's training precision
+    precision_search: ZooSearchFindings | None = None

@@ -345,6 +345,7 @@ def render_report(
     lines += _scaling_section(raw, scaling_full)
     lines += _verify_speed_section(raw)
     lines += _verify_threads_section(raw)
+    lines += _search_times_section(raw)
     lines += _audit_section(raw)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -815,6 +816,36 @@ def _verify_threads_section(raw: dict[str, Any]) -> list[str]:
         f"rounds with {THREAD_MODES[0]} (one per core), {chosen} (`threads=None`: one on small cases, see "
         "`equiv.checking.threads`) and one thread. The target is equiv's choice within "
         f"{THREADS_RATIO_TARGET:g}x of one thread.",
+        "",
+        markdown_table(table),
+        "",
+    ]
+
+
+def _search_times_section(raw: dict[str, Any]) -> list[str]:
+    """The searches of the context-parallel engines, the MoE model and the packed / policy losses, each beside the
+    search it extends (benchmarks/test_search_times.py)."""
+    infos = [b["extra_info"] for b in raw.get("benchmarks", []) if b.get("extra_info", {}).get("search_times")]
+    if not infos:
+        return []
+    info = infos[0]
+    table = pd.DataFrame([{
+        "search (equiv.accumulator_step)": row["search"],
+        "cases": row["cases"],
+        "seconds": f"{row['seconds']:.1f}",
+        "s per case": f"{row['per_case_s']:.3f}",
+        "beside": row["baseline"] or "-",
+        "per case / beside": "-" if row["ratio"] is None else f"{row['ratio']:.2f}x",
+    } for row in info["rows"]])
+    return [
+        "## Search times: context parallelism, router losses, packed and RL losses",
+        "",
+        f"`equiv.verify_distributed(equiv.accumulator_step, engines=..., models=..., seed={info['seed']})` and "
+        f"`equiv.verify(equiv.accumulator_step, SearchSpace(losses=...), seed={info['seed']})` on a correct step, "
+        "so every drawn case runs; each search timed alternately in the same rounds as the one it extends "
+        "(medians; the fork server and gloo started before). CP draws 1-2 data ranks of 2 slices (up to 4 "
+        "gloo ranks); the others 2-3 ranks. "
+        f"Threads: {info['threads']} (ranks always run one). Load average at the end: {info['load_average_1min']}.",
         "",
         markdown_table(table),
         "",

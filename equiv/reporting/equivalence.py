@@ -7,7 +7,8 @@ reports/properties.json, which ``pytest properties`` writes), the zoo searched
 with :func:`equiv.verify`, the reference's equivalent cases by model family x
 optimizer, inherent non-equivalences, and the distributed and loss-scale
 sections (:mod:`equiv.reporting.distributed`), the distributed search and
-torchrun sections (:mod:`equiv.reporting.distributed_findings`), the MoE
+torchrun sections (:mod:`equiv.reporting.distributed_findings`), the packed-sequence, RL-normaliser
+and precision sections (:mod:`equiv.reporting.sequence_search`), the MoE
 section (:mod:`equiv.reporting.moe`), the tensor-parallel section
 (:mod:`equiv.reporting.tensor_parallel`) and the pipeline section
 (:mod:`equiv.reporting.pipeline`).  Nothing here measures: the findings hold
@@ -35,6 +36,7 @@ from equiv.reporting.distributed_findings import (
 from equiv.reporting.markdown import markdown_table
 from equiv.reporting.moe import moe_section
 from equiv.reporting.pipeline import pipeline_section
+from equiv.reporting.sequence_search import packed_section, policy_section, precision_section
 from equiv.reporting.tensor_parallel import tensor_parallel_section
 
 __all__ = ["PROPERTIES_RECORD", "render_equivalence", "search_sections"]
@@ -140,6 +142,12 @@ def render_equivalence(findings: EquivalenceFindings, *, properties_record: Path
         *([] if findings.torchrun is None else [torchrun_section(findings.torchrun)]),
         *([] if findings.context_parallel_search is None else [context_parallel_section(findings.context_parallel_search)]),
         *([] if findings.aux_loss_search is None else [aux_loss_section(findings.aux_loss_search)]),
+        *([] if findings.packed_search is None else [packed_section(findings.packed_search)]),
+        *([] if findings.policy_search is None else [policy_section(findings.policy_search)]),
+        *([] if findings.precision_search is None else [precision_section(
+            findings.precision_search, [search.table for search in (
+                findings.distributed_search, findings.context_parallel_search, findings.aux_loss_search)
+                if search is not None])]),
         moe_section(findings.moe),
         *([] if findings.tensor_parallel is None else [tensor_parallel_section(findings.tensor_parallel)]),
         *([] if findings.pipeline is None else [pipeline_section(findings.pipeline)]),

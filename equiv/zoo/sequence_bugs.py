@@ -20,7 +20,7 @@ from equiv.packed_losses import PackedDPO, PackedLoss
 from equiv.policy_losses import PolicyLoss
 from equiv.zoo.bugs import _clip_and_step, mean_of_means, sample_weighted_token_loss
 
-__all__ = ["PACKED_BUGS", "POLICY_BUGS", "dpo_pairs_swapped", "row_mean_of_sequence_means",
+__all__ = ["PACKED_BUGS", "POLICY_BUGS", "SEQUENCE_BUG_REPORTS", "dpo_pairs_swapped", "row_mean_of_sequence_means",
            "selected_count_per_micro_batch"]
 
 Batches = list[tuple[Tensor, Tensor]]
@@ -97,4 +97,15 @@ POLICY_BUGS: dict[str, tuple[Callable[..., Any], str]] = {
     "token_mean_of_micro_batch_means": (mean_of_means, "policy_dapo"),
     "token_means_weighted_by_sequences": (sample_weighted_token_loss, "policy_dapo"),
     "selected_count_per_micro_batch": (selected_count_per_micro_batch, "policy_dapo"),
+}
+
+#: name -> the public report each step of :data:`PACKED_BUGS` / :data:`POLICY_BUGS` reproduces
+#: ("" for equiv's own zoo), as reports/equivalence.md cites it.
+SEQUENCE_BUG_REPORTS: dict[str, str] = {
+    "dpo_pairs_swapped": "ms-swift #10144 (packed DPO, a gradient of the wrong sign)",
+    "row_mean_of_sequence_means": "",
+    "sequence_means_weighted_by_rows": "",
+    "token_mean_of_micro_batch_means": "SkyRL PR #925 / #1296 (a mean of micro-batch token means; SFT path #1504)",
+    "token_means_weighted_by_sequences": "Trinity-RFT #336 (sequence-weighted by default, the fix an opt-in flag)",
+    "selected_count_per_micro_batch": "AReaL #1730 (the micro-batch split changes the objective)",
 }
