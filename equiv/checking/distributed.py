@@ -67,7 +67,7 @@ from equiv.cases.case import Case, InvalidCase
 from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
 from equiv.distributed.context_parallel import CP_ENGINES, POSITIONWISE_MODELS, install_layout, position_slice
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
-from equiv.distributed.matching import mark
+from equiv.distributed.matching import mark, watch_ddp
 from equiv.distributed.sharding import (
     fsdp_modules,
     full_tensors,
@@ -503,6 +503,8 @@ class _CheckTask:
                     )
                     ddp.register_comm_hook(None, counter.allreduce_hook)
                     counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
+                    # DDP's bucket rebuild, a broadcast in C++, recorded in the collective log.
+                    watch_ddp(ddp, synced=lambda: counter.synced)
                     return ddp
 
             elif self.engine == "tp":

@@ -32,9 +32,11 @@ def distributed_search_section(findings: DistributedSearchFindings) -> str:
         "whose padded sequences give ranks different real-token counts, SGD or Adam, 1-2 steps and, for a step "
         "that takes `max_grad_norm`, an active clip norm; each case runs on spawned gloo ranks and a mismatch is "
         "shrunk to the smallest split that still shows it. A correct step must give nothing in every drawn case. "
-        f"\"{RANK_FAULT}\": under DDP, a step that syncs every micro-batch deadlocks on ranks holding different "
-        "numbers of micro-batches (the search reports it; the split is left out, as whether it is seen as a hang "
-        "or, first, as mismatched collectives depends on timing).",
+        f"\"{RANK_FAULT}\": ranks that make different collectives, e.g. under DDP a step that syncs every "
+        "micro-batch on ranks holding different numbers of micro-batches, or one that skips the synced backward "
+        "on one rank; every collective is recorded before it runs (DDP's gradient all-reduces and its bucket "
+        "rebuild included), so the first difference is named at once and shrunk like a mismatch (a hang would "
+        "be reported without its split).",
         markdown_table(findings.table),
     ])
 
