@@ -199,3 +199,18 @@ def test_a_backward_skipped_for_a_micro_batch_with_no_real_token_is_named_and_sh
     assert result.fault is Fault.COLLECTIVE_MISMATCH, result.message()
     dcase = result.counterexample
     assert dcase is not None and dcase.world_size == 2 and dcase.case.empty_samples, result.message()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_ddp_a_skipped_synced_backward_is_named_and_shrunk_and_the_global_count_passes_there() -> None:
+    entry = SEARCH_ZOO["skip_backward_without_real_tokens (DDP)"]
+    result = verify_distributed(entry.step, engines=("ddp",), models=entry.models, max_examples=25, seed=0)
+    message = result.message()
+    assert result.fault is Fault.COLLECTIVE_MISMATCH and result.kind is entry.expected, message
+    dcase = result.counterexample
+    assert dcase is not None and dcase.rank_micro_batch_sizes == ((1,), (1,)) and dcase.case.empty_samples, message
+    # Named by the collective log (one rank's gradient all-reduce against its peer's next step), not a timeout.
+    assert "mismatched collectives:" in message and "called all_reduce of shape" in message, message
+    assert "did not finish within" not in message, message
+    assert check_distributed(SEARCH_ZOO["global_item_count"].step, dcase, engine="ddp")  # the fix, on that split

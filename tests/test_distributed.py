@@ -15,6 +15,7 @@ from torch import nn
 
 import equiv
 from equiv.checking.distributed import DistributedCase, DistributedCheckError, check_distributed
+from equiv.distributed.matching import DDP_BUCKET_REBUILD
 from equiv.judging.runs import run_reference
 from equiv.outcomes import Fault
 from equiv.zoo.distributed_bugs import (
@@ -191,11 +192,13 @@ def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.O
     # Rank 0 holds two micro-batches, rank 1 one: rank 0's second count meets rank 1's next step.
     (global_count_per_micro_batch, [[1, 1], [2]],
      r"^mismatched collectives: rank 0 called all_reduce of shape \[\] int64 as its collective #5 "
-     r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #5: it went on to exact tier, step 1; "
+     r"\(exact tier, step 0: in the candidate, after the step's DDP forward 1\); rank 1 made no collective #5: it "
+     r"went on to exact tier, step 1; "
      r"candidate global_count_per_micro_batch"),
     (skips_the_last_backward_on_rank_1, [[1, 1], [2, 1]],
-     r"^mismatched collectives: rank 0 called all_reduce of shape \[67\] float64 as its collective #4 "
-     r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #4: it went on to exact tier, step 1"),
+     r"^mismatched collectives: rank 0 called all_reduce of shape \[67\] float64 as its collective #5 "
+     r"\(exact tier, step 0: in the candidate, after the step's DDP forward 2\); rank 1 made no collective #5: it "
+     r"went on to exact tier, step 1"),
 ], ids=["count_per_micro_batch", "skipped_backward"])
 def test_mismatched_collectives_are_named_at_once_not_after_the_timeout(
     candidate: object, shards: list[list[int]], expected: str,
@@ -207,6 +210,23 @@ def test_mismatched_collectives_are_named_at_once_not_after_the_timeout(
         check_distributed(candidate, DistributedCase.of(BASE, shards))  # type: ignore[arg-type]
     assert info.value.fault is Fault.COLLECTIVE_MISMATCH
     assert time.monotonic() - started < 30  # the timeout is 120 s
+    assert no_stray_processes()
+
+
+def test_ddp_ranks_that_sync_a_different_number_of_times_are_named_not_left_to_the_timeout() -> None:
+    # Rank 1 syncs both of its micro-batches, rank 0 its one: rank 1 rebuilds DDP's buckets (a broadcast
+    # in C++) at its second forward while rank 0 goes on. Before the rebuild was in the collective log,
+    # this waited in gloo until the timeout ("Timed out waiting ... for recv operation", Fault.HUNG).
+    case = BASE.replace(batch_size=3, micro_batch_sizes=(1, 1, 1), steps=1)
+    with pytest.raises(DistributedCheckError) as info:
+        check_distributed(no_sync_missing, DistributedCase.of(case, [[1], [1, 1]]), timeout_s=30)
+    message = str(info.value)
+    assert info.value.fault is Fault.COLLECTIVE_MISMATCH, message
+    assert message.startswith(
+        "mismatched collectives: rank 0 made no collective #5: it went on to the end of the exact tier's steps; "
+        f"rank 1 called {DDP_BUCKET_REBUILD} as its collective #5 (exact tier, step 0: in the candidate, after the "
+        "step's DDP forward 1); candidate no_sync_missing"), message
+    assert "did not finish within" not in message and "Timed out" not in message, message
     assert no_stray_processes()
 
 

@@ -74,7 +74,7 @@ from equiv.distributed.context_parallel import (
     position_slice,
 )
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
-from equiv.distributed.matching import mark
+from equiv.distributed.matching import mark, watch_ddp
 from equiv.distributed.sharding import (
     fsdp_modules,
     full_tensors,
@@ -519,6 +519,8 @@ class _CheckTask:
                         hook = lifted_low_precision(hook, next(model.parameters()).dtype)
                     ddp.register_comm_hook(None, hook)
                     counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
+                    # DDP's bucket rebuild, a broadcast in C++, recorded in the collective log.
+                    watch_ddp(ddp, synced=lambda: counter.synced)
                     return ddp
 
             elif self.engine == "tp":

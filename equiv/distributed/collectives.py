@@ -69,6 +69,9 @@ class CollectiveCounts:
         self.synchronous: SynchronousContext | None = None
         #: A DDP comm hook the step registered itself ((state, hook)), run in place of the default.
         self.step_hook: tuple[Any, Callable[..., Any]] | None = None
+        #: Whether DDP called :meth:`allreduce_hook` yet (counted or not): its
+        #: reducer rebuilds its buckets at the next forward (equiv.distributed.matching.watch_ddp).
+        self.synced = False
 
     def start_step(self, step: int | None = None) -> None:
         self.calls.append(0)
@@ -85,6 +88,7 @@ class CollectiveCounts:
         """A DDP comm hook: the default all-reduce, or the hook the step
         registered itself (:meth:`chain_step_hooks`), counted."""
         self.add(bucket.buffer())
+        self.synced = True
         with _gradient_sync():
             if self.step_hook is not None:
                 return self.step_hook[1](self.step_hook[0], bucket)

@@ -26,6 +26,26 @@ in C++ for every collective, but in torch 2.13 constructing
 a gloo group), so equiv records at the Python level: the module functions of
 ``torch.distributed`` (what a step, DDP's comm hooks and FSDP2's collectives
 call), not DTensor's functional collectives.
+
+What is recorded, then:
+
+- every call of the :data:`COLLECTIVES` (a step's own, FSDP2's all-gathers and
+  reduce-scatters, and DDP's gradient all-reduces: the distributed checker's
+  counting comm hook runs DDP's default all-reduce through ``dist.all_reduce``);
+- DDP's one collective made in C++ during training, out of Python's sight: the
+  bucket rebuild, a broadcast at the first forward after the first gradient
+  sync (:func:`watch_ddp`).  Unrecorded, it is what turned ranks that sync a
+  different number of times into a hang: a rank that syncs once more rebuilds
+  inside its next forward, before it reaches any recorded call, and waits there
+  for a peer that has gone on to a collective of its own (measured on gloo: a
+  timeout, every time the ranks parted that way, not a named mismatch);
+- each DDP forward is counted: a call is named as made after the step's
+  forward n (its micro-batch n, for a step that runs one forward each);
+- :func:`mark` points (a step's start, a tier's end) and a task's end.
+
+Not recorded: DDP's construction (parameter checks and broadcasts, between
+marks), DDP's broadcasts of module buffers (the search's models have none), and
+DTensor's collectives.
 """
 
 from __future__ import annotations
@@ -36,14 +56,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from equiv.distributed.collectives import COLLECTIVES
 
-__all__ = ["COLLECTIVES", "CollectiveLog", "CollectiveMismatch", "mark"]
+__all__ = ["COLLECTIVES", "DDP_BUCKET_REBUILD", "CollectiveLog", "CollectiveMismatch", "mark", "watch_ddp"]
 
 _KEY = "equiv-collective"
 #: How a recorded point that is not a collective begins (see :func:`mark`).
 _MARK = "mark: "
+#: How the log names DDP's bucket rebuild (see :func:`watch_ddp`).
+DDP_BUCKET_REBUILD = "DDP's bucket rebuild (a broadcast, at the first forward after its first gradient sync)"
 #: The log :meth:`CollectiveLog.install` installed in this process, if any.
 _installed: CollectiveLog | None = None
 
@@ -81,6 +104,9 @@ class CollectiveLog:
         self.group_counts: dict[tuple[int, ...], int] = {}
         #: The report, once a mismatch was found here (the step may wrap the exception in its own).
         self.mismatch: str | None = None
+        #: DDP forwards begun since the last :func:`mark` (a step's micro-batches, one forward each):
+        #: a call is named as made after the latest of them.
+        self.forwards = 0
 
     def record(self, call: str, group: tuple[int, ...] | None = None) -> None:
         """Record this rank's next collective; raise :class:`CollectiveMismatch`
@@ -97,7 +123,12 @@ class CollectiveLog:
             key_prefix = f"{_KEY}/group{','.join(map(str, group))}"
             position = self.group_counts.get(group, 0)
             self.group_counts[group], peers = position + 1, group
-        here = f"{call}\t{self.where()}"
+        where = self.where()
+        if self.forwards:
+            where += f", after the step's DDP forward {self.forwards}"
+        if call.startswith(_MARK):
+            self.forwards = 0
+        here = f"{call}\t{where}"
         self.store.set(f"{key_prefix}/{position}/{self.rank}", here)
         for peer in peers:
             key = f"{key_prefix}/{position}/{peer}"
@@ -161,6 +192,40 @@ def mark(point: str) -> None:
     reaches them, and the report names the step where the ranks parted."""
     if _installed is not None:
         _installed.record(_MARK + point)
+
+
+def watch_ddp(ddp: DistributedDataParallel, synced: Callable[[], bool]) -> None:
+    """Record in this process's log, if one is installed, what ``ddp`` does at
+    each forward that :meth:`CollectiveLog.install` cannot see: the forward
+    itself (counted: the log names the forward a call follows) and DDP's bucket
+    rebuild, a broadcast its C++ reducer makes once, at the first forward with
+    gradients enabled after a gradient sync (``Reducer::rebuild_buckets``;
+    never with ``find_unused_parameters`` unless the graph is static).
+
+    A rank that syncs once more than its peers rebuilds there while they go on
+    to other collectives; recorded first, the rebuild is named as the mismatch
+    it is instead of waiting in gloo until the timeout.
+
+    Args:
+        ddp: the DDP model, wrapped in place (its ``_pre_forward``, which
+            ``forward`` looks up on the instance).
+        synced: whether a gradient sync of ``ddp`` has begun (its comm hook
+            ran): the reducer then holds the parameters to rebuild buckets of.
+    """
+    original = ddp._pre_forward
+
+    def pre_forward(*inputs: Any, **kwargs: Any) -> Any:
+        log = _installed
+        if log is not None:
+            rebuilds = (torch.is_grad_enabled() and not ddp._has_rebuilt_buckets and synced()
+                        and (ddp.static_graph or not ddp.find_unused_parameters)
+                        and not ddp._use_python_reducer and not ddp._delay_all_reduce_all_params)
+            if rebuilds:
+                log.record(DDP_BUCKET_REBUILD)  # named as made after the forward before this one
+            log.forwards += 1
+        return original(*inputs, **kwargs)
+
+    ddp._pre_forward = pre_forward  # type: ignore[method-assign]
 
 
 def _report(position: int, calls: dict[int, str]) -> str:

@@ -12,10 +12,11 @@
   check-distributed STEP`` on the standard splits, as a user runs it.
 
 Only facts that hold on every machine are kept: pass / fail, the shrunk
-split of a mismatch (the search is steered by pass / fail alone).  A rank fault
-under DDP is kept as one, without the split: whether a deadlocked DDP rank is seen
-as a hang or, first, as a mismatched collective depends on timing, and only a
-mismatch is shrunk.  :mod:`equiv.reporting.distributed_findings` renders both.
+split of a mismatch or of mismatched collectives (the search is steered by pass /
+fail alone; every collective a DDP or FSDP2 step makes, DDP's C++ bucket rebuild
+included, is in the collective log, so ranks that part are named at the same
+call on every machine).  A hang is kept without its split: the search stops at
+it unshrunk.  :mod:`equiv.reporting.distributed_findings` renders both.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def search_zoo_rows(zoo: Mapping[str, SearchEntry], *, max_world_size: int = 3) 
         expected = None if entry.expected is Outcome.EQUIVALENT else entry.expected
         found = result.counterexample
         # A split is shown where it is the same on every machine: a mismatch, and mismatched
-        # collectives outside DDP (whose own syncs are not logged, so a DDP deadlock may read as a hang).
-        named = result.fault is Fault.COLLECTIVE_MISMATCH and entry.engine not in ("ddp", "cp")
+        # collectives (shrunk like one); not a hang (the search stops at it, unshrunk).
+        named = result.fault is Fault.COLLECTIVE_MISMATCH
         shown = found is not None and (result.kind is not Outcome.STEP_ERROR or named)
         split = "-" if not shown else "; ".join(
             str(list(sizes)) for sizes in found.rank_micro_batch_sizes  # type: ignore[union-attr]

@@ -35,9 +35,11 @@ def distributed_search_section(findings: DistributedSearchFindings) -> str:
         "\"precision\": a step computing its gradient in bfloat16 (its own accumulation buffer, a compressed "
         "all-reduce) is a precision finding of class `bfloat16_arithmetic`, failing float32 master weights and "
         "gradients: the ranks run it again with its bfloat16 lifted to each tier's dtype and then match. "
-        f"\"{RANK_FAULT}\": under DDP, a step that syncs every micro-batch deadlocks on ranks holding different "
-        "numbers of micro-batches (the search reports it; the split is left out, as whether it is seen as a hang "
-        "or, first, as mismatched collectives depends on timing).",
+        f"\"{RANK_FAULT}\": ranks that make different collectives, e.g. under DDP a step that syncs every "
+        "micro-batch on ranks holding different numbers of micro-batches, or one that skips the synced backward "
+        "on one rank; every collective is recorded before it runs (DDP's gradient all-reduces and its bucket "
+        "rebuild included), so the first difference is named at once and shrunk like a mismatch (a hang would "
+        "be reported without its split).",
         markdown_table(findings.table),
     ])
 

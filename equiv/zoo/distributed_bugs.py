@@ -127,7 +127,9 @@ def skip_backward_without_real_tokens(model: nn.Module, optimizer: torch.optim.O
     that is harmless (such a micro-batch's gradient is zero), but under FSDP2 the
     backward is a collective: the rank that skips it makes fewer all-gathers and
     reduce-scatters than its peers, so the ranks fall out of step the first time a
-    micro-batch with no real token lands on some ranks only."""
+    micro-batch with no real token lands on some ranks only.  Under DDP only the
+    last micro-batch's backward syncs: skipping that one, the rank makes one
+    gradient all-reduce fewer than its peers."""
     optimizer.zero_grad(set_to_none=True)
     counts = [int(item_count(loss_fn, targets)) for _, targets in micro_batches]
     total = torch.tensor(sum(counts), dtype=torch.float64)
@@ -542,6 +544,10 @@ SEARCH_ZOO: dict[str, SearchEntry] = {
     "forward_outside_no_sync": SearchEntry(
         forward_outside_no_sync, "ddp", ("mlp",), Outcome.STEP_ERROR, "accelerate #1726",
         "no_sync around the backward only: the same extra all-reduces"),
+    "skip_backward_without_real_tokens (DDP)": SearchEntry(
+        skip_backward_without_real_tokens, "ddp", ("tokens",), Outcome.STEP_ERROR,
+        "karpathy/nanochat PR #623; EleutherAI/bergson PR #461",
+        "backward skipped for a micro-batch with no real token: the rank makes one gradient all-reduce fewer"),
     "accumulator_step (FSDP2)": SearchEntry(
         accumulator_step, "fsdp2", ("mlp", "tokens"), Outcome.EQUIVALENT, "", "the reference accumulator"),
     "sum_over_ranks_divided_by_global_tokens": SearchEntry(
