@@ -116,7 +116,7 @@ def test_bad_search_flags_are_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert "engines must be a non-empty subset of ('ddp', 'fsdp2', 'tp', 'fsdp2+tp', 'cp', 'fsdp2+cp'), got ('pp',)" in capsys.readouterr().err
     # The tensor-parallel plan cannot shard the token model's embedding: named, not run.
     assert main(["verify-distributed", "equiv:accumulator_step", "--engines", "tp"]) == 2
-    assert "models must be a subset of ('mlp',)" in capsys.readouterr().err
+    assert "models must be a subset of ('mlp', 'moe')" in capsys.readouterr().err
 
 
 @pytest.mark.distributed

@@ -14,7 +14,11 @@ rank at once::
   mesh whose ranks all see the same micro-batches, and ``engine="fsdp2+tp"``
   TP inside each data rank and FSDP2 over the data ranks on a 2-D mesh
   (``DistributedCase.of(..., tensor_parallel=T)``; see
-  :mod:`equiv.distributed.tensor_parallel`); ``engine="cp"`` is context
+  :mod:`equiv.distributed.tensor_parallel`); under ``engine="tp"`` a
+  position-wise model (the token-level MoE) runs sequence-parallel instead:
+  each TP rank holds a slice of every sequence's positions, as Megatron's
+  sequence parallelism splits the router's tokens, the model replicated and
+  its gradients reduced over the TP group (DDP); ``engine="cp"`` is context
   parallelism: each data rank's micro-batches are served by C ranks
   (``DistributedCase.of(..., context_parallel=C)``), each holding one
   contiguous slice of every sequence's positions (inputs and targets), the
@@ -130,6 +134,9 @@ class DistributedCase:
     With ``context_parallel`` = C > 1 each data rank is served by C ranks that
     see the same samples, rank r holding slice r % C of every sequence's
     positions (C contiguous, equal slices; engines "cp" and "fsdp2+cp").
+    A position-wise model under ``tensor_parallel`` = T > 1 is split the same
+    way over its T ranks (sequence parallelism, engine "tp"):
+    :attr:`sequence_slices`.
     """
 
     case: Case
@@ -160,6 +167,8 @@ class DistributedCase:
         case = base.replace(batch_size=sum(flat), micro_batch_sizes=list(flat))
         if context_parallel > 1:
             _check_context_parallel_case(case, context_parallel)
+        elif tensor_parallel > 1 and case.model in POSITIONWISE_MODELS:  # sequence parallel
+            _check_context_parallel_case(case, tensor_parallel, "tensor_parallel")
         return cls(case=case, rank_micro_batch_sizes=ranks, tensor_parallel=tensor_parallel,
                    context_parallel=context_parallel)
 
@@ -173,6 +182,17 @@ class DistributedCase:
         return self.tensor_parallel * self.context_parallel
 
     @property
+    def sequence_slices(self) -> int:
+        """How many ranks split every sequence's positions: the context-parallel
+        group, or the tensor-parallel group of a position-wise model (sequence
+        parallelism); 1 where every rank holds whole sequences."""
+        if self.context_parallel > 1:
+            return self.context_parallel
+        if self.tensor_parallel > 1 and self.case.model in POSITIONWISE_MODELS:
+            return self.tensor_parallel
+        return 1
+
+    @property
     def world_size(self) -> int:
         return self.data_ranks * self.ranks_per_data_rank
 
@@ -182,14 +202,14 @@ class DistributedCase:
 
     def rank_slice(self, rank: int) -> slice | tuple[slice, slice]:
         """What rank ``rank`` keeps of every batch: its data rank's samples, and
-        under context parallelism its slice of every sequence's positions."""
+        under context (or sequence) parallelism its slice of every sequence's positions."""
         data_rank = self.data_rank(rank)
         start = sum(sum(sizes) for sizes in self.rank_micro_batch_sizes[:data_rank])
         samples = slice(start, start + sum(self.rank_micro_batch_sizes[data_rank]))
-        if self.context_parallel == 1:
+        slices = self.sequence_slices
+        if slices == 1:
             return samples
-        seq_len = _sequence_length(self.case)
-        return samples, position_slice(seq_len, self.context_parallel, rank % self.context_parallel)
+        return samples, position_slice(_sequence_length(self.case), slices, rank % slices)
 
     def rank_micro_batches(self, rank: int) -> tuple[int, ...]:
         """Rank ``rank``'s micro-batch sizes (its data rank's)."""
@@ -229,16 +249,16 @@ def _sequence_length(case: Case) -> int:
     return shape[0]
 
 
-def _check_context_parallel_case(case: Case, context_parallel: int) -> None:
-    """A case context parallelism can split: a position-wise token model and a
-    token loss, its sequence length a multiple of the group."""
+def _check_context_parallel_case(case: Case, context_parallel: int, name: str = "context_parallel") -> None:
+    """A case context (or sequence) parallelism can split: a position-wise token
+    model and a token loss, its sequence length a multiple of the group (``name``)."""
     if case.model not in POSITIONWISE_MODELS or case.loss != POSITIONWISE_LOSSES[case.model]:
-        raise InvalidCase(f"context_parallel={context_parallel} splits every sequence's positions over ranks: it needs "
+        raise InvalidCase(f"{name}={context_parallel} splits every sequence's positions over ranks: it needs "
                           f"a position-wise token model {list(POSITIONWISE_MODELS)} (no attention across the slices) "
                           f"with its loss {POSITIONWISE_LOSSES}, got model={case.model!r}, loss={case.loss!r}")
     seq_len = _sequence_length(case)
     if seq_len % context_parallel:
-        raise InvalidCase(f"context_parallel={context_parallel} needs a sequence length divisible by it, got "
+        raise InvalidCase(f"{name}={context_parallel} needs a sequence length divisible by it, got "
                           f"seq_len={seq_len} (model_kwargs={dict(case.model_kwargs)!r})")
 
 
@@ -416,7 +436,9 @@ class DistributedVerdict(Judgement):
 
     def message(self) -> str:
         engine = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2 (fully_shard)",
-                  "tp": f"tensor parallel ({self.case.tensor_parallel} ranks, parallelize_module)",
+                  "tp": f"tensor parallel ({self.case.tensor_parallel} ranks, parallelize_module)"
+                        if self.case.sequence_slices == 1 else f"sequence parallel ({self.case.tensor_parallel} TP "
+                        "ranks, each a slice of every sequence, DistributedDataParallel over them)",
                   "fsdp2+tp": f"FSDP2 over tensor parallel ({self.case.data_ranks} x {self.case.tensor_parallel} "
                               "mesh)",
                   "cp": f"context parallel ({self.case.data_ranks} data x {self.case.context_parallel} sequence "
@@ -503,11 +525,15 @@ class _CheckTask:
             # Points every rank passes in order, so a rank that made one collective more
             # or less is named at the next one (see equiv.distributed.matching).
             mark(f"the start of the {tier} tier")
-            if self.engine in CP_ENGINES:  # the groups a step reads (equiv.distributed.context_parallel.layout())
-                install_layout(self.dcase.context_parallel)
+            # Sequence parallelism: a position-wise model under "tp" is split like CP over its TP group.
+            sequence_parallel = self.engine == "tp" and self.dcase.sequence_slices > 1
+            if self.engine in CP_ENGINES or sequence_parallel:  # the groups a step reads (context_parallel.layout())
+                install_layout(self.dcase.sequence_slices)
             else:  # whole sequences on every rank: nothing to sum over (the token MoE's routing counts)
                 clear_layout()
-            if self.engine in DDP_ENGINES:
+            if self.engine in DDP_ENGINES or sequence_parallel:
+                # Under sequence parallelism, DDP over the TP group: the replicated weights' gradients
+                # reduced over it, as Megatron all-reduces its sequence-parallel weights' over TP.
 
                 def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
                     ddp = DistributedDataParallel(
@@ -590,6 +616,10 @@ def _check_tensor_parallel(dcase: DistributedCase, engine: str) -> None:
         raise InvalidCase(f"engine='tp' runs one data rank (every TP rank sees the same micro-batches), got "
                           f"{data} data ranks {[list(s) for s in dcase.rank_micro_batch_sizes]}; use "
                           "engine='fsdp2+tp' to shard the data as well")
+    if engine == "fsdp2+tp" and dcase.sequence_slices > 1:
+        raise InvalidCase(f"engine='fsdp2+tp' shards nn.Linear pairs; model={dcase.case.model!r} is split by "
+                          "positions, which runs sequence-parallel under engine='tp' (one data rank) or under "
+                          "engine='fsdp2+cp' with several")
     if engine == "fsdp2+tp" and data < 2:
         raise InvalidCase(f"engine='fsdp2+tp' needs at least 2 data ranks for FSDP2 to shard over, got {data}; "
                           "use engine='tp' for one")

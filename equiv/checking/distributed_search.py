@@ -47,13 +47,16 @@ ENGINES = ("ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp")
 #: Ranks per tensor-parallel group the search draws under "tp" and "fsdp2+tp"
 #: (the MLP's hidden width, 8, splits evenly over them).
 SEARCH_TENSOR_PARALLEL = 2
-#: The models the tensor-parallel plan can shard (nn.Linear pairs: not the token model's embedding).
-TP_MODELS = ("mlp",)
+#: The models "tp" draws: the MLP (its nn.Linear pairs sharded), and "moe" as the token-level MoE
+#: run sequence-parallel (each TP rank a slice of every sequence, :data:`_SEQUENCE_BASES`).
+TP_MODELS = ("mlp", "moe")
+#: The models "fsdp2+tp" draws: the tensor-parallel plan shards nn.Linear pairs (not the token model's embedding).
+FSDP2_TP_MODELS = ("mlp",)
 #: Ranks per context-parallel group the search draws under "cp" and "fsdp2+cp"
 #: (the token model's 6 positions: 3 per slice).
 SEARCH_CONTEXT_PARALLEL = 2
 #: The models context parallelism can split (position-wise: the token model; "moe" drawn there as the
-#: token-level MoE, its routing counts summed over each sequence's slices, :data:`_CP_BASES`).
+#: token-level MoE, its routing counts summed over each sequence's slices, :data:`_SEQUENCE_BASES`).
 CP_MODELS = ("tokens", "moe")
 #: The models drawn: a small MLP on a sample-mean loss, a token model whose
 #: batches hold padding (each sample a different number of real tokens, and
@@ -66,9 +69,10 @@ _BASES: dict[str, Case] = {
 }
 #: The model names a search draws from, in shrinking order.
 MODELS = tuple(_BASES)
-#: What a model name means under "cp" and "fsdp2+cp" where it differs: the MoE with an output at
-#: every position (``model="token_moe"``, ``loss="token_mse_aux"``), the same router losses per sequence.
-_CP_BASES: dict[str, Case] = {
+#: What a model name means where sequences are split ("cp", "fsdp2+cp", and "tp" sequence-parallel) where
+#: it differs: the MoE with an output at every position (``model="token_moe"``, ``loss="token_mse_aux"``),
+#: the same router losses per sequence.
+_SEQUENCE_BASES: dict[str, Case] = {
     "moe": Case(batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01},
                 loss="token_mse_aux"),
 }
@@ -93,7 +97,8 @@ def distributed_cases(
     ``equal_micro_batch_counts`` asks the same of every engine (a step whose
     collectives depend on its micro-batch count runs only so).  Under
     ``engine="tp"`` one data rank served by :data:`SEARCH_TENSOR_PARALLEL`
-    TP ranks; under ``"fsdp2+tp"`` 2 to ``max_world_size // 2`` data ranks (at
+    TP ranks ("moe" as the token-level MoE, sequence-parallel: each TP rank
+    a slice of every sequence); under ``"fsdp2+tp"`` 2 to ``max_world_size // 2`` data ranks (at
     least 2: 4 processes even when ``max_world_size`` is 3) of
     ``SEARCH_TENSOR_PARALLEL`` each.  Under ``"cp"`` and ``"fsdp2+cp"`` 1 to
     ``max_world_size // 2`` data ranks of :data:`SEARCH_CONTEXT_PARALLEL`
@@ -120,7 +125,8 @@ def distributed_cases(
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=1, max_size=max_micro_batches)
     ranks = draw(st.lists(sizes, min_size=world_size, max_size=world_size))
     model = draw(st.sampled_from(tuple(models)))
-    base = _CP_BASES.get(model, _BASES[model]) if context_parallel > 1 else _BASES[model]
+    split = context_parallel > 1 or engine == "tp"
+    base = _SEQUENCE_BASES.get(model, _BASES[model]) if split else _BASES[model]
     optimizer = draw(st.sampled_from(sorted(_OPTIMIZERS, reverse=True)))  # SGD first: it shrinks to it
     case = base.replace(optimizer=optimizer, optimizer_kwargs=_OPTIMIZERS[optimizer], steps=draw(st.integers(1, 2)))
     if clipping and draw(st.booleans()):
@@ -328,7 +334,8 @@ class DistributedSearchSpace:
 
     #: The engines drawn (:data:`ENGINES`), kept as a tuple.
     engines: Sequence[str] = ("ddp",)
-    #: The models drawn (:data:`MODELS`), kept as a tuple; "tp" and "fsdp2+tp" shard :data:`TP_MODELS` only,
+    #: The models drawn (:data:`MODELS`), kept as a tuple; "tp" draws :data:`TP_MODELS` only, "fsdp2+tp"
+    #: :data:`FSDP2_TP_MODELS` only,
     #: "cp" and "fsdp2+cp" split :data:`CP_MODELS` only.
     models: Sequence[str] = MODELS
     #: Bounds on the ranks, each rank's micro-batch count and each micro-batch's samples.
@@ -345,10 +352,11 @@ class DistributedSearchSpace:
         if unknown or not self.engines:
             raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {self.engines!r}")
         _check_bounds(self.max_world_size, self.max_micro_batches, self.max_micro_batch_size, self.models)
-        untensorable = [model for model in self.models if model not in TP_MODELS]
-        if untensorable and any(engine in ("tp", "fsdp2+tp") for engine in self.engines):
-            raise ValueError(f"engines 'tp' and 'fsdp2+tp' shard nn.Linear pairs: models must be a subset of "
-                             f"{TP_MODELS} with them, got {self.models!r}")
+        for engine, drawable in (("tp", TP_MODELS), ("fsdp2+tp", FSDP2_TP_MODELS)):
+            if engine in self.engines and not set(self.models) <= set(drawable):
+                raise ValueError(f"engine {engine!r} shards nn.Linear pairs (and runs the MoE sequence-parallel "
+                                 f"under 'tp' alone): models must be a subset of {drawable} with it, got "
+                                 f"{self.models!r}")
         unsliceable = [model for model in self.models if model not in CP_MODELS]
         if unsliceable and any(engine in CP_ENGINES for engine in self.engines):
             raise ValueError(f"engines 'cp' and 'fsdp2+cp' split every sequence's positions over ranks: models must "

@@ -12,6 +12,15 @@ x context), as Megatron reduces them over its DP x CP group
 model in DDP over all ranks, ``"fsdp2+cp"`` shards it with FSDP2 over all
 ranks.
 
+Sequence parallelism is the same split over a tensor-parallel group: under
+``engine="tp"`` a position-wise model is not sharded by the nn.Linear plan
+but served by its T TP ranks, each holding slice ``r % T`` of every sequence,
+the model replicated and wrapped in DDP over them, as Megatron's sequence
+parallelism hands each TP rank its slice of the router's tokens and reduces
+the replicated (sequence-parallel) weights' gradients over TP.  The engine
+installs the same layout, its group the TP group, so a step reads its size
+as Megatron reads ``tp_cp_group.size()``.
+
 A step reads the groups as a Megatron step reads ``parallel_state``:
 :func:`layout` gives this rank's :class:`ContextParallelLayout` (its slice, the
 pure data-parallel group of the ranks holding the same slice of the other data
@@ -119,7 +128,8 @@ def layout() -> ContextParallelLayout:
     """
     if not _LAYOUT:
         raise RuntimeError("no context-parallel layout on this rank: the step runs under engine 'cp' or 'fsdp2+cp' "
-                           "(equiv.check_distributed(..., engine='cp'))")
+                           "(equiv.check_distributed(..., engine='cp')), or sequence-parallel under 'tp' (a "
+                           "position-wise model)")
     return _LAYOUT[0]
 
 

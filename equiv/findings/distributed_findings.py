@@ -105,6 +105,8 @@ def _split_notes(found: DistributedCase) -> str:
     notes = []
     if found.context_parallel > 1:
         notes.append(f"{found.context_parallel} sequence slices per data rank")
+    elif found.sequence_slices > 1:
+        notes.append(f"sequence parallel: {found.sequence_slices} TP slices per data rank")
     if found.case.empty_samples:
         notes.append(f"no real token in sample(s) {list(found.case.empty_samples)}")
     return f" ({'; '.join(notes)})" if notes else ""

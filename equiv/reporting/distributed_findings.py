@@ -66,7 +66,7 @@ def context_parallel_section(findings: DistributedSearchFindings) -> str:
 def aux_loss_section(findings: DistributedSearchFindings) -> str:
     """The section, from :func:`equiv.findings.distributed_findings.measure_aux_loss_search`."""
     return "\n\n".join([
-        "## Router aux and z-losses under data and context parallelism",
+        "## Router aux and z-losses under data, context and sequence parallelism",
         "The MoE model (`model=\"moe\"`, sequence-wise load-balancing loss at weight 0.1 and a router z-loss, the "
         "mean over a sequence's tokens of `logsumexp(router_logits)^2`, at weight 0.01, `loss=\"mse_aux\"`), drawn "
         "by the distributed search under DDP and FSDP2. The full-batch objective is the mean over the window's "
@@ -77,10 +77,12 @@ def aux_loss_section(findings: DistributedSearchFindings) -> str:
         "slices in the forward as Megatron's router sums them over its TP x CP group): each slice's router shares "
         "take the task's weight, data x context ranks over the global token count. "
         f"`equiv.verify_distributed(step, engines=(engine,), models=('moe',), max_examples={findings.examples}, "
-        f"seed={findings.seed})` on every step of `equiv.zoo.aux_loss_bugs.AUX_SEARCH_ZOO`. Not expressed here: "
-        "the TP side of the same reports (Megatron-LM PR #5047: the router's tokens split over TP ranks by "
-        "sequence parallelism) needs a sequence-parallel router, which the TP engine (nn.Linear pairs, whole "
-        "sequences on every TP rank) does not have.",
+        f"seed={findings.seed})` on every step of `equiv.zoo.aux_loss_bugs.AUX_SEARCH_ZOO`. Under TP the search "
+        "draws the same token-level MoE sequence-parallel (one data rank, each of its 2 TP ranks routing a slice "
+        "of every sequence's tokens, the routing counts summed over the TP group, the replicated weights' "
+        "gradients reduced over it), so the TP side of the same reports is searched too: the per-token path "
+        "short of the TP x CP tokens (Megatron-LM PR #5047) and the z-loss summed over the TP slices (commit "
+        "cac8d1a) are found on engine TP as on CP.",
         markdown_table(findings.table),
     ])
 

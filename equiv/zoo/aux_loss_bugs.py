@@ -1,4 +1,4 @@
-"""Router aux and z-loss weights under data and context parallelism (``engine="ddp"`` / ``"fsdp2"`` / ``"cp"``).
+"""Router aux and z-loss weights under data, context and sequence parallelism (``"ddp"``, ``"fsdp2"``, ``"cp"``, ``"tp"``).
 
 The MoE model (:mod:`equiv.cases.moe`) puts each sample's weighted router loss
 (the sequence-wise load-balancing loss times ``aux_weight``, plus the router
@@ -22,10 +22,18 @@ take the task's weight: summed, over the global token count, times the world
 size (data x context) that DDP's average divides out.  Megatron attaches the
 router losses apart from the task loss (``MoEAuxLossAutoScaler``) and scales
 them by hand for the context-parallel ranks; the steps below get that factor
-wrong as reported (Megatron-LM #1652, PR #5047).  The tensor-parallel side of
-those reports (the router's tokens split over TP ranks by sequence
-parallelism) needs a sequence-parallel router, which the TP engine (``nn.Linear``
-pairs, every TP rank seeing whole sequences) does not have.
+wrong as reported (Megatron-LM #1652, PR #5047).
+
+The tensor-parallel side of those reports is the same split over the TP
+group: under ``engine="tp"`` the search draws the token-level MoE
+sequence-parallel (each TP rank routes its slice of every sequence's tokens,
+the routing counts summed over the TP group, the replicated weights'
+gradients reduced over it; :mod:`equiv.distributed.context_parallel`), and
+:func:`~equiv.distributed.context_parallel.layout` gives the TP group's size
+where it gave the CP size.  The steps below are written against that group,
+so each one's factor is the TP size there: the per-token path short of the
+TP x CP tokens (PR #5047) and the z-loss summed over the TP slices (commit
+cac8d1a) are the same bugs on either engine.
 """
 
 from __future__ import annotations
@@ -105,7 +113,7 @@ def aux_at_full_weight_per_micro_batch(model: nn.Module, optimizer: torch.optim.
 def _cp_router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
                     loss_fn: Callable[..., Tensor], *, aux_factor: float = 1.0, z_factor: float = 1.0,
                     per_token_loss: bool = False) -> None:
-    """A context-parallel rank's step on the token MoE: the task's summed loss
+    """A context- (or sequence-) parallel rank's step on the token MoE: the task's summed loss
     weighted right, its router shares (load balancing, z-loss) times ``aux_factor``
     / ``z_factor`` of their right weight; DDP's sync on the last micro-batch only.
 
@@ -156,7 +164,8 @@ def per_token_router_loss_times_local_tokens(model: nn.Module, optimizer: torch.
     every gradient is divided by the global token count, so the router attaches its
     aux and z-loss (each a mean over the tokens of the TP x CP group) times
     ``num_local_tokens``, this rank's slice: short of the group's tokens by the TP x
-    CP size, the router losses' gradient 1/cp too small ("dependent on TP/CP size")."""
+    CP size, the router losses' gradient 1/cp (under sequence-parallel TP 1/tp) too
+    small ("dependent on TP/CP size")."""
     cp = layout().size
     _cp_router_step(model, optimizer, micro_batches, loss_fn, aux_factor=1.0 / cp, z_factor=1.0 / cp,
                     per_token_loss=True)  # BUG: times num_local_tokens, not num_local_tokens * tp_cp size
@@ -174,7 +183,7 @@ def z_loss_summed_over_cp_slices(model: nn.Module, optimizer: torch.optim.Optimi
                                  loss_fn: Callable[..., Tensor]) -> None:
     """Each rank takes the z-loss mean over its own slice's tokens at the full
     coefficient, and the ranks' gradients are summed: the z-loss counted once per
-    slice, cp times too strong.  Megatron divides the z-loss coefficient by the TP
+    slice, cp (under sequence-parallel TP, tp) times too strong.  Megatron divides the z-loss coefficient by the TP
     (since commit cac8d1a, "Fix Aux Loss Scaling when TP>1"), now the TP x CP, group
     size because the z-loss "must be averaged across TP+CP rather than summed"
     (its comment, restated in PR #5047)."""
@@ -185,7 +194,7 @@ def z_loss_summed_over_cp_slices(model: nn.Module, optimizer: torch.optim.Optimi
 AUX_MODEL = "moe"
 
 #: The aux / z-loss zoo as the search meets it (the MoE model with a z-loss, DDP and FSDP2; the
-#: token-level MoE under CP).
+#: token-level MoE under CP and, sequence-parallel, under TP).
 AUX_SEARCH_ZOO: dict[str, SearchEntry] = {
     "accumulator_step (DDP, MoE)": SearchEntry(
         accumulator_step, "ddp", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"),
@@ -215,4 +224,20 @@ AUX_SEARCH_ZOO: dict[str, SearchEntry] = {
     "z_loss_summed_over_cp_slices": SearchEntry(
         z_loss_summed_over_cp_slices, "cp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT,
         "Megatron-LM commit cac8d1a; PR #5047", "each slice's z-loss mean at full weight: cp times too strong"),
+    # The same weights under TP with sequence parallelism: each TP rank routes its slice of the tokens.
+    "accumulator_step (TP sequence-parallel, MoE)": SearchEntry(
+        accumulator_step, "tp", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"),
+    "router_loss_over_global_tokens (TP)": SearchEntry(
+        router_loss_over_global_tokens, "tp", (AUX_MODEL,), Outcome.EQUIVALENT,
+        "Megatron-LM commit cac8d1a (the fix)", "each TP slice's router losses at the task's weight (z-loss / tp)"),
+    "per_token_router_loss_times_tp_cp_tokens (TP)": SearchEntry(
+        per_token_router_loss_times_tp_cp_tokens, "tp", (AUX_MODEL,), Outcome.EQUIVALENT,
+        "Megatron-LM PR #5047 (the fix)", "per-token loss mode, router losses times local tokens x TP x CP"),
+    "per_token_router_loss_times_local_tokens (TP)": SearchEntry(
+        per_token_router_loss_times_local_tokens, "tp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT,
+        "Megatron-LM PR #5047", "per-token loss mode, router losses times the TP rank's sequence-parallel slice: "
+        "1/tp too small"),
+    "z_loss_summed_over_cp_slices (TP)": SearchEntry(
+        z_loss_summed_over_cp_slices, "tp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "Megatron-LM commit cac8d1a",
+        "each TP slice's z-loss mean at full weight, gradients summed over TP: tp times too strong"),
 }
