@@ -8,10 +8,7 @@ import equiv
 from equiv.cases.case import Case, InvalidCase
 from equiv.checking.distributed import DistributedCase, check_distributed
 from equiv.checking.distributed_search import DistributedSearchSpace, distributed_cases, verify_distributed
-from equiv.findings.distributed_findings import search_zoo_rows
-from equiv.findings.results import DistributedSearchFindings
 from equiv.outcomes import Outcome
-from equiv.reporting.distributed_findings import aux_loss_section
 from equiv.zoo.aux_loss_bugs import (
     AUX_SEARCH_ZOO,
     per_token_router_loss_times_local_tokens,
@@ -79,17 +76,3 @@ def test_the_per_token_path_short_of_the_tp_tokens_is_found_by_the_search_and_sh
     fixed = verify_distributed(per_token_router_loss_times_tp_cp_tokens, engines=("tp",), models=("moe",),
                                max_examples=5, seed=0)
     assert not fixed.found, fixed.message()
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_every_tp_router_loss_entry_is_concluded_by_the_search() -> None:
-    """About 40 s: the report's search on each TP row of AUX_SEARCH_ZOO."""
-    rows = search_zoo_rows(TP_ZOO)
-    assert list(rows["as expected"]) == ["yes"] * len(TP_ZOO), rows.to_string()
-    found = rows[rows["found"] != "nothing"]
-    assert len(found) == 2, rows.to_string()  # Megatron-LM PR #5047, commit cac8d1a
-    assert set(found["shrunk split (samples per micro-batch, per rank)"]) == {
-        "[1] (sequence parallel: 2 TP slices per data rank)"}, rows.to_string()
-    section = aux_loss_section(DistributedSearchFindings(rows, 25, 0))
-    assert "sequence parallel" in section and "not expressed" not in section.lower()
