@@ -52,10 +52,10 @@ from equiv.losses import MSEWithAux, TokenMSEWithAux
 from equiv.outcomes import Outcome
 from equiv.zoo.distributed_bugs import SearchEntry
 
-__all__ = ["AUX_MODEL", "AUX_SEARCH_ZOO", "aux_at_full_weight_per_micro_batch", "aux_gradient_shrunk_by_world",
-           "aux_weighted_by_global_samples", "per_token_router_loss_times_local_tokens",
-           "per_token_router_loss_times_tp_cp_tokens", "router_loss_not_scaled_by_cp", "router_loss_over_global_tokens",
-           "z_loss_summed_over_cp_slices"]
+__all__ = ["AUX_MODEL", "AUX_SEARCH_ZOO", "aux_at_full_weight_per_micro_batch", "aux_gradient_never_flows",
+           "aux_gradient_shrunk_by_world", "aux_times_tokens_on_a_mean_loss", "aux_weighted_by_global_samples",
+           "per_token_router_loss_times_local_tokens", "per_token_router_loss_times_tp_cp_tokens",
+           "router_loss_not_scaled_by_cp", "router_loss_over_global_tokens", "z_loss_summed_over_cp_slices"]
 
 Batches = list[tuple[Tensor, Tensor]]
 
@@ -97,6 +97,27 @@ def aux_gradient_shrunk_by_world(model: nn.Module, optimizer: torch.optim.Optimi
     division by the data-parallel size."""
     _router_step(model, optimizer, micro_batches, loss_fn,
                  lambda output, samples, world: output[..., -1].sum() / samples)  # BUG: no * world
+
+
+def aux_gradient_never_flows(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                             loss_fn: Callable[..., Tensor]) -> None:
+    """NeMo Automodel #1408: the router loss handed to ``MoEAuxLossAutoScaler.apply``
+    whose return value is discarded, so the autograd node that carries the
+    router loss's gradient is never in the backward: the loss is computed (and
+    logged) at the right weight but trains nothing, and the experts drift out
+    of balance while the loss curve looks normal."""
+    _router_step(model, optimizer, micro_batches, loss_fn,
+                 lambda output, samples, world: output[..., -1].sum().detach() * world / samples)  # BUG: no gradient
+
+
+def aux_times_tokens_on_a_mean_loss(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+                                    loss_fn: Callable[..., Tensor]) -> None:
+    """NeMo Automodel #1408, its second half: the router loss's gradient scaled
+    by the number of items N where the task loss is a mean over them (the ``* N``
+    the issue asks to remove), so once the gradient flows it is N times too
+    strong (the issue's ~180,000x at its batch of tokens)."""
+    _router_step(model, optimizer, micro_batches, loss_fn,
+                 lambda output, samples, world: output[..., -1].sum() * world)  # BUG: not / samples
 
 
 def aux_at_full_weight_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
@@ -206,6 +227,12 @@ AUX_SEARCH_ZOO: dict[str, SearchEntry] = {
     "aux_gradient_shrunk_by_world": SearchEntry(
         aux_gradient_shrunk_by_world, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT,
         "Megatron-LM #3672; NeMo Automodel PR #1412", "router-loss gradient 1/dp too small"),
+    "aux_gradient_never_flows": SearchEntry(
+        aux_gradient_never_flows, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "NeMo Automodel #1408",
+        "router loss computed, its autograd node discarded: no router-loss gradient"),
+    "aux_times_tokens_on_a_mean_loss": SearchEntry(
+        aux_times_tokens_on_a_mean_loss, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "NeMo Automodel #1408",
+        "router-loss gradient times the item count of a mean loss: N times too strong"),
     "aux_at_full_weight_per_micro_batch": SearchEntry(
         aux_at_full_weight_per_micro_batch, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "Megatron-LM PR #2217",
         "each micro-batch's router-loss mean at full weight"),
