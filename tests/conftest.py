@@ -2,11 +2,17 @@
 of CUDA-only tests, one ``-ra`` line per module and reason for skips, and the
 CLI tests' ``steps_file``.
 
+A test marked ``peers("transformers", ...)`` needs those packages of the peers extras: it is skipped
+without them, except where ``EQUIV_REQUIRE_PEERS=1`` (``tox -e peers``, which installs them and runs
+``-m peers``): there a missing package fails the test, so no trainer path goes untested in CI.
+
 A test marked ``cuda`` needs nothing else: without a visible CUDA device it is
 skipped here, with :data:`NO_CUDA` as its reason (a module of CUDA tests only,
 tests/test_cuda.py, skips itself whole at import, one skip instead of hundreds).
 """
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -29,6 +35,13 @@ def device(request: pytest.FixtureRequest) -> str:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
         pytest.skip(NO_CUDA)
+    needs = item.get_closest_marker("peers")
+    missing = [package for package in (needs.args if needs else ()) if importlib.util.find_spec(package) is None]
+    if missing:
+        reason = f"needs {', '.join(missing)} (pip install equiv[peers]; tox -e peers runs it)"
+        if os.environ.get("EQUIV_REQUIRE_PEERS") == "1":
+            pytest.fail(f"{reason}, and EQUIV_REQUIRE_PEERS=1 says this environment has them")
+        pytest.skip(reason)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -5,7 +5,6 @@ named, and calls made through ``model.forward``, ``torch.compile`` and Accelerat
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -20,11 +19,6 @@ from equiv.losses import NextTokenCrossEntropy
 TOKENS = NextTokenCrossEntropy()
 
 
-def _needs(*packages: str) -> pytest.MarkDecorator:
-    missing = [package for package in packages if importlib.util.find_spec(package) is None]
-    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (pip install equiv[peers])")
-
-
 # -- 1. right on the trainers' defaults ----------------------------------------------------------
 
 #: 16 micro-batches of 2 sequences: with gradient_accumulation_steps=4, four windows, two of them
@@ -32,7 +26,7 @@ def _needs(*packages: str) -> pytest.MarkDecorator:
 _SIXTEEN = [[8, 8], [8, 7], [7, 2], [3, 2], [5, 5], [5, 5], [8, 6], [2, 1]] * 2
 
 
-@_needs("transformers", "accelerate")
+@pytest.mark.peers("transformers", "accelerate")
 def test_the_readme_callback_on_the_trainers_default_arguments_flags_no_step() -> None:
     # TrainingArguments clips at max_grad_norm=1.0 unless told otherwise, and the clip is active here:
     # the callback reads it, and says what it read.
@@ -44,7 +38,7 @@ def test_the_readme_callback_on_the_trainers_default_arguments_flags_no_step() -
     assert "bf16=False" in audited.read and "model_accepts_loss_kwargs=True" in audited.read
 
 
-@_needs("transformers", "accelerate")
+@pytest.mark.peers("transformers", "accelerate")
 def test_a_trainer_that_does_not_clip_is_not_hinted_to_clip_to_inf() -> None:
     # The Trainer measures the grad norm with clip_grad_norm_(..., inf) when it does not clip: no clip.
     audited = trainer_run(loss_kwargs=False)  # max_grad_norm=0, windows 1 and 3 flagged (transformers #37766)
@@ -54,7 +48,7 @@ def test_a_trainer_that_does_not_clip_is_not_hinted_to_clip_to_inf() -> None:
     assert "model_accepts_loss_kwargs=False" in audited.read
 
 
-@_needs("transformers")
+@pytest.mark.peers("transformers")
 def test_the_callback_says_what_it_read_in_one_line_when_training_begins() -> None:
     from types import SimpleNamespace
 
@@ -115,7 +109,7 @@ def test_a_negative_max_grad_norm_is_refused_with_its_value() -> None:
         audit(model, optimizer, loss=TOKENS, max_grad_norm=-1.0)
 
 
-@_needs("pytorch_lightning")
+@pytest.mark.peers("pytorch_lightning")
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_lightning_clipping_is_read_from_the_trainer(algorithm: str) -> None:
     # gradient_clip_val=0.05 is active on every window; the callback reads it (and the algorithm). Clipped
@@ -129,7 +123,7 @@ def test_lightning_clipping_is_read_from_the_trainer(algorithm: str) -> None:
     assert told == 0.05
 
 
-@_needs("pytorch_lightning")
+@pytest.mark.peers("pytorch_lightning")
 def test_lightning_on_its_defaults_says_it_does_not_clip() -> None:
     audited = lightning_tail_run()
     assert audited.read is not None and "gradient_clip_val=None (no clipping)" in audited.read
@@ -315,7 +309,7 @@ def test_a_compiled_model_is_recorded(audited: str) -> None:
     assert [w.micro_batches for w in watched.windows] == [2] * 2 and watched, watched.summary()
 
 
-@_needs("accelerate")
+@pytest.mark.peers("accelerate")
 @pytest.mark.parametrize("through", ["call", "forward"])
 def test_an_accelerate_prepared_model_is_recorded(through: str) -> None:
     from accelerate import Accelerator
@@ -344,7 +338,7 @@ def test_a_compiled_module_handed_to_the_audit_keeps_its_full_graph() -> None:
     assert "forward" not in model.__dict__ and compiled.forward is not None
 
 
-@_needs("accelerate")
+@pytest.mark.peers("accelerate")
 def test_accelerates_mixed_precision_inside_the_prepared_forward_is_recorded() -> None:
     # Accelerate enters its autocast inside the forward it sets on the model: the record carries it, so
     # the floors are replayed in the run's own mixed precision.

@@ -6,6 +6,10 @@
 - thorough: many examples, for long hunts.
 
 ``deadline=None`` throughout: torch code has warm-up costs that are not bugs.
+No "explain" phase in any of them (:data:`PHASES`): after a failure it reruns the
+shrunk case dozens of times to say which draws matter, which equiv's verdict
+already says; on a check of a few seconds it took ~110 s of the ~150 s a failing
+``@given(equiv.strategies.cases_for(step))`` test ran.
 
 Registered with Hypothesis as ``equiv-dev``, ``equiv-ci`` and
 ``equiv-thorough`` when this module is imported (``import equiv`` does, and
@@ -20,14 +24,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import InvalidArgument
 
-__all__ = ["PREFIX", "PROFILES", "profile_name", "profile_settings", "register_profiles"]
+__all__ = ["PHASES", "PREFIX", "PROFILES", "profile_name", "profile_settings", "register_profiles"]
+
+#: Hypothesis's phases less "explain" (see the module docstring): every equiv profile runs these.
+PHASES: tuple[Phase, ...] = tuple(phase for phase in Phase if phase is not Phase.explain)
 
 #: Short name -> the settings' keyword arguments.
 PROFILES: dict[str, dict[str, Any]] = {
-    "dev": {"max_examples": 30, "deadline": None},
+    "dev": {"max_examples": 30, "deadline": None, "phases": PHASES},
     "ci": {
         "max_examples": 60,
         "deadline": None,
@@ -35,8 +42,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "database": None,  # derandomize implies none; passing both raises
         "print_blob": True,
         "suppress_health_check": [HealthCheck.too_slow],
+        "phases": PHASES,
     },
-    "thorough": {"max_examples": 2000, "deadline": None, "print_blob": True},
+    "thorough": {"max_examples": 2000, "deadline": None, "print_blob": True, "phases": PHASES},
 }
 #: What equiv's profiles are called among Hypothesis's.
 PREFIX = "equiv-"
