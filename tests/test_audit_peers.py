@@ -12,6 +12,7 @@ import pytest
 from equiv.auditing.runs import accelerate_tail_run, lightning_tail_run, trainer_run
 from tests.test_audit_torchrun import audits_under_torchrun
 
+
 @pytest.mark.peers("transformers", "accelerate")
 def test_the_trainer_on_a_model_taking_kwargs_is_clean() -> None:
     audited = trainer_run(loss_kwargs=True)

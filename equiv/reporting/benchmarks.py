@@ -347,7 +347,32 @@ def render_report(
     lines += _verify_threads_section(raw)
     lines += _search_times_section(raw)
     lines += _audit_section(raw)
+    lines += _readme_example_section(raw)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _readme_example_section(raw: dict[str, Any]) -> list[str]:
+    """How long the README's failing pytest example takes to report (benchmarks/test_readme_pytest_example.py)."""
+    infos = [b["extra_info"] for b in raw.get("benchmarks", [])
+             if b.get("extra_info", {}).get("kind") == "readme_pytest_example"]
+    if not infos:
+        return []
+    info = infos[0]
+    seconds, target = float(info["seconds"]), float(info["target_seconds"])
+    explain = info.get("seconds_with_explain")
+    beside = ("" if explain is None else
+              f" With Hypothesis's explain phase back (equiv's ci profile otherwise unchanged), in the same run: "
+              f"{float(explain):.1f} s ({float(explain) / seconds:.1f}x).")
+    return [
+        "## The README's pytest example: time to report the failing step",
+        "",
+        f"`{info['command']}` in a fresh folder holding the README's `train.py` and `test_train.py` (the textbook "
+        f"loop under `@given(equiv.strategies.cases_for(my_step))`): **{seconds:.1f} s** to report the shrunk "
+        f"failure (target under {target:g} s on 2 cores: {'met' if seconds < target else 'NOT met'}).{beside} "
+        f"Threads: {info['threads']}. Load average at the end: {info['load_average_1min']}."
+        + ("" if explain is not None else " (Quick mode: the explain-phase run, minutes long, is left out.)"),
+        "",
+    ]
 
 
 def _audit_section(raw: dict[str, Any]) -> list[str]:
