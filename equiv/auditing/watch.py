@@ -71,6 +71,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
+from equiv.auditing.optimizers import audited_optimizer, closure_required
 from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
 from equiv.auditing.replay import (
     AuditFailure,
@@ -159,7 +160,7 @@ class Audit(ResultBase):
 
     KIND = "audit"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any, every: int = 1,
                  targets: Callable[[Call], Tensor] = default_targets,
                  output: Callable[[Any], Tensor] = default_output,
                  max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
@@ -173,8 +174,11 @@ class Audit(ResultBase):
         model = unwrapped(_compiled_from(model))  # DDP's module: DDP's forward calls it, its calls are recorded
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer = audited_optimizer(optimizer)  # the torch optimizer inside Accelerate's / Lightning's wrapper
+        refused = closure_required(optimizer)
+        if refused is not None:
+            raise ValueError(f"equiv.audit does not support optimizer {type(optimizer).__name__}: {refused}, so there "
+                             "is no full-batch step to compare with (equiv check refuses it too)")
         if not (hasattr(loss, "sum") and hasattr(loss, "count")):
             raise TypeError(f"loss must offer sum(output, targets) and count(targets) (an equiv.Loss such as "
                             f"equiv.NextTokenCrossEntropy()), got {loss!r}")
@@ -219,6 +223,8 @@ class Audit(ResultBase):
         #: inside ``GradScaler.step``; and whether the optimizer step now running skips itself (fused, found_inf)
         self._in_scaler_step = False
         self._skips_inside = False
+        #: the optimizer step now running was called with a closure (its gradient is the closure's)
+        self._closure_step = False
 
     # -- the hooks ---------------------------------------------------------
 
@@ -332,17 +338,26 @@ class Audit(ResultBase):
                               and isinstance(found_inf, Tensor) and bool(found_inf.item()))
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
                             for group in optimizer.param_groups)
-        if self._window is not None:  # the gradient this step takes, named if it is not finite
-            names = {id(param): name for name, param in self.model.named_parameters()}
-            self._window["not_finite"] = _first_not_finite(
-                ((names.get(id(p), "?"), p.grad) for group in optimizer.param_groups for p in group["params"]),
-                "gradient", step=self.steps)
+        # A step called with a closure (SGD.step(closure)) runs it inside the step: the forward calls it makes
+        # join the window (recorded as any others), and the gradient the step takes is read after it.
+        self._closure_step = bool(args and args[0] is not None) or kwargs.get("closure") is not None
+        if self._window is not None and not self._closure_step:
+            self._window["not_finite"] = self._gradient_not_finite(optimizer)
+
+    def _gradient_not_finite(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """The gradient this step takes, named if it is not finite."""
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        return _first_not_finite(
+            ((names.get(id(p), "?"), p.grad) for group in optimizer.param_groups for p in group["params"]),
+            "gradient", step=self.steps)
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._skips_inside:  # no update: GradScaler.step's wrapper counts it skipped, as a skipped call
             self._skips_inside = False
             return
         window, step = self._window, self.steps
+        if window is not None and self._closure_step:  # the closure's gradient (optimizers leave .grad as it is)
+            window["not_finite"] = self._gradient_not_finite(optimizer)
         self.steps += 1
         try:
             if window is not None:
@@ -864,7 +879,7 @@ def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
     return "; ".join(hints) or None
 
 
-def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
+def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any, every: int = 1,
           targets: Callable[[Call], Tensor] = default_targets, output: Callable[[Any], Tensor] = default_output,
           max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
           on_window: Callable[[WindowAudit], None] | None = None,
