@@ -73,6 +73,7 @@ from torch.utils.hooks import RemovableHandle
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
 from equiv.auditing.optimizers import audited_optimizer, closure_required
 from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
+from equiv.auditing.schedules import Advance, ScheduleWatch, schedule_verdict
 from equiv.auditing.replay import (
     AuditFailure,
     Autocast,
@@ -225,6 +226,8 @@ class Audit(ResultBase):
         self._skips_inside = False
         #: the optimizer step now running was called with a closure (its gradient is the closure's)
         self._closure_step = False
+        #: the advances of the optimizer's LR schedule since the last optimizer step (equiv.auditing.schedules)
+        self._advances: list[Advance] = []
 
     # -- the hooks ---------------------------------------------------------
 
@@ -246,11 +249,13 @@ class Audit(ResultBase):
             called = [self.model] if self._compiled is None else [self.model, self._compiled]
             self._watched = [_WatchedForward.install(self, module) for module in called]
         _ClipWatch.open(self)
+        ScheduleWatch.open(self)
         self._begin_window()
         return self
 
     def __exit__(self, *exc: object) -> None:
         _ClipWatch.close(self)
+        ScheduleWatch.close(self)
         for watched in self._watched:
             watched.remove()
         for handle in self._handles:
@@ -259,6 +264,7 @@ class Audit(ResultBase):
 
     def _begin_window(self) -> None:
         """Copy what the next window starts from, if it will be audited."""
+        self._advances = []  # the schedule's advances are counted per window, audited or not
         if self.steps % self.every:
             self._window = None
             return
@@ -358,6 +364,8 @@ class Audit(ResultBase):
         window, step = self._window, self.steps
         if window is not None and self._closure_step:  # the closure's gradient (optimizers leave .grad as it is)
             window["not_finite"] = self._gradient_not_finite(optimizer)
+        if window is not None:
+            window["schedule"] = self._advances
         self.steps += 1
         try:
             if window is not None:
@@ -387,6 +395,9 @@ class Audit(ResultBase):
         verdict = judge_window(recorded, replay, usual_micro_batches=usual)
         verdict = dataclasses.replace(verdict, position=self.position,
                                       hint=_clipping_hint(self, window) if verdict.mismatches else verdict.hint)
+        schedule, note = schedule_verdict(window.get("schedule", []))
+        if schedule is not None or note is not None:
+            verdict = dataclasses.replace(verdict, schedule=schedule, note=note)
         if "averaged" in window and verdict.judged:
             verdict = self._judge_averaged(verdict, window["averaged"], recorded)
         verdict = self._finite(verdict, window.get("not_finite"))
@@ -430,6 +441,10 @@ class Audit(ResultBase):
                 f"(step {step}) is: the window's own data makes the loss over its {sum(verdict.items)} items not finite "
                 "(NaN or inf inputs or targets, or no item to count); not judged")
         return dataclasses.replace(verdict, not_finite=text, full_batch_not_finite=True, mismatches=())
+
+    def _schedule_advanced(self, advance: Advance) -> None:
+        """A scheduler of this audit's optimizer advanced its schedule (counted for the window now open)."""
+        self._advances.append(advance)
 
     def _skipped(self) -> None:
         """A GradScaler skipped the step (inf or NaN gradients): the micro-batches recorded
