@@ -35,9 +35,11 @@ MAX_WRAPPERS = 8
 
 
 def _is_torch_optimizer(value: Any) -> bool:
-    """A torch optimizer the hooks can be set on: a ``torch.optim.Optimizer`` that ran its
-    ``__init__`` (an ``AcceleratedOptimizer`` is an ``Optimizer`` subclass that did not)."""
-    return isinstance(value, torch.optim.Optimizer) and hasattr(value, "_optimizer_step_pre_hooks")
+    """A torch optimizer the hooks can be set on: a ``torch.optim.Optimizer`` that ran its own
+    ``__init__``.  An ``AcceleratedOptimizer`` is an ``Optimizer`` subclass that did not, a
+    ``LightningOptimizer`` makes itself one (a subclass of its optimizer's class, every attribute
+    looked up on the optimizer inside): neither holds the hooks in its own ``__dict__``."""
+    return isinstance(value, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in vars(value)
 
 
 def audited_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -59,7 +61,7 @@ def audited_optimizer(optimizer: Any) -> torch.optim.Optimizer:
             break
         chain.append(inner)
         if _is_torch_optimizer(inner):
-            wrappers = " in ".join(type(wrapper).__name__ for wrapper in reversed(chain[:-1]))
+            wrappers = " in ".join(_wrapper_name(wrapper) for wrapper in reversed(chain[:-1]))
             warnings.warn(f"equiv audit: auditing the {type(inner).__name__} inside the {wrappers} given (its "
                           "steps are the optimizer steps; a wrapper's step() that skips it, as Accelerate's does "
                           "during accumulation micro-steps, is not one)", UserWarning, stacklevel=4)
@@ -68,6 +70,13 @@ def audited_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     inside = f" (its .optimizer chain ends at a {type(chain[-1]).__name__})" if len(chain) > 1 else ""
     raise TypeError(f"optimizer must be a torch.optim.Optimizer, or a wrapper holding one as .optimizer "
                     f"(Accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer), got a {found}{inside}")
+
+
+def _wrapper_name(wrapper: Any) -> str:
+    """A wrapper's class as its library names it: ``LightningOptimizer`` for the ``LightningSGD`` it
+    makes itself (the first class of its MRO that is not an optimizer), else its own class."""
+    return next((kind.__name__ for kind in type(wrapper).__mro__
+                 if kind is not object and not issubclass(kind, torch.optim.Optimizer)), type(wrapper).__name__)
 
 
 def _refuse_a_scheduler(value: Any) -> None:

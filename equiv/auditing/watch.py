@@ -73,7 +73,6 @@ from torch.utils.hooks import RemovableHandle
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
 from equiv.auditing.optimizers import audited_optimizer, closure_required
 from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
-from equiv.auditing.schedules import Advance, ScheduleWatch, schedule_verdict
 from equiv.auditing.replay import (
     AuditFailure,
     Autocast,
@@ -85,6 +84,7 @@ from equiv.auditing.replay import (
     judge_window,
     model_at,
 )
+from equiv.auditing.schedules import Advance, ScheduleWatch, schedule_verdict
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase, headed
 
