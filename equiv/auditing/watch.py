@@ -906,7 +906,15 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any
     Args:
         model, optimizer: the run's own (the optimizer must hold the model's parameters); a
             ``torch.compile``d model or an Accelerate-prepared one is watched as itself, and calls
-            through ``model(...)`` and ``model.forward(...)`` are both recorded.
+            through ``model(...)`` and ``model.forward(...)`` are both recorded.  The optimizer may be
+            the wrapper the loop holds (Accelerate's ``AcceleratedOptimizer``, Lightning's
+            ``LightningOptimizer``, any object keeping it as ``.optimizer``): the torch optimizer
+            inside is hooked, said once in a ``UserWarning``.  One whose ``step`` needs a closure
+            (``LBFGS``) is refused; a step given an optional closure (``SGD.step(closure)``) is judged
+            on every micro-batch of its window, the closure's included.  The optimizer's LR schedulers
+            are followed (:mod:`equiv.auditing.schedules`): one stepped more than once in a window,
+            changing the learning rate the step took, fails it (``WindowAudit.schedule``); changing
+            nothing, it is said in the window's ``note``.
         loss: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
             for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``).
         every: audit one optimizer step in every ``every`` (the first one included).
@@ -939,9 +947,10 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any
         :class:`~equiv.auditing.replay.WindowAudit` (the shared result protocol).
 
     Raises:
-        TypeError, ValueError: an argument is not what the audit can take (named, with the value given),
-            or the optimizer holds parameters that are not the model's; ValueError from a step whose recorded
-            targets do not fit ``loss`` (the shapes found named).
+        TypeError, ValueError: an argument is not what the audit can take (named, with the value given:
+            an optimizer that is neither a torch optimizer nor a wrapper of one, one whose step needs a
+            closure), or the optimizer holds parameters that are not the model's; ValueError from a step whose
+            recorded targets do not fit ``loss`` (the shapes found named).
     """
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
                  max_grad_norm=max_grad_norm, stop_at_first_failure=stop_at_first_failure, on_window=on_window,
