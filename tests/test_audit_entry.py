@@ -104,6 +104,12 @@ def test_the_scheduler_inside_accelerates_stepped_per_micro_batch_is_flagged() -
     assert "LambdaLR stepped 2 times in this window" in audit.failures[-1].line(), audit.summary()
 
 
+def test_accelerates_scheduler_stepped_twice_per_iteration_is_flagged_naming_both() -> None:
+    audit, _ = _accelerate_run(per_micro_batch=lambda prepared: (prepared.step(), prepared.step()))
+    assert audit.status is Outcome.NOT_EQUIVALENT, audit.summary()
+    assert "LambdaLR (in an AcceleratedScheduler) stepped 2 times" in audit.failures[-1].line(), audit.summary()
+
+
 def test_a_lightning_optimizer_is_unwrapped() -> None:
     from pytorch_lightning.core.optimizer import LightningOptimizer
 

@@ -156,12 +156,18 @@ class ScheduleWatch:
                 advanced, cls.depth, cls.stepped = cls.stepped > 0, 0, 0
                 if advanced:
                     for audit, hyper in zip(watching, before, strict=True):
-                        audit._schedule_advanced(Advance(type(scheduler).__name__, hyper,
-                                                         _hyperparameters(audit.optimizer)))
+                        audit._schedule_advanced(Advance(_named(scheduler), hyper, _hyperparameters(audit.optimizer)))
 
         step.__name__ = step.__qualname__ = "step"
         step.__wrapped__ = original  # type: ignore[attr-defined]
         return step
+
+
+def _named(scheduler: Any) -> str:
+    """A scheduler by its class; a wrapper's (Accelerate's) with the scheduler inside it."""
+    inner = getattr(scheduler, "scheduler", None)
+    return f"{type(inner).__name__} (in an {type(scheduler).__name__})" if inner is not None else \
+        type(scheduler).__name__
 
 
 def _learning_rates(advances: list[Advance]) -> str:
