@@ -33,8 +33,9 @@ reduce-scattered by that copy's FSDP2 (torch's, with its defaults: never the
 run's own settings, which are what is judged), clipped on the global norm, and
 each rank steps its own shards with its own shard of the optimizer state, as
 FSDP2 does; the comparison is of each rank's shards.
-Tensor parallelism and HSDP (DTensor parameters on another mesh) are refused
-with a clear error; use ``equiv.check_distributed`` for those steps.
+Tensor parallelism, HSDP (FSDP2 on a 2-D mesh with a replicate dimension) and
+FSDP2 over a mesh of fewer than every rank are refused with a clear error naming
+what is not supported and what to run instead (:func:`sharding_refusal`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RankVerdict", "Ranks", "RanksError", "ranks_of_run", "unwrapped"]
+__all__ = ["RankVerdict", "Ranks", "RanksError", "ranks_of_run", "sharding_refusal", "unwrapped"]
 
 #: How long one of the audit's collectives waits for the other ranks (a rank that hangs, stopped stepping or
 #: left the loop) before this rank raises, naming where it waited; EQUIV_AUDIT_RANK_TIMEOUT_S overrides it.
@@ -279,6 +280,33 @@ _STATE_KEY = "__composable_api_state_key"
 _FSDP_MARKS = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
 
 
+def sharding_refusal(name: str, placements: tuple[Any, ...], mesh_shape: tuple[int, ...], world: int, *,
+                     by_fsdp: bool) -> str:
+    """Why the audit refuses a model whose parameter ``name`` is a DTensor placed ``placements`` on a
+    mesh of ``mesh_shape`` (of ``world`` ranks), and what the user can do, in one message: HSDP (FSDP2
+    on a 2-D mesh, replicated over one dimension and sharded over the other), tensor parallelism
+    (with or without FSDP2), or FSDP2 over a mesh that is not every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    where = f"parameter '{name}' is a DTensor placed {placements} on a mesh of shape {mesh_shape}"
+    supported = ("equiv.audit replays DDP (or gradients reduced by the loop) and FSDP2 sharding the model over "
+                 "every rank on one mesh dimension")
+    replicated = any(isinstance(placement, Replicate) for placement in placements)
+    if by_fsdp and len(mesh_shape) == 2 and replicated and any(isinstance(p, Shard) for p in placements):
+        return (f"{supported}; this model is HSDP (FSDP2 on a 2-D mesh, replicated over one dimension and sharded "
+                f"over the other: {where}), which the audit does not support yet. Audit the same loop with "
+                "fully_shard over a 1-D mesh of every rank (or under DDP): the accumulation and the loss are the "
+                "same code; or check the step with equiv.check_distributed(engine='fsdp2')")
+    if by_fsdp and len(mesh_shape) == 1:
+        return (f"{supported}; this model is FSDP2 on a mesh of {mesh_shape[0]} of the {world} ranks ({where}), "
+                "which the audit does not support yet. Audit the same loop with fully_shard over every rank (or "
+                "under DDP), or check the step with equiv.check_distributed(engine='fsdp2')")
+    return (f"{supported}; this model's {where} (tensor parallelism: the ranks of a tensor-parallel group share "
+            "their micro-batches and each holds a slice of the weights), which its replay does not rebuild. Check "
+            "the step with equiv.check_distributed (engine='tp' or 'fsdp2+tp'), or audit a DDP or FSDP2 run of the "
+            "same loop")
+
+
 def unwrapped(model: Any) -> Any:
     """The module a ``DistributedDataParallel`` wrapper runs (its parameters are the optimizer's,
     by their own names), else ``model``."""
@@ -317,13 +345,9 @@ def ranks_of_run(model: nn.Module) -> Ranks | None:
               or len(param.placements) != 1 or not isinstance(param.placements[0], Shard)]
     if sharded and (unlike or not by_fsdp):
         name = (unlike or list(sharded))[0]
-        raise RuntimeError(
-            f"equiv.audit replays a multi-process run whose ranks each hold the whole model (DDP, or gradients "
-            f"reduced by the loop) or FSDP2 sharding it over every rank on one mesh dimension, but this model's "
-            f"parameter '{name}' is a DTensor placed {sharded[name].placements} on a mesh of shape "
-            f"{tuple(sharded[name].device_mesh.shape)} (tensor parallelism or HSDP: its ranks do not each hold "
-            "their own micro-batches of one batch), which its replay does not rebuild. Check the step with "
-            "equiv.check_distributed (engine='tp' or 'fsdp2+tp'), or audit a DDP or FSDP2 run of the same loop.")
+        param = sharded[name]
+        raise RuntimeError(sharding_refusal(name, tuple(param.placements), tuple(param.device_mesh.shape), world,
+                                            by_fsdp=by_fsdp))
     group = dist.new_group(backend=dist.get_backend(), timeout=datetime.timedelta(seconds=timeout_s()))
     units = tuple((name, getattr(module._get_fsdp_state(), "_mp_policy", None))
                   for name, module in sorted(model.named_modules(), key=lambda item: -item[0].count(".")

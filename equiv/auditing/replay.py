@@ -108,10 +108,16 @@ class WindowAudit(ResultBase):
     #: in a multi-process run, every rank's verdict on the window (this rank's among them), in rank order;
     #: the window is equivalent only when every rank's is
     ranks: tuple[RankVerdict, ...] = ()
+    #: the optimizer's LR schedule advanced more than once in the window, changing a hyperparameter the
+    #: step took (a scheduler stepped per micro-batch): named, with the count; the window is then not equivalent
+    schedule: str | None = None
+    #: what the loop did that is wrong but left this step the full-batch one (a constant schedule stepped per
+    #: micro-batch), said after the verdict
+    note: str | None = None
 
     @property
     def equivalent(self) -> bool:
-        return (not self.mismatches and not self.inherent and self.not_finite is None
+        return (not self.mismatches and not self.inherent and self.not_finite is None and self.schedule is None
                 and all(rank.equivalent for rank in self.ranks))
 
     @property
@@ -134,7 +140,7 @@ class WindowAudit(ResultBase):
             return Outcome.INHERENTLY_NON_EQUIVALENT
         if self.full_batch_not_finite:
             return Outcome.NOT_APPLICABLE
-        return Outcome.NOT_EQUIVALENT if self.mismatches or self.ranks_off else Outcome.EQUIVALENT
+        return Outcome.NOT_EQUIVALENT if self.mismatches or self.ranks_off or self.schedule else Outcome.EQUIVALENT
 
     def __bool__(self) -> bool:
         return self.equivalent
@@ -149,7 +155,7 @@ class WindowAudit(ResultBase):
             "inherent": list(self.inherent), "mismatches": [d.to_dict() for d in self.mismatches],
             "worst": None if self.worst is None else self.worst.to_dict(), "hint": self.hint,
             "not_finite": self.not_finite, "full_batch_not_finite": self.full_batch_not_finite,
-            "ranks": [dataclasses.asdict(rank) for rank in self.ranks],
+            "ranks": [dataclasses.asdict(rank) for rank in self.ranks], "schedule": self.schedule, "note": self.note,
         }
 
     def line(self) -> str:
@@ -172,7 +178,9 @@ class WindowAudit(ResultBase):
             worst = self.worst.ratio if worst is None and self.worst is not None else worst
             ratio = f" (worst {worst:.2g} of its allowance{' on any rank' if self.ranks else ''})" \
                 if worst is not None else ""
-            return f"{where}: equivalent{ratio}"
+            return f"{where}: equivalent{ratio}" + (f"; note: {self.note}" if self.note else "")
+        if not self.mismatches and self.schedule:  # the update is the one its hyperparameters give; they are not
+            return f"{where}: NOT equivalent ({self.schedule})"
         if not self.mismatches:  # this rank's step is right, another's is not
             return f"{where}: NOT equivalent ({self._ranks_text()})"
         first = self.mismatches[0]
@@ -187,7 +195,7 @@ class WindowAudit(ResultBase):
         furthest = max(self.mismatches, key=lambda row: row.relative_error)
         furthest_text = "" if furthest is first else \
             f"; furthest off {furthest.label}, by {furthest.relative_error:.3g} of its scale"
-        hint = f"; {self.hint}" if self.hint else ""
+        hint = "".join(f"; {part}" for part in (self.schedule, self.hint) if part)
         ranks = f"; {self._ranks_text()}" if self.ranks else ""
         return (f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
                 f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}"

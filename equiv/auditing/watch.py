@@ -71,6 +71,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.hooks import RemovableHandle
 
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
+from equiv.auditing.optimizers import audited_optimizer, closure_required
 from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
 from equiv.auditing.replay import (
     AuditFailure,
@@ -83,6 +84,7 @@ from equiv.auditing.replay import (
     judge_window,
     model_at,
 )
+from equiv.auditing.schedules import Advance, ScheduleWatch, schedule_verdict
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase, headed
 
@@ -159,7 +161,7 @@ class Audit(ResultBase):
 
     KIND = "audit"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any, every: int = 1,
                  targets: Callable[[Call], Tensor] = default_targets,
                  output: Callable[[Any], Tensor] = default_output,
                  max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
@@ -173,8 +175,11 @@ class Audit(ResultBase):
         model = unwrapped(_compiled_from(model))  # DDP's module: DDP's forward calls it, its calls are recorded
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer = audited_optimizer(optimizer)  # the torch optimizer inside Accelerate's / Lightning's wrapper
+        refused = closure_required(optimizer)
+        if refused is not None:
+            raise ValueError(f"equiv.audit does not support optimizer {type(optimizer).__name__}: {refused}, so there "
+                             "is no full-batch step to compare with (equiv check refuses it too)")
         if not (hasattr(loss, "sum") and hasattr(loss, "count")):
             raise TypeError(f"loss must offer sum(output, targets) and count(targets) (an equiv.Loss such as "
                             f"equiv.NextTokenCrossEntropy()), got {loss!r}")
@@ -219,6 +224,10 @@ class Audit(ResultBase):
         #: inside ``GradScaler.step``; and whether the optimizer step now running skips itself (fused, found_inf)
         self._in_scaler_step = False
         self._skips_inside = False
+        #: the optimizer step now running was called with a closure (its gradient is the closure's)
+        self._closure_step = False
+        #: the advances of the optimizer's LR schedule since the last optimizer step (equiv.auditing.schedules)
+        self._advances: list[Advance] = []
 
     # -- the hooks ---------------------------------------------------------
 
@@ -240,11 +249,13 @@ class Audit(ResultBase):
             called = [self.model] if self._compiled is None else [self.model, self._compiled]
             self._watched = [_WatchedForward.install(self, module) for module in called]
         _ClipWatch.open(self)
+        ScheduleWatch.open(self)
         self._begin_window()
         return self
 
     def __exit__(self, *exc: object) -> None:
         _ClipWatch.close(self)
+        ScheduleWatch.close(self)
         for watched in self._watched:
             watched.remove()
         for handle in self._handles:
@@ -253,6 +264,7 @@ class Audit(ResultBase):
 
     def _begin_window(self) -> None:
         """Copy what the next window starts from, if it will be audited."""
+        self._advances = []  # the schedule's advances are counted per window, audited or not
         if self.steps % self.every:
             self._window = None
             return
@@ -332,17 +344,28 @@ class Audit(ResultBase):
                               and isinstance(found_inf, Tensor) and bool(found_inf.item()))
         self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
                             for group in optimizer.param_groups)
-        if self._window is not None:  # the gradient this step takes, named if it is not finite
-            names = {id(param): name for name, param in self.model.named_parameters()}
-            self._window["not_finite"] = _first_not_finite(
-                ((names.get(id(p), "?"), p.grad) for group in optimizer.param_groups for p in group["params"]),
-                "gradient", step=self.steps)
+        # A step called with a closure (SGD.step(closure)) runs it inside the step: the forward calls it makes
+        # join the window (recorded as any others), and the gradient the step takes is read after it.
+        self._closure_step = bool(args and args[0] is not None) or kwargs.get("closure") is not None
+        if self._window is not None and not self._closure_step:
+            self._window["not_finite"] = self._gradient_not_finite(optimizer)
+
+    def _gradient_not_finite(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """The gradient this step takes, named if it is not finite."""
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        return _first_not_finite(
+            ((names.get(id(p), "?"), p.grad) for group in optimizer.param_groups for p in group["params"]),
+            "gradient", step=self.steps)
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._skips_inside:  # no update: GradScaler.step's wrapper counts it skipped, as a skipped call
             self._skips_inside = False
             return
         window, step = self._window, self.steps
+        if window is not None and self._closure_step:  # the closure's gradient (optimizers leave .grad as it is)
+            window["not_finite"] = self._gradient_not_finite(optimizer)
+        if window is not None:
+            window["schedule"] = self._advances
         self.steps += 1
         try:
             if window is not None:
@@ -372,6 +395,9 @@ class Audit(ResultBase):
         verdict = judge_window(recorded, replay, usual_micro_batches=usual)
         verdict = dataclasses.replace(verdict, position=self.position,
                                       hint=_clipping_hint(self, window) if verdict.mismatches else verdict.hint)
+        schedule, note = schedule_verdict(window.get("schedule", []))
+        if schedule is not None or note is not None:
+            verdict = dataclasses.replace(verdict, schedule=schedule, note=note)
         if "averaged" in window and verdict.judged:
             verdict = self._judge_averaged(verdict, window["averaged"], recorded)
         verdict = self._finite(verdict, window.get("not_finite"))
@@ -415,6 +441,10 @@ class Audit(ResultBase):
                 f"(step {step}) is: the window's own data makes the loss over its {sum(verdict.items)} items not finite "
                 "(NaN or inf inputs or targets, or no item to count); not judged")
         return dataclasses.replace(verdict, not_finite=text, full_batch_not_finite=True, mismatches=())
+
+    def _schedule_advanced(self, advance: Advance) -> None:
+        """A scheduler of this audit's optimizer advanced its schedule (counted for the window now open)."""
+        self._advances.append(advance)
 
     def _skipped(self) -> None:
         """A GradScaler skipped the step (inf or NaN gradients): the micro-batches recorded
@@ -864,7 +894,7 @@ def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
     return "; ".join(hints) or None
 
 
-def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
+def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any, every: int = 1,
           targets: Callable[[Call], Tensor] = default_targets, output: Callable[[Any], Tensor] = default_output,
           max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
           on_window: Callable[[WindowAudit], None] | None = None,
@@ -876,7 +906,15 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
     Args:
         model, optimizer: the run's own (the optimizer must hold the model's parameters); a
             ``torch.compile``d model or an Accelerate-prepared one is watched as itself, and calls
-            through ``model(...)`` and ``model.forward(...)`` are both recorded.
+            through ``model(...)`` and ``model.forward(...)`` are both recorded.  The optimizer may be
+            the wrapper the loop holds (Accelerate's ``AcceleratedOptimizer``, Lightning's
+            ``LightningOptimizer``, any object keeping it as ``.optimizer``): the torch optimizer
+            inside is hooked, said once in a ``UserWarning``.  One whose ``step`` needs a closure
+            (``LBFGS``) is refused; a step given an optional closure (``SGD.step(closure)``) is judged
+            on every micro-batch of its window, the closure's included.  The optimizer's LR schedulers
+            are followed (:mod:`equiv.auditing.schedules`): one stepped more than once in a window,
+            changing the learning rate the step took, fails it (``WindowAudit.schedule``); changing
+            nothing, it is said in the window's ``note``.
         loss: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
             for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``).
         every: audit one optimizer step in every ``every`` (the first one included).
@@ -909,9 +947,10 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, ever
         :class:`~equiv.auditing.replay.WindowAudit` (the shared result protocol).
 
     Raises:
-        TypeError, ValueError: an argument is not what the audit can take (named, with the value given),
-            or the optimizer holds parameters that are not the model's; ValueError from a step whose recorded
-            targets do not fit ``loss`` (the shapes found named).
+        TypeError, ValueError: an argument is not what the audit can take (named, with the value given:
+            an optimizer that is neither a torch optimizer nor a wrapper of one, one whose step needs a
+            closure), or the optimizer holds parameters that are not the model's; ValueError from a step whose
+            recorded targets do not fit ``loss`` (the shapes found named).
     """
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
                  max_grad_norm=max_grad_norm, stop_at_first_failure=stop_at_first_failure, on_window=on_window,
