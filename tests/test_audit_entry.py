@@ -72,6 +72,7 @@ def _accelerate_run(per_micro_batch: Callable[[Any], None] | None = None,
     return audit, said
 
 
+@pytest.mark.peers("accelerate")
 def test_an_accelerated_optimizer_is_unwrapped_said_once_and_its_real_steps_audited() -> None:
     audit, said = _accelerate_run()
     # the wrapper's step() skips the inner AdamW on accumulation micro-steps: 8 micro-batches, 4 steps
@@ -80,12 +81,14 @@ def test_an_accelerated_optimizer_is_unwrapped_said_once_and_its_real_steps_audi
     assert len(said) == 1 and "AdamW inside the AcceleratedOptimizer" in said[0], said
 
 
+@pytest.mark.peers("accelerate")
 def test_an_accelerate_loop_with_uneven_micro_batches_is_flagged() -> None:
     # the mean of each micro-batch divided by 2 weighs a 1-sample micro-batch as much as a 7-sample one
     audit, _ = _accelerate_run(sizes=(7, 1) * 4)
     assert audit.status is Outcome.NOT_EQUIVALENT and len(audit.failures) == 4, audit.summary()
 
 
+@pytest.mark.peers("accelerate")
 def test_accelerates_scheduler_stepped_num_processes_times_by_design_is_one_advance(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import accelerate.scheduler
@@ -98,18 +101,21 @@ def test_accelerates_scheduler_stepped_num_processes_times_by_design_is_one_adva
     assert audit and audit.judged == 4 and all(window.note is None for window in audit.windows), audit.summary()
 
 
+@pytest.mark.peers("accelerate")
 def test_the_scheduler_inside_accelerates_stepped_per_micro_batch_is_flagged() -> None:
     audit, _ = _accelerate_run(per_micro_batch=lambda prepared: prepared.scheduler.step())
     assert audit.status is Outcome.NOT_EQUIVALENT, audit.summary()
     assert "LambdaLR stepped 2 times in this window" in audit.failures[-1].line(), audit.summary()
 
 
+@pytest.mark.peers("accelerate")
 def test_accelerates_scheduler_stepped_twice_per_iteration_is_flagged_naming_both() -> None:
     audit, _ = _accelerate_run(per_micro_batch=lambda prepared: (prepared.step(), prepared.step()))
     assert audit.status is Outcome.NOT_EQUIVALENT, audit.summary()
     assert "LambdaLR (in an AcceleratedScheduler) stepped 2 times" in audit.failures[-1].line(), audit.summary()
 
 
+@pytest.mark.peers("pytorch_lightning")
 def test_a_lightning_optimizer_is_unwrapped() -> None:
     from pytorch_lightning.core.optimizer import LightningOptimizer
 
@@ -288,6 +294,7 @@ def test_a_scheduler_of_another_optimizer_is_not_counted() -> None:
     assert audit and audit.judged == 4, audit.summary()
 
 
+@pytest.mark.peers("transformers", "accelerate")
 def test_the_transformers_trainer_with_a_warmup_schedule_passes() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
