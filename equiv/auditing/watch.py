@@ -68,10 +68,23 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
 from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
+from equiv.losses import (
+    FUNCTIONAL,
+    MSE,
+    CrossEntropy,
+    LossOptions,
+    NextTokenCrossEntropy,
+    TokenCrossEntropy,
+    disagreement,
+    loss_of,
+    options_of_call,
+    options_of_criterion,
+)
 from equiv.auditing.replay import (
     AuditFailure,
     Autocast,
@@ -159,7 +172,7 @@ class Audit(ResultBase):
 
     KIND = "audit"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any = None, every: int = 1,
                  targets: Callable[[Call], Tensor] = default_targets,
                  output: Callable[[Any], Tensor] = default_output,
                  max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
@@ -175,14 +188,15 @@ class Audit(ResultBase):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if criterion is not None and not isinstance(criterion, nn.Module):
+            raise TypeError(f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
+                            f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns")
+        loss = _loss_with_criterion(loss, criterion)
         if not (hasattr(loss, "sum") and hasattr(loss, "count")):
             raise TypeError(f"loss must offer sum(output, targets) and count(targets) (an equiv.Loss such as "
                             f"equiv.NextTokenCrossEntropy()), got {loss!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (audit one window in every), got {every!r}")
-        if criterion is not None and not isinstance(criterion, nn.Module):
-            raise TypeError(f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
-                            f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns")
         _refuse_a_foreign_optimizer(model, optimizer)
         #: the averaged copy of the weights the run keeps (an EMA, SWA), checked once per audited window
         self.averaged = averaged_weights(averaged, model)
@@ -219,6 +233,13 @@ class Audit(ResultBase):
         #: inside ``GradScaler.step``; and whether the optimizer step now running skips itself (fused, found_inf)
         self._in_scaler_step = False
         self._skips_inside = False
+        #: inside a criterion's or a wrapped loss's call, or the audit's own judging: a functional loss
+        #: called there is not the loop's (no double record, no replay recorded)
+        self._in_loss = 0
+        #: the torch.nn.functional losses whose targets are recorded (those ``loss`` maps onto; none with
+        #: a criterion, which records its own), and the mode that sees them, on during audited windows only
+        self._functional = _functional_losses(loss) if criterion is None else frozenset()
+        self._mode: _FunctionalLosses | None = None
 
     # -- the hooks ---------------------------------------------------------
 
@@ -236,6 +257,7 @@ class Audit(ResultBase):
         ]
         if self.criterion is not None:
             self._handles.append(self.criterion.register_forward_pre_hook(self._on_criterion, with_kwargs=True))
+            self._handles.append(self.criterion.register_forward_hook(self._after_criterion, always_call=True))
         if self.record_forward:
             called = [self.model] if self._compiled is None else [self.model, self._compiled]
             self._watched = [_WatchedForward.install(self, module) for module in called]
@@ -244,6 +266,7 @@ class Audit(ResultBase):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._functional_off()
         _ClipWatch.close(self)
         for watched in self._watched:
             watched.remove()
@@ -255,6 +278,7 @@ class Audit(ResultBase):
         """Copy what the next window starts from, if it will be audited."""
         if self.steps % self.every:
             self._window = None
+            self._functional_off()
             return
         self._window = {
             "params": {name: p.detach().clone() for name, p in self.model.named_parameters()},
@@ -266,7 +290,9 @@ class Audit(ResultBase):
             "clips": [],
             "outputs": [],  # per recorded forward call, (shape, dtype) of what the loss takes, when it could be read
             "seen_targets": [],  # the targets a criterion / wrapped loss received, one per its call
+            "functional_targets": [],  # the targets of the loop's torch.nn.functional loss calls (no wrap)
         }
+        self._functional_on()
         if self.averaged is not None and self.steps:  # after a step: its update of the average is yet to come
             self._window["averaged"] = self.averaged.capture()
 
@@ -281,8 +307,13 @@ class Audit(ResultBase):
         return True
 
     def _saw_output(self, output: Any) -> None:
-        """The output of the call just recorded: its shape and dtype, to check the targets fit the loss."""
+        """The output of the call just recorded: its shape and dtype, to check the targets fit the loss.
+        With the user's own ``call_model`` the replay's loss takes what that returns, not this forward's
+        output (a model computing its own loss returns losses): nothing read here, the replay says."""
         if self._window is None:
+            return
+        if self.call_model is not default_call:
+            self._window["outputs"].append(None)
             return
         try:
             taken = self.output(output)
@@ -300,7 +331,43 @@ class Audit(ResultBase):
             self._window["autocast"].append(_autocast_of(self.model))
 
     def _on_criterion(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._in_loss += 1
         self._saw_target(_loss_target(args, kwargs, "criterion"))
+
+    def _after_criterion(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_loss = max(0, self._in_loss - 1)
+
+    # -- torch.nn.functional losses, seen without a wrap -----------------------
+
+    def _functional_on(self) -> None:
+        """The mode that sees the loop's functional loss calls, pushed for an audited window."""
+        if self._functional and self._mode is None:
+            self._mode = _FunctionalLosses(self)
+            self._mode.__enter__()
+
+    def _functional_off(self) -> None:
+        """The mode popped (a mode pushed above it since, the user's, keeps its place: ours goes inert)."""
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        mode.inert = True
+        if torch.overrides._get_current_function_mode() is mode:
+            mode.__exit__(None, None, None)
+
+    def _saw_functional(self, function: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A ``torch.nn.functional`` loss the loop called on the model's output (not inside the model's
+        forward, a criterion, a wrapped loss or the audit's judging; not a metric on a detached output):
+        its options checked against ``loss`` and its target recorded, paired with the model's call before."""
+        if self._depth or self._in_loss or self._window is None:
+            return
+        if not (self.model.training and torch.is_grad_enabled()):
+            return
+        given = args[0] if args else kwargs.get("input")
+        if not (isinstance(given, Tensor) and given.requires_grad):
+            return
+        options = options_of_call(function, args, kwargs)
+        _agree(self.loss, options, "the loop's")
+        self._window["functional_targets"].append(_loss_target(args, kwargs, options.written).detach().clone())
 
     def _saw_target(self, target: Tensor) -> None:
         if self._window is not None and self.model.training and torch.is_grad_enabled():
@@ -313,7 +380,13 @@ class Audit(ResultBase):
 
         def recorded(*args: Any, **kwargs: Any) -> Tensor:
             self._saw_target(_loss_target(args, kwargs, getattr(loss_fn, "__name__", "the wrapped loss")))
-            return loss_fn(*args, **kwargs)
+            if loss_fn in FUNCTIONAL and self._window is not None:  # its options are the criterion's question
+                _agree(self.loss, options_of_call(loss_fn, args, kwargs), "the wrapped")
+            self._in_loss += 1  # the functional loss it calls is this one, recorded once
+            try:
+                return loss_fn(*args, **kwargs)
+            finally:
+                self._in_loss -= 1
 
         return recorded
 
@@ -342,6 +415,7 @@ class Audit(ResultBase):
         if self._skips_inside:  # no update: GradScaler.step's wrapper counts it skipped, as a skipped call
             self._skips_inside = False
             return
+        self._functional_off()  # the replay's own loss calls are not the loop's (and run at full speed)
         window, step = self._window, self.steps
         self.steps += 1
         try:
@@ -427,6 +501,12 @@ class Audit(ResultBase):
         (one per call, in order), else ``targets``; checked against the loss before any replay."""
         calls: list[Call] = window["calls"]
         seen: list[Tensor] = window["seen_targets"]
+        functional: list[Tensor] = window.get("functional_targets", [])
+        received = "the target the criterion (or wrapped loss) received"
+        if not seen and functional and self.targets is default_targets:
+            names = sorted(f"F.{function.__name__}" for function in self._functional)
+            seen = _functional_pairing(functional, calls, step, names)
+            received = f"the target the loop's {' / '.join(names)} received"
         if seen and len(seen) != len(calls):
             raise ValueError(
                 f"optimizer step {step} of the audit: the criterion (or wrapped loss) was called {len(seen)} times for "
@@ -440,7 +520,7 @@ class Audit(ResultBase):
             def seen_target(call: Call) -> Tensor:
                 return by_call[id(call)]
 
-            targets_of, where = seen_target, "the target the criterion (or wrapped loss) received"
+            targets_of, where = seen_target, received
         outputs: list[Any] = window["outputs"]
         checked: set[Any] = set()
         for call, output in zip(calls, outputs, strict=False):
@@ -636,6 +716,79 @@ def _loss_target(args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> Te
         return args[1]
     raise ValueError(f"the audit takes {what}'s target as its second positional argument or its target= keyword, "
                      f"got {len(args)} positional arguments and keywords {sorted(kwargs)}")
+
+
+def _loss_with_criterion(loss: Any, criterion: nn.Module | None) -> Any:
+    """The loss the audit judges by: ``loss``, checked against what ``criterion`` computes (its
+    options read: label smoothing, class weights, ignore_index), or derived from the criterion
+    when ``loss`` is not given; a disagreement, or a criterion equiv cannot express, one line."""
+    options = options_of_criterion(criterion) if criterion is not None else None
+    if loss is None:
+        if criterion is None:
+            raise TypeError("equiv.audit needs loss= (an equiv.Loss such as equiv.CrossEntropy()) or criterion= (the "
+                            "nn.Module loss the loop calls, whose loss the audit derives)")
+        if options is None:
+            raise ValueError(f"criterion={type(criterion).__name__}() is not one of torch's losses the audit can read; "
+                             "pass loss=<an equiv.Loss offering sum(output, targets) and count(targets)>")
+        return loss_of(options)
+    if options is not None:
+        _agree(loss, options, "criterion=")
+    return loss
+
+
+def _agree(loss: Any, options: LossOptions, whose: str) -> None:
+    """Refuse a run whose own loss computes another objective than ``loss`` (a correct run would be flagged)."""
+    differ = disagreement(loss, options)
+    if differ is not None:
+        written = f"criterion={options.written}" if whose == "criterion=" else f"{whose} {options.written}"
+        raise ValueError(
+            f"loss={loss!r} and {written} disagree ({differ}): the audit would judge the run by another objective "
+            "than the one it trains; pass the loss= that matches (equiv.CrossEntropy / TokenCrossEntropy take "
+            "weight=, ignore_index=, label_smoothing=), or, with criterion=, leave loss= out to derive it")
+
+
+def _functional_losses(loss: Any) -> frozenset[Callable[..., Tensor]]:
+    """The ``torch.nn.functional`` losses whose calls compute ``loss`` (a shipped cross-entropy or MSE), else none."""
+    kinds = {MSE: "mse", CrossEntropy: "cross_entropy", TokenCrossEntropy: "cross_entropy",
+             NextTokenCrossEntropy: "cross_entropy"}
+    kind = kinds.get(type(loss))
+    return frozenset(function for function, mapped in FUNCTIONAL.items() if kind is not None and mapped == kind)
+
+
+class _FunctionalLosses(TorchFunctionMode):
+    """Sees the loop's ``F.cross_entropy(model(x), y)`` (or the ``F`` loss its ``loss=`` maps onto) while an
+    audited window is open; every other function passes straight through."""
+
+    def __init__(self, watcher: Audit) -> None:
+        super().__init__()
+        self.audit, self.inert = watcher, False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.inert and func in self.audit._functional:
+            _see_functional_eagerly(self.audit, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+@torch.compiler.disable  # type: ignore[misc,unused-ignore]
+def _see_functional_eagerly(watcher: Audit, func: Callable[..., Tensor], args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> None:
+    watcher._saw_functional(func, args, kwargs)
+
+
+def _functional_pairing(functional: list[Tensor], calls: list[Call], step: int, names: list[str]) -> list[Tensor]:
+    """The functional loss calls' targets, one per forward call; none (the forward's own targets taken) when
+    the counts differ and each call carries its targets; else one line saying what was seen."""
+    if len(functional) == len(calls):
+        return functional
+    if all(_target_or_none(default_targets, call) is not None for call in calls):
+        return []
+    raise ValueError(
+        f"optimizer step {step} of the audit: the loop called {' / '.join(names)} {len(functional)} time"
+        f"{'s' if len(functional) != 1 else ''} with gradients for {len(calls)} forward call"
+        f"{'s' if len(calls) != 1 else ''} of the model in the window; the audit pairs one loss call with each "
+        "forward call: call the training loss through audit.wrap(loss_fn), or pass targets=lambda call: ...")
 
 
 def _target_or_none(targets_of: Callable[[Call], Tensor], call: Call) -> Tensor | None:
@@ -864,7 +1017,7 @@ def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
     return "; ".join(hints) or None
 
 
-def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any, every: int = 1,
+def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any = None, every: int = 1,
           targets: Callable[[Call], Tensor] = default_targets, output: Callable[[Any], Tensor] = default_output,
           max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
           on_window: Callable[[WindowAudit], None] | None = None,
