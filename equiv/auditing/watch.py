@@ -73,6 +73,17 @@ from torch.utils.hooks import RemovableHandle
 
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
 from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
+from equiv.auditing.replay import (
+    AuditFailure,
+    Autocast,
+    Call,
+    RecordedWindow,
+    WindowAudit,
+    WindowReplay,
+    inherent_advice,
+    judge_window,
+    model_at,
+)
 from equiv.losses import (
     FUNCTIONAL,
     MSE,
@@ -84,17 +95,6 @@ from equiv.losses import (
     loss_of,
     options_of_call,
     options_of_criterion,
-)
-from equiv.auditing.replay import (
-    AuditFailure,
-    Autocast,
-    Call,
-    RecordedWindow,
-    WindowAudit,
-    WindowReplay,
-    inherent_advice,
-    judge_window,
-    model_at,
 )
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase, headed
@@ -503,7 +503,10 @@ class Audit(ResultBase):
         seen: list[Tensor] = window["seen_targets"]
         functional: list[Tensor] = window.get("functional_targets", [])
         received = "the target the criterion (or wrapped loss) received"
-        if not seen and functional and self.targets is default_targets:
+        outputs: list[Any] = window["outputs"]
+        # The loop's functional loss calls fill in where the forward calls carry no targets that fit
+        # (model(x), a diffusion model's timestep): a forward's own labels= stay what they were.
+        if not seen and functional and self.targets is default_targets and not _defaults_fit(self.loss, calls, outputs):
             names = sorted(f"F.{function.__name__}" for function in self._functional)
             seen = _functional_pairing(functional, calls, step, names)
             received = f"the target the loop's {' / '.join(names)} received"
@@ -521,7 +524,6 @@ class Audit(ResultBase):
                 return by_call[id(call)]
 
             targets_of, where = seen_target, received
-        outputs: list[Any] = window["outputs"]
         checked: set[Any] = set()
         for call, output in zip(calls, outputs, strict=False):
             target = _target_or_none(targets_of, call)
@@ -778,17 +780,28 @@ def _see_functional_eagerly(watcher: Audit, func: Callable[..., Tensor], args: t
 
 
 def _functional_pairing(functional: list[Tensor], calls: list[Call], step: int, names: list[str]) -> list[Tensor]:
-    """The functional loss calls' targets, one per forward call; none (the forward's own targets taken) when
-    the counts differ and each call carries its targets; else one line saying what was seen."""
+    """The functional loss calls' targets, one per forward call, or one line saying what was seen."""
     if len(functional) == len(calls):
         return functional
-    if all(_target_or_none(default_targets, call) is not None for call in calls):
-        return []
     raise ValueError(
         f"optimizer step {step} of the audit: the loop called {' / '.join(names)} {len(functional)} time"
         f"{'s' if len(functional) != 1 else ''} with gradients for {len(calls)} forward call"
         f"{'s' if len(calls) != 1 else ''} of the model in the window; the audit pairs one loss call with each "
         "forward call: call the training loss through audit.wrap(loss_fn), or pass targets=lambda call: ...")
+
+
+def _defaults_fit(loss: Any, calls: list[Call], outputs: list[Any]) -> bool:
+    """Every forward call carries targets (a ``labels=`` keyword, a second positional tensor) that fit ``loss``."""
+    targets = [_target_or_none(default_targets, call) for call in calls]
+    if any(target is None for target in targets):
+        return False
+    for target, output in zip(targets, outputs, strict=False):
+        if output is not None and target is not None:
+            try:
+                _check_fits(loss, output, target, "")
+            except ValueError:
+                return False
+    return True
 
 
 def _target_or_none(targets_of: Callable[[Call], Tensor], call: Call) -> Tensor | None:
