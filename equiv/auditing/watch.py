@@ -28,8 +28,10 @@ second positional argument); ``output`` maps the model's output to what the
 loss takes (by default ``.logits``, else the first element of a tuple, else the
 output itself).  Targets that never reach ``forward`` (``criterion(model(x), y)``)
 are seen where the loss sees them: ``criterion=`` hooks the ``nn.Module`` loss the
-loop calls, :meth:`Audit.wrap` wraps a loss function; each call's target is paired
-with the model's call before it.  A target that does not fit the loss (a diffusion
+loop calls (its options read: label smoothing, class weights, ignore_index), :meth:`Audit.wrap`
+wraps a loss function, and with a shipped ``loss`` the loop's own ``torch.nn.functional`` loss
+call is seen by a ``TorchFunctionMode`` pushed for the audited windows only; each call's target
+is paired with the model's call before it.  A target that does not fit the loss (a diffusion
 model's timestep taken for it) is an error naming what was found, before any replay.
 
 Cost: one copy of the model (the replay's template, made on entering); per
@@ -1044,23 +1046,35 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any = Non
             ``torch.compile``d model or an Accelerate-prepared one is watched as itself, and calls
             through ``model(...)`` and ``model.forward(...)`` are both recorded.
         loss: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
-            for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``).
+            for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``;
+            ``CrossEntropy`` / ``TokenCrossEntropy`` take torch's ``weight=``, ``ignore_index=`` and
+            ``label_smoothing=``: with class weights an item counts its class's weight, as torch's
+            weighted mean divides). Left out with ``criterion=`` given, it is derived from the criterion.
+            A shipped cross-entropy or MSE also has the loop's own ``F.cross_entropy`` /
+            ``F.nll_loss`` / ``F.mse_loss`` call seen during audited windows (its targets recorded, its
+            options read as a criterion's), so ``loss = F.cross_entropy(model(x), y)`` needs no wrap.
         every: audit one optimizer step in every ``every`` (the first one included).
         targets, output: read a recorded call's targets and the model's output the loss takes (by
             default the ``labels`` / ``targets`` / ``target`` keyword, else the second positional
             argument; a guess that does not fit ``loss`` is an error naming the shapes found).
         criterion: the ``nn.Module`` loss the loop calls as ``criterion(output, target)``
             (``loss = criterion(model(x), y)``): its targets are recorded where it sees them, each
-            paired with the model's call before it, with no change to the loop. For a loss
-            function, call ``audit.wrap(loss_fn)`` (:meth:`Audit.wrap`) in its place.
+            paired with the model's call before it, with no change to the loop. Its options are read
+            (``label_smoothing``, ``weight``, ``ignore_index`` of ``CrossEntropyLoss`` / ``NLLLoss``;
+            ``MSELoss``; ``reduction`` is how the loop reduces, not the objective): a ``loss=`` that
+            disagrees is one line naming both, a torch loss equiv ships nothing for (``L1Loss``,
+            ``BCEWithLogitsLoss``) is refused by name unless ``loss=`` says what it computes. For a
+            loss function, ``audit.wrap(loss_fn)`` (:meth:`Audit.wrap`) records its targets too.
         max_grad_norm: the norm the run clips to, once per step (None, 0 or inf: it does not clip).
         max_grad_value: the value the run clamps each gradient element to (``clip_grad_value_``), once
             per step (None, 0 or inf: it does not).
         stop_at_first_failure: raise :class:`AuditFailure` from the step that is not equivalent.
         on_window: called with each audited window's verdict as it is made.
-        call_model, record_forward: with ``record_forward=False``, micro-batches are recorded with
-            :meth:`Audit.record` instead of by the watched ``forward``, and replayed as
-            ``call_model(model, (args, kwargs))``.
+        call_model, record_forward: each recorded micro-batch is replayed as ``call_model(model,
+            (args, kwargs))`` (a model whose forward computes its own loss: ``call_model`` hands the loss
+            the logits; the targets are then checked on what ``call_model`` / ``output`` return, never on
+            the run's own forward output); with ``record_forward=False``, micro-batches are recorded with
+            :meth:`Audit.record` instead of by the watched ``forward``.
         averaged: the averaged copy of the weights the run keeps: a
             ``torch.optim.swa_utils.AveragedModel`` (an EMA by ``get_ema_multi_avg_fn``, SWA), or
             ``equiv.ExponentialAverage(ema_model, decay)`` for a hand-written EMA. Each audited window
@@ -1076,7 +1090,8 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer, *, loss: Any = Non
 
     Raises:
         TypeError, ValueError: an argument is not what the audit can take (named, with the value given),
-            or the optimizer holds parameters that are not the model's; ValueError from a step whose recorded
+            or the optimizer holds parameters that are not the model's, or ``loss`` disagrees with the
+            criterion (or the loop's functional loss call) it is handed; ValueError from a step whose recorded
             targets do not fit ``loss`` (the shapes found named).
     """
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
