@@ -201,13 +201,19 @@ class NextTokenCrossEntropy(TokenCrossEntropy):
     ``ignore_index`` (-100) are padding; items are the real next-token targets."""
 
     def __call__(self, output: Tensor, target: Tensor) -> Tensor:
-        return super().__call__(output[:, :-1], target[:, 1:])
+        return super().__call__(output[:, :-1], _next(target))
 
     def sum(self, output: Tensor, target: Tensor) -> Tensor:
-        return super().sum(output[:, :-1], target[:, 1:])
+        return super().sum(output[:, :-1], _next(target))
 
     def count(self, target: Tensor) -> Tensor:
-        return super().count(target[:, 1:])
+        return super().count(_next(target))
+
+
+def _next(target: Tensor) -> Tensor:
+    """The next-token targets of (batch, seq) labels; flat labels are the loop's own, already shifted
+    (``F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))``)."""
+    return target if target.dim() == 1 else target[:, 1:]
 
 
 

@@ -274,13 +274,15 @@ def _token_batches(seed: int = 3) -> list[Batch]:
 
 
 def _lm_run(model: nn.Module, loss_of: Callable[[Any, Tensor, Tensor, float], Tensor], *,
-            forward: Callable[[nn.Module, Tensor, Tensor], Any] | None = None, **settings: Any) -> Audit:
+            forward: Callable[[nn.Module, Tensor, Tensor], Any] | None = None, next_token: bool = False,
+            **settings: Any) -> Audit:
+    """Two windows of two micro-batches; ``real``: the window's real (next-token, ``next_token``) targets."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     batches = _token_batches()
     with audit(model, optimizer, **settings) as watched:
         for start in range(0, len(batches), 2):
             window = batches[start:start + 2]
-            real = float(sum(int((labels != -100).sum()) for _, labels in window))
+            real = float(sum(int((labels[:, 1:] if next_token else labels).ne(-100).sum()) for _, labels in window))
             for tokens, labels in window:
                 out = model(tokens) if forward is None else forward(model, tokens, labels)
                 loss_of(out, labels, tokens, real).backward()
@@ -301,6 +303,41 @@ def test_a_token_lm_with_a_flattened_functional_cross_entropy_is_audited_unchang
     assert _verdicts(passed) == [True, True], passed.summary()
     torch.manual_seed(0)
     flagged = _lm_run(_TinyLM(), buggy, loss=equiv.TokenCrossEntropy())
+    assert _verdicts(flagged) == [False, False], flagged.summary()
+
+
+def test_a_causal_lm_loop_shifting_its_own_labels_is_audited_with_next_token_cross_entropy() -> None:
+    def correct(logits: Tensor, labels: Tensor, tokens: Tensor, real: float) -> Tensor:
+        shifted = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), shifted, reduction="sum") / real
+
+    def buggy(logits: Tensor, labels: Tensor, tokens: Tensor, real: float) -> Tensor:
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1)) / 2
+
+    torch.manual_seed(0)
+    passed = _lm_run(_TinyLM(), correct, loss=equiv.NextTokenCrossEntropy(), next_token=True)
+    assert _verdicts(passed) == [True, True], passed.summary()
+    torch.manual_seed(0)
+    flagged = _lm_run(_TinyLM(), buggy, loss=equiv.NextTokenCrossEntropy())
+    assert _verdicts(flagged) == [False, False], flagged.summary()
+
+
+def test_a_token_lm_with_its_criterion_alone_is_audited() -> None:
+    summing = nn.CrossEntropyLoss(reduction="sum")
+
+    def correct(logits: Tensor, labels: Tensor, tokens: Tensor, real: float) -> Tensor:
+        return summing(logits.view(-1, VOCAB), labels.view(-1)) / real
+
+    meaning = nn.CrossEntropyLoss()
+
+    def buggy(logits: Tensor, labels: Tensor, tokens: Tensor, real: float) -> Tensor:
+        return meaning(logits.view(-1, VOCAB), labels.view(-1)) / 2
+
+    torch.manual_seed(0)
+    passed = _lm_run(_TinyLM(), correct, criterion=summing)
+    assert _verdicts(passed) == [True, True], passed.summary()
+    torch.manual_seed(0)
+    flagged = _lm_run(_TinyLM(), buggy, criterion=meaning)
     assert _verdicts(flagged) == [False, False], flagged.summary()
 
 
