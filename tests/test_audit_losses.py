@@ -444,3 +444,22 @@ def test_a_call_model_whose_output_does_not_fit_the_loss_is_one_line() -> None:
         _lm_run(_LinguaStyle(), lambda out, labels, tokens, real: out.sum() / real,
                 forward=lambda model, tokens, labels: model(tokens, labels),
                 loss=equiv.CrossEntropy(), call_model=lambda model, call: model.logits(call[0][0])[:, 0])
+
+
+def test_two_audits_closed_out_of_order_leave_no_mode_behind() -> None:
+    model, optimizer = _classifier()
+    batches = _batches()
+    first = audit(model, optimizer, loss=equiv.CrossEntropy())
+    second = audit(model, optimizer, loss=equiv.CrossEntropy())
+    first.__enter__()
+    second.__enter__()
+    for start in range(0, len(batches), 2):
+        for x, y in batches[start:start + 2]:
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert len(torch.overrides._get_current_function_mode_stack()) == 2  # one each, however many steps
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert len(first.windows) == len(second.windows) == 2

@@ -353,6 +353,8 @@ class WindowReplay:
                 output = output.to(dtype)  # the loss taken at the parameters' precision, as AMP recipes do
             try:
                 summed = self.loss.sum(output, targets[position]) * scale
+            except torch.OutOfMemoryError:
+                raise
             except (RuntimeError, ValueError, IndexError, TypeError) as error:  # the user's call_model / output
                 raise ValueError(
                     f"the targets (a tensor of shape {tuple(targets[position].shape)}) do not fit the loss: "

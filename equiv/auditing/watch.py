@@ -348,19 +348,27 @@ class Audit(ResultBase):
             self._mode.__enter__()
 
     def _functional_off(self) -> None:
-        """The mode popped (a mode pushed above it since, the user's, keeps its place: ours goes inert)."""
+        """The mode taken off the stack; modes pushed above it since (the user's, another audit's)
+        are put back as they were, so none is left behind however the audits close."""
         mode, self._mode = self._mode, None
         if mode is None:
             return
         mode.inert = True
-        if torch.overrides._get_current_function_mode() is mode:
-            mode.__exit__(None, None, None)
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not any(entry is mode for entry in stack):
+            return
+        above = []
+        while torch.overrides._get_current_function_mode() is not mode:
+            above.append(torch.overrides._pop_mode())
+        torch.overrides._pop_mode()
+        for entry in reversed(above):
+            torch.overrides._push_mode(entry)
 
     def _saw_functional(self, function: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A ``torch.nn.functional`` loss the loop called on the model's output (not inside the model's
         forward, a criterion, a wrapped loss or the audit's judging; not a metric on a detached output):
         its options checked against ``loss`` and its target recorded, paired with the model's call before."""
-        if self._depth or self._in_loss or self._window is None:
+        if self._depth or self._in_loss or self._window is None or _Judging.now:
             return
         if not (self.model.training and torch.is_grad_enabled()):
             return
@@ -422,7 +430,8 @@ class Audit(ResultBase):
         self.steps += 1
         try:
             if window is not None:
-                self._judge(window, step)
+                with _Judging():
+                    self._judge(window, step)
         finally:
             self._begin_window()
 
@@ -757,6 +766,19 @@ def _functional_losses(loss: Any) -> frozenset[Callable[..., Tensor]]:
              NextTokenCrossEntropy: "cross_entropy"}
     kind = kinds.get(type(loss))
     return frozenset(function for function, mapped in FUNCTIONAL.items() if kind is not None and mapped == kind)
+
+
+class _Judging:
+    """While any audit judges a window: its replay's loss calls are no audit's to record (another
+    audit open on the same run included)."""
+
+    now: ClassVar[int] = 0
+
+    def __enter__(self) -> None:
+        _Judging.now += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _Judging.now -= 1
 
 
 class _FunctionalLosses(TorchFunctionMode):
