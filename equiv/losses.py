@@ -370,11 +370,12 @@ def options_of_criterion(criterion: nn.Module) -> LossOptions | None:
     """The options of an ``nn.Module`` criterion that maps onto a shipped loss; kind ``"unmapped"``
     for another of torch's losses (``L1Loss``, ``BCEWithLogitsLoss``: equiv ships nothing that
     computes them); None for the user's own module."""
-    kind = next((kind for cls, kind in _CRITERIA.items() if type(criterion) is cls), None)
-    if kind is None:
+    mapped = next(((cls, kind) for cls, kind in _CRITERIA.items() if isinstance(criterion, cls)), None)
+    if mapped is None:
         is_torchs = isinstance(criterion, nn.modules.loss._Loss)
         return LossOptions("unmapped", f"{type(criterion).__name__}()") if is_torchs else None
-    defaults = {key: param.default for key, param in inspect.signature(type(criterion)).parameters.items()
+    cls, kind = mapped  # a subclass (one that logs, say) read by the options of the torch loss it is
+    defaults = {key: param.default for key, param in inspect.signature(cls).parameters.items()
                 if param.default is not inspect.Parameter.empty}
     found = {key: getattr(criterion, key) for key in ("weight", "ignore_index", "label_smoothing", "reduction")
              if hasattr(criterion, key)}

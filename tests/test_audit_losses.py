@@ -131,6 +131,12 @@ def test_a_criterion_given_alone_names_the_loss_and_loss_given_alongside_that_ag
     named = equiv.TokenCrossEntropy()
     assert audit(model, optimizer, loss=named, criterion=nn.CrossEntropyLoss()).loss is named
 
+    class Logged(nn.CrossEntropyLoss):  # a subclass is read as the torch loss it is
+        pass
+
+    with pytest.raises(ValueError, match=r"criterion=Logged\(label_smoothing=0\.2\) disagree"):
+        audit(model, optimizer, loss=equiv.CrossEntropy(), criterion=Logged(label_smoothing=0.2))
+
 
 def test_nll_loss_on_log_probabilities_is_cross_entropy_with_its_weights() -> None:
     weight = torch.tensor([0.2, 1.0, 3.0, 0.5])
