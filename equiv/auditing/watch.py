@@ -235,8 +235,8 @@ class Audit(ResultBase):
         #: inside ``GradScaler.step``; and whether the optimizer step now running skips itself (fused, found_inf)
         self._in_scaler_step = False
         self._skips_inside = False
-        #: inside a criterion's or a wrapped loss's call, or the audit's own judging: a functional loss
-        #: called there is not the loop's (no double record, no replay recorded)
+        #: inside a criterion's or a wrapped loss's call: a functional loss called there is that one,
+        #: recorded once (an audit's replay is kept out by ``_Judging``)
         self._in_loss = 0
         #: the torch.nn.functional losses whose targets are recorded (those ``loss`` maps onto; none with
         #: a criterion, which records its own), and the mode that sees them, on during audited windows only
