@@ -190,9 +190,15 @@ def test_targets_that_never_reach_forward_are_asked_for() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     inputs, targets = torch.randn(6, 3), torch.randint(0, 2, (6,))
     with pytest.raises(ValueError, match="cannot find the targets"):
-        with audit(model, optimizer, loss=equiv.CrossEntropy()):
-            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        with audit(model, optimizer, loss=equiv.CrossEntropy()):  # a loss written out: no torch loss call seen
+            (-model(inputs).log_softmax(-1)[torch.arange(6), targets].mean()).backward()
             optimizer.step()
+    # The loop's own F.cross_entropy call is seen where it is made (issue 42): no targets= needed.
+    with audit(model, optimizer, loss=equiv.CrossEntropy()) as seen:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    assert seen and seen.windows[0].items == (6,)
     # Told where they are (here: the loop's own targets), it judges.
     with audit(model, optimizer, loss=equiv.CrossEntropy(), targets=lambda call: targets) as watched:
         optimizer.zero_grad()

@@ -210,11 +210,17 @@ class Denoiser(nn.Module):
         return self.net(x + self.time(t))  # type: ignore[no-any-return]
 
 
-def _diffusion_loop(criterion: nn.Module | None = None, **settings: object) -> equiv.auditing.Audit:
+def _squared_error(output: Tensor, target: Tensor) -> Tensor:
+    """An MSE written out by hand: no torch loss the audit sees is called."""
+    return ((output - target) ** 2).mean()
+
+
+def _diffusion_loop(criterion: nn.Module | None = None, *, by_hand: bool = False,
+                    **settings: object) -> equiv.auditing.Audit:
     torch.manual_seed(0)
     model = Denoiser()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mse = criterion if criterion is not None else nn.MSELoss()
+    mse = criterion if criterion is not None else _squared_error if by_hand else nn.MSELoss()
     generator = torch.Generator().manual_seed(0)
     with audit(model, optimizer, loss=equiv.MSE(), criterion=criterion, **settings) as watched:  # type: ignore[arg-type]
         for _ in range(2):
@@ -229,7 +235,7 @@ def _diffusion_loop(criterion: nn.Module | None = None, **settings: object) -> e
 
 def test_a_timestep_taken_for_the_targets_is_a_clear_error_not_a_crash_in_the_replay() -> None:
     with pytest.raises(ValueError) as raised:
-        _diffusion_loop()
+        _diffusion_loop(by_hand=True)
     text = str(raised.value)
     assert "second positional argument" in text and "shape (4,) int64" in text, text
     assert "output of shape (4, 6) float32" in text and "MSE" in text, text
@@ -238,6 +244,12 @@ def test_a_timestep_taken_for_the_targets_is_a_clear_error_not_a_crash_in_the_re
 
 def test_the_same_diffusion_loop_told_its_criterion_is_judged() -> None:
     watched = _diffusion_loop(criterion=nn.MSELoss())
+    assert len(watched.windows) == 2 and watched, watched.summary()
+
+
+def test_the_same_diffusion_loop_untold_is_judged_on_the_targets_its_mse_loss_received() -> None:
+    # nn.MSELoss() called but not named: its F.mse_loss call is seen (issue 42), the timestep left alone.
+    watched = _diffusion_loop()
     assert len(watched.windows) == 2 and watched, watched.summary()
 
 

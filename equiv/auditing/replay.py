@@ -359,7 +359,16 @@ class WindowReplay:
                 output = self.output_of(self.call_model(model, _cast(window.calls[position], dtype)))
             if output.dtype in (torch.float16, torch.bfloat16):
                 output = output.to(dtype)  # the loss taken at the parameters' precision, as AMP recipes do
-            summed = self.loss.sum(output, targets[position]) * scale
+            try:
+                summed = self.loss.sum(output, targets[position]) * scale
+            except torch.OutOfMemoryError:
+                raise
+            except (RuntimeError, ValueError, IndexError, TypeError) as error:  # the user's call_model / output
+                raise ValueError(
+                    f"the targets (a tensor of shape {tuple(targets[position].shape)}) do not fit the loss: "
+                    f"{self.loss!r} on what call_model / output returned (shape {tuple(output.shape)}) raised "
+                    f"{type(error).__name__}: {str(error).rstrip('.')}. Pass the call_model=, output= and targets= "
+                    "that hand the loss the model's output and its targets") from error
             (summed if after_backward else summed / total).backward()
 
 

@@ -28,8 +28,10 @@ second positional argument); ``output`` maps the model's output to what the
 loss takes (by default ``.logits``, else the first element of a tuple, else the
 output itself).  Targets that never reach ``forward`` (``criterion(model(x), y)``)
 are seen where the loss sees them: ``criterion=`` hooks the ``nn.Module`` loss the
-loop calls, :meth:`Audit.wrap` wraps a loss function; each call's target is paired
-with the model's call before it.  A target that does not fit the loss (a diffusion
+loop calls (its options read: label smoothing, class weights, ignore_index), :meth:`Audit.wrap`
+wraps a loss function, and with a shipped ``loss`` the loop's own ``torch.nn.functional`` loss
+call is seen by a ``TorchFunctionMode`` pushed for the audited windows only; each call's target
+is paired with the model's call before it.  A target that does not fit the loss (a diffusion
 model's timestep taken for it) is an error naming what was found, before any replay.
 
 Cost: one copy of the model (the replay's template, made on entering); per
@@ -68,6 +70,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from equiv.auditing.averaged import ExponentialAverage, averaged_weights
@@ -85,6 +88,18 @@ from equiv.auditing.replay import (
     model_at,
 )
 from equiv.auditing.schedules import Advance, ScheduleWatch, schedule_verdict
+from equiv.losses import (
+    FUNCTIONAL,
+    MSE,
+    CrossEntropy,
+    LossOptions,
+    NextTokenCrossEntropy,
+    TokenCrossEntropy,
+    disagreement,
+    loss_of,
+    options_of_call,
+    options_of_criterion,
+)
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase, headed
 
@@ -161,7 +176,7 @@ class Audit(ResultBase):
 
     KIND = "audit"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any, every: int = 1,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any = None, every: int = 1,
                  targets: Callable[[Call], Tensor] = default_targets,
                  output: Callable[[Any], Tensor] = default_output,
                  max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
@@ -180,14 +195,15 @@ class Audit(ResultBase):
         if refused is not None:
             raise ValueError(f"equiv.audit does not support optimizer {type(optimizer).__name__}: {refused}, so there "
                              "is no full-batch step to compare with (equiv check refuses it too)")
+        if criterion is not None and not isinstance(criterion, nn.Module):
+            raise TypeError(f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
+                            f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns")
+        loss = _loss_with_criterion(loss, criterion)
         if not (hasattr(loss, "sum") and hasattr(loss, "count")):
             raise TypeError(f"loss must offer sum(output, targets) and count(targets) (an equiv.Loss such as "
                             f"equiv.NextTokenCrossEntropy()), got {loss!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (audit one window in every), got {every!r}")
-        if criterion is not None and not isinstance(criterion, nn.Module):
-            raise TypeError(f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
-                            f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns")
         _refuse_a_foreign_optimizer(model, optimizer)
         #: the averaged copy of the weights the run keeps (an EMA, SWA), checked once per audited window
         self.averaged = averaged_weights(averaged, model)
@@ -228,6 +244,13 @@ class Audit(ResultBase):
         self._closure_step = False
         #: the advances of the optimizer's LR schedule since the last optimizer step (equiv.auditing.schedules)
         self._advances: list[Advance] = []
+        #: inside a criterion's or a wrapped loss's call: a functional loss called there is that one,
+        #: recorded once (an audit's replay is kept out by ``_Judging``)
+        self._in_loss = 0
+        #: the torch.nn.functional losses whose targets are recorded (those ``loss`` maps onto; none with
+        #: a criterion, which records its own), and the mode that sees them, on during audited windows only
+        self._functional = _functional_losses(loss) if criterion is None else frozenset()
+        self._mode: _FunctionalLosses | None = None
 
     # -- the hooks ---------------------------------------------------------
 
@@ -245,6 +268,7 @@ class Audit(ResultBase):
         ]
         if self.criterion is not None:
             self._handles.append(self.criterion.register_forward_pre_hook(self._on_criterion, with_kwargs=True))
+            self._handles.append(self.criterion.register_forward_hook(self._after_criterion, always_call=True))
         if self.record_forward:
             called = [self.model] if self._compiled is None else [self.model, self._compiled]
             self._watched = [_WatchedForward.install(self, module) for module in called]
@@ -254,6 +278,7 @@ class Audit(ResultBase):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._functional_off()
         _ClipWatch.close(self)
         ScheduleWatch.close(self)
         for watched in self._watched:
@@ -267,6 +292,7 @@ class Audit(ResultBase):
         self._advances = []  # the schedule's advances are counted per window, audited or not
         if self.steps % self.every:
             self._window = None
+            self._functional_off()
             return
         self._window = {
             "params": {name: p.detach().clone() for name, p in self.model.named_parameters()},
@@ -278,7 +304,9 @@ class Audit(ResultBase):
             "clips": [],
             "outputs": [],  # per recorded forward call, (shape, dtype) of what the loss takes, when it could be read
             "seen_targets": [],  # the targets a criterion / wrapped loss received, one per its call
+            "functional_targets": [],  # the targets of the loop's torch.nn.functional loss calls (no wrap)
         }
+        self._functional_on()
         if self.averaged is not None and self.steps:  # after a step: its update of the average is yet to come
             self._window["averaged"] = self.averaged.capture()
 
@@ -293,8 +321,13 @@ class Audit(ResultBase):
         return True
 
     def _saw_output(self, output: Any) -> None:
-        """The output of the call just recorded: its shape and dtype, to check the targets fit the loss."""
+        """The output of the call just recorded: its shape and dtype, to check the targets fit the loss.
+        With the user's own ``call_model`` the replay's loss takes what that returns, not this forward's
+        output (a model computing its own loss returns losses): nothing read here, the replay says."""
         if self._window is None:
+            return
+        if self.call_model is not default_call:
+            self._window["outputs"].append(None)
             return
         try:
             taken = self.output(output)
@@ -312,7 +345,51 @@ class Audit(ResultBase):
             self._window["autocast"].append(_autocast_of(self.model))
 
     def _on_criterion(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._in_loss += 1
         self._saw_target(_loss_target(args, kwargs, "criterion"))
+
+    def _after_criterion(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_loss = max(0, self._in_loss - 1)
+
+    # -- torch.nn.functional losses, seen without a wrap -----------------------
+
+    def _functional_on(self) -> None:
+        """The mode that sees the loop's functional loss calls, pushed for an audited window."""
+        if self._functional and self._mode is None:
+            self._mode = _FunctionalLosses(self)
+            self._mode.__enter__()
+
+    def _functional_off(self) -> None:
+        """The mode taken off the stack; modes pushed above it since (the user's, another audit's)
+        are put back as they were, so none is left behind however the audits close."""
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        mode.inert = True
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not any(entry is mode for entry in stack):
+            return
+        above = []
+        while torch.overrides._get_current_function_mode() is not mode:
+            above.append(torch.overrides._pop_mode())
+        torch.overrides._pop_mode()
+        for entry in reversed(above):
+            torch.overrides._push_mode(entry)
+
+    def _saw_functional(self, function: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A ``torch.nn.functional`` loss the loop called on the model's output (not inside the model's
+        forward, a criterion, a wrapped loss or the audit's judging; not a metric on a detached output):
+        its options checked against ``loss`` and its target recorded, paired with the model's call before."""
+        if self._depth or self._in_loss or self._window is None or _Judging.now:
+            return
+        if not (self.model.training and torch.is_grad_enabled()):
+            return
+        given = args[0] if args else kwargs.get("input")
+        if not (isinstance(given, Tensor) and given.requires_grad):
+            return
+        options = options_of_call(function, args, kwargs)
+        _agree(self.loss, options, "the loop's")
+        self._window["functional_targets"].append(_loss_target(args, kwargs, options.written).detach().clone())
 
     def _saw_target(self, target: Tensor) -> None:
         if self._window is not None and self.model.training and torch.is_grad_enabled():
@@ -325,7 +402,13 @@ class Audit(ResultBase):
 
         def recorded(*args: Any, **kwargs: Any) -> Tensor:
             self._saw_target(_loss_target(args, kwargs, getattr(loss_fn, "__name__", "the wrapped loss")))
-            return loss_fn(*args, **kwargs)
+            if loss_fn in FUNCTIONAL and self._window is not None:  # its options are the criterion's question
+                _agree(self.loss, options_of_call(loss_fn, args, kwargs), "the wrapped")
+            self._in_loss += 1  # the functional loss it calls is this one, recorded once
+            try:
+                return loss_fn(*args, **kwargs)
+            finally:
+                self._in_loss -= 1
 
         return recorded
 
@@ -361,6 +444,7 @@ class Audit(ResultBase):
         if self._skips_inside:  # no update: GradScaler.step's wrapper counts it skipped, as a skipped call
             self._skips_inside = False
             return
+        self._functional_off()  # the replay's own loss calls are not the loop's (and run at full speed)
         window, step = self._window, self.steps
         if window is not None and self._closure_step:  # the closure's gradient (optimizers leave .grad as it is)
             window["not_finite"] = self._gradient_not_finite(optimizer)
@@ -369,7 +453,8 @@ class Audit(ResultBase):
         self.steps += 1
         try:
             if window is not None:
-                self._judge(window, step)
+                with _Judging():
+                    self._judge(window, step)
         finally:
             self._begin_window()
 
@@ -457,6 +542,15 @@ class Audit(ResultBase):
         (one per call, in order), else ``targets``; checked against the loss before any replay."""
         calls: list[Call] = window["calls"]
         seen: list[Tensor] = window["seen_targets"]
+        functional: list[Tensor] = window.get("functional_targets", [])
+        received = "the target the criterion (or wrapped loss) received"
+        outputs: list[Any] = window["outputs"]
+        # The loop's functional loss calls fill in where the forward calls carry no targets that fit
+        # (model(x), a diffusion model's timestep): a forward's own labels= stay what they were.
+        if not seen and functional and self.targets is default_targets and not _defaults_fit(self.loss, calls, outputs):
+            names = sorted(f"F.{function.__name__}" for function in self._functional)
+            seen = _functional_pairing(functional, calls, step, names)
+            received = f"the target the loop's {' / '.join(names)} received"
         if seen and len(seen) != len(calls):
             raise ValueError(
                 f"optimizer step {step} of the audit: the criterion (or wrapped loss) was called {len(seen)} times for "
@@ -470,8 +564,7 @@ class Audit(ResultBase):
             def seen_target(call: Call) -> Tensor:
                 return by_call[id(call)]
 
-            targets_of, where = seen_target, "the target the criterion (or wrapped loss) received"
-        outputs: list[Any] = window["outputs"]
+            targets_of, where = seen_target, received
         checked: set[Any] = set()
         for call, output in zip(calls, outputs, strict=False):
             target = _target_or_none(targets_of, call)
@@ -666,6 +759,103 @@ def _loss_target(args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> Te
         return args[1]
     raise ValueError(f"the audit takes {what}'s target as its second positional argument or its target= keyword, "
                      f"got {len(args)} positional arguments and keywords {sorted(kwargs)}")
+
+
+def _loss_with_criterion(loss: Any, criterion: nn.Module | None) -> Any:
+    """The loss the audit judges by: ``loss``, checked against what ``criterion`` computes (its
+    options read: label smoothing, class weights, ignore_index), or derived from the criterion
+    when ``loss`` is not given; a disagreement, or a criterion equiv cannot express, one line."""
+    options = options_of_criterion(criterion) if criterion is not None else None
+    if loss is None:
+        if criterion is None:
+            raise TypeError("equiv.audit needs loss= (an equiv.Loss such as equiv.CrossEntropy()) or criterion= (the "
+                            "nn.Module loss the loop calls, whose loss the audit derives)")
+        if options is None:
+            raise ValueError(f"criterion={type(criterion).__name__}() is not one of torch's losses the audit can read; "
+                             "pass loss=<an equiv.Loss offering sum(output, targets) and count(targets)>")
+        return loss_of(options)
+    if options is not None:
+        _agree(loss, options, "criterion=")
+    return loss
+
+
+def _agree(loss: Any, options: LossOptions, whose: str) -> None:
+    """Refuse a run whose own loss computes another objective than ``loss`` (a correct run would be flagged)."""
+    differ = disagreement(loss, options)
+    if differ is not None:
+        written = f"criterion={options.written}" if whose == "criterion=" else f"{whose} {options.written}"
+        raise ValueError(
+            f"loss={loss!r} and {written} disagree ({differ}): the audit would judge the run by another objective "
+            "than the one it trains; pass the loss= that matches (equiv.CrossEntropy / TokenCrossEntropy take "
+            "weight=, ignore_index=, label_smoothing=), or, with criterion=, leave loss= out to derive it")
+
+
+def _functional_losses(loss: Any) -> frozenset[Callable[..., Tensor]]:
+    """The ``torch.nn.functional`` losses whose calls compute ``loss`` (a shipped cross-entropy or MSE), else none."""
+    kinds = {MSE: "mse", CrossEntropy: "cross_entropy", TokenCrossEntropy: "cross_entropy",
+             NextTokenCrossEntropy: "cross_entropy"}
+    kind = kinds.get(type(loss))
+    return frozenset(function for function, mapped in FUNCTIONAL.items() if kind is not None and mapped == kind)
+
+
+class _Judging:
+    """While any audit judges a window: its replay's loss calls are no audit's to record (another
+    audit open on the same run included)."""
+
+    now: ClassVar[int] = 0
+
+    def __enter__(self) -> None:
+        _Judging.now += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _Judging.now -= 1
+
+
+class _FunctionalLosses(TorchFunctionMode):
+    """Sees the loop's ``F.cross_entropy(model(x), y)`` (or the ``F`` loss its ``loss=`` maps onto) while an
+    audited window is open; every other function passes straight through."""
+
+    def __init__(self, watcher: Audit) -> None:
+        super().__init__()
+        self.audit, self.inert = watcher, False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.inert and func in self.audit._functional:
+            _see_functional_eagerly(self.audit, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+@torch.compiler.disable  # type: ignore[misc,unused-ignore]
+def _see_functional_eagerly(watcher: Audit, func: Callable[..., Tensor], args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> None:
+    watcher._saw_functional(func, args, kwargs)
+
+
+def _functional_pairing(functional: list[Tensor], calls: list[Call], step: int, names: list[str]) -> list[Tensor]:
+    """The functional loss calls' targets, one per forward call, or one line saying what was seen."""
+    if len(functional) == len(calls):
+        return functional
+    raise ValueError(
+        f"optimizer step {step} of the audit: the loop called {' / '.join(names)} {len(functional)} time"
+        f"{'s' if len(functional) != 1 else ''} with gradients for {len(calls)} forward call"
+        f"{'s' if len(calls) != 1 else ''} of the model in the window; the audit pairs one loss call with each "
+        "forward call: call the training loss through audit.wrap(loss_fn), or pass targets=lambda call: ...")
+
+
+def _defaults_fit(loss: Any, calls: list[Call], outputs: list[Any]) -> bool:
+    """Every forward call carries targets (a ``labels=`` keyword, a second positional tensor) that fit ``loss``."""
+    targets = [_target_or_none(default_targets, call) for call in calls]
+    if any(target is None for target in targets):
+        return False
+    for target, output in zip(targets, outputs, strict=False):
+        if output is not None and target is not None:
+            try:
+                _check_fits(loss, output, target, "")
+            except ValueError:
+                return False
+    return True
 
 
 def _target_or_none(targets_of: Callable[[Call], Tensor], call: Call) -> Tensor | None:
@@ -894,7 +1084,7 @@ def _clipping_hint(audit: Audit, window: dict[str, Any]) -> str | None:
     return "; ".join(hints) or None
 
 
-def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any, every: int = 1,
+def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any = None, every: int = 1,
           targets: Callable[[Call], Tensor] = default_targets, output: Callable[[Any], Tensor] = default_output,
           max_grad_norm: float | None = None, stop_at_first_failure: bool = False,
           on_window: Callable[[WindowAudit], None] | None = None,
@@ -916,23 +1106,35 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any
             changing the learning rate the step took, fails it (``WindowAudit.schedule``); changing
             nothing, it is said in the window's ``note``.
         loss: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
-            for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``).
+            for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``;
+            ``CrossEntropy`` / ``TokenCrossEntropy`` take torch's ``weight=``, ``ignore_index=`` and
+            ``label_smoothing=``: with class weights an item counts its class's weight, as torch's
+            weighted mean divides). Left out with ``criterion=`` given, it is derived from the criterion.
+            A shipped cross-entropy or MSE also has the loop's own ``F.cross_entropy`` /
+            ``F.nll_loss`` / ``F.mse_loss`` call seen during audited windows (its targets recorded, its
+            options read as a criterion's), so ``loss = F.cross_entropy(model(x), y)`` needs no wrap.
         every: audit one optimizer step in every ``every`` (the first one included).
         targets, output: read a recorded call's targets and the model's output the loss takes (by
             default the ``labels`` / ``targets`` / ``target`` keyword, else the second positional
             argument; a guess that does not fit ``loss`` is an error naming the shapes found).
         criterion: the ``nn.Module`` loss the loop calls as ``criterion(output, target)``
             (``loss = criterion(model(x), y)``): its targets are recorded where it sees them, each
-            paired with the model's call before it, with no change to the loop. For a loss
-            function, call ``audit.wrap(loss_fn)`` (:meth:`Audit.wrap`) in its place.
+            paired with the model's call before it, with no change to the loop. Its options are read
+            (``label_smoothing``, ``weight``, ``ignore_index`` of ``CrossEntropyLoss`` / ``NLLLoss``;
+            ``MSELoss``; ``reduction`` is how the loop reduces, not the objective): a ``loss=`` that
+            disagrees is one line naming both, a torch loss equiv ships nothing for (``L1Loss``,
+            ``BCEWithLogitsLoss``) is refused by name unless ``loss=`` says what it computes. For a
+            loss function, ``audit.wrap(loss_fn)`` (:meth:`Audit.wrap`) records its targets too.
         max_grad_norm: the norm the run clips to, once per step (None, 0 or inf: it does not clip).
         max_grad_value: the value the run clamps each gradient element to (``clip_grad_value_``), once
             per step (None, 0 or inf: it does not).
         stop_at_first_failure: raise :class:`AuditFailure` from the step that is not equivalent.
         on_window: called with each audited window's verdict as it is made.
-        call_model, record_forward: with ``record_forward=False``, micro-batches are recorded with
-            :meth:`Audit.record` instead of by the watched ``forward``, and replayed as
-            ``call_model(model, (args, kwargs))``.
+        call_model, record_forward: each recorded micro-batch is replayed as ``call_model(model,
+            (args, kwargs))`` (a model whose forward computes its own loss: ``call_model`` hands the loss
+            the logits; the targets are then checked on what ``call_model`` / ``output`` return, never on
+            the run's own forward output); with ``record_forward=False``, micro-batches are recorded with
+            :meth:`Audit.record` instead of by the watched ``forward``.
         averaged: the averaged copy of the weights the run keeps: a
             ``torch.optim.swa_utils.AveragedModel`` (an EMA by ``get_ema_multi_avg_fn``, SWA), or
             ``equiv.ExponentialAverage(ema_model, decay)`` for a hand-written EMA. Each audited window
@@ -949,7 +1151,8 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, *, loss: Any
     Raises:
         TypeError, ValueError: an argument is not what the audit can take (named, with the value given:
             an optimizer that is neither a torch optimizer nor a wrapper of one, one whose step needs a
-            closure), or the optimizer holds parameters that are not the model's; ValueError from a step whose
+            closure), or the optimizer holds parameters that are not the model's, or ``loss`` disagrees with
+            the criterion (or the loop's functional loss call) it is handed; ValueError from a step whose
             recorded targets do not fit ``loss`` (the shapes found named).
     """
     return Audit(model, optimizer, loss=loss, every=every, targets=targets, output=output,
