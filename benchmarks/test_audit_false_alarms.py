@@ -11,8 +11,8 @@ Three correct runs, each in segments of fresh seeds and data, so no two windows 
   lengths, N = 2-4 by segment, the Trainer's clipping (``max_grad_norm=1.0``) on every other
   segment, in order (SequentialSampler);
 * ``adamw_clipped``: a plain loop (an MLP classifier, micro-batches of 1-16 samples, the loss
-  summed over the window's sample count, ``clip_grad_norm_`` to 0.5, which clips most steps,
-  then AdamW), ``equiv.audit(max_grad_norm=0.5)``;
+  summed over the window's sample count, ``clip_grad_norm_`` to 0.5, which clips about half
+  the steps, then AdamW), ``equiv.audit(max_grad_norm=0.5)``;
 * ``ddp``: a causal LM under DDP on 2 gloo ranks (benchmarks/audit_false_alarms_ddp.py, under
   torchrun), each rank its own sequences, the loss over the global token count.
 
@@ -44,7 +44,7 @@ import equiv
 #: windows per run (segments x windows per segment): the full measurement and CI's quick one.
 FULL = {"trainer": (20, 100), "adamw_clipped": (30, 100), "ddp": (15, 100)}
 QUICK = {"trainer": (2, 75), "adamw_clipped": (4, 75), "ddp": (2, 75)}
-#: The clip norm of the plain loop: small enough that most steps are clipped.
+#: The clip norm of the plain loop: small enough that about half the steps are clipped (the run counts them).
 CLIP = 0.5
 WIDTH, CLASSES = 24, 5
 
