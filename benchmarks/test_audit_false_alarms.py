@@ -13,7 +13,7 @@ Three correct runs, each in segments of fresh seeds and data, so no two windows 
 * ``adamw_clipped``: a plain loop (an MLP classifier, micro-batches of 1-16 samples, the loss
   summed over the window's sample count, ``clip_grad_norm_`` to 0.5, which clips about half
   the steps, then AdamW), ``equiv.audit(max_grad_norm=0.5)``;
-* ``ddp``: a causal LM under DDP on 2 gloo ranks (benchmarks/audit_false_alarms_ddp.py, under
+* ``ddp``: a tiny next-token LM under DDP on 2 gloo ranks (benchmarks/audit_false_alarms_ddp.py, under
   torchrun), each rank its own sequences, the loss over the global token count.
 
 Per run: the judged windows' worst ratio to the allowance (on any rank), its p50, p90, p99

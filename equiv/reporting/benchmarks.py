@@ -901,7 +901,7 @@ def _verify_speed_section(raw: dict[str, Any]) -> list[str]:
 FALSE_ALARM_RUNS = {
     "trainer": "transformers Trainer, one-layer Llama (float32), N = 2-4, clipping (1.0) on every other segment",
     "adamw_clipped": "plain loop, MLP classifier, AdamW, `clip_grad_norm_(0.5)`, N = 2-5",
-    "ddp": "causal LM under DDP, 2 gloo ranks, each its own sequences, global token count, N = 2-4",
+    "ddp": "tiny next-token LM under DDP, 2 gloo ranks, each its own sequences, global token count, N = 2-4",
 }
 #: A correct run's windows should stay clear of their allowance: the tail (p99, max) this far below it.
 FALSE_ALARM_TAIL = 0.9
