@@ -363,3 +363,42 @@ def test_search_time_rows_are_shown_beside_the_search_they_extend() -> None:
     assert base["beside"] == "-" and base["per case / beside"] == "-" and base["s per case"] == "0.500"
     assert cp["beside"] == "verify_distributed: DDP, tokens" and cp["per case / beside"] == "1.60x"
     assert cp["seconds"] == "8.0" and cp["cases"] == "10"
+
+
+def _false_alarm_run(windows: int, *, p99: float, largest: float, flagged: int = 0) -> dict[str, Any]:
+    return {"windows": windows, "segments": 2, "windows_per_segment": windows // 2, "p50": 0.2, "p90": 0.4,
+            "p99": p99, "max": largest, "at_least_0_9": int(largest >= 0.9), "flagged": flagged, "seconds": 12.0,
+            "flagged_lines": [f"seed 1: step 3: NOT equivalent (x{i})" for i in range(flagged)],
+            "closest_lines": [f"seed 0: step 7: equivalent (worst {largest:.2g} of its allowance)"]}
+
+
+def test_long_audited_runs_show_each_runs_tail_and_false_alarms() -> None:
+    raw = _fixture()
+    runs = {"trainer": _false_alarm_run(100, p99=0.6, largest=0.85),
+            "adamw_clipped": {**_false_alarm_run(200, p99=0.5, largest=0.95), "clipped_steps": 150},
+            "ddp": _false_alarm_run(100, p99=0.4, largest=1.2, flagged=1)}
+    raw["benchmarks"].append({"name": "test_audit_false_alarms", "stats": {"median": 1.0}, "extra_info": {
+        "audit_false_alarms": True, "quick": True, "threads": 1, "load_average_1min": 1.5, "runs": runs}})
+    report = render_report(raw)
+    section = report[report.index("## equiv.audit on long correct runs: false alarms"):]
+    trainer, adamw, ddp, total = _table_after(report, "## equiv.audit on long correct runs: false alarms")
+    assert trainer["run"].startswith("`trainer`") and trainer["p99"] == "0.60" and trainer["max"] == "0.85"
+    assert trainer["windows (segments x steps)"] == "100 (2 x 50)"
+    assert "150 of 200 steps clipped" in adamw["run"] and adamw[">= 0.9"] == "1"
+    assert ddp["flagged (target 0)"] == "1"
+    assert total["windows (segments x steps)"] == "400" and total["flagged (target 0)"] == "1" and total["max"] == "1.20"
+    assert "quick: CI's count; 400 windows" in section
+    assert "False alarms: **1** (target 0, NOT met)" in section and "reaches 0.9" in section
+    assert "Flagged: seed 1: step 3: NOT equivalent (x0)." in section
+
+
+def test_a_committed_full_false_alarm_run_is_shown_beside_this_one() -> None:
+    raw = _fixture()
+    info = {"audit_false_alarms": True, "threads": 1, "torch_version": "2.13.0", "load_average_1min": 2.0}
+    full = {"datetime": "2026-11-27T15:00:00", "benchmarks": [{"extra_info": {
+        **info, "quick": False, "runs": {"trainer": _false_alarm_run(2000, p99=0.3, largest=0.5)}}}]}
+    report = render_report(raw, scaling_full=[("reports/audit_false_alarms_full.json", full)])
+    section = report[report.index("## equiv.audit on long correct runs: false alarms"):]
+    assert "committed as reports/audit_false_alarms_full.json" in section and "This run" not in section
+    assert _table_after(section, "Full run")[0]["windows (segments x steps)"] == "2,000 (2 x 1000)"
+    assert "False alarms: **0** (target 0, met); the tail (p99 and max) below 0.9 of the allowance (met)" in section

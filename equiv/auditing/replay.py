@@ -420,7 +420,7 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
                            hint=inherent_advice(replay.model))
     # The engine's floor plan over three roundings of the same mathematics: in order, in reverse,
     # normalised after backward, run only while the verdict depends on them (Judge.judge_tier, as a
-    # check's): a window within the roundoff term alone replays the float64 truth only.  Its worst
+    # check's): a window within half the roundoff term alone replays the float64 truth only.  Its worst
     # ratio is then an upper bound of the one every sample would give; the status is the same.
     if replay.ranks is not None:
         replay.ranks.step = window.step

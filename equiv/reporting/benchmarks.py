@@ -347,6 +347,7 @@ def render_report(
     lines += _verify_threads_section(raw)
     lines += _search_times_section(raw)
     lines += _audit_section(raw)
+    lines += _false_alarms_section(raw, scaling_full)
     lines += _readme_example_section(raw)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -756,7 +757,7 @@ def _scaling_intro() -> list[str]:
         "",
         "Runs only where the verdict needs them: the noise tier first (its run in the working dtype is the "
         "cheaper), compared with no floor (the roundoff term alone); floor samples then run one at a time "
-        "while a tensor is past its allowance, re-judging the candidate's kept differences; a passing tier "
+        "while a tensor is past (or above half of) its allowance, re-judging the candidate's kept differences; a passing tier "
         "stops at the first sample that settles it (more samples only raise the allowance), and a sample "
         "measures each tier it feeds in one pass. A failing tier runs every sample, and its candidate once "
         "more to show where each tensor differs; when the noise tier fails, the exact tier's floors run "
@@ -919,3 +920,111 @@ def _verify_speed_section(raw: dict[str, Any]) -> list[str]:
         markdown_table(table),
         "",
     ]
+
+
+#: The runs of benchmarks/test_audit_false_alarms.py, in the order shown, with what each is.
+FALSE_ALARM_RUNS = {
+    "trainer": "transformers Trainer, one-layer Llama (float32), N = 2-4, clipping (1.0) on every other segment",
+    "adamw_clipped": "plain loop, MLP classifier, AdamW, `clip_grad_norm_(0.5)`, N = 2-5",
+    "ddp": "tiny next-token LM under DDP, 2 gloo ranks, each its own sequences, global token count, N = 2-4",
+}
+#: A correct run's windows should stay clear of their allowance: the tail (p99, max) this far below it.
+FALSE_ALARM_TAIL = 0.9
+
+
+def _false_alarm_runs(raw: dict[str, Any]) -> dict[str, Any] | None:
+    infos = [b["extra_info"] for b in raw.get("benchmarks", []) if b.get("extra_info", {}).get("audit_false_alarms")]
+    return infos[0] if infos else None
+
+
+def _false_alarms_table(info: dict[str, Any]) -> str:
+    runs = info["runs"]
+    known = [name for name in FALSE_ALARM_RUNS if name in runs] + sorted(set(runs) - set(FALSE_ALARM_RUNS))
+    rows = [
+        {
+            "run": f"`{name}`: {FALSE_ALARM_RUNS.get(name, name)}" + (
+                f" ({runs[name]['clipped_steps']:,} of {runs[name]['windows']:,} steps clipped)"
+                if "clipped_steps" in runs[name] else ""),
+            "windows (segments x steps)": f"{runs[name]['windows']:,} ({runs[name]['segments']} x "
+                                          f"{runs[name]['windows_per_segment']})",
+            "p50": f"{runs[name]['p50']:.2f}",
+            "p90": f"{runs[name]['p90']:.2f}",
+            "p99": f"{runs[name]['p99']:.2f}",
+            "max": f"{runs[name]['max']:.2f}",
+            f">= {FALSE_ALARM_TAIL:g}": str(runs[name]["at_least_0_9"]),
+            "flagged (target 0)": str(runs[name]["flagged"]),
+            "seconds": f"{runs[name]['seconds']:.0f}",
+        }
+        for name in known
+    ]
+    total = sum(run["windows"] for run in runs.values())
+    rows.append({"run": "**all**", "windows (segments x steps)": f"{total:,}", "p50": "", "p90": "", "p99": "",
+                 "max": f"{max(run['max'] for run in runs.values()):.2f}",
+                 f">= {FALSE_ALARM_TAIL:g}": str(sum(run["at_least_0_9"] for run in runs.values())),
+                 "flagged (target 0)": str(sum(run["flagged"] for run in runs.values())),
+                 "seconds": f"{sum(run['seconds'] for run in runs.values()):.0f}"})
+    return markdown_table(pd.DataFrame(rows))
+
+
+def _false_alarms_verdict(info: dict[str, Any]) -> list[str]:
+    """Whether the targets are met: no flag, and the tail below FALSE_ALARM_TAIL; the closest window named."""
+    runs = info["runs"].values()
+    flagged = sum(run["flagged"] for run in runs)
+    tail = max(max(run["p99"], run["max"]) for run in runs)
+    closest = max(runs, key=lambda run: run["max"])
+    lines = [
+        f"False alarms: **{flagged}** (target 0, {'met' if flagged == 0 else 'NOT met'}); the tail (p99 and max) "
+        f"{'below' if tail < FALSE_ALARM_TAIL else 'reaches'} {FALSE_ALARM_TAIL:g} of the allowance "
+        f"({'met' if tail < FALSE_ALARM_TAIL else 'NOT met'}). Closest window: {closest['closest_lines'][0]}.",
+    ]
+    for run in runs:
+        lines += [f"Flagged: {line}." for line in run.get("flagged_lines", [])]
+    return lines
+
+
+def _false_alarms_section(
+    raw: dict[str, Any], scaling_full: dict[str, Any] | Sequence[tuple[str, dict[str, Any]]] | None = None,
+) -> list[str]:
+    """Long correct runs audited at every step: the distribution of their windows' worst ratio to the
+    allowance, and the windows flagged (benchmarks/test_audit_false_alarms.py); a committed full run
+    among ``scaling_full`` (any file holding this benchmark) shown beside this run."""
+    info = _false_alarm_runs(raw)
+    fulls = [] if scaling_full is None or isinstance(scaling_full, dict) else [
+        (name, run, found) for name, run in scaling_full if (found := _false_alarm_runs(run)) is not None]
+    if info is None and not fulls:
+        return []
+    lines = [
+        "## equiv.audit on long correct runs: false alarms",
+        "",
+        "Correct runs audited at every optimizer step (`every=1`), each in segments of fresh seeds and data (no "
+        "two windows alike): per judged window, its worst ratio to the allowance (the tensor closest to it; on "
+        "any rank under DDP), and the windows flagged. A correct run should never be flagged, and its windows "
+        f"should stay clear of the allowance: the target is 0 flagged and the tail (p99, max) below "
+        f"{FALSE_ALARM_TAIL:g}. Floor samples run while a row is past, or above half of, its allowance, so a "
+        "window settled early shows a ratio at or above the one every sample would give (the status is the same).",
+        "",
+    ]
+    for name, run, full in fulls:
+        lines += [
+            f"Full run (`EQUIV_BENCH_QUICK=0 pytest benchmarks/test_audit_false_alarms.py --benchmark-only`), "
+            f"committed as {name}: run of {str(run.get('datetime', 'unknown time'))[:19]}, "
+            f"{full.get('threads', '?')} thread(s), torch {full.get('torch_version', '?')}, 1-minute load "
+            f"{full.get('load_average_1min', '?')} at the end.",
+            "",
+            _false_alarms_table(full),
+            "",
+            *_false_alarms_verdict(full),
+            "",
+        ]
+    if info is not None:
+        mode = "quick: CI's count" if info.get("quick") else "full"
+        lines += [
+            f"This run ({mode}; {sum(run['windows'] for run in info['runs'].values()):,} windows, "
+            f"{info.get('threads', '?')} thread(s), 1-minute load {info.get('load_average_1min', '?')} at the end):",
+            "",
+            _false_alarms_table(info),
+            "",
+            *_false_alarms_verdict(info),
+            "",
+        ]
+    return lines
