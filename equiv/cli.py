@@ -782,9 +782,11 @@ def build_parser() -> argparse.ArgumentParser:
     benchmarks = reports.add_parser("benchmarks", help="pytest --benchmark-json output as markdown (tox -e bench)")
     benchmarks.add_argument("--json", type=Path, required=True, help="pytest --benchmark-json output")
     benchmarks.add_argument("--out", type=Path, default=Path("reports/benchmarks.md"), help="markdown file to write")
-    benchmarks.add_argument("--scaling-full", type=Path, action="append", default=None,
-                            help="a committed full run of benchmarks/test_check_scaling.py to show beside this one "
-                                 "(repeat it for several, e.g. a CPU and a GPU run)")
+    benchmarks.add_argument("--full-run", "--scaling-full", dest="scaling_full", type=Path, action="append",
+                            default=None,
+                            help="a committed full run of a benchmark too long for CI (benchmarks/"
+                                 "test_check_scaling.py, benchmarks/test_audit_false_alarms.py) to show beside this "
+                                 "one (repeat it for several, e.g. a CPU and a GPU run)")
     benchmarks.set_defaults(handler=_cmd_report_benchmarks)
     return parser
 
