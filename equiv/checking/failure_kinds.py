@@ -10,6 +10,14 @@ the full batch finds it equivalent to that kind's own step instead
 three micro-batch orders as its floors); a step that never updates where the
 full batch does is a window boundary (a step missing).  When none fits the
 answer is "unclassified", never the nearest guess.
+
+A kind is tried only where the step shows it has it: per-micro-batch clipping
+only on a case that clips, for a step seen clipping (its
+``torch.nn.utils.clip_grad_norm_`` calls watched as the audit watches them).  A
+step whose signature defaults ``max_grad_norm`` to a number, seen clipping on a
+case that does not clip (the contract passes ``max_grad_norm`` only to a case
+that clips), is tried against the full-batch step clipped to that default:
+"clipping by the step's default".
 """
 
 from __future__ import annotations
@@ -210,10 +218,11 @@ def classify(candidate: Callable[..., Any], case: Case, verdict: Verdict, *,
     # A kind is tried only where the step shows it has it: clipping, where it was seen clipping.
     own_limit = _own_clip_default(candidate) if case.max_grad_norm is None else None
     clipped = any(name == "clip_grad_norm_" for name, _ in clips.calls)
-    own_clipped = own_limit is not None and clipped  # the case clips nothing: what the step clips is its own
+    # The case clips nothing: what the step clips is by its own default.
+    own_clipped = own_limit if clipped else None
     suspects: list[tuple[Kind, float | None]] = []
-    if own_clipped:
-        suspects.append((_default_clipping(own_limit), own_limit))
+    if own_clipped is not None:
+        suspects.append((_default_clipping(own_clipped), own_clipped))
     suspects += [(kind, None) for kind in KINDS]
     if case.max_grad_norm is not None and clipped:
         suspects.append((PER_MICRO_BATCH_CLIPPING, None))
@@ -228,6 +237,6 @@ def classify(candidate: Callable[..., Any], case: Case, verdict: Verdict, *,
         if judge(trajectories, references).equivalent:
             matching.append(kind)
     if not matching:
-        own = _own_clipping(own_limit) if own_clipped and own_limit is not None else None
+        own = _own_clipping(own_clipped) if own_clipped is not None else None
         return Classification(None, gap, first, tried=tuple(tried), own_clipping=own)
     return Classification(matching[0], gap, first, also=tuple(matching[1:]), tried=tuple(tried))
