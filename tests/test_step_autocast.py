@@ -112,3 +112,41 @@ def test_cli_autocast_flag(tmp_path: Any, capsys: pytest.CaptureFixture[str]) ->
     assert "judged under the step's own torch.autocast(bfloat16)" in capsys.readouterr().out
     main(["check", f"{step_file}:step", "--case", case, "--autocast", "float16"])
     assert "runs its forward under torch.autocast(bfloat16) itself" in capsys.readouterr().out
+
+
+def forward_set_under_autocast(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any,
+                               loss_fn: Any) -> None:
+    """The autocast entered inside the model's forward, set on the instance (as accelerate's prepare() does)."""
+    if "forward" not in model.__dict__:
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # type: ignore[method-assign]
+    optimizer.zero_grad()
+    total = sum(loss_fn.count(targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        (loss_fn.sum(model(inputs).float(), targets) / total).backward()
+    optimizer.step()
+
+
+def accelerate_bf16_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any,
+                         loss_fn: Any) -> None:
+    """accelerate's bfloat16 mixed precision on the CPU: prepare() wraps the model's forward in autocast."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    prepared_model, prepared_optimizer = accelerator.prepare(model, optimizer)
+    prepared_optimizer.zero_grad()
+    total = sum(loss_fn.count(targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        accelerator.backward(loss_fn.sum(prepared_model(inputs), targets) / total)
+    prepared_optimizer.step()
+
+
+@pytest.mark.parametrize("step", [forward_set_under_autocast, accelerate_bf16_step], ids=["instance", "accelerate"])
+def test_an_autocast_the_models_forward_enters_is_seen_too(step: Any) -> None:
+    if step is accelerate_bf16_step:
+        pytest.importorskip("accelerate")
+    verdict = equiv.check(step, UNEVEN)
+    assert verdict, verdict.message()
+    assert verdict.case.autocast == "bfloat16"

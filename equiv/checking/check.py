@@ -172,13 +172,24 @@ def _autocast_watched(candidate: BoundCandidate, run_of: Callable[[BoundCandidat
             seen.append(str(mixed[1]).removeprefix("torch."))
 
     def step(model: torch.nn.Module, *args: object, **kwargs: object) -> object:
-        # The model the step is given (under a case's autocast, the wrapper that enters it): the
-        # hook reads the step's own autocast, before any of the case's.
-        handle = model.register_forward_pre_hook(probe)
+        # At the model the step is given (under a case's autocast, the wrapper that enters it): the
+        # step's own autocast, before any of the case's.  Then, as the audit does, at the first call of
+        # one of its submodules: an autocast the model's forward enters itself (one the step set on the
+        # instance, as accelerate's prepare() does for mixed precision).
+        inside = {id(module) for module in model.modules()} - {id(model)}
+
+        def probe_inside(module: torch.nn.Module, args: object) -> None:
+            if id(module) in inside:
+                inner.remove()
+                probe(module, args)
+
+        outer = model.register_forward_pre_hook(probe)
+        inner = torch.nn.modules.module.register_module_forward_pre_hook(probe_inside)
         try:
             return candidate.step(model, *args, **kwargs)
         finally:
-            handle.remove()
+            outer.remove()
+            inner.remove()
 
     run = run_of(dataclasses.replace(candidate, step=step))
 
