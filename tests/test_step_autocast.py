@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 import equiv
 from equiv.cases.standard import STANDARD_CASES
@@ -83,6 +84,14 @@ def test_the_search_judges_every_drawn_case_in_the_steps_autocast() -> None:
     assert not equiv.verify(bfloat16_step, max_examples=8, seed=0, replay_in_fresh_process=False).found
     found = equiv.verify(bfloat16_mean_of_means, max_examples=30, seed=0, replay_in_fresh_process=False)
     assert found.found and found.verdict is not None and found.verdict.case.autocast == "bfloat16"
+
+
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(equiv.strategies.cases_for(bfloat16_step))
+def test_your_own_given_tests_judge_each_case_in_the_steps_autocast(case: equiv.Case) -> None:
+    verdict = equiv.check(bfloat16_step, case)
+    assert verdict, verdict.message()
+    assert verdict.case.autocast == "bfloat16"
 
 
 def test_search_space_autocast_applies_to_every_drawn_case() -> None:
