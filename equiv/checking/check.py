@@ -21,11 +21,11 @@ from typing import overload
 
 import torch
 
-from equiv.auditing.watch import _autocast_of
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.failure_kinds import classify
 from equiv.checking.threads import chosen_threads, running_threads
+from equiv.judging.autocast import autocast_of
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.judging.floors import TIERS
@@ -159,14 +159,14 @@ class _StepAutocast(Exception):
 
 def _autocast_watched(candidate: BoundCandidate, run_of: Callable[[BoundCandidate], CandidateRun],
                       case: Case) -> CandidateRun:
-    """The candidate's run, reading (as the audit does per forward, :func:`_autocast_of`) the
+    """The candidate's run, reading (as the audit does per forward, :func:`~equiv.judging.autocast.autocast_of`) the
     ``torch.autocast`` in force where the step calls its model: after a run that entered one
     other than the case's, :class:`_StepAutocast` (raised once the run has ended, so no step of
     it is cut short).  Reading it changes nothing the step computes."""
     seen: list[str] = []
 
     def probe(module: torch.nn.Module, args: object) -> None:
-        mixed = _autocast_of(module)
+        mixed = autocast_of(module)
         # float16 and bfloat16 are the dtypes autocast lowers to that a case can name.
         if mixed is not None and mixed[1] in (torch.float16, torch.bfloat16) and not seen:
             seen.append(str(mixed[1]).removeprefix("torch."))

@@ -11,27 +11,24 @@ three micro-batch orders as its floors); a step that never updates where the
 full batch does is a window boundary (a step missing).  When none fits the
 answer is "unclassified", never the nearest guess.
 
-A kind is tried only where the step shows it has it: per-micro-batch clipping
-only on a case that clips, for a step seen clipping (its
-``torch.nn.utils.clip_grad_norm_`` calls watched as the audit watches them).  A
-step whose signature defaults ``max_grad_norm`` to a number, seen clipping on a
-case that does not clip (the contract passes ``max_grad_norm`` only to a case
-that clips), is tried against the full-batch step clipped to that default:
+A kind is tried only where the step can have it: per-micro-batch clipping only
+on a case that clips, for a step that takes ``max_grad_norm`` (is given the
+norm).  A step whose signature defaults ``max_grad_norm`` to a number, on a case
+that does not clip (the contract passes ``max_grad_norm`` only to a case that
+clips), is tried against the full-batch step clipped to that default:
 "clipping by the step's default".
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from equiv.auditing.watch import _ClipWatch
 from equiv.cases.case import Case
 from equiv.judging.contract import BoundCandidate, bind
 from equiv.judging.judge import case_key
@@ -48,9 +45,6 @@ from equiv.zoo.kinds import (
     exact_weights,
     weighted_step,
 )
-
-if TYPE_CHECKING:
-    from equiv.auditing.watch import Audit
 
 __all__ = ["Classification", "classify"]
 
@@ -85,32 +79,9 @@ class Classification:
         return FailureKind.unclassified(f"none of the known kinds ({tried}) reproduces this step's updates{own}")
 
 
-@dataclass
-class _Clips:
-    """The ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` calls a step made, as the audit
-    sees them (:class:`~equiv.auditing.watch._ClipWatch`): (function, limit) per call.  An audit of no
-    model: the watch's scaler hook, which looks for an audit's own optimizer, passes it by."""
-
-    calls: list[tuple[str, float]] = field(default_factory=list)
-    optimizer: torch.optim.Optimizer | None = None
-
-    def _clipped(self, name: str, parameters: list[torch.Tensor], limit: float) -> None:
-        self.calls.append((name, limit))
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[_Clips]:
-        audit = cast("Audit", self)
-        _ClipWatch.open(audit)
-        try:
-            yield self
-        finally:
-            _ClipWatch.close(audit)
-
-
-def _trajectories(case: Case, candidate: Callable[..., Any], clips: _Clips) -> Trajectories:
-    with clips.watching():
-        return Trajectories(run_candidate(case, candidate, torch.float64),
-                            run_candidate(case, candidate, case.working_dtype), case.working_dtype)
+def _trajectories(case: Case, candidate: Callable[..., Any]) -> Trajectories:
+    return Trajectories(run_candidate(case, candidate, torch.float64),
+                        run_candidate(case, candidate, case.working_dtype), case.working_dtype)
 
 
 def _own_clip_default(candidate: Callable[..., Any]) -> float | None:
@@ -131,13 +102,13 @@ def _default_clipping(limit: float) -> Kind:
     passes ``max_grad_norm`` only for a case that clips): correctly weighted otherwise."""
     return Kind("clipping by the step's default",
                 exact_weights,
-                f"{_own_clipping(limit)} (equiv passes max_grad_norm only to a case that clips, as a loop without clipping passes none): the "
+                f"the step clips to its own default max_grad_norm={limit!r} where the case does not clip (equiv passes max_grad_norm only to a case that clips, as a loop without clipping passes none): the "
                 "full-batch step without clipping differs; give max_grad_norm a default of None, or check with "
                 f"a case that clips (Case(max_grad_norm={limit!r}))")
 
 
 def _own_clipping(limit: float) -> str:
-    return f"the step clips to its own default max_grad_norm={limit!r} where the case does not clip"
+    return f"the step's signature defaults max_grad_norm={limit!r}, which a case that does not clip never overrides"
 
 
 def _clipped_at(limit: float, order: str) -> Callable[..., None]:
@@ -209,22 +180,21 @@ def classify(candidate: Callable[..., Any], case: Case, verdict: Verdict, *,
     if not exact:
         return Classification(None, None, verdict.first_mismatch)
     first = min(exact, key=lambda d: (d.step, d.kind != "update"))
-    clips = _Clips()
-    trajectories = _trajectories(case, candidate, clips)
+    trajectories = _trajectories(case, candidate)
     full = [flat_params(s.params) for s in run_reference(case, torch.float64)]
     gap = magnitude(first.step, trajectories.exact, full)
     if gap.scale == 0.0:
         return Classification(WINDOW_BOUNDARY, gap, first)
-    # A kind is tried only where the step shows it has it: clipping, where it was seen clipping.
-    own_limit = _own_clip_default(candidate) if case.max_grad_norm is None else None
-    clipped = any(name == "clip_grad_norm_" for name, _ in clips.calls)
-    # The case clips nothing: what the step clips is by its own default.
-    own_clipped = own_limit if clipped else None
+    # A kind is tried only where the step can have it.  Clipping: where the step is given a clip norm
+    # (the case clips, the step takes max_grad_norm), or where its signature defaults one that the
+    # case, clipping nothing, never overrides: the step then clips by its own default.
+    bound = bind(candidate)
+    own_limit = _own_clip_default(bound) if case.max_grad_norm is None else None
     suspects: list[tuple[Kind, float | None]] = []
-    if own_clipped is not None:
-        suspects.append((_default_clipping(own_clipped), own_clipped))
+    if own_limit is not None:
+        suspects.append((_default_clipping(own_limit), own_limit))
     suspects += [(kind, None) for kind in KINDS]
-    if case.max_grad_norm is not None and clipped:
+    if case.max_grad_norm is not None and bound.takes("max_grad_norm"):
         suspects.append((PER_MICRO_BATCH_CLIPPING, None))
     matching, tried = [], []
     for kind, limit in suspects:
@@ -237,6 +207,6 @@ def classify(candidate: Callable[..., Any], case: Case, verdict: Verdict, *,
         if judge(trajectories, references).equivalent:
             matching.append(kind)
     if not matching:
-        own = _own_clipping(own_clipped) if own_clipped is not None else None
+        own = _own_clipping(own_limit) if own_limit is not None else None
         return Classification(None, gap, first, tried=tuple(tried), own_clipping=own)
     return Classification(matching[0], gap, first, also=tuple(matching[1:]), tried=tuple(tried))
