@@ -36,6 +36,7 @@ tiny steps, many times slower on a busy machine).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -63,7 +64,7 @@ from equiv.checking.check import check_cases
 from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
 from equiv.checking.distributed_search import ENGINES, MODELS, standard_distributed_cases, verify_distributed
 from equiv.checking.profiles import profile_name
-from equiv.checking.search_space import SearchSpace
+from equiv.checking.search_space import AUTOCAST_DTYPES, SearchSpace
 from equiv.checking.threads import SMALL_MODEL_PARAMETERS
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
@@ -223,6 +224,8 @@ def _check_on_path(args: argparse.Namespace) -> int:
     # A case's own factories may come from the step's module or those the user names; nothing else runs.
     allowed = [getattr(candidate, "__module__", None) or "", *args.allow_import]
     cases = {"--case": _parse_case(args.case, [name for name in allowed if name])} if args.case else STANDARD_CASES
+    if args.autocast is not None:
+        cases = {name: _under_autocast(name, case, args.autocast) for name, case in cases.items()}
     try:
         step = bind(candidate)
     except ContractError as exc:
@@ -246,6 +249,13 @@ def _check_on_path(args: argparse.Namespace) -> int:
     # Only an applicable case that failed fails the command as a counterexample;
     # a step that raised or hung, with no counterexample elsewhere, is told apart (the status says which).
     return _finish(args, verdicts, verdicts.summary(), candidate, json_out)
+
+
+def _under_autocast(name: str, case: Case, autocast: str) -> Case:
+    """``case`` with its forward under ``--autocast``; a ``--case`` naming another autocast is refused."""
+    if case.autocast not in (None, autocast):
+        raise UsageError(f"--autocast {autocast} and the {name} autocast={case.autocast!r} disagree: give one")
+    return dataclasses.replace(case, autocast=autocast)
 
 
 def _progress(args: argparse.Namespace, text: str) -> None:
@@ -620,6 +630,14 @@ def _precision_flags(parser: argparse.ArgumentParser) -> None:
                         help="fail float32-sized differences inside the float64 run whatever you train in")
 
 
+def _autocast_flag(parser: argparse._ActionsContainer) -> None:
+    """``--autocast``: every case's forward under ``torch.autocast`` to that dtype (``Case.autocast``)."""
+    parser.add_argument("--autocast", choices=AUTOCAST_DTYPES, default=None,
+                        help="run every case's forward under torch.autocast to this dtype, as AMP does, and judge "
+                             "it in that precision (default: none, unless the step enters torch.autocast itself: "
+                             "then each case is judged in the step's own autocast dtype)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="equiv", description="Is your gradient accumulation full-batch training?",
@@ -642,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
                                    "a step still running then is reported as hung (exit 3)")
     _precision_flags(check_parser)
+    _autocast_flag(check_parser)
     _threads_flag(check_parser)
     _format_flag(check_parser)
     check_parser.set_defaults(handler=_cmd_check)
@@ -678,6 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
     space.add_argument("--max-micro-batches", type=_positive_int, default=None,
                        help="most micro-batches per window drawn (default 32)")
     space.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
+    _autocast_flag(space)
     verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
     verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
     _precision_flags(verify_parser)

@@ -90,3 +90,43 @@ def test_correct_steps_carry_no_kind(name: str) -> None:
 def test_a_verdict_made_without_details_or_a_passing_one_has_no_kind() -> None:
     assert equiv.check(equiv.accumulator_step, UNEVEN).failure_kind is None
     assert equiv.check(BUGS["mean_of_means"], UNEVEN, details=False).failure_kind is None  # a search's verdict
+
+
+def clips_by_its_own_default(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any,
+                             loss_fn: Any, max_grad_norm: float | None = 1.0) -> None:
+    """Correctly weighted and clipped once after accumulation, to its own default where none is passed."""
+    optimizer.zero_grad()
+    total = sum(loss_fn.count(targets) for _, targets in micro_batches)
+    for inputs, targets in micro_batches:
+        (loss_fn.sum(model(inputs), targets) / total).backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+
+
+def test_a_step_clipping_by_its_own_default_is_named_so() -> None:
+    # The contract passes max_grad_norm only to a case that clips: this step then clips to its default 1.0,
+    # which the full-batch step without clipping does not, on a case whose gradient norm is above 1.
+    case = STANDARD_CASES["Adam, uneven 1+2"]
+    assert case.max_grad_norm is None
+    verdict = equiv.check(clips_by_its_own_default, case)
+    assert verdict.status is equiv.Outcome.NOT_EQUIVALENT
+    kind = verdict.failure_kind
+    assert kind is not None and kind.name == "clipping by the step's default", verdict.message()
+    assert "its own default max_grad_norm=1.0 where the case does not clip" in kind.means
+    jsonschema.validate(verdict.to_dict(), schema())
+    # Where the case clips, the step is given the case's norm and is the full-batch step clipped.
+    assert equiv.check(clips_by_its_own_default, STANDARD_CASES["SGD, active clipping 3+5"])
+
+
+def test_a_step_that_never_clips_is_never_called_a_clipping_kind() -> None:
+    # Sample-weighted micro-batch means under a token loss: no clipping anywhere (the case clips nothing),
+    # yet equiv's per-micro-batch clipping step, sample-weighted itself, made the same updates.
+    case = STANDARD_CASES["Adam, token loss with padding 2+3"]
+    assert case.max_grad_norm is None
+    for name in ("sample_weighted_token_loss", "clip_per_micro_batch"):
+        verdict = equiv.check(BUGS[name], case)
+        assert verdict.status is equiv.Outcome.NOT_EQUIVALENT
+        kind = verdict.failure_kind
+        assert kind is not None
+        assert "clipping" not in " ".join((kind.name, *kind.also)), (name, kind)

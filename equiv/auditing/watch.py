@@ -78,7 +78,6 @@ from equiv.auditing.optimizers import audited_optimizer, closure_required
 from equiv.auditing.ranks import Ranks, local, plain_copy, ranks_of_run, unwrapped
 from equiv.auditing.replay import (
     AuditFailure,
-    Autocast,
     Call,
     RecordedWindow,
     WindowAudit,
@@ -88,6 +87,7 @@ from equiv.auditing.replay import (
     model_at,
 )
 from equiv.auditing.schedules import Advance, ScheduleWatch, schedule_verdict
+from equiv.judging.autocast import autocast_of as _autocast_of
 from equiv.losses import (
     FUNCTIONAL,
     MSE,
@@ -985,15 +985,6 @@ def _probe_autocast_eagerly(watcher: Audit) -> RemovableHandle:
 @torch.compiler.disable  # type: ignore[misc,unused-ignore]
 def _see_output_eagerly(watcher: Audit, output: Any) -> None:
     watcher._saw_output(output)
-
-
-def _autocast_of(model: nn.Module) -> Autocast | None:
-    """The ``torch.autocast`` in force for the model's device now (a forward call being recorded), or None."""
-    first = next(model.parameters(), None)
-    device_type = first.device.type if first is not None else "cpu"
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return device_type, torch.get_autocast_dtype(device_type)
 
 
 #: torch's clip functions the audit watches: the keyword of the limit, the audit's setting that

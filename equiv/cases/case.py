@@ -149,7 +149,13 @@ class Case:
     scale_growth_interval: int | None = None
     #: Mixed precision as in PyTorch's AMP recipe: parameters stay in ``dtype``
     #: and the forward runs under ``torch.autocast`` to this dtype ("float16" or
-    #: "bfloat16").  float64 runs are never lowered, so the truth stays exact.
+    #: "bfloat16"; ``torch.bfloat16`` is taken too), the full-batch reference and its
+    #: floors too, so the allowance is that precision's.  float64 runs are never
+    #: lowered, so the truth stays exact.  None: none, unless the step enters
+    #: ``torch.autocast`` itself: :func:`equiv.check` sees it where the step calls its
+    #: model and judges the case as with that dtype here (a note says so); a dtype
+    #: here that contradicts the step's own makes the case not applicable.
+    #: ``equiv check`` / ``equiv verify --autocast`` set it on every case.
     autocast: str | None = None
     #: The working dtype of the noise-floor tier ("float64" runs the exact tier only).
     dtype: str = "float32"

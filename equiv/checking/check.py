@@ -25,11 +25,14 @@ from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.failure_kinds import classify
 from equiv.checking.threads import chosen_threads, running_threads
+from equiv.judging.autocast import autocast_of
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
 from equiv.judging.floors import TIERS
 from equiv.judging.judge import (
+    CandidateRun,
     FailsBecause,
+    OnSnapshot,
     ReferenceRuns,
     precision_fails_because,
     precision_finding,
@@ -128,7 +131,83 @@ def _check(
     reasons = candidate.not_applicable_reasons(case)
     if reasons:
         return Verdict(case=case, candidate=name, mismatches=(), not_applicable=reasons)
+    try:
+        return _judged(candidate, case, tiers, fails_because, details, watch_autocast=True)
+    except _StepAutocast as seen:
+        if case.autocast is not None:  # the case's autocast is not the one the step enters itself
+            return Verdict(case=case, candidate=name, mismatches=(), not_applicable=(
+                f"{name} runs its forward under torch.autocast({seen.dtype}) itself, the case under "
+                f"autocast={case.autocast!r}: give the case autocast={seen.dtype!r}, or None to judge the step in "
+                "its own precision",))
+        # Judged as Case(autocast=...) is: the full-batch reference and its floors under the same
+        # autocast, so the allowance is that precision's (float64 runs are never lowered: the truth stays exact).
+        in_its_precision = dataclasses.replace(case, autocast=seen.dtype)
+        verdict = _judged(candidate, in_its_precision, tiers, fails_because, details, watch_autocast=False)
+        note = (f"the step ran its forward under torch.autocast({seen.dtype}): judged in that precision, as "
+                f"Case(autocast={seen.dtype!r}) is")
+        return dataclasses.replace(verdict, notes=(note, *verdict.notes))
 
+
+class _StepAutocast(Exception):
+    """The candidate's first run saw its model's forward called under ``torch.autocast`` to
+    ``dtype`` ("bfloat16" or "float16") other than the case's: the case is judged again in it."""
+
+    def __init__(self, dtype: str) -> None:
+        super().__init__(dtype)
+        self.dtype = dtype
+
+
+def _autocast_watched(candidate: BoundCandidate, run_of: Callable[[BoundCandidate], CandidateRun],
+                      case: Case) -> CandidateRun:
+    """The candidate's run, reading (as the audit does per forward, :func:`~equiv.judging.autocast.autocast_of`) the
+    ``torch.autocast`` in force where the step calls its model: after a run that entered one
+    other than the case's, :class:`_StepAutocast` (raised once the run has ended, so no step of
+    it is cut short).  Reading it changes nothing the step computes."""
+    seen: list[str] = []
+
+    def probe(module: torch.nn.Module, args: object) -> None:
+        mixed = autocast_of(module)
+        # float16 and bfloat16 are the dtypes autocast lowers to that a case can name.
+        if mixed is not None and mixed[1] in (torch.float16, torch.bfloat16) and not seen:
+            seen.append(str(mixed[1]).removeprefix("torch."))
+
+    def step(model: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        # At the model the step is given (under a case's autocast, the wrapper that enters it): the
+        # step's own autocast, before any of the case's.  Then, as the audit does, at the first call of
+        # one of its submodules: an autocast the model's forward enters itself (one the step set on the
+        # instance, as accelerate's prepare() does for mixed precision).
+        inside = {id(module) for module in model.modules()} - {id(model)}
+
+        def probe_inside(module: torch.nn.Module, args: object) -> None:
+            if id(module) in inside:
+                inner.remove()
+                probe(module, args)
+
+        outer = model.register_forward_pre_hook(probe)
+        inner = torch.nn.modules.module.register_module_forward_pre_hook(probe_inside)
+        try:
+            return candidate.step(model, *args, **kwargs)
+        finally:
+            outer.remove()
+            inner.remove()
+
+    run = run_of(dataclasses.replace(candidate, step=step))
+
+    def watched(on_snapshot: OnSnapshot) -> None:
+        run(on_snapshot)
+        if seen and seen[0] != case.autocast:
+            raise _StepAutocast(seen[0])
+
+    return watched
+
+
+def _judged(
+    candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_because: FailsBecause, details: bool,
+    *, watch_autocast: bool,
+) -> Verdict:
+    """The verdict of an applicable case; ``watch_autocast``: its first candidate run raises
+    :class:`_StepAutocast` if the step runs its forward under an autocast the case does not."""
+    name = candidate.name
     references = reference_runs(case, tiers)
     if _natural_overflow_possible(case):
         # Under loss scaling in float16 arithmetic a floor run may overflow where the
@@ -146,8 +225,11 @@ def _check(
     for tier in sorted(references.tiers, key=lambda name: name != "noise"):
         if tier == "exact" and any(not row.ok for row in by_tier.get("noise", ())):
             references.with_floors([tier])
-        by_tier[tier] = references.judge_tier(
-            tier, references.candidate_run(tier, case, candidate, notes=notes[tier]), details=details)
+        def run_of(step: BoundCandidate, tier: Tier = tier) -> CandidateRun:
+            return references.candidate_run(tier, case, step, notes=notes[tier])
+
+        run = _autocast_watched(candidate, run_of, case) if watch_autocast and not by_tier else run_of(candidate)
+        by_tier[tier] = references.judge_tier(tier, run, details=details)
     diffs = [diff for tier in references.tiers for diff in by_tier[tier]]
     every_note = [note for tier in references.tiers for note in notes[tier]]
     verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(every_note)))
@@ -169,6 +251,16 @@ def _failure_kind(candidate: BoundCandidate, case: Case, verdict: Verdict) -> Fa
         return FailureKind.unclassified(f"not classified: {exc}")
     except CandidateError as exc:
         return FailureKind.unclassified(f"not classified: the step raised when run again ({exc})")
+
+
+def _own_autocast(cases: Mapping[str, Case], verdicts: Mapping[str, Verdict]) -> str:
+    """Said after the count when the step ran under its own ``torch.autocast`` (each such
+    case judged in that precision, with a note): "" when none did."""
+    dtypes = sorted({v.case.autocast for name, v in verdicts.items()
+                     if v.case.autocast is not None and v.case.autocast != cases[name].autocast})
+    if not dtypes:
+        return ""
+    return f"(judged under the step's own torch.autocast({', '.join(dtypes)}))"
 
 
 def _natural_overflow_possible(case: Case) -> bool:
@@ -227,7 +319,7 @@ def check_cases(
 
     def so_far() -> CaseVerdicts:
         return CaseVerdicts(candidate.name, dict(verdicts), dict(errors), tuple(order), dict(tracebacks),
-                            faults=dict(faults), not_run=dict(not_run))
+                            faults=dict(faults), not_run=dict(not_run), setting=_own_autocast(cases, verdicts))
 
     count = chosen_threads(threads, cases.values())
     hung: str | None = None

@@ -10,29 +10,43 @@ the full batch finds it equivalent to that kind's own step instead
 three micro-batch orders as its floors); a step that never updates where the
 full batch does is a window boundary (a step missing).  When none fits the
 answer is "unclassified", never the nearest guess.
+
+A kind is tried only where the step can have it: per-micro-batch clipping only
+on a case that clips, for a step that takes ``max_grad_norm`` (is given the
+norm).  A step whose signature defaults ``max_grad_norm`` to a number, on a case
+that does not clip (the contract passes ``max_grad_norm`` only to a case that
+clips), is tried against the full-batch step clipped to that default:
+"clipping by the step's default".
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from equiv.cases.case import Case
-from equiv.judging.contract import bind
+from equiv.judging.contract import BoundCandidate, bind
 from equiv.judging.judge import case_key
 from equiv.judging.runs import Snapshot, run_candidate, run_reference
 from equiv.judging.trajectories import References, StepMagnitude, Trajectories, flat_params, judge, magnitude
 from equiv.results.verdict import FailureKind, TensorDiff, Verdict
 from equiv.zoo.bugs import clip_per_micro_batch
-from equiv.zoo.kinds import KINDS, ORDERS, PER_MICRO_BATCH_CLIPPING, WINDOW_BOUNDARY, Kind, weighted_step
+from equiv.zoo.kinds import (
+    KINDS,
+    ORDERS,
+    PER_MICRO_BATCH_CLIPPING,
+    WINDOW_BOUNDARY,
+    Kind,
+    exact_weights,
+    weighted_step,
+)
 
 __all__ = ["Classification", "classify"]
-
-#: The kinds tried, in order: the first the step is equivalent to names it.
-_SUSPECTS_TRIED = (*KINDS, PER_MICRO_BATCH_CLIPPING)
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,8 @@ class Classification:
     also: tuple[Kind, ...] = ()
     #: the kinds whose steps were run against this one (what "unclassified" rules out)
     tried: tuple[Kind, ...] = ()
+    #: an unclassified step seen clipping by its own default where the case does not clip, in words
+    own_clipping: str | None = None
 
     def failure_kind(self) -> FailureKind:
         """The kind as a verdict carries it (name and meaning), "unclassified" saying why none fits."""
@@ -59,7 +75,8 @@ class Classification:
                 "the float64 run matches the full batch: the difference is the working dtype's rounding past its "
                 "floor (e.g. gradients accumulated in a lower precision), not a known kind of failure")
         tried = ", ".join(kind.name for kind in (*self.tried, WINDOW_BOUNDARY))
-        return FailureKind.unclassified(f"none of the known kinds ({tried}) reproduces this step's updates")
+        own = f"; {self.own_clipping}" if self.own_clipping is not None else ""
+        return FailureKind.unclassified(f"none of the known kinds ({tried}) reproduces this step's updates{own}")
 
 
 def _trajectories(case: Case, candidate: Callable[..., Any]) -> Trajectories:
@@ -67,22 +84,64 @@ def _trajectories(case: Case, candidate: Callable[..., Any]) -> Trajectories:
                         run_candidate(case, candidate, case.working_dtype), case.working_dtype)
 
 
-#: Suspects' references by (case, kind, N): a search meets a case again (its shrinking).
-_SUSPECTS: dict[tuple[str, str, int | None], References] = {}
+def _own_clip_default(candidate: Callable[..., Any]) -> float | None:
+    """The ``max_grad_norm`` a step's signature defaults to when it is a number (None: none, or no default)."""
+    step = candidate.step if isinstance(candidate, BoundCandidate) else candidate
+    try:
+        parameter = inspect.signature(step).parameters.get("max_grad_norm")
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return None
+    default = None if parameter is None else parameter.default
+    if isinstance(default, bool) or not isinstance(default, (int, float)) or not default > 0:
+        return None
+    return float(default)
+
+
+def _default_clipping(limit: float) -> Kind:
+    """The step's own default clip norm at work where the case asks for no clipping (the contract
+    passes ``max_grad_norm`` only for a case that clips): correctly weighted otherwise."""
+    return Kind("clipping by the step's default",
+                exact_weights,
+                f"the step clips to its own default max_grad_norm={limit!r} where the case does not clip (equiv passes max_grad_norm only to a case that clips, as a loop without clipping passes none): the "
+                "full-batch step without clipping differs; give max_grad_norm a default of None, or check with "
+                f"a case that clips (Case(max_grad_norm={limit!r}))")
+
+
+def _own_clipping(limit: float) -> str:
+    return f"the step's signature defaults max_grad_norm={limit!r}, which a case that does not clip never overrides"
+
+
+def _clipped_at(limit: float, order: str) -> Callable[..., None]:
+    """The full batch's weights, clipped once at ``limit`` whatever the case passes: a step clipping by its own default."""
+    weighted = weighted_step(exact_weights, None, order)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, loss_fn: Any, *,
+             grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        weighted(model, optimizer, micro_batches, loss_fn, max_grad_norm=limit, grad_scaler=grad_scaler)
+
+    return step
+
+
+#: Suspects' references by (case, kind, N, own clip limit): a search meets a case again (its shrinking).
+_SUSPECTS: dict[tuple[str, str, int | None, float | None], References] = {}
 _SUSPECTS_KEPT = 64
 
 
-def _suspect_references(case: Case, kind: Kind, configured_n: int | None) -> References | None:
+def _suspect_references(case: Case, kind: Kind, configured_n: int | None,
+                        own_limit: float | None = None) -> References | None:
     """The references of one kind of failure on ``case`` (None when the suspect
-    cannot take the case: per-micro-batch clipping under loss scaling).  Kept
+    cannot take the case: per-micro-batch clipping under loss scaling).  ``own_limit``:
+    the kind is a step clipping by its own default, to that norm.  Kept
     only for a case of names and numbers (:func:`~equiv.judging.judge.case_key`)."""
     key = case_key(case)
-    cache_key = None if key is None else (key, kind.name, configured_n)
+    cache_key = None if key is None else (key, kind.name, configured_n, own_limit)
     if cache_key is not None and cache_key in _SUSPECTS:
         return _SUSPECTS[cache_key]
     if kind is PER_MICRO_BATCH_CLIPPING:
         # Clipping after each micro-batch depends on their order: only the in-order rounding is this kind's.
         steps: dict[str, Callable[..., Any]] = {"in order": clip_per_micro_batch}
+    elif own_limit is not None:
+        steps = {order: _clipped_at(own_limit, order) for order in ORDERS}
     else:
         steps = {order: weighted_step(kind.weights, configured_n, order) for order in ORDERS}
     if bind(steps["in order"]).not_applicable_reasons(case):
@@ -126,16 +185,28 @@ def classify(candidate: Callable[..., Any], case: Case, verdict: Verdict, *,
     gap = magnitude(first.step, trajectories.exact, full)
     if gap.scale == 0.0:
         return Classification(WINDOW_BOUNDARY, gap, first)
+    # A kind is tried only where the step can have it.  Clipping: where the step is given a clip norm
+    # (the case clips, the step takes max_grad_norm), or where its signature defaults one that the
+    # case, clipping nothing, never overrides: the step then clips by its own default.
+    bound = bind(candidate)
+    own_limit = _own_clip_default(bound) if case.max_grad_norm is None else None
+    suspects: list[tuple[Kind, float | None]] = []
+    if own_limit is not None:
+        suspects.append((_default_clipping(own_limit), own_limit))
+    suspects += [(kind, None) for kind in KINDS]
+    if case.max_grad_norm is not None and bound.takes("max_grad_norm"):
+        suspects.append((PER_MICRO_BATCH_CLIPPING, None))
     matching, tried = [], []
-    for kind in _SUSPECTS_TRIED:
+    for kind, limit in suspects:
         if kind.needs_configured_n and configured_n is None:
             continue  # each window's own count as N: the mean of means, tried already
-        references = _suspect_references(case, kind, configured_n)
+        references = _suspect_references(case, kind, configured_n, limit)
         if references is None:
             continue  # the suspect cannot take the case
         tried.append(kind)
         if judge(trajectories, references).equivalent:
             matching.append(kind)
     if not matching:
-        return Classification(None, gap, first, tried=tuple(tried))
+        own = _own_clipping(own_limit) if own_limit is not None else None
+        return Classification(None, gap, first, tried=tuple(tried), own_clipping=own)
     return Classification(matching[0], gap, first, also=tuple(matching[1:]), tried=tuple(tried))

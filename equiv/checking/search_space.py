@@ -9,10 +9,12 @@ the strategy and back.  :func:`cases_for` turns it (or any
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
 from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 
@@ -20,7 +22,10 @@ from equiv.cases import strategies as eqst
 from equiv.cases.case import Case
 from equiv.judging.contract import BoundCandidate, Candidate, bind
 
-__all__ = ["SearchSpace", "cases_for"]
+__all__ = ["AUTOCAST_DTYPES", "SearchSpace", "cases_for"]
+
+#: The dtypes ``torch.autocast`` lowers a case's forward to (:attr:`equiv.Case.autocast`).
+AUTOCAST_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,10 @@ class SearchSpace:
     max_micro_batches: int | None = None
     #: Where the runs happen.
     device: str = "cpu"
+    #: Every drawn case's forward under ``torch.autocast`` to this dtype ("float16" or
+    #: "bfloat16"; :attr:`equiv.Case.autocast`).  None: none, unless the step enters one itself,
+    #: which :func:`equiv.check` sees and judges each case in.
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("families", "optimizers", "losses"):
@@ -52,10 +61,14 @@ class SearchSpace:
             if isinstance(value, str):
                 raise InvalidArgument(f"{name} must be a sequence of names, got the string {value!r}")
             object.__setattr__(self, name, tuple(value or ()))
+        if isinstance(self.autocast, torch.dtype):  # torch.bfloat16 as Case takes it
+            object.__setattr__(self, "autocast", str(self.autocast).removeprefix("torch."))
+        if self.autocast not in (None, *AUTOCAST_DTYPES):
+            raise InvalidArgument(f"autocast must be one of {AUTOCAST_DTYPES} or None, got {self.autocast!r}")
 
     def strategy(self, candidate: Candidate | BoundCandidate) -> SearchStrategy[Case]:
         """The cases this space holds that apply to ``candidate`` (:func:`cases_for`)."""
-        return cases_for(
+        drawn = cases_for(
             candidate,
             families=self.families or None,
             optimizer_names=self.optimizers or None,
@@ -68,6 +81,10 @@ class SearchSpace:
             max_micro_batches=self.max_micro_batches,
             devices=(self.device,),
         )
+        if self.autocast is None:
+            return drawn
+        autocast = self.autocast
+        return drawn.map(lambda case: dataclasses.replace(case, autocast=autocast))
 
     def flags(self) -> list[str]:
         """The ``equiv verify`` flags that ask for this space (defaults left out)."""
