@@ -152,10 +152,10 @@ def accelerate_bf16_step(model: torch.nn.Module, optimizer: torch.optim.Optimize
     prepared_optimizer.step()
 
 
-@pytest.mark.parametrize("step", [forward_set_under_autocast, accelerate_bf16_step], ids=["instance", "accelerate"])
+@pytest.mark.parametrize("step", [forward_set_under_autocast,
+                                  pytest.param(accelerate_bf16_step, marks=pytest.mark.peers("accelerate"))],
+                         ids=["instance", "accelerate"])
 def test_an_autocast_the_models_forward_enters_is_seen_too(step: Any) -> None:
-    if step is accelerate_bf16_step:
-        pytest.importorskip("accelerate")
     verdict = equiv.check(step, UNEVEN)
     assert verdict, verdict.message()
     assert verdict.case.autocast == "bfloat16"
