@@ -26,7 +26,7 @@ from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
 from equiv.judging.contract import BoundCandidate, CandidateError, CandidateTimeout, bind
-from equiv.judging.deadline import CheckTimeout
+from equiv.judging.deadline import CheckTimeout, counting_interrupts, interrupts_received
 from equiv.losses import Loss
 
 __all__ = [
@@ -396,6 +396,13 @@ def lifted_low_precision(function: Callable[..., Any], dtype: torch.dtype) -> Ca
     return lifted
 
 
+def _what_ended(exc: SystemExit | KeyboardInterrupt) -> str:
+    """What a step that ended itself did, in words: "called sys.exit(0)"."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r}) (raised SystemExit)"
+    return "raised KeyboardInterrupt itself (no Ctrl-C was received)"
+
+
 def run_candidate(
     case: Case,
     candidate: Callable[..., Any] | BoundCandidate,
@@ -433,9 +440,10 @@ def run_candidate(
             on_step(step)
         micro_batches = split_batch(batch, sizes, copy=True)  # copies: a step may write into its inputs
         started = time.monotonic()
+        interrupts_before = interrupts_received()
         try:
             promoted = _PromoteLowPrecision(dtype) if promote_low_precision else contextlib.nullcontext()
-            with _default_dtype(default_dtype), promoted:
+            with counting_interrupts(), _default_dtype(default_dtype), promoted:
                 candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
         except CheckTimeout as exc:
             raise CandidateTimeout(
@@ -446,6 +454,19 @@ def run_candidate(
                 step=step,
                 dtype=dtype_name,
             ) from None
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # BaseExceptions, which `except Exception` lets through: a step's sys.exit(0) would
+            # otherwise end the check, and the command, with nothing judged and exit code 0.
+            # A KeyboardInterrupt is the user's Ctrl-C (propagated) only when a SIGINT came.
+            if isinstance(exc, KeyboardInterrupt) and interrupts_received() != interrupts_before:
+                raise
+            raise CandidateError(
+                f"candidate {candidate.name} {_what_ended(exc)} at step {step} in {dtype_name}, so nothing was "
+                f"judged there; reproduce with {case!r}",
+                case=case,
+                step=step,
+                dtype=dtype_name,
+            ) from exc
         except Exception as exc:
             raise CandidateError(
                 f"candidate {candidate.name} raised {type(exc).__name__}: {exc} "
