@@ -23,7 +23,7 @@ from equiv.judging.deadline import counting_interrupts, interrupts_received
 from equiv.outcomes import Fault, Outcome
 
 STEPS = '''
-import os, sys, time
+import os, sys, threading, time
 from pathlib import Path
 import torch.distributed as dist
 import equiv
@@ -51,6 +51,15 @@ def rank_1_os_exits(model, optimizer, micro_batches, loss_fn):
         os._exit(0)
     equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
 
+def rank_1_os_exits_from_a_thread(model, optimizer, micro_batches, loss_fn):
+    if dist.get_rank() == 1:  # a watchdog thread ends the process: the rank dies with exit code 0
+        threading.Thread(target=os._exit, args=(0,)).start()
+        time.sleep(600)
+    equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
+
+def os_exits(model, optimizer, micro_batches, loss_fn):
+    os._exit(0)
+
 def rank_1_hangs(model, optimizer, micro_batches, loss_fn):
     if dist.get_rank() == 1:
         time.sleep(600)
@@ -75,15 +84,17 @@ def _load(steps: Path, name: str) -> object:
 # ------------------------------------------------------------------ item 9: a step that ends itself
 @pytest.mark.parametrize(("name", "said"), [("exits_0", "called sys.exit(0)"),
                                             ("exits_with_text", "called sys.exit('done here')"),
+                                            ("os_exits", "called os._exit(0)"),
                                             ("interrupts_itself", "raised KeyboardInterrupt itself")])
 def test_a_step_that_ends_itself_is_a_raised_step_named_with_the_case(steps: Path, name: str, said: str) -> None:
     with pytest.raises(CandidateError, match=r"at step 0 in float\d+, so nothing was judged there") as info:
         equiv.check(_load(steps, name), TOY, timeout=60)  # type: ignore[arg-type]
     assert said in str(info.value) and repr(TOY) in str(info.value)
     assert isinstance(info.value.__cause__, (SystemExit, KeyboardInterrupt))
+    assert os._exit.__name__ == "_exit"  # the real one, put back
 
 
-@pytest.mark.parametrize("name", ["exits_0", "interrupts_itself"])
+@pytest.mark.parametrize("name", ["exits_0", "interrupts_itself", "os_exits"])
 def test_equiv_check_exits_3_not_0_when_the_step_exits(steps: Path, name: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["check", f"{steps}:{name}", "--case", '{"batch_size": 4, "micro_batch_sizes": [1, 3]}'])
@@ -169,7 +180,8 @@ def test_ctrl_c_during_check_distributed_ends_every_rank(steps: Path, tmp_path: 
 @pytest.mark.parametrize(("name", "fault", "said"), [
     ("rank_1_exits", Fault.RAISED, "rank 1 raised (exact tier, step 0: in the candidate): "
                                    "equiv.judging.contract.CandidateError: candidate rank_1_exits called sys.exit(0)"),
-    ("rank_1_os_exits", Fault.DIED, "rank 1 died with exit code 0 before its task returned"),
+    ("rank_1_os_exits", Fault.RAISED, "candidate rank_1_os_exits called os._exit(0)"),
+    ("rank_1_os_exits_from_a_thread", Fault.DIED, "rank 1 died with exit code 0 before its task returned"),
 ])
 def test_a_rank_that_exits_is_named_never_a_pass(steps: Path, name: str, fault: Fault, said: str) -> None:
     dcase = equiv.DistributedCase.of(equiv.Case(batch_size=4, micro_batch_sizes=(2, 2)), [[2], [2]])

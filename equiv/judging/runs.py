@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -396,8 +398,46 @@ def lifted_low_precision(function: Callable[..., Any], dtype: torch.dtype) -> Ca
     return lifted
 
 
+class _OsExitCalled(SystemExit):
+    """The step called ``os._exit(code)`` in the checking process itself, on the thread running it."""
+
+
+#: ``os._exit`` as Python defines it, and the (process, thread) pairs whose step is running now.
+_real_os_exit = os._exit
+_steps_running: set[tuple[int, int]] = set()
+_steps_lock = threading.Lock()
+
+
+def _guarded_os_exit(status: int) -> NoReturn:
+    if (os.getpid(), threading.get_ident()) in _steps_running:
+        raise _OsExitCalled(status)
+    _real_os_exit(status)
+
+
+@contextlib.contextmanager
+def _os_exit_raises() -> Iterator[None]:
+    """``os._exit`` called by the step on the thread that runs it, in this process, raises
+    :class:`_OsExitCalled` instead of ending the process with the step's code (``os._exit(0)``
+    would end ``equiv check`` with exit code 0 and nothing judged: a silent pass).  Elsewhere
+    (a forked child such as a DataLoader worker, another thread) it is the real one.  Steps run
+    on several threads at once share one guard, installed while any runs."""
+    key = (os.getpid(), threading.get_ident())
+    with _steps_lock:
+        _steps_running.add(key)
+        os._exit = _guarded_os_exit
+    try:
+        yield
+    finally:
+        with _steps_lock:
+            _steps_running.discard(key)
+            if not _steps_running:
+                os._exit = _real_os_exit
+
+
 def _what_ended(exc: SystemExit | KeyboardInterrupt) -> str:
     """What a step that ended itself did, in words: "called sys.exit(0)"."""
+    if isinstance(exc, _OsExitCalled):
+        return f"called os._exit({exc.code!r})"
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r}) (raised SystemExit)"
     return "raised KeyboardInterrupt itself (no Ctrl-C was received)"
@@ -443,7 +483,7 @@ def run_candidate(
         interrupts_before = interrupts_received()
         try:
             promoted = _PromoteLowPrecision(dtype) if promote_low_precision else contextlib.nullcontext()
-            with counting_interrupts(), _default_dtype(default_dtype), promoted:
+            with counting_interrupts(), _os_exit_raises(), _default_dtype(default_dtype), promoted:
                 candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
         except CheckTimeout as exc:
             raise CandidateTimeout(
