@@ -457,6 +457,7 @@ def run_candidate(
     initial: ModelBundle | None = None,
     on_note: Callable[[str], None] | None = None,
     promote_low_precision: bool = False,
+    catch_os_exit: bool = True,
 ) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
@@ -468,6 +469,8 @@ def run_candidate(
     (how :func:`equiv.check` tells a precision finding from a mismatch);
     ``promote_low_precision`` runs it with the bfloat16 and float16 it asks for
     lifted to ``dtype`` (how it tells a low-precision buffer from a mismatch).
+    ``catch_os_exit``: ``os._exit`` called by the step raises (a raised step) instead of
+    ending this process; off where the process is a spawned rank, whose death is reported.
     """
     loss_fn = case.build_loss()
     candidate = bind(candidate)
@@ -483,7 +486,8 @@ def run_candidate(
         interrupts_before = interrupts_received()
         try:
             promoted = _PromoteLowPrecision(dtype) if promote_low_precision else contextlib.nullcontext()
-            with counting_interrupts(), _os_exit_raises(), _default_dtype(default_dtype), promoted:
+            os_exit = _os_exit_raises() if catch_os_exit else contextlib.nullcontext()
+            with counting_interrupts(), os_exit, _default_dtype(default_dtype), promoted:
                 candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
         except CheckTimeout as exc:
             raise CandidateTimeout(
