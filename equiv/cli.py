@@ -43,6 +43,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -50,6 +51,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 import torch
@@ -130,6 +132,13 @@ _doing: dict[str, str] = {"now": ""}
 
 def _now_doing(text: str) -> None:
     _doing["now"] = text
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGINT: note what was being done at that moment (progress callbacks may run as the
+    interrupt unwinds, moving on what ``_doing`` says), then interrupt as Python does."""
+    _doing.setdefault("at_interrupt", _doing["now"])
+    raise KeyboardInterrupt
 
 
 # ------------------------------------------------------------------ targets
@@ -842,13 +851,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in _CHECKING_COMMANDS:
         keep_freed_host_memory()  # a check builds and frees model copies: reuse their pages (EQUIV_KEEP_FREED_MEMORY=0: off)
     _now_doing("before the first case")
+    _doing.pop("at_interrupt", None)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigint = signal.signal(signal.SIGINT, _interrupted) if on_main_thread else None
     try:
         return int(args.handler(args))
     except KeyboardInterrupt:
         # The user's Ctrl-C (a KeyboardInterrupt the step raised itself is a raised step, judged
         # where the step is called): one line, the shell's code, no traceback.  Spawned ranks
         # were ended on the way out (the launcher's clean-up runs as the interrupt unwinds).
-        print(f"equiv: interrupted (Ctrl-C) {_doing['now']}; nothing judged after it", file=sys.stderr)
+        print(f"equiv: interrupted (Ctrl-C) {_doing.get('at_interrupt', _doing['now'])}; nothing judged after it",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"equiv: error: {exc}", file=sys.stderr)
@@ -862,6 +875,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"with the command line: equiv {' '.join(sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
         return EXIT_INTERNAL_ERROR
     finally:
+        if on_main_thread:
+            signal.signal(signal.SIGINT, previous_sigint)
         log.removeHandler(handler)
         log.setLevel(previous_level)
 

@@ -149,12 +149,17 @@ def _session(process: psutil.Process) -> int | None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_equiv_check_is_one_line_and_exit_130(steps: Path, tmp_path: Path) -> None:
-    code, stderr, left = _interrupt(["check", f"{steps}:sleeps"], tmp_path / "mark", tmp_path)
+@pytest.mark.parametrize(("command", "during"), [
+    ("check", "during case 'toy 2.04, 4 x 2'"),
+    ("verify", "during the search's first case"),
+])
+def test_ctrl_c_during_equiv_check_or_verify_is_one_line_and_exit_130(steps: Path, tmp_path: Path, command: str,
+                                                                      during: str) -> None:
+    code, stderr, left = _interrupt([command, f"{steps}:sleeps"], tmp_path / "mark", tmp_path)
     lines = stderr.strip().splitlines()
     assert code == EXIT_INTERRUPTED, stderr
     assert "Traceback" not in stderr
-    assert lines[-1].startswith("equiv: interrupted (Ctrl-C) during case 'toy 2.04, 4 x 2'")
+    assert lines[-1] == f"equiv: interrupted (Ctrl-C) {during}; nothing judged after it"
     assert sum(line.startswith("equiv:") for line in lines) == 1
     assert not left
 
