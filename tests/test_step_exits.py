@@ -17,7 +17,7 @@ import pytest
 
 import equiv
 from equiv.cli import EXIT_INTERRUPTED, EXIT_STEP_FAILED, main
-from equiv.distributed.launcher import DistributedCheckError, RankState, fault_report
+from equiv.distributed.launcher import DistributedCheckError, RankState, fault_of, fault_report
 from equiv.judging.contract import CandidateError
 from equiv.judging.deadline import counting_interrupts, interrupts_received
 from equiv.outcomes import Fault, Outcome
@@ -196,9 +196,17 @@ def test_a_hung_rank_is_named_before_the_peer_that_timed_out_waiting_for_it() ->
     report = fault_report(states, "case X", hung=True)
     assert report == ("rank 1 hung (exact tier, step 0: in the candidate); rank 0 was waiting in a collective "
                       "(exact tier, step 0: in the candidate) and timed out there; case X")
-    # Without a deadline passing, a rank's own error is still named as it raised.
+    assert fault_of(states, hung=True) is Fault.HUNG
+    # The peer's timeout reported a moment before the deadline: the same hang, not rank 0's error.
+    assert fault_report(states, "case X") == report and fault_of(states) is Fault.HUNG
+    # With no rank left running, a rank's own error is named as it raised.
     assert fault_report(states[:1], "case X").startswith("rank 0 raised (exact tier, step 0: in the candidate): "
                                                          "RuntimeError: [../third_party/gloo")
+    assert fault_of(states[:1]) is Fault.RAISED
+    other = [RankState(0, "step 0", error="ValueError: my step is broken", raised_at=1.0, death="exit code 1"),
+             RankState(1, "step 0", running=True)]
+    assert fault_report(other, "case X") == ("rank 0 raised (step 0): ValueError: my step is broken; "
+                                             "rank 1 was stopped (step 0); case X")
 
 
 @pytest.mark.distributed

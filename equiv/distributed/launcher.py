@@ -338,8 +338,16 @@ class RankState:
 
 
 #: A backend's error for a collective that waited past the process group's timeout
-#: (gloo: "Timed out waiting 5000ms for recv operation"; NCCL's watchdog: "...operation timeout").
-_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+#: (gloo: "Timed out waiting 5000ms for recv operation"; NCCL's watchdog: "collective operation timeout").
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms for|collective operation timeout")
+
+
+def _waited_on(states: list[RankState], hung: bool) -> bool:
+    """Whether a rank still running is the root cause: the deadline passed (``hung``), or a
+    peer gave up waiting for it in a collective (its backend's timeout, which the process
+    group's timeout, the check's own, can fire a moment before the launcher's deadline)."""
+    return any(state.running for state in states) and (
+        hung or any(state.error is not None and _TIMED_OUT.search(state.error) is not None for state in states))
 
 
 def fault_report(states: list[RankState], describe: str, hung: bool = False) -> str:
@@ -356,7 +364,7 @@ def fault_report(states: list[RankState], describe: str, hung: bool = False) -> 
     # At the deadline a rank still running is the root cause: a peer that raised meanwhile was
     # almost always left waiting for it in a collective until the backend's own timeout
     # (the process group's timeout is the check's), so the hung rank is named first.
-    waited_on = hung and any(state.running for state in states)
+    waited_on = _waited_on(states, hung)
     order = sorted(states, key=lambda s: (s.running != waited_on, s.error is None and s.death is None,
                                           s.error is None, s.raised_at, s.rank))
     for state in order:
@@ -367,7 +375,7 @@ def fault_report(states: list[RankState], describe: str, hung: bool = False) -> 
         elif state.death is not None:
             lines.append(f"rank {state.rank} died with {state.death} ({state.progress}) and reported nothing")
         elif state.running:
-            lines.append(f"rank {state.rank} {'hung' if hung else 'was stopped'} ({state.progress})")
+            lines.append(f"rank {state.rank} {'hung' if waited_on else 'was stopped'} ({state.progress})")
     if describe:
         lines.append(describe)
     return "; ".join(lines)
@@ -375,12 +383,13 @@ def fault_report(states: list[RankState], describe: str, hung: bool = False) -> 
 
 def fault_of(states: list[RankState], hung: bool = False) -> Fault:
     """What went wrong, the root cause first: a collective mismatch, then a rank
-    still running at the deadline (``hung``), then a rank that died without
+    still running at the deadline (``hung``) or while a peer timed out waiting for
+    it in a collective, then a rank that died without
     reporting (its peers' errors, a connection closed, follow from it), else a
     rank that raised."""
     if any(state.mismatch is not None for state in states):
         return Fault.COLLECTIVE_MISMATCH
-    if hung and any(state.running for state in states):
+    if _waited_on(states, hung):
         return Fault.HUNG
     if any(state.death is not None and state.error is None for state in states):
         return Fault.DIED
