@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 import equiv
+import equiv.testing
 from equiv.cli import EXIT_INTERRUPTED, EXIT_STEP_FAILED, main
 from equiv.distributed.launcher import DistributedCheckError, RankState, fault_of, fault_report
 from equiv.judging.contract import CandidateError
@@ -95,6 +96,12 @@ def test_equiv_check_exits_3_not_0_when_the_step_exits(steps: Path, name: str,
     out = capsys.readouterr().out
     assert code == EXIT_STEP_FAILED
     assert "1 raised, of 1 case(s)" in out and "--case" in out
+
+
+def test_assert_equivalent_fails_the_test_when_the_step_exits(steps: Path) -> None:
+    # The pytest route: before, SystemExit from the step ended pytest's session with nothing judged.
+    with pytest.raises(CandidateError, match=r"called sys.exit\(0\)"):
+        equiv.testing.assert_equivalent(_load(steps, "exits_0"), TOY)  # type: ignore[arg-type]
 
 
 def test_verify_reports_a_step_that_calls_sys_exit_as_raised(steps: Path) -> None:
