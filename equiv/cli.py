@@ -15,6 +15,7 @@ Exit codes, each meaning one thing:
     2  usage error: bad flags, case, paths or device, checked before any work
     3  the user's step raised or hung (past --timeout) on a case: no verdict there
     4  equiv itself failed: a bug in equiv (the traceback is printed)
+  130  interrupted (Ctrl-C): one line says during what; nothing is judged after it, no process is left
 
 The codes are one table keyed by the result's status (:data:`EXIT_CODES`,
 an :class:`~equiv.outcomes.Outcome`); every result is printed through its
@@ -43,6 +44,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -50,6 +52,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 import torch
@@ -86,6 +89,7 @@ __all__ = [
     "EXIT_COUNTEREXAMPLE",
     "EXIT_EQUIVALENT",
     "EXIT_INTERNAL_ERROR",
+    "EXIT_INTERRUPTED",
     "EXIT_STEP_FAILED",
     "EXIT_USAGE",
     "UsageError",
@@ -103,6 +107,8 @@ EXIT_COUNTEREXAMPLE = 1
 EXIT_USAGE = 2
 EXIT_STEP_FAILED = 3
 EXIT_INTERNAL_ERROR = 4
+#: Ctrl-C: the shell's code for a command ended by SIGINT (128 + 2), never a verdict's.
+EXIT_INTERRUPTED = 130
 #: What ``--format`` takes: how check, verify and their distributed forms show a result.
 FORMATS = ("text", "github", "json")
 #: A result's status -> the command's exit code (usage errors and equiv's own failures have no status).
@@ -119,6 +125,21 @@ EXIT_CODES: dict[Outcome, int] = {
 
 class UsageError(Exception):
     """Bad command-line input: exit code 2 with this message."""
+
+
+#: What the command is doing now, in words ("during case 'toy 2.04, 4 x 2'"): the line a Ctrl-C prints.
+_doing: dict[str, str] = {"now": ""}
+
+
+def _now_doing(text: str) -> None:
+    _doing["now"] = text
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGINT: note what was being done at that moment (progress callbacks may run as the
+    interrupt unwinds, moving on what ``_doing`` says), then interrupt as Python does."""
+    _doing.setdefault("at_interrupt", _doing["now"])
+    raise KeyboardInterrupt
 
 
 # ------------------------------------------------------------------ targets
@@ -233,10 +254,13 @@ def _check_on_path(args: argparse.Namespace) -> int:
 
     def show(name: str, so_far: CaseVerdicts) -> None:
         log.info("[%d/%d] %s", len(so_far.order), len(cases), name)
+        rest = [other for other in cases if other not in so_far.order]
+        _now_doing(f"during case {rest[0]!r}" if rest else f"after the last case ({name!r})")
         _progress(args, so_far.row(name))
         if args.tb and name in so_far.tracebacks:
             _progress(args, "      " + so_far.tracebacks[name].rstrip().replace("\n", "\n      "))
 
+    _now_doing(f"during case {next(iter(cases))!r}")
     try:
         verdicts = check_cases(step, cases, timeout=timeout, on_case=show, train_dtype=args.train_dtype,
                                strict=args.strict_precision, threads=args.threads)
@@ -303,10 +327,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     last_shown = [-math.inf]
 
     def show(examples: int, elapsed: float) -> None:
+        _now_doing(f"during the search, after {examples} case(s) checked")
         if elapsed - last_shown[0] >= args.progress_every:  # the first check, then every few seconds
             last_shown[0] = elapsed
             log.info("%d cases checked", examples)
 
+    _now_doing("during the search's first case")
     try:
         # The search-space flags are named after SearchSpace's fields: one type, no renaming.
         space = SearchSpace(**{item.name: getattr(args, item.name) for item in fields(SearchSpace)})
@@ -337,10 +363,12 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
     last_shown = [-math.inf]
 
     def show(examples: int, elapsed: float) -> None:
+        _now_doing(f"during the distributed search, after {examples} case(s) checked")
         if elapsed - last_shown[0] >= 2.0:  # the first case, then every few seconds
             last_shown[0] = elapsed
             log.info("%d distributed cases checked", examples)
 
+    _now_doing("during the distributed search's first case")
     try:
         result = verify_distributed(
             candidate, engines=args.engines or ("ddp",), models=args.models or MODELS,
@@ -407,6 +435,9 @@ def _cmd_check_distributed(args: argparse.Namespace) -> int:
             except CandidateError:
                 code = EXIT_STEP_FAILED
                 raise
+            except KeyboardInterrupt:
+                code = EXIT_INTERRUPTED
+                raise
             finally:
                 ranks.end(code)
             return _exit_now(code, ranks)
@@ -439,6 +470,7 @@ def _check_distributed_cases(
 
     for index, (name, dcase) in enumerate(cases.items(), start=1):
         log.info("[%d/%d] %s: %s", index, len(cases), name, dcase)
+        _now_doing(f"during case {name!r}")
         try:
             verdicts[name] = check_distributed(candidate, dcase, engine=args.engine, timeout_s=args.timeout,
                                                train_dtype=args.train_dtype, strict=args.strict_precision,
@@ -451,14 +483,18 @@ def _check_distributed_cases(
             errors[name], faults[name] = str(exc), exc.fault
         order.append(name)
         _progress(args, so_far().row(name))
-        if name in errors and stop_on_fault and index < len(cases):
-            # A fault may leave a rank mid-collective: the ranks' process group cannot be trusted again.
+        hung = name in errors and faults[name] is Fault.HUNG
+        if name in errors and (stop_on_fault or hung) and index < len(cases):
+            # After a hang each case would wait out the timeout again (as equiv check skips them);
+            # under torchrun a fault may leave a rank mid-collective: its process group cannot be trusted again.
             rest = list(cases)[index:]
-            not_run.update(dict.fromkeys(rest, f"after the fault on {name!r} the ranks' process group may be "
-                                               "left mid-collective"))
+            why = (f"the step hung on {name!r}" if hung
+                   else f"after the fault on {name!r} the ranks' process group may be left mid-collective")
+            not_run.update(dict.fromkeys(rest, why))
             order.extend(rest)
-            _progress(args, f"      the other {len(rest)} case(s) were not run: after a fault the ranks' "
-                            "process group may be left mid-collective")
+            _progress(args, f"      the other {len(rest)} case(s) were not run: "
+                            + (f"the step hung on {name!r}, and each would wait {args.timeout:g} s as long" if hung
+                               else "after a fault the ranks' process group may be left mid-collective"))
             break
     result = so_far()
     return _finish(args, result, result.summary(), candidate, json_out)
@@ -641,7 +677,8 @@ def _autocast_flag(parser: argparse._ActionsContainer) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="equiv", description="Is your gradient accumulation full-batch training?",
-        epilog="exit codes: 0 equivalent, 1 counterexample, 2 usage error, 3 the step raised or hung, 4 equiv failed",
+        epilog="exit codes: 0 equivalent, 1 counterexample, 2 usage error, 3 the step raised or hung, 4 equiv failed, "
+               "130 interrupted (Ctrl-C)",
     )
     parser.add_argument("--version", action="version", version=f"equiv {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -835,8 +872,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     if args.command in _CHECKING_COMMANDS:
         keep_freed_host_memory()  # a check builds and frees model copies: reuse their pages (EQUIV_KEEP_FREED_MEMORY=0: off)
+    _now_doing("before the first case")
+    _doing.pop("at_interrupt", None)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigint = signal.signal(signal.SIGINT, _interrupted) if on_main_thread else None
     try:
         return int(args.handler(args))
+    except KeyboardInterrupt:
+        # The user's Ctrl-C (a KeyboardInterrupt the step raised itself is a raised step, judged
+        # where the step is called): one line, the shell's code, no traceback.  Spawned ranks
+        # were ended on the way out (the launcher's clean-up runs as the interrupt unwinds).
+        print(f"equiv: interrupted (Ctrl-C) {_doing.get('at_interrupt', _doing['now'])}; nothing judged after it",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"equiv: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -849,6 +897,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"with the command line: equiv {' '.join(sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
         return EXIT_INTERNAL_ERROR
     finally:
+        if on_main_thread:
+            signal.signal(signal.SIGINT, previous_sigint)
         log.removeHandler(handler)
         log.setLevel(previous_level)
 

@@ -586,6 +586,8 @@ class _CheckTask:
                 batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batches(rank),
                 on_step=on_step, default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
                 promote_low_precision=self.promote_low_precision,
+                # A rank is a process of its own: os._exit there is a rank that died, as the launcher says.
+                catch_os_exit=False,
             )
             own.stop()
             mark(f"the end of the {tier} tier's steps")

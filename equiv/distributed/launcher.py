@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 import time
@@ -203,9 +204,25 @@ def _context() -> Any:
     return context
 
 
+#: What :func:`_exit_code` gives a rank that exited with code 0 but saved no result.
+_EXITED_WITHOUT_RESULT = -1000
+
+
+def _exit_code(out: Path, rank: int, process: Any) -> int | None:
+    """The rank's exit code, where a rank that exited with code 0 but saved no result
+    (the step called ``os._exit(0)``) is :data:`_EXITED_WITHOUT_RESULT`: a rank that died,
+    never one that finished (a finished rank saves its result before it exits)."""
+    code: int | None = process.exitcode
+    if code == 0 and not (out / f"rank{rank}.pt").exists():
+        return _EXITED_WITHOUT_RESULT
+    return code
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
+    if code == _EXITED_WITHOUT_RESULT:
+        return "exit code 0 before its task returned (os._exit in the step?)"
     if code < 0:
         return f"killed by signal {-code}"
     return f"exit code {code}"
@@ -272,7 +289,7 @@ def run_on_ranks(
                 if not started and all((out / f"rank{r}.progress").exists() for r in range(len(processes))):
                     started = True
                     deadline = min(deadline, time.monotonic() + timeout_s)
-                codes = [p.exitcode for p in processes]
+                codes = [_exit_code(out, rank, p) for rank, p in enumerate(processes)]
                 if all(code == 0 for code in codes):
                     break
                 if _UNGUARDED_MAIN_EXIT in codes and not started:
@@ -320,24 +337,45 @@ class RankState:
     death: str | None = None
 
 
+#: A backend's error for a collective that waited past the process group's timeout
+#: (gloo: "Timed out waiting 5000ms for recv operation"; NCCL's watchdog: "collective operation timeout").
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms for|collective operation timeout")
+
+
+def _waited_on(states: list[RankState], hung: bool) -> bool:
+    """Whether a rank still running is the root cause: the deadline passed (``hung``), or a
+    peer gave up waiting for it in a collective (its backend's timeout, which the process
+    group's timeout, the check's own, can fire a moment before the launcher's deadline)."""
+    return any(state.running for state in states) and (
+        hung or any(state.error is not None and _TIMED_OUT.search(state.error) is not None for state in states))
+
+
 def fault_report(states: list[RankState], describe: str, hung: bool = False) -> str:
     """The report of a run that went wrong, root causes first: a collective
-    mismatch; else ranks that raised (the first to raise first: the others
-    often fail because it left a collective waiting), then ranks that died
-    silently, then ranks still running (hung, or stopped)."""
+    mismatch; at a deadline (``hung``), the ranks still running, then the peers
+    that timed out waiting for them in a collective (named so, not by their
+    backend's timeout error); else ranks that raised (the first to raise first:
+    the others often fail because it left a collective waiting), then ranks that
+    died silently, then ranks still running (stopped)."""
     found = [state.mismatch for state in states if state.mismatch is not None]
     if found:  # the root cause: the other ranks' errors (a peer left, a wait timed out) follow from it
         return f"{found[0]}; {describe}" if describe else found[0]
     lines = []
-    order = sorted(states, key=lambda s: (s.running, s.error is None and s.death is None, s.error is None,
-                                          s.raised_at, s.rank))
+    # At the deadline a rank still running is the root cause: a peer that raised meanwhile was
+    # almost always left waiting for it in a collective until the backend's own timeout
+    # (the process group's timeout is the check's), so the hung rank is named first.
+    waited_on = _waited_on(states, hung)
+    order = sorted(states, key=lambda s: (s.running != waited_on, s.error is None and s.death is None,
+                                          s.error is None, s.raised_at, s.rank))
     for state in order:
-        if state.error is not None:
+        if state.error is not None and waited_on and _TIMED_OUT.search(state.error):
+            lines.append(f"rank {state.rank} was waiting in a collective ({state.progress}) and timed out there")
+        elif state.error is not None:
             lines.append(f"rank {state.rank} raised ({state.progress}): {state.error.strip().splitlines()[-1]}")
         elif state.death is not None:
             lines.append(f"rank {state.rank} died with {state.death} ({state.progress}) and reported nothing")
         elif state.running:
-            lines.append(f"rank {state.rank} {'hung' if hung else 'was stopped'} ({state.progress})")
+            lines.append(f"rank {state.rank} {'hung' if waited_on else 'was stopped'} ({state.progress})")
     if describe:
         lines.append(describe)
     return "; ".join(lines)
@@ -345,12 +383,13 @@ def fault_report(states: list[RankState], describe: str, hung: bool = False) -> 
 
 def fault_of(states: list[RankState], hung: bool = False) -> Fault:
     """What went wrong, the root cause first: a collective mismatch, then a rank
-    still running at the deadline (``hung``), then a rank that died without
+    still running at the deadline (``hung``) or while a peer timed out waiting for
+    it in a collective, then a rank that died without
     reporting (its peers' errors, a connection closed, follow from it), else a
     rank that raised."""
     if any(state.mismatch is not None for state in states):
         return Fault.COLLECTIVE_MISMATCH
-    if hung and any(state.running for state in states):
+    if _waited_on(states, hung):
         return Fault.HUNG
     if any(state.death is not None and state.error is None for state in states):
         return Fault.DIED
@@ -367,7 +406,7 @@ def _rank_states(out: Path, processes: list[Any]) -> list[RankState]:
     states = []
     for rank, process in enumerate(processes):
         error, mismatch, progress = (out / f"rank{rank}.{name}" for name in ("error", "mismatch", "progress"))
-        code = process.exitcode
+        code = _exit_code(out, rank, process)
         states.append(RankState(
             rank=rank, progress=progress.read_text() if progress.exists() else "not started",
             error=error.read_text() if error.exists() else None,

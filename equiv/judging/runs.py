@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +28,7 @@ from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case
 from equiv.cases.models import ModelBundle
 from equiv.judging.contract import BoundCandidate, CandidateError, CandidateTimeout, bind
-from equiv.judging.deadline import CheckTimeout
+from equiv.judging.deadline import CheckTimeout, counting_interrupts, interrupts_received
 from equiv.losses import Loss
 
 __all__ = [
@@ -396,6 +398,51 @@ def lifted_low_precision(function: Callable[..., Any], dtype: torch.dtype) -> Ca
     return lifted
 
 
+class _OsExitCalled(SystemExit):
+    """The step called ``os._exit(code)`` in the checking process itself, on the thread running it."""
+
+
+#: ``os._exit`` as Python defines it, and the (process, thread) pairs whose step is running now.
+_real_os_exit = os._exit
+_steps_running: set[tuple[int, int]] = set()
+_steps_lock = threading.Lock()
+
+
+def _guarded_os_exit(status: int) -> NoReturn:
+    if (os.getpid(), threading.get_ident()) in _steps_running:
+        raise _OsExitCalled(status)
+    _real_os_exit(status)
+
+
+@contextlib.contextmanager
+def _os_exit_raises() -> Iterator[None]:
+    """``os._exit`` called by the step on the thread that runs it, in this process, raises
+    :class:`_OsExitCalled` instead of ending the process with the step's code (``os._exit(0)``
+    would end ``equiv check`` with exit code 0 and nothing judged: a silent pass).  Elsewhere
+    (a forked child such as a DataLoader worker, another thread) it is the real one.  Steps run
+    on several threads at once share one guard, installed while any runs."""
+    key = (os.getpid(), threading.get_ident())
+    with _steps_lock:
+        _steps_running.add(key)
+        os._exit = _guarded_os_exit
+    try:
+        yield
+    finally:
+        with _steps_lock:
+            _steps_running.discard(key)
+            if not _steps_running:
+                os._exit = _real_os_exit
+
+
+def _what_ended(exc: SystemExit | KeyboardInterrupt) -> str:
+    """What a step that ended itself did, in words: "called sys.exit(0)"."""
+    if isinstance(exc, _OsExitCalled):
+        return f"called os._exit({exc.code!r})"
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r}) (raised SystemExit)"
+    return "raised KeyboardInterrupt itself (no Ctrl-C was received)"
+
+
 def run_candidate(
     case: Case,
     candidate: Callable[..., Any] | BoundCandidate,
@@ -410,6 +457,7 @@ def run_candidate(
     initial: ModelBundle | None = None,
     on_note: Callable[[str], None] | None = None,
     promote_low_precision: bool = False,
+    catch_os_exit: bool = True,
 ) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
@@ -421,6 +469,8 @@ def run_candidate(
     (how :func:`equiv.check` tells a precision finding from a mismatch);
     ``promote_low_precision`` runs it with the bfloat16 and float16 it asks for
     lifted to ``dtype`` (how it tells a low-precision buffer from a mismatch).
+    ``catch_os_exit``: ``os._exit`` called by the step raises (a raised step) instead of
+    ending this process; off where the process is a spawned rank, whose death is reported.
     """
     loss_fn = case.build_loss()
     candidate = bind(candidate)
@@ -433,9 +483,11 @@ def run_candidate(
             on_step(step)
         micro_batches = split_batch(batch, sizes, copy=True)  # copies: a step may write into its inputs
         started = time.monotonic()
+        interrupts_before = interrupts_received()
         try:
             promoted = _PromoteLowPrecision(dtype) if promote_low_precision else contextlib.nullcontext()
-            with _default_dtype(default_dtype), promoted:
+            os_exit = _os_exit_raises() if catch_os_exit else contextlib.nullcontext()
+            with counting_interrupts(), os_exit, _default_dtype(default_dtype), promoted:
                 candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
         except CheckTimeout as exc:
             raise CandidateTimeout(
@@ -446,6 +498,19 @@ def run_candidate(
                 step=step,
                 dtype=dtype_name,
             ) from None
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # BaseExceptions, which `except Exception` lets through: a step's sys.exit(0) would
+            # otherwise end the check, and the command, with nothing judged and exit code 0.
+            # A KeyboardInterrupt is the user's Ctrl-C (propagated) only when a SIGINT came.
+            if isinstance(exc, KeyboardInterrupt) and interrupts_received() != interrupts_before:
+                raise
+            raise CandidateError(
+                f"candidate {candidate.name} {_what_ended(exc)} at step {step} in {dtype_name}, so nothing was "
+                f"judged there; reproduce with {case!r}",
+                case=case,
+                step=step,
+                dtype=dtype_name,
+            ) from exc
         except Exception as exc:
             raise CandidateError(
                 f"candidate {candidate.name} raised {type(exc).__name__}: {exc} "
