@@ -367,4 +367,4 @@ def test_accelerates_mixed_precision_inside_the_prepared_forward_is_recorded() -
     with audit(model, torch_optimizer(optimizer), loss=TOKENS) as watched:
         model(ids, labels)
         model.forward(ids, labels)
-        assert watched._window is not None and watched._window["autocast"] == [("cpu", torch.bfloat16)] * 2
+        assert watched._window is not None and watched._window.autocast == [("cpu", torch.bfloat16)] * 2

@@ -51,6 +51,8 @@ NOT_RESULTS = {
     "PeersResults": "the peers survey's table as plain data for reports/peers.md; its cells map to Outcome (Cell.status)",
     "Result": "the protocol itself",
     "RankVerdict": "one rank's part of a WindowAudit in a multi-process run (WindowAudit.ranks), in its JSON",
+    "AuditResult": "the result half of Audit (windows, counts, summary, to_dict): equiv.audit returns the Audit, "
+                   "its hooks on top, whose kind is 'audit'",
 }
 
 TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",

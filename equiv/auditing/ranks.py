@@ -52,6 +52,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.results.audit import RankVerdict  # the result's part; named here as before
+
 __all__ = ["RankVerdict", "Ranks", "RanksError", "ranks_of_run", "sharding_refusal", "unwrapped"]
 
 #: How long one of the audit's collectives waits for the other ranks (a rank that hangs, stopped stepping or
@@ -76,21 +78,6 @@ def timeout_s() -> float:
     if not value > 0 or math.isinf(value):
         raise ValueError(f"EQUIV_AUDIT_RANK_TIMEOUT_S must be a positive number of seconds, got {text!r}")
     return value
-
-
-@dataclass(frozen=True, slots=True)
-class RankVerdict:
-    """One rank's verdict on a window, as the other ranks see it."""
-
-    rank: int
-    equivalent: bool
-    #: the tensor furthest off (its label) and by how much of its scale, when not equivalent
-    furthest: str | None = None
-    relative_error: float = 0.0
-    #: the worst ratio to the allowance over every tensor of the rank
-    worst_ratio: float = 0.0
-    #: whether this is the rank holding the window (set after the gather; not sent)
-    mine: bool = False
 
 
 @dataclass(slots=True)

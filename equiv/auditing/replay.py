@@ -28,7 +28,6 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,14 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from equiv.auditing.ranks import Ranks, RankVerdict, local
+from equiv.auditing.ranks import Ranks, local
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot, snapshot_of, state_snapshot
-from equiv.outcomes import Outcome
-from equiv.results.protocol import ResultBase
-from equiv.results.verdict import TensorDiff, Tier
+from equiv.results.audit import AuditFailure, RankVerdict, WindowAudit  # the result's; named here as before
+from equiv.results.verdict import Tier
 
 __all__ = ["AuditFailure", "Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "inherent_advice",
            "judge_window", "model_at"]
@@ -71,162 +69,6 @@ class RecordedWindow:
     hyperparameters: tuple[dict[str, Any], ...]
     #: per call, the ``torch.autocast`` it ran under, (device type, dtype), or None (empty: none did)
     autocast: tuple[Autocast | None, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class WindowAudit(ResultBase):
-    """The verdict on one audited optimizer step: truthy only when equivalent."""
-
-    KIND = "window_audit"
-
-    step: int
-    #: forward calls (micro-batches) in the window
-    micro_batches: int
-    #: items the loss counts in each micro-batch (real tokens, samples)
-    items: tuple[int, ...]
-    tier: Tier
-    #: every tensor past its allowance (empty: equivalent)
-    mismatches: tuple[TensorDiff, ...]
-    #: the tensor closest to (or furthest past) its allowance
-    worst: TensorDiff | None
-    #: the micro-batch count of the run's usual window, when this one is shorter or longer
-    usual_micro_batches: int | None = None
-    #: why no accumulation can reproduce this model's full-batch step (Dropout, BatchNorm in
-    #: train mode): then the window is not replayed, and is neither equivalent nor a failure
-    inherent: tuple[str, ...] = ()
-    #: where in the run the step fell, as the trainer tells it (e.g. "epoch 0, batch 6"), when it does
-    position: str | None = None
-    #: what the run may have done that the audit was not told (e.g. clipping), said after a failing
-    #: line; for a window not replayed (``inherent``), what to change so the run can be audited
-    hint: str | None = None
-    #: a NaN or inf named: the run's gradient, update or optimizer state (step, tensor, first index;
-    #: the window is then never equivalent), or, with ``full_batch_not_finite``, the full-batch step's
-    not_finite: str | None = None
-    #: the full-batch step of the window is itself not finite while the run's step is: the window's
-    #: own data (NaN inputs or targets, no item to count) leaves nothing to judge against
-    full_batch_not_finite: bool = False
-    #: in a multi-process run, every rank's verdict on the window (this rank's among them), in rank order;
-    #: the window is equivalent only when every rank's is
-    ranks: tuple[RankVerdict, ...] = ()
-    #: the optimizer's LR schedule advanced more than once in the window, changing a hyperparameter the
-    #: step took (a scheduler stepped per micro-batch): named, with the count; the window is then not equivalent
-    schedule: str | None = None
-    #: what the loop did that is wrong but left this step the full-batch one (a constant schedule stepped per
-    #: micro-batch), said after the verdict
-    note: str | None = None
-
-    @property
-    def equivalent(self) -> bool:
-        return (not self.mismatches and not self.inherent and self.not_finite is None and self.schedule is None
-                and all(rank.equivalent for rank in self.ranks))
-
-    @property
-    def ranks_off(self) -> tuple[int, ...]:
-        """The ranks whose step is not the global full-batch one (empty in one process)."""
-        return tuple(rank.rank for rank in self.ranks if not rank.equivalent)
-
-    @property
-    def judged(self) -> bool:
-        """Whether the window was judged: replayed, against a finite full-batch step."""
-        return not self.inherent and not self.full_batch_not_finite
-
-    @property
-    def status(self) -> Outcome:
-        """NOT_EQUIVALENT (past an allowance, or the run not finite), INHERENTLY_NON_EQUIVALENT (not
-        replayed), NOT_APPLICABLE (the full-batch step not finite), else EQUIVALENT."""
-        if self.not_finite is not None and not self.full_batch_not_finite:
-            return Outcome.NOT_EQUIVALENT
-        if self.inherent:
-            return Outcome.INHERENTLY_NON_EQUIVALENT
-        if self.full_batch_not_finite:
-            return Outcome.NOT_APPLICABLE
-        return Outcome.NOT_EQUIVALENT if self.mismatches or self.ranks_off or self.schedule else Outcome.EQUIVALENT
-
-    def __bool__(self) -> bool:
-        return self.equivalent
-
-    def _failure(self) -> AssertionError:
-        return AuditFailure(self)
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "step": self.step, "position": self.position, "micro_batches": self.micro_batches,
-            "items": list(self.items), "usual_micro_batches": self.usual_micro_batches, "tier": self.tier,
-            "inherent": list(self.inherent), "mismatches": [d.to_dict() for d in self.mismatches],
-            "worst": None if self.worst is None else self.worst.to_dict(), "hint": self.hint,
-            "not_finite": self.not_finite, "full_batch_not_finite": self.full_batch_not_finite,
-            "ranks": [dataclasses.asdict(rank) for rank in self.ranks], "schedule": self.schedule, "note": self.note,
-        }
-
-    def line(self) -> str:
-        """One line: the step, the window, the verdict and its magnitude."""
-        at = f" ({self.position})" if self.position else ""
-        where = f"step {self.step}{at}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, " \
-                f"items {list(self.items)}"
-        advice = f"; {self.hint}" if self.hint else ""
-        if self.not_finite is not None and not self.full_batch_not_finite:
-            inherent = f" (and inherently not equivalent: {'; '.join(self.inherent)})" if self.inherent else ""
-            return f"{where}: NOT equivalent, not finite: {self.not_finite}{inherent}"
-        if self.inherent:
-            return f"{where}: inherently not equivalent, not replayed ({'; '.join(self.inherent)}){advice}"
-        if self.full_batch_not_finite:
-            return f"{where}: not judged: {self.not_finite}"
-        if self.ranks:
-            where += f" on rank {self._own_rank()} of {len(self.ranks)}"
-        if self.equivalent:
-            worst = max((rank.worst_ratio for rank in self.ranks), default=None)
-            worst = self.worst.ratio if worst is None and self.worst is not None else worst
-            ratio = f" (worst {worst:.2g} of its allowance{' on any rank' if self.ranks else ''})" \
-                if worst is not None else ""
-            return f"{where}: equivalent{ratio}" + (f"; note: {self.note}" if self.note else "")
-        if not self.mismatches and self.schedule:  # the update is the one its hyperparameters give; they are not
-            return f"{where}: NOT equivalent ({self.schedule})"
-        if not self.mismatches:  # this rank's step is right, another's is not
-            return f"{where}: NOT equivalent ({self._ranks_text()})"
-        first = self.mismatches[0]
-        magnitude = ""
-        if not math.isnan(first.update_ratio) and not math.isnan(first.cosine):
-            magnitude = f"; update {first.update_ratio:.4g}x the full-batch one, cosine {first.cosine:.4f}"
-        elif first.update_ratio == 0:  # the run did not move it: no cosine to give
-            magnitude = "; update 0x the full-batch one (not moved)"
-        tail = ""
-        if self.usual_micro_batches is not None and self.micro_batches != self.usual_micro_batches:
-            tail = f"; a window of {self.micro_batches} where the run's others have {self.usual_micro_batches}"
-        furthest = max(self.mismatches, key=lambda row: row.relative_error)
-        furthest_text = "" if furthest is first else \
-            f"; furthest off {furthest.label}, by {furthest.relative_error:.3g} of its scale"
-        hint = "".join(f"; {part}" for part in (self.schedule, self.hint) if part)
-        ranks = f"; {self._ranks_text()}" if self.ranks else ""
-        return (f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
-                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}"
-                f"{ranks}{hint})")
-
-    def _own_rank(self) -> int:
-        return next((rank.rank for rank in self.ranks if rank.mine), 0)
-
-    def _ranks_text(self) -> str:
-        """Which ranks are off, and the one furthest off with its tensor."""
-        off = [rank for rank in self.ranks if not rank.equivalent]
-        if not off:
-            return "every rank's step is off the same way" if self.mismatches else "every rank equivalent"
-        furthest = max(off, key=lambda rank: rank.relative_error)
-        return (f"off on rank{'s' if len(off) != 1 else ''} {[rank.rank for rank in off]} of {len(self.ranks)}, "
-                f"furthest rank {furthest.rank}: {furthest.furthest}, by {furthest.relative_error:.3g} of its scale")
-
-    def message(self) -> str:
-        """The line, and the first mismatch as ``assert_close`` would show it."""
-        if not self.mismatches or self.full_batch_not_finite:
-            return self.line()
-        return self.line() + "\n" + self.mismatches[0].describe(self.micro_batches)
-
-
-class AuditFailure(AssertionError):
-    """An audited window was not equivalent (the audit was asked to stop there, or
-    ``assert_ok()`` was called on it); carries the window."""
-
-    def __init__(self, window: WindowAudit) -> None:
-        super().__init__(window.message())
-        self.window = window
 
 
 Extract = Callable[[Call], Tensor]

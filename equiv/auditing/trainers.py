@@ -32,7 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from equiv.auditing.replay import Call
-from equiv.auditing.watch import Audit, audit, clip_setting
+from equiv.auditing.settings import clip_setting
+from equiv.auditing.watch import Audit, audit
 
 __all__ = ["lightning_callback", "torch_optimizer", "transformers_callback"]
 
