@@ -409,65 +409,59 @@ def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, **options: A
     """Audit the optimizer steps of the run made inside ``with`` (see :mod:`equiv.auditing.watch`).
 
     Args:
-        model, optimizer: the run's own (the optimizer must hold the model's parameters); a
-            ``torch.compile``d model or an Accelerate-prepared one is watched as itself, and calls
-            through ``model(...)`` and ``model.forward(...)`` are both recorded.  The optimizer may be
-            the wrapper the loop holds (Accelerate's ``AcceleratedOptimizer``, Lightning's
-            ``LightningOptimizer``, any object keeping it as ``.optimizer``): the torch optimizer
-            inside is hooked, said once in a ``UserWarning``.  One whose ``step`` needs a closure
-            (``LBFGS``) is refused; a step given an optional closure (``SGD.step(closure)``) is judged
-            on every micro-batch of its window, the closure's included.  The optimizer's LR schedulers
-            are followed (:mod:`equiv.auditing.schedules`): one stepped more than once in a window,
-            changing the learning rate the step took, fails it (``WindowAudit.schedule``); changing
-            nothing, it is said in the window's ``note``.
-        loss: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()``
-            for a causal LM's ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``;
-            ``CrossEntropy`` / ``TokenCrossEntropy`` take torch's ``weight=``, ``ignore_index=`` and
-            ``label_smoothing=``: with class weights an item counts its class's weight, as torch's
-            weighted mean divides). Left out with ``criterion=`` given, it is derived from the criterion.
-            A shipped cross-entropy or MSE also has the loop's own ``F.cross_entropy`` /
-            ``F.nll_loss`` / ``F.mse_loss`` call seen during audited windows (its targets recorded, its
-            options read as a criterion's), so ``loss = F.cross_entropy(model(x), y)`` needs no wrap.
+        model, optimizer: the run's own (the optimizer must hold the model's parameters); a ``torch.compile``d model or
+            an Accelerate-prepared one is watched as itself, and calls through ``model(...)`` and
+            ``model.forward(...)`` are both recorded.  The optimizer may be the wrapper the loop holds (Accelerate's
+            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, any object keeping it as ``.optimizer``): the
+            torch optimizer inside is hooked, said once in a ``UserWarning``.  One whose ``step`` needs a closure
+            (``LBFGS``) is refused; a step given an optional closure (``SGD.step(closure)``) is judged on every
+            micro-batch of its window, the closure's included.  The optimizer's LR schedulers are followed
+            (:mod:`equiv.auditing.schedules`): one stepped more than once in a window, changing the learning rate the
+            step took, fails it (``WindowAudit.schedule``); changing nothing, it is said in the window's ``note``.
+        loss: the objective the run means, as a sum + count loss (``equiv.NextTokenCrossEntropy()`` for a causal LM's
+            ``labels``, ``equiv.CrossEntropy()`` for classification, ``equiv.MSE()``; ``CrossEntropy`` /
+            ``TokenCrossEntropy`` take torch's ``weight=``, ``ignore_index=`` and ``label_smoothing=``: with class
+            weights an item counts its class's weight, as torch's weighted mean divides). Left out with ``criterion=``
+            given, it is derived from the criterion. A shipped cross-entropy or MSE also has the loop's own
+            ``F.cross_entropy`` / ``F.nll_loss`` / ``F.mse_loss`` call seen during audited windows (its targets
+            recorded, its options read as a criterion's), so ``loss = F.cross_entropy(model(x), y)`` needs no wrap.
         every: audit one optimizer step in every ``every`` (the first one included).
-        targets, output: read a recorded call's targets and the model's output the loss takes (by
-            default the ``labels`` / ``targets`` / ``target`` keyword, else the second positional
-            argument; a guess that does not fit ``loss`` is an error naming the shapes found).
-        criterion: the ``nn.Module`` loss the loop calls as ``criterion(output, target)``
-            (``loss = criterion(model(x), y)``): its targets are recorded where it sees them, each
-            paired with the model's call before it, with no change to the loop. Its options are read
-            (``label_smoothing``, ``weight``, ``ignore_index`` of ``CrossEntropyLoss`` / ``NLLLoss``;
-            ``MSELoss``; ``reduction`` is how the loop reduces, not the objective): a ``loss=`` that
-            disagrees is one line naming both, a torch loss equiv ships nothing for (``L1Loss``,
-            ``BCEWithLogitsLoss``) is refused by name unless ``loss=`` says what it computes. For a
-            loss function, ``audit.wrap(loss_fn)`` (:meth:`Audit.wrap`) records its targets too.
+        targets, output: read a recorded call's targets and the model's output the loss takes (by default the
+            ``labels`` / ``targets`` / ``target`` keyword, else the second positional argument; a guess that does not
+            fit ``loss`` is an error naming the shapes found).
+        criterion: the ``nn.Module`` loss the loop calls as ``criterion(output, target)`` (``loss = criterion(model(x),
+            y)``): its targets are recorded where it sees them, each paired with the model's call before it, with no
+            change to the loop. Its options are read (``label_smoothing``, ``weight``, ``ignore_index`` of
+            ``CrossEntropyLoss`` / ``NLLLoss``; ``MSELoss``; ``reduction`` is how the loop reduces, not the objective):
+            a ``loss=`` that disagrees is one line naming both, a torch loss equiv ships nothing for (``L1Loss``,
+            ``BCEWithLogitsLoss``) is refused by name unless ``loss=`` says what it computes. For a loss function,
+            ``audit.wrap(loss_fn)`` (:meth:`Audit.wrap`) records its targets too.
         max_grad_norm: the norm the run clips to, once per step (None, 0 or inf: it does not clip).
-        max_grad_value: the value the run clamps each gradient element to (``clip_grad_value_``), once
-            per step (None, 0 or inf: it does not).
+        max_grad_value: the value the run clamps each gradient element to (``clip_grad_value_``), once per step (None,
+            0 or inf: it does not).
         stop_at_first_failure: raise :class:`AuditFailure` from the step that is not equivalent.
         on_window: called with each audited window's verdict as it is made.
-        call_model, record_forward: each recorded micro-batch is replayed as ``call_model(model,
-            (args, kwargs))`` (a model whose forward computes its own loss: ``call_model`` hands the loss
-            the logits; the targets are then checked on what ``call_model`` / ``output`` return, never on
-            the run's own forward output); with ``record_forward=False``, micro-batches are recorded with
-            :meth:`Audit.record` instead of by the watched ``forward``.
-        averaged: the averaged copy of the weights the run keeps: a
-            ``torch.optim.swa_utils.AveragedModel`` (an EMA by ``get_ema_multi_avg_fn``, SWA), or
-            ``equiv.ExponentialAverage(ema_model, decay)`` for a hand-written EMA. Each audited window
-            after the first checks it moved once per optimizer step, by its rule, towards the weights
-            of the step before (:mod:`equiv.auditing.averaged`): updated per micro-batch, it fails.
-        allow_nothing_judged: let :meth:`Audit.assert_ok` pass an audit that judged no window and
-            flagged none (by default it fails, saying why: the optimizer never stepped, an empty
-            loader, every window inherently not equivalent (dropout), or none sampled).
+        call_model, record_forward: each recorded micro-batch is replayed as ``call_model(model, (args, kwargs))`` (a
+            model whose forward computes its own loss: ``call_model`` hands the loss the logits; the targets are then
+            checked on what ``call_model`` / ``output`` return, never on the run's own forward output); with
+            ``record_forward=False``, micro-batches are recorded with :meth:`Audit.record` instead of by the watched
+            ``forward``.
+        averaged: the averaged copy of the weights the run keeps: a ``torch.optim.swa_utils.AveragedModel`` (an EMA by
+            ``get_ema_multi_avg_fn``, SWA), or ``equiv.ExponentialAverage(ema_model, decay)`` for a hand-written EMA.
+            Each audited window after the first checks it moved once per optimizer step, by its rule, towards the
+            weights of the step before (:mod:`equiv.auditing.averaged`): updated per micro-batch, it fails.
+        allow_nothing_judged: let :meth:`Audit.assert_ok` pass an audit that judged no window and flagged none (by
+            default it fails, saying why: the optimizer never stepped, an empty loader, every window inherently not
+            equivalent (dropout), or none sampled).
 
     Returns:
-        The :class:`Audit`, a context manager: its ``windows`` hold each audited step's
-        :class:`~equiv.auditing.replay.WindowAudit` (the shared result protocol).
+        The :class:`Audit`, a context manager: its ``windows`` hold each audited step's :class:`WindowAudit`.
 
     Raises:
-        TypeError, ValueError: an argument is not what the audit can take (named, with the value given:
-            an optimizer that is neither a torch optimizer nor a wrapper of one, one whose step needs a
-            closure), or the optimizer holds parameters that are not the model's, or ``loss`` disagrees with
-            the criterion (or the loop's functional loss call) it is handed; ValueError from a step whose
-            recorded targets do not fit ``loss`` (the shapes found named).
+        TypeError, ValueError: an unknown keyword (these are the fields of :class:`~equiv.auditing.AuditSettings`), an
+            argument the audit cannot take (named, with the value given: an optimizer that is neither a torch optimizer
+            nor a wrapper of one, one whose step needs a closure), an optimizer holding parameters not the model's, or
+            ``loss`` disagreeing with the criterion (or the loop's functional loss call) it is handed; ValueError from
+            a step whose recorded targets do not fit ``loss`` (the shapes found named).
     """
     return Audit(model, optimizer, AuditSettings(**options))

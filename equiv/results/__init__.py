@@ -1,7 +1,7 @@
 """What every front door returns: the rows of a comparison
 (:class:`~equiv.results.verdict.TensorDiff`), the verdict on one case
-(:class:`~equiv.results.verdict.Verdict`), and what of a verdict holds on every
-machine (:mod:`~equiv.results.facts`).
+(:class:`~equiv.results.verdict.Verdict`), what of a verdict holds on every
+machine (:mod:`~equiv.results.facts`), and an audit's windows and counts (:mod:`~equiv.results.audit`).
 
 One protocol, one schema
 ------------------------
