@@ -385,7 +385,6 @@ def _compiled_from(model: Any) -> Any:
     return original if isinstance(model, nn.Module) and isinstance(original, nn.Module) else model
 
 
-
 _Options = ParamSpec("_Options")
 
 
