@@ -26,8 +26,6 @@ __all__ = ["FACADE", "LAYERS", "layer_of"]
 LAYERS: dict[str, int] = {
     "equiv.batches": 0,
     "equiv.losses": 0,
-    "equiv.packed_losses": 0,
-    "equiv.policy_losses": 0,
     "equiv.accumulator": 0,
     "equiv.distributed": 0,
     "equiv.names": 0,

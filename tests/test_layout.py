@@ -188,9 +188,34 @@ def test_the_public_api_is_exactly_all() -> None:
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli", "peers",
         "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing", "findings", "judging", "results",
-        "adapters", "layers", "packed_losses", "policy_losses",
+        "adapters", "layers",
     }
     assert public == set(equiv.__all__) - {"__version__"}
+
+
+def test_the_loss_families_live_in_one_package() -> None:
+    # Sample and token losses, packed rows, RL policies: one protocol, one package (equiv.losses), every one
+    # registered by name in its LOSSES, not a top-level module per family.
+    from equiv.losses import LOSSES, Loss
+
+    def subclasses(cls: type) -> set[type]:
+        return {sub for direct in cls.__subclasses__() for sub in {direct} | subclasses(direct)}
+
+    for module in MODULES:
+        if module.startswith(("equiv.losses", "equiv.cases", "equiv.zoo")):
+            importlib.import_module(module)
+    defined = {cls for cls in subclasses(Loss) if cls.__module__.startswith("equiv.")}
+    assert {cls.__module__ for cls in defined} <= {"equiv.losses.items", "equiv.losses.packed", "equiv.losses.policy"}
+    named = {cls for cls in defined if "name" in vars(cls)}
+    assert named == set(LOSSES.values()), "a loss with a name that LOSSES does not register, or the reverse"
+
+
+def test_the_layer_table_names_every_top_level_module_and_package() -> None:
+    # A key of LAYERS that names no module (one moved into a package) is a stale word; so is a module no key names.
+    from equiv.layers import LAYERS
+
+    top = {".".join(module.split(".")[:2]) for module in MODULES}
+    assert set(LAYERS) == top
 
 
 def test_the_distributed_machinery_is_still_reachable_where_it_was_published() -> None:

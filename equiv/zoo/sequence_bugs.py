@@ -1,6 +1,6 @@
 """Accumulation steps that get packed sequences or RL normalisers wrong.
 
-They need the losses of :mod:`equiv.packed_losses` or :mod:`equiv.policy_losses`
+They need the losses of :mod:`equiv.losses.packed` or :mod:`equiv.losses.policy`
 (the packed DPO step reads the pairs' margins, the AReaL step the response
 tokens before the token filter); the others are steps of
 :data:`equiv.zoo.bugs.BUGS` whose mistake these losses are where it was
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from equiv.packed_losses import PackedDPO, PackedLoss
-from equiv.policy_losses import PolicyLoss
+from equiv.losses.packed import PackedDPO, PackedLoss
+from equiv.losses.policy import PolicyLoss
 from equiv.zoo.bugs import _clip_and_step, mean_of_means, sample_weighted_token_loss
 
 __all__ = ["PACKED_BUGS", "POLICY_BUGS", "SEQUENCE_BUG_REPORTS", "dpo_pairs_swapped", "row_mean_of_sequence_means",
