@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,68 @@ def test_the_layer_table_names_every_top_level_module_and_package() -> None:
 
     top = {".".join(module.split(".")[:2]) for module in MODULES}
     assert set(LAYERS) == top
+
+
+def _short(key: str) -> str:
+    """A key of LAYERS as the prose writes it: ``equiv.losses`` -> ``losses``, the package itself ``equiv``."""
+    return key.removeprefix("equiv.")
+
+
+def _is_package(key: str) -> bool:
+    return MODULES[key].name == "__init__.py"
+
+
+def _layers_by_number() -> dict[int, set[str]]:
+    from equiv.layers import LAYERS
+
+    grouped: dict[int, set[str]] = {}
+    for key, layer in LAYERS.items():
+        grouped.setdefault(layer, set()).add(_short(key))
+    return grouped
+
+
+def test_contributings_layer_table_is_the_layer_table() -> None:
+    # CONTRIBUTING.md's table, row by row: the layer, and in it every package (``name/``) and module (``name``).
+    from equiv.layers import LAYERS
+
+    text = (PACKAGE.parent / "CONTRIBUTING.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text, flags=re.MULTILINE)
+    assert rows, "CONTRIBUTING.md has no layer table"
+    written = {int(layer): set(re.findall(r"`([^`]+)`", names)) for layer, names in rows}
+    expected: dict[int, set[str]] = {}
+    for key, layer in LAYERS.items():
+        name = _short(key) + ("/" if _is_package(key) and key != "equiv" else "")
+        expected.setdefault(layer, set()).add(name)
+    assert written == expected
+
+
+def test_contributings_tree_names_every_module_and_package() -> None:
+    # The tree under "## Layout": every top-level module (``name.py``) and package (``name/``), none that is gone.
+    text = (PACKAGE.parent / "CONTRIBUTING.md").read_text()
+    tree = text.split("## Layout", 1)[1].split("```", 2)[1]
+    lines = tree.splitlines()
+    start = lines.index("equiv/")
+    body = []
+    for line in lines[start + 1:]:
+        if line and not line.startswith(" "):
+            break
+        body.append(line)
+    written = re.findall(r"(?<!\S)(\w+(?:/|\.py))(?!\S)", "\n".join(body))
+    expected = [_short(key) + ("/" if _is_package(key) else ".py") for key in MODULES
+                if key.count(".") == 1]
+    assert sorted(written) == sorted(expected)
+
+
+def test_the_packages_docstring_draws_the_layer_table() -> None:
+    # equiv/__init__'s flow (top layer first, ``->`` between layers) and its list name exactly LAYERS.
+    doc = equiv.__doc__ or ""
+    flow = doc.split("::\n", 1)[1].split("\n\n", 1)[0]
+    drawn = [{name.strip() for name in group.split(",")} for group in flow.split("->")]
+    grouped = _layers_by_number()
+    assert drawn == [grouped[layer] for layer in sorted(grouped, reverse=True)]
+    listed = [name for line in doc.splitlines() if line.startswith("- ")
+              for name in re.findall(r"``(\w+)``", line.split(":", 1)[0])]
+    assert sorted(listed) == sorted(name for names in grouped.values() for name in names)
 
 
 def test_the_distributed_machinery_is_still_reachable_where_it_was_published() -> None:
