@@ -49,9 +49,10 @@ from equiv.checking.distributed_search import DistributedSearchSpace, verify_dis
 from equiv.checking.pipeline import PipelineSetting, check_pipeline
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
-from equiv.cost.planner import plan
-from equiv.distributed.launcher import UnguardedMainError
-from equiv.judging.contract import CandidateError, ContractError
+from equiv.cost.planner import NothingFitsError, plan
+from equiv.distributed.launcher import DistributedCheckError, UnguardedMainError
+from equiv.judging.contract import CandidateError, CandidateTimeout, ContractError
+from equiv.judging.deadline import CheckTimeout
 from equiv.losses import MSE, CrossEntropy, Loss, NextTokenCrossEntropy, TokenCrossEntropy
 from equiv.outcomes import Outcome
 from equiv.results.protocol import EquivalenceError, Result
@@ -63,16 +64,20 @@ __all__ = [
     "MSE",
     "Accumulator",
     "CandidateError",
+    "CandidateTimeout",
     "Case",
+    "CheckTimeout",
     "ContractError",
     "CrossEntropy",
     "DistributedCase",
+    "DistributedCheckError",
     "DistributedSearchSpace",
     "EquivalenceError",
     "ExponentialAverage",
     "InvalidCase",
     "Loss",
     "NextTokenCrossEntropy",
+    "NothingFitsError",
     "Outcome",
     "PipelineSetting",
     "Result",

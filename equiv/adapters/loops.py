@@ -18,7 +18,14 @@ def textbook_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batc
                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """nanoGPT's ``train.py`` loop: ``loss = loss / gradient_accumulation_steps``,
     backward per micro-batch, clip once, step, ``zero_grad(set_to_none=True)``.
-    Exact for equal micro-batches of a sample mean; a mean of means otherwise."""
+    Exact for equal micro-batches of a sample mean; a mean of means otherwise.
+
+    Args:
+        model, optimizer: what the step trains (the candidate contract's).
+        micro_batches: the window's ``(inputs, targets)`` pairs, in order.
+        loss_fn: the loss (a mean over the micro-batch's items).
+        max_grad_norm: clip the gradients' total norm to this once per step (None: no clipping).
+    """
     steps = len(micro_batches)
     for inputs, targets in micro_batches:
         loss = loss_fn(model(inputs), targets)
@@ -36,7 +43,14 @@ def torchtitan_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_ba
     ``item_count`` / ``loss_sum_and_count``, not torchtitan's code): count the
     window's valid items first (torchtitan's ``global_valid_tokens``), then each
     micro-batch's loss is its SUM over items divided by that global count, so
-    no later rescaling is needed.  A reference point, not a peer."""
+    no later rescaling is needed.  A reference point, not a peer.
+
+    Args:
+        model, optimizer: what the step trains (the candidate contract's).
+        micro_batches: the window's ``(inputs, targets)`` pairs, in order.
+        loss_fn: the loss (a mean over the micro-batch's items; its ``sum`` and ``count`` used when it offers them, as every :mod:`equiv.losses` loss does).
+        max_grad_norm: clip the gradients' total norm to this once per step (None: no clipping).
+    """
     optimizer.zero_grad(set_to_none=True)
     global_valid_items = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
     for inputs, targets in micro_batches:
