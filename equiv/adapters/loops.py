@@ -7,14 +7,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from equiv.batches import MicroBatches
 from equiv.losses import item_count, loss_sum_and_count
 
 __all__ = ["textbook_step", "torchtitan_step"]
 
-Batches = list[tuple[Tensor, Tensor]]
 
-
-def textbook_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def textbook_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """nanoGPT's ``train.py`` loop: ``loss = loss / gradient_accumulation_steps``,
     backward per micro-batch, clip once, step, ``zero_grad(set_to_none=True)``.
@@ -37,7 +36,7 @@ def textbook_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batc
     optimizer.zero_grad(set_to_none=True)
 
 
-def torchtitan_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def torchtitan_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                     loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """equiv's own loop written in torchtitan's style (it calls equiv's
     ``item_count`` / ``loss_sum_and_count``, not torchtitan's code): count the
