@@ -1,22 +1,32 @@
 """equiv: is your gradient accumulation equivalent to full-batch training?
 
-The public API.  The code is grouped by layer, and imports flow one way::
+The public API.  The code is grouped by layer (the table in :mod:`equiv.layers`), and imports flow
+one way, down::
 
-    cli  ->  reporting  ->  findings  ->  peers  ->  auditing  ->  checking, cost  ->  cases, zoo, peers.adapters
-         ->  accumulator, losses, batches, distributed
+    equiv, strategies, testing, pytest_plugin, __main__  ->  cli  ->  reporting  ->  findings  ->  peers
+      ->  auditing  ->  checking, cost  ->  judging  ->  results  ->  cases, zoo, adapters
+      ->  accumulator, losses, batches, distributed, outcomes, names, host_memory, layers
 
-- ``accumulator``, ``losses``, ``batches``: the reference accumulator and the loss protocol;
-- ``distributed``: spawning ranks, FSDP2 sharding and counted collectives (under checking and cost);
+- ``equiv``, ``strategies``, ``testing``, ``pytest_plugin``, ``__main__``: the facade, what a user types (this
+  module's ``__all__``, the Hypothesis strategies, the pytest helpers and plugin, ``python -m equiv``);
+- ``cli``: the ``equiv`` command;
+- ``reporting``: the markdown reports, rendered from findings and peers' results (nothing there measures);
+- ``findings``: what reports/equivalence.md shows, measured, as plain results;
+- ``peers``: other libraries' accumulation, driven as their users drive it and judged by the checker, one
+  window or whole epochs (what reports/peers.md shows);
+- ``auditing``: a real run watched through hooks, sampled steps judged against the full batch;
+- ``checking``: the front doors: check, verify, search, the distributed and pipeline checks;
+- ``cost``: memory, workloads, train steps, the cost model and the planner;
+- ``judging``: the engine: truth, floors and candidate runs, comparison, allowances, the Judge;
+- ``results``: what every front door returns: rows, verdicts, the pinned facts;
 - ``cases``: what to run (:class:`Case`, models, standard cases, strategies);
 - ``zoo``: known bugs the checker must catch;
-- ``checking``: truth, floors and candidate runs, comparison, verdicts, search, distributed;
-- ``cost``: memory, workloads, train steps, the cost model and the planner;
-- ``auditing``: a real run watched through hooks, sampled steps judged against the full batch;
-- ``peers``: other libraries' accumulation (adapters), driven as their users drive it and judged
-  by the checker, one window or whole epochs (what reports/peers.md shows);
-- ``findings``: what reports/equivalence.md shows, measured, as plain results;
-- ``reporting``: the markdown reports, rendered from findings and peers' results (nothing there measures);
-  ``cli``: the ``equiv`` command.
+- ``adapters``: other libraries' accumulation steps (Accelerate, Lightning, transformers) as candidates;
+- ``accumulator``, ``losses``, ``batches``: the reference accumulator, the loss protocol (sample, token,
+  packed and policy losses), micro-batches;
+- ``distributed``: spawning ranks, FSDP2 sharding and counted collectives (under checking and cost);
+- ``outcomes``, ``names``, ``host_memory``, ``layers``: result words, import paths, freed host memory kept
+  for reuse, the layer table.
 
 ``__all__`` is what a user types: the front doors (check, verify, audit, the
 distributed and pipeline checks, plan), the accumulator, what a case is made
@@ -39,9 +49,10 @@ from equiv.checking.distributed_search import DistributedSearchSpace, verify_dis
 from equiv.checking.pipeline import PipelineSetting, check_pipeline
 from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import verify
-from equiv.cost.planner import plan
-from equiv.distributed.launcher import UnguardedMainError
-from equiv.judging.contract import CandidateError, ContractError
+from equiv.cost.planner import NothingFitsError, plan
+from equiv.distributed.launcher import DistributedCheckError, UnguardedMainError
+from equiv.judging.contract import CandidateError, CandidateTimeout, ContractError
+from equiv.judging.deadline import CheckTimeout
 from equiv.losses import MSE, CrossEntropy, Loss, NextTokenCrossEntropy, TokenCrossEntropy
 from equiv.outcomes import Outcome
 from equiv.results.protocol import EquivalenceError, Result
@@ -53,16 +64,20 @@ __all__ = [
     "MSE",
     "Accumulator",
     "CandidateError",
+    "CandidateTimeout",
     "Case",
+    "CheckTimeout",
     "ContractError",
     "CrossEntropy",
     "DistributedCase",
+    "DistributedCheckError",
     "DistributedSearchSpace",
     "EquivalenceError",
     "ExponentialAverage",
     "InvalidCase",
     "Loss",
     "NextTokenCrossEntropy",
+    "NothingFitsError",
     "Outcome",
     "PipelineSetting",
     "Result",

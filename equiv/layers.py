@@ -12,7 +12,8 @@ Read bottom to top, the tree shows the flow of a verdict::
     judging     the engine: runs, the one floor plan, comparison, allowances, the Judge
     results     what every front door returns (rows, verdicts, facts)
     cases       what to run  |  zoo: known bugs  |  adapters: other libraries' steps
-    base        accumulator, losses (packed, policy), batches, distributed (launcher, sharding), outcomes
+    base        accumulator, losses (items, packed, policy), batches, distributed (launcher, sharding),
+                outcomes, names, host_memory, layers
 
 ``tests/test_layout.py`` reads every import in the source (lazy ones too) and
 fails on one that points up this table.
@@ -26,8 +27,6 @@ __all__ = ["FACADE", "LAYERS", "layer_of"]
 LAYERS: dict[str, int] = {
     "equiv.batches": 0,
     "equiv.losses": 0,
-    "equiv.packed_losses": 0,
-    "equiv.policy_losses": 0,
     "equiv.accumulator": 0,
     "equiv.distributed": 0,
     "equiv.names": 0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Fault", "Outcome"]
+__all__ = ["Fault", "Outcome", "outcome_words"]
 
 
 class Outcome(str, Enum):
@@ -88,3 +88,18 @@ class Fault(str, Enum):
     COLLECTIVE_MISMATCH = "collective_mismatch"
 
     __str__ = Outcome.__str__
+
+
+def outcome_words(value: str) -> str:
+    """An outcome, a fault or a precision cause as a report's cell and a count's label write it.
+
+    Args:
+        value: an :class:`Outcome`, a :class:`Fault`, or a word of the same kind (a verdict's
+            ``kind``, a precision finding's ``cause`` such as ``"bfloat16_arithmetic"``).
+
+    Returns:
+        Its value with spaces for underscores: ``"not equivalent"``, ``"collective mismatch"``,
+        ``"inherently non equivalent"`` (as the committed reports write it; a result's one line
+        starts with :attr:`Outcome.label` instead).
+    """
+    return str(value).replace("_", " ")

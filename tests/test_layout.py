@@ -14,11 +14,16 @@ a function), so a lazy import cannot hide a cycle.
 from __future__ import annotations
 
 import ast
+import builtins
+import importlib
 import importlib.util
 import inspect
+import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,9 +193,125 @@ def test_the_public_api_is_exactly_all() -> None:
         # subpackages and modules reachable as attributes once imported
         "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli", "peers",
         "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing", "findings", "judging", "results",
-        "adapters", "layers", "packed_losses", "policy_losses",
+        "adapters", "layers",
     }
     assert public == set(equiv.__all__) - {"__version__"}
+
+
+def test_the_loss_families_live_in_one_package() -> None:
+    # Sample and token losses, packed rows, RL policies: one protocol, one package (equiv.losses), every one
+    # registered by name in its LOSSES, not a top-level module per family.
+    from equiv.losses import LOSSES, Loss
+
+    def subclasses(cls: type) -> set[type]:
+        return {sub for direct in cls.__subclasses__() for sub in {direct} | subclasses(direct)}
+
+    for module in MODULES:
+        if module.startswith(("equiv.losses", "equiv.cases", "equiv.zoo")):
+            importlib.import_module(module)
+    defined = {cls for cls in subclasses(Loss) if cls.__module__.startswith("equiv.")}
+    assert {cls.__module__ for cls in defined} <= {"equiv.losses.items", "equiv.losses.packed", "equiv.losses.policy"}
+    named = {cls for cls in defined if "name" in vars(cls)}
+    assert named == set(LOSSES.values()), "a loss with a name that LOSSES does not register, or the reverse"
+
+
+def test_the_layer_table_names_every_top_level_module_and_package() -> None:
+    # A key of LAYERS that names no module (one moved into a package) is a stale word; so is a module no key names.
+    from equiv.layers import LAYERS
+
+    top = {".".join(module.split(".")[:2]) for module in MODULES}
+    assert set(LAYERS) == top
+
+
+def _short(key: str) -> str:
+    """A key of LAYERS as the prose writes it: ``equiv.losses`` -> ``losses``, the package itself ``equiv``."""
+    return key.removeprefix("equiv.")
+
+
+def _is_package(key: str) -> bool:
+    return MODULES[key].name == "__init__.py"
+
+
+def _layers_by_number() -> dict[int, set[str]]:
+    from equiv.layers import LAYERS
+
+    grouped: dict[int, set[str]] = {}
+    for key, layer in LAYERS.items():
+        grouped.setdefault(layer, set()).add(_short(key))
+    return grouped
+
+
+def test_contributings_layer_table_is_the_layer_table() -> None:
+    # CONTRIBUTING.md's table, row by row: the layer, and in it every package (``name/``) and module (``name``).
+    from equiv.layers import LAYERS
+
+    text = (PACKAGE.parent / "CONTRIBUTING.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text, flags=re.MULTILINE)
+    assert rows, "CONTRIBUTING.md has no layer table"
+    written = {int(layer): set(re.findall(r"`([^`]+)`", names)) for layer, names in rows}
+    expected: dict[int, set[str]] = {}
+    for key, layer in LAYERS.items():
+        name = _short(key) + ("/" if _is_package(key) and key != "equiv" else "")
+        expected.setdefault(layer, set()).add(name)
+    assert written == expected
+
+
+def test_contributings_tree_names_every_module_and_package() -> None:
+    # The tree under "## Layout": every top-level module (``name.py``) and package (``name/``), none that is gone.
+    text = (PACKAGE.parent / "CONTRIBUTING.md").read_text()
+    tree = text.split("## Layout", 1)[1].split("```", 2)[1]
+    lines = tree.splitlines()
+    start = lines.index("equiv/")
+    body = []
+    for line in lines[start + 1:]:
+        if line and not line.startswith(" "):
+            break
+        body.append(line)
+    written = re.findall(r"(?<!\S)(\w+(?:/|\.py))(?!\S)", "\n".join(body))
+    expected = [_short(key) + ("/" if _is_package(key) else ".py") for key in MODULES
+                if key.count(".") == 1]
+    assert sorted(written) == sorted(expected)
+
+
+def test_the_packages_docstring_draws_the_layer_table() -> None:
+    # equiv/__init__'s flow (top layer first, ``->`` between layers) and its list name exactly LAYERS.
+    doc = equiv.__doc__ or ""
+    flow = doc.split("::\n", 1)[1].split("\n\n", 1)[0]
+    drawn = [{name.strip() for name in group.split(",")} for group in flow.split("->")]
+    grouped = _layers_by_number()
+    assert drawn == [grouped[layer] for layer in sorted(grouped, reverse=True)]
+    listed = [name for line in doc.splitlines() if line.startswith("- ")
+              for name in re.findall(r"``(\w+)``", line.split(":", 1)[0])]
+    assert sorted(listed) == sorted(name for names in grouped.values() for name in names)
+
+
+def test_micro_batches_have_one_type() -> None:
+    # equiv.batches.MicroBatches is the type the candidate contract hands a step; no module writes its own copy.
+    copies = []
+    for module, path in MODULES.items():
+        if module == "equiv.batches":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and ast.unparse(node.value) in ("list[tuple[Tensor, Tensor]]", "list[Batch]"):
+                copies.append(f"{module}: {ast.unparse(node)}")
+            elif (isinstance(node, ast.arg) and node.arg == "micro_batches" and node.annotation is not None
+                  and ast.unparse(node.annotation) == "list[tuple[Tensor, Tensor]]"):
+                copies.append(f"{module}: micro_batches: {ast.unparse(node.annotation)}")
+    assert copies == [], "use equiv.batches.MicroBatches"
+
+
+def test_an_outcome_is_put_in_words_in_one_place() -> None:
+    # A report's "not equivalent", a count's "collective mismatch": equiv.outcomes.outcome_words, not a
+    # .replace("_", " ") of each module's own.
+    own = []
+    for module, path in MODULES.items():
+        if module == "equiv.outcomes":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "replace"
+                    and [ast.unparse(arg) for arg in node.args] in (["'_'", "' '"], ['"_"', '" "'])):
+                own.append(f"{module}:{node.lineno}")
+    assert own == [], "use equiv.outcomes.outcome_words"
 
 
 def test_the_distributed_machinery_is_still_reachable_where_it_was_published() -> None:
@@ -239,7 +360,81 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
     assert private == []
 
 
-@pytest.mark.parametrize("name", sorted(name for name in equiv.__all__ if inspect.isfunction(getattr(equiv, name))))
-def test_every_public_function_documents_its_args_and_what_it_returns(name: str) -> None:
-    doc = inspect.getdoc(getattr(equiv, name)) or ""
-    assert "\nArgs:\n" in doc and "\nReturns:\n" in doc, f"equiv.{name}'s docstring needs Args: and Returns: sections"
+#: Every ``__all__`` of the package: the facade's and each subpackage's that states one.
+PUBLIC_NAMESPACES = ["equiv", *sorted(
+    module for module, path in MODULES.items()
+    if path.name == "__init__.py" and module != "equiv" and "__all__" in path.read_text())]
+
+
+def _public_functions() -> list[str]:
+    found = []
+    for namespace in PUBLIC_NAMESPACES:
+        module = importlib.import_module(namespace)
+        found += [f"{namespace}.{name}" for name in module.__all__ if inspect.isfunction(getattr(module, name))]
+    return sorted(found)
+
+
+def _public_function(dotted: str) -> Any:
+    namespace, name = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(namespace), name)
+
+
+def test_every_subpackage_with_a_public_api_is_read() -> None:
+    assert {"equiv", "equiv.adapters", "equiv.auditing", "equiv.losses"} <= set(PUBLIC_NAMESPACES)
+
+
+@pytest.mark.parametrize("dotted", _public_functions())
+def test_every_public_function_documents_its_args_and_what_it_returns(dotted: str) -> None:
+    # The API reference (mkdocstrings, docs/api.md) is these docstrings: what each argument is and what comes back.
+    function = _public_function(dotted)
+    doc = inspect.getdoc(function) or ""
+    signature = inspect.signature(function)
+    if signature.parameters:
+        assert "\nArgs:\n" in doc, f"{dotted}'s docstring needs an Args: section"
+        documented = {name.strip() for line in doc.split("\nArgs:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+                      if line.startswith("    ") and not line.startswith("     ") and ":" in line
+                      for name in line.split(":", 1)[0].split(",")}
+        documented = {name.strip("*") for name in documented}
+        missing = [name for name in signature.parameters if name not in documented]
+        assert missing == [], f"{dotted}'s Args: does not name {missing}"
+    if signature.return_annotation not in (None, "None", inspect.Signature.empty):
+        assert "\nReturns:\n" in doc, f"{dotted}'s docstring needs a Returns: section"
+
+
+def _raised(dotted: str) -> list[tuple[str, Any]]:
+    """The exceptions a public function's ``Raises:`` section names: each entry's leading names, and any
+    ``:class:`` it refers to, resolved where the function's module sees them (or by their dotted path)."""
+    function = _public_function(dotted)
+    doc = inspect.getdoc(function) or ""
+    if "\nRaises:\n" not in doc:
+        return []
+    section = doc.split("\nRaises:\n", 1)[1].split("\n\n", 1)[0]
+    names = [name.strip() for line in section.splitlines()
+             if line.startswith("    ") and not line.startswith("     ") and ":" in line
+             for name in line.split(":", 1)[0].split(",")]
+    found = []
+    for name in names:
+        found.append((name, function.__globals__.get(name, getattr(builtins, name, None))))
+    for name in re.findall(r":class:`~?([\w.]+)`", section):  # an exception named in an entry's words
+        referred = pkgutil.resolve_name(name)
+        if isinstance(referred, type) and issubclass(referred, BaseException):  # not a value it carries (Fault)
+            found.append((name, referred))
+    return found
+
+
+@pytest.mark.parametrize("dotted", _public_functions())
+def test_every_exception_a_public_function_raises_is_importable_from_equiv(dotted: str) -> None:
+    # A user catches what a front door raises without knowing where in the package it is defined.
+    for name, error in _raised(dotted):
+        if error is None:
+            continue  # another library's (Hypothesis's InvalidArgument), not imported where the function is
+        assert isinstance(error, type) and issubclass(error, BaseException), f"{dotted} raises {name}: not an exception"
+        if error.__module__.split(".")[0] == "equiv":
+            assert getattr(equiv, error.__name__, None) is error and error.__name__ in equiv.__all__, (
+                f"{dotted} raises {error.__module__}.{error.__name__}, which is not importable from equiv")
+
+
+def test_the_raises_sections_are_read() -> None:
+    # The test above can only fail if it finds the exceptions: check's and plan's are named and resolved.
+    assert {error.__name__ for _, error in _raised("equiv.check")} >= {"CandidateError", "CandidateTimeout", "CheckTimeout"}
+    assert any(error is not None and error.__name__ == "NothingFitsError" for _, error in _raised("equiv.plan"))

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import equiv
 from equiv.cases.packed import PackedLM, draw_packing
-from equiv.packed_losses import PackedDPO, PackedRowCrossEntropy, PackedSequenceCrossEntropy, segments
-from equiv.policy_losses import GRPOObjective, PolicyLoss
+from equiv.losses.packed import PackedDPO, PackedRowCrossEntropy, PackedSequenceCrossEntropy, segments
+from equiv.losses.policy import GRPOObjective, PolicyLoss
 from equiv.zoo.sequence_bugs import PACKED_BUGS, POLICY_BUGS
 
 

@@ -51,11 +51,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from equiv.adapters.state import PerRun, describe
+from equiv.batches import MicroBatches
 from equiv.losses import Loss
 
 __all__ = ["AccelerateStep", "AccelerateVariableSizeStep"]
-
-Batches = list[tuple[Tensor, Tensor]]
 
 
 def _check_steps(value: int | None) -> None:
@@ -70,7 +69,7 @@ def _fresh_accelerator(model: nn.Module, plugin: GradientAccumulationPlugin) -> 
     return Accelerator(gradient_accumulation_plugin=plugin, cpu=next(model.parameters()).device.type == "cpu")
 
 
-def _loader(accelerator: Accelerator, micro_batches: Batches) -> Any:
+def _loader(accelerator: Accelerator, micro_batches: MicroBatches) -> Any:
     # batch_size=None: each item of the list is already one micro-batch.
     return accelerator.prepare_data_loader(DataLoader(micro_batches, batch_size=None))  # type: ignore[arg-type]  # a list is a map-style dataset
 
@@ -108,7 +107,7 @@ class AccelerateStep:
                 optimizer.step()
                 optimizer.zero_grad()
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
         if self._run.is_new(model):
             self._prepared = self._start_run(model, optimizer, len(micro_batches))
@@ -117,7 +116,7 @@ class AccelerateStep:
         self._train(accelerator, prepared_model, prepared_optimizer, _loader(accelerator, micro_batches),
                     loss_fn, max_grad_norm)
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                    loss_fn: Loss, *, epochs: int) -> None:
         """One prepared DataLoader over ``micro_batches``, iterated ``epochs`` times."""
         accelerator, prepared_model, prepared_optimizer = self._start_run(model, optimizer, len(micro_batches))
@@ -153,7 +152,7 @@ class AccelerateVariableSizeStep:
         return accelerator, prepared_model, prepared_optimizer
 
     @staticmethod
-    def _update(accelerator: Accelerator, model: Any, optimizer: Any, batch_samples: Batches, loss_fn: Loss,
+    def _update(accelerator: Accelerator, model: Any, optimizer: Any, batch_samples: MicroBatches, loss_fn: Loss,
                 max_grad_norm: float | None) -> None:
         """One update step of the recipe over the pre-loaded ``batch_samples``."""
         local_num_items_in_batch = sum(torch.as_tensor(loss_fn.count(targets)) for _, targets in batch_samples)
@@ -167,7 +166,7 @@ class AccelerateVariableSizeStep:
         optimizer.step()
         optimizer.zero_grad()
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                  loss_fn: Loss, *, max_grad_norm: float | None = None) -> None:
         if self._run.is_new(model):
             self._prepared = self._start_run(model, optimizer, len(micro_batches))
@@ -175,7 +174,7 @@ class AccelerateVariableSizeStep:
         accelerator, prepared_model, prepared_optimizer = self._prepared
         self._update(accelerator, prepared_model, prepared_optimizer, micro_batches, loss_fn, max_grad_norm)
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                    loss_fn: Loss, *, epochs: int) -> None:
         """The recipe's epoch loop: ``total_gradient_updates`` windows of N
         batches from one iterator, the last one ``remainder`` batches long."""

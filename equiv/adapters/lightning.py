@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from equiv.adapters.state import describe
+from equiv.batches import MicroBatches
 
 __all__ = ["LightningStep"]
 
@@ -58,7 +59,7 @@ class LightningStep:
             raise ValueError(f"accumulate_grad_batches must be a positive int or None, got {accumulate_grad_batches!r}")
         self.accumulate_grad_batches = accumulate_grad_batches
 
-    def _fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[Tensor, Tensor]],
+    def _fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
              loss_fn: Callable[..., Tensor], *, n: int, epochs: int, max_grad_norm: float | None) -> None:
         dtype = next(model.parameters()).dtype
         logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
@@ -82,12 +83,12 @@ class LightningStep:
             batches: DataLoader[Any] = DataLoader(micro_batches, batch_size=None)  # type: ignore[arg-type]  # a list is a map-style dataset
             trainer.fit(_Wrapped(model, optimizer, loss_fn), train_dataloaders=batches)
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[Tensor, Tensor]],
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
         self._fit(model, optimizer, micro_batches, loss_fn, n=self.accumulate_grad_batches or len(micro_batches),
                   epochs=1, max_grad_norm=max_grad_norm)
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[Tensor, Tensor]],
+    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                    loss_fn: Callable[..., Tensor], *, epochs: int) -> None:
         """One ``Trainer(max_epochs=epochs).fit`` over ``micro_batches``."""
         self._fit(model, optimizer, micro_batches, loss_fn, n=self.accumulate_grad_batches or len(micro_batches),

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from equiv.adapters.state import PerRun, UnsupportedWindow, describe
+from equiv.batches import MicroBatches
 
 __all__ = [
     "MindSporeAccuStepsWithLossScale",
@@ -30,8 +31,6 @@ __all__ = [
     "MindSporeGradAccumulation",
     "MindSporeGradientAccumulation",
 ]
-
-Batches = list[tuple[Tensor, Tensor]]
 
 
 def _gradients(model: nn.Module, loss: Tensor) -> list[Tensor]:
@@ -83,14 +82,14 @@ class _PortedLoop:
                     loss_fn: Callable[..., Tensor], steps: int) -> None:
         raise NotImplementedError
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                  loss_fn: Callable[..., Tensor]) -> None:
         if self._run.is_new(model):
             self._start(model)
         for batch in micro_batches:
             self._mini_batch(model, optimizer, batch, loss_fn, self._configured_steps() or len(micro_batches))
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                    loss_fn: Callable[..., Tensor], *, epochs: int) -> None:
         """The tutorial's loop over ``epochs`` passes of ``micro_batches``."""
         self._start(model)
@@ -271,7 +270,7 @@ class MindSporeAccuStepsWithLossScale(_PortedLoop):
         self._accu_grads = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
         self._accu_overflow = False
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                  loss_fn: Callable[..., Tensor], *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
         self._scaler = grad_scaler
         super().__call__(model, optimizer, micro_batches, loss_fn)
@@ -365,7 +364,7 @@ class MindSporeGradAccumulation:
     def __init__(self, micro_size: int | None = None) -> None:
         self.micro_size = _positive_or_none("micro_size", micro_size)
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                  loss_fn: Callable[..., Tensor], *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
         micro_size = self.micro_size or len(micro_batches)
         # The dataset's mini-batch: GradAccumulation sees the whole batch and cuts it itself.

@@ -251,7 +251,18 @@ def _floating_buffers(model: nn.Module) -> dict[str, Tensor]:
 
 def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_batches: int | None = None) -> WindowAudit:
     """The verdict on the step the user's model and optimizer (``replay``'s) just took
-    (their tensors read as they are now: call this before the run goes on)."""
+    (their tensors read as they are now: call this before the run goes on).
+
+    Args:
+        window: the step's recorded window (its micro-batches' calls, the state before the step).
+        replay: the window replayed as a run source, on the user's model, optimizer and loss.
+        usual_micro_batches: the micro-batch count of the run's usual window, said in the verdict
+            when this one's differs (None: not known).
+
+    Returns:
+        The window's :class:`WindowAudit`: within the allowance or not, the tensors past it, or
+        why the window cannot equal its full batch (inherent non-equivalence).
+    """
     working = next(iter(window.start_params.values())).dtype
     tier: Tier = "exact" if working == torch.float64 else "noise"
     items = tuple(int(replay.loss.count(replay.targets_of(call))) for call in window.calls)

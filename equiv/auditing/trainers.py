@@ -88,7 +88,19 @@ def transformers_callback(*, say: Callable[[str], None] | None = print, **settin
     ``settings``: those of :func:`equiv.audit` (``loss=`` at least).  The clip norm is read from
     the ``TrainingArguments`` (``max_grad_norm``, 1.0 by default; 0 or None: none), and what was
     read (accumulation steps, precision, whether the model takes the Trainer's loss keywords) is
-    handed to ``say`` in one line when training begins (``say=None``: kept in ``audit.read`` only)."""
+    handed to ``say`` in one line when training begins (``say=None``: kept in ``audit.read`` only).
+
+    Args:
+        say: hears the one line saying what was read from the ``TrainingArguments``, when training
+            begins (``print`` by default; None: kept in ``audit.read`` only).
+        **settings: the keywords of :func:`equiv.audit` (``loss=`` at least); ``max_grad_norm=``
+            here overrides the one read from the ``TrainingArguments``.
+
+    Returns:
+        The callback (a ``transformers.TrainerCallback``), for ``Trainer(..., callbacks=[...])``;
+        once training has begun, its ``.audit`` is the :class:`~equiv.auditing.Audit`
+        (``.audit.summary()``).
+    """
     from transformers import TrainerCallback
 
     class _TransformersAudit(TrainerCallback):  # type: ignore[misc,unused-ignore]
@@ -143,7 +155,25 @@ def lightning_callback(*, say: Callable[[str], None] | None = print, **settings:
     optimizer); ``settings``: those of :func:`equiv.audit` (``loss=`` at least).  The clipping
     is read from the ``pl.Trainer`` (``gradient_clip_val`` by ``gradient_clip_algorithm``: "norm"
     replayed as ``max_grad_norm``, "value" as ``max_grad_value``), and what was read (with
-    ``accumulate_grad_batches`` and ``precision``) handed to ``say`` in one line."""
+    ``accumulate_grad_batches`` and ``precision``) handed to ``say`` in one line.
+
+    Args:
+        say: hears the one line saying what was read from the ``pl.Trainer``, when training starts
+            (``print`` by default; None: kept in ``audit.read`` only).
+        **settings: the keywords of :func:`equiv.audit` (``loss=`` at least); ``max_grad_norm=`` or
+            ``max_grad_value=`` here override the clipping read from the ``pl.Trainer``, and
+            ``call_model=`` / ``targets=`` replace the ``module(x)`` against ``y`` replay of a batch
+            ``(x, y)``.
+
+    Returns:
+        The callback (a Lightning ``Callback``), for ``pl.Trainer(..., callbacks=[...])``; once
+        training has started, its ``.audit`` is the :class:`~equiv.auditing.Audit`
+        (``.audit.summary()``).
+
+    Raises:
+        ValueError: when training starts, the Trainer has more than one optimizer or a
+            ``gradient_clip_algorithm`` other than "norm" or "value".
+    """
     import pytorch_lightning as pl
 
     settings = {"record_forward": False, "call_model": _lightning_call, "targets": _lightning_targets, **settings}

@@ -23,8 +23,6 @@ from equiv.cases import policy as _policy  # noqa: F401  (registers the "policy"
 from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model
 from equiv.losses import LOSSES, Loss, build_loss
 from equiv.names import reference, resolve
-from equiv.packed_losses import PACKED_LOSSES  # noqa: F401  (registers the packed losses in LOSSES)
-from equiv.policy_losses import POLICY_LOSSES  # noqa: F401  (registers the policy losses in LOSSES)
 
 __all__ = [
     "COMPOSITE_SCHEDULERS",

@@ -6,7 +6,7 @@ sequence), as Hugging Face's ``DataCollatorWithFlattening`` hands them to a
 model.  The model embeds tokens and positions and runs one causal attention
 block whose mask keeps each token inside its own sequence (what
 ``flash_attn_varlen_func`` does with ``cu_seqlens``), then an LM head: logits
-``(seq_len, vocab)`` per row, for the losses of :mod:`equiv.packed_losses`.
+``(seq_len, vocab)`` per row, for the losses of :mod:`equiv.losses.packed`.
 
 A row holds sequences of 2 tokens or more (each has a label to predict);
 ``pairs=True`` packs them as chosen/rejected pairs (an even number per row, the
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from equiv.cases.models import ModelBundle, register_model
-from equiv.packed_losses import segments
+from equiv.losses.packed import segments
 
 __all__ = ["PackedLM", "draw_packing", "packed_lm"]
 

@@ -1,4 +1,4 @@
-"""A policy model family (model ``"policy"``) for the RL losses of :mod:`equiv.policy_losses`.
+"""A policy model family (model ``"policy"``) for the RL losses of :mod:`equiv.losses.policy`.
 
 Each row is a completion of ``seq_len`` tokens; the model returns each token's
 log-probability given the token before it (a start token before the first):

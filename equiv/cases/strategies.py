@@ -66,8 +66,8 @@ MODEL_FAMILIES: tuple[str, ...] = ("mlp", "conv1d", "conv2d", "gru", "lstm", "at
 #: Model families with (seq, vocab) outputs, for the token-level loss.
 TOKEN_FAMILIES: tuple[str, ...] = ("token_mlp", "attention")
 #: Losses drawn only when named (``loss_names``), each with the families its
-#: targets need: packed rows (:mod:`equiv.packed_losses`, DPO's rows packing
-#: chosen/rejected pairs) and completions' log-probs (:mod:`equiv.policy_losses`).
+#: targets need: packed rows (:mod:`equiv.losses.packed`, DPO's rows packing
+#: chosen/rejected pairs) and completions' log-probs (:mod:`equiv.losses.policy`).
 SEQUENCE_LOSS_FAMILIES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("packed_token_ce", "packed_sequence_ce", "packed_row_ce", "packed_dpo"), ("packed_lm",)),
     **dict.fromkeys(("policy_grpo", "policy_dapo", "policy_dr_grpo"), ("policy",)),

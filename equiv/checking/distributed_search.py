@@ -399,9 +399,9 @@ def verify_distributed(
     Args:
         candidate: a module-level function (the ranks import it), as
             :func:`equiv.check_distributed` takes it.
-        space: what is drawn (:class:`DistributedSearchSpace`), or its keywords in
-            ``bounds``: ``engines``, ``models``, ``max_world_size``, ``max_micro_batches``,
-            ``max_micro_batch_size``, ``equal_micro_batch_counts`` (not both).
+        space: what is drawn (:class:`DistributedSearchSpace`), or None with its keywords in ``bounds``.
+        **bounds: ``space``'s keywords: ``engines``, ``models``, ``max_world_size``, ``max_micro_batches``,
+            ``max_micro_batch_size``, ``equal_micro_batch_counts`` (not both with ``space``).
         max_examples: distributed cases to try.
         seed: fixes the search (default: drawn and reported).
         timeout_s: seconds one case's ranks may take; a rank that hangs ends the search

@@ -47,7 +47,7 @@ from equiv.distributed.launcher import Launcher, run_on_ranks
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot
-from equiv.outcomes import Outcome
+from equiv.outcomes import Outcome, outcome_words
 from equiv.results.protocol import ResultBase, headed
 from equiv.results.verdict import TensorDiff
 
@@ -83,7 +83,7 @@ class PipelineVerdict(ResultBase):
     def message(self) -> str:
         if self.error is not None:
             return f"{self.setting.describe()}: could not run on these ranks: {self.error}"
-        return (f"{self.setting.describe()}: {self.status.replace('_', ' ')} (worst parameter {self.worst_ratio:.3g} "
+        return (f"{self.setting.describe()}: {outcome_words(self.status)} (worst parameter {self.worst_ratio:.3g} "
                 f"x allowed: {self.worst_where})")
 
     def line(self) -> str:

@@ -24,7 +24,7 @@ from equiv.cost.fsdp import POLICIES, FsdpCostRow, FsdpCostSweep
 from equiv.cost.workloads import WORKLOADS
 from equiv.distributed.launcher import run_on_ranks
 from equiv.findings.results import FSDP2_POLICY_LABELS, DistributedFindings, Fsdp2Findings
-from equiv.outcomes import Outcome
+from equiv.outcomes import Outcome, outcome_words
 from equiv.results.facts import Divergence, magnitude, ratio_band
 from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry, upstream_report
 
@@ -54,7 +54,7 @@ def measure_distributed() -> DistributedFindings:
         first = next((v.first_mismatch for v in verdict.ranks if v.first_mismatch), None)
         rows.append({
             "candidate": name,
-            "verdict": verdict.status.replace("_", " "),
+            "verdict": outcome_words(verdict.status),
             "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
             "all-reduces per step": ", ".join(map(str, sorted(verdict.allreduces_per_step()))),
             "first divergence": "-" if first is None else Divergence.of(first).describe(),
@@ -86,7 +86,7 @@ def measure_distributed() -> DistributedFindings:
             loss_rows.append({
                 "overflow in": f"{where} (sample {sample}) of step 1",
                 "candidate": name,
-                "verdict": single.status.replace("_", " "),
+                "verdict": outcome_words(single.status),
                 "worst exact / allowed": ratio_band(single.worst["exact"].ratio),
             })
     loss_scale = pd.DataFrame(loss_rows)
@@ -115,8 +115,8 @@ def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: Distribu
         "candidate": label,
         "W": str(world_size),
         "what": entry.what or "the reference",
-        "expected": entry.expected.replace("_", " "),
-        "verdict": verdict.kind.replace("_", " "),
+        "expected": outcome_words(entry.expected),
+        "verdict": outcome_words(verdict.kind),
         "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
         "reduce-scatters per step": ", ".join(map(str, sorted(verdict.reduce_scatters_per_step()))),
         "finding": finding,

@@ -35,7 +35,7 @@ import pandas as pd
 from equiv.checking.distributed import DistributedCase
 from equiv.checking.distributed_search import standard_distributed_cases, verify_distributed
 from equiv.findings.results import RANK_FAULT, DistributedSearchFindings
-from equiv.outcomes import Fault, Outcome
+from equiv.outcomes import Fault, Outcome, outcome_words
 from equiv.zoo.aux_loss_bugs import AUX_SEARCH_ZOO
 from equiv.zoo.context_parallel_bugs import CP_SEARCH_ZOO
 from equiv.zoo.distributed_bugs import SEARCH_ZOO, SearchEntry
@@ -55,7 +55,7 @@ _TORCHRUN = ("accumulator_step (DDP)", "local_mean_per_rank", "local_token_mean_
 def _found(kind: Outcome | None) -> str:
     if kind is None:
         return "nothing"
-    return RANK_FAULT if kind is Outcome.STEP_ERROR else kind.replace("_", " ")
+    return RANK_FAULT if kind is Outcome.STEP_ERROR else outcome_words(kind)
 
 
 def _upstream(entry: SearchEntry) -> str:
@@ -167,6 +167,6 @@ def torchrun_table() -> pd.DataFrame:
             elif verdict["status"] == Outcome.NOT_EQUIVALENT:
                 row[case] = f"NOT ({_upstream(entry)})"
             else:
-                row[case] = verdict["status"].replace("_", " ")
+                row[case] = outcome_words(verdict["status"])
         rows.append(row)
     return pd.DataFrame(rows, columns=["step", "engine", *case_names]).fillna("- (DDP only)")

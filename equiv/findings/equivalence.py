@@ -44,6 +44,7 @@ from equiv.findings.results import EquivalenceFindings, SearchFindings
 from equiv.findings.sequence_search import measure_packed_search, measure_policy_search, measure_precision_search
 from equiv.findings.tensor_parallel import measure_tensor_parallel
 from equiv.judging.tolerances import FLOOR_FACTOR, ROUNDOFF_UNITS_PER_STEP
+from equiv.outcomes import outcome_words
 from equiv.results.facts import Divergence, VerdictFacts
 from equiv.results.verdict import Verdict
 from equiv.zoo.bugs import BUGS, ITEM_WEIGHTED_BUGS
@@ -90,8 +91,8 @@ def equivalence_table(results: Iterable[tuple[str, str, Verdict]]) -> pd.DataFra
         rows.append({
             "case": case_name,
             "candidate": candidate_name,
-            "verdict": facts.kind.replace("_", " ") + (
-                f" (precision note: {facts.precision.replace('_', ' ')})" if facts.precision else ""),
+            "verdict": outcome_words(facts.kind) + (
+                f" (precision note: {outcome_words(facts.precision)})" if facts.precision else ""),
             "worst exact / allowed": facts.tiers.get("exact", "-"),
             "worst noise / allowed": facts.tiers.get("noise", "-"),
             "first divergence": "-" if first is None else first.describe(),
@@ -146,7 +147,7 @@ def inherent_table() -> pd.DataFrame:
     for label, (model, kwargs) in INHERENT_MODELS.items():
         case = Case(batch_size=6, micro_batch_sizes=(2, 4), model=model, model_kwargs=kwargs, steps=2)
         verdict = check(accumulator_step, case)
-        rows.append({"model": label, "verdict": verdict.status.replace("_", " "),
+        rows.append({"model": label, "verdict": outcome_words(verdict.status),
                      "reason": " / ".join(verdict.inherent) or "-"})
     return pd.DataFrame(rows)
 

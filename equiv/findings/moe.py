@@ -16,6 +16,7 @@ from equiv.accumulator import accumulator_step
 from equiv.cases.case import Case
 from equiv.checking.check import check
 from equiv.findings.results import MoeFindings
+from equiv.outcomes import outcome_words
 from equiv.results.facts import VerdictFacts
 from equiv.zoo.moe_bugs import MOE_BUGS
 
@@ -55,7 +56,7 @@ def moe_table() -> pd.DataFrame:
                     "aux loss": f"{balance}-wise",
                     "step": f"`{name}`",
                     "split": split,
-                    "verdict": facts.kind.replace("_", " "),
+                    "verdict": outcome_words(facts.kind),
                     "first divergence": "-" if first is None or verdict.inherent else first.describe(),
                     "NOT because": why,
                 })

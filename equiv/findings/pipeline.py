@@ -18,7 +18,7 @@ import logging
 import pandas as pd
 
 from equiv.checking.pipeline import SCHEDULES, check_pipeline
-from equiv.outcomes import Outcome
+from equiv.outcomes import Outcome, outcome_words
 from equiv.zoo.pipeline_bugs import PIPELINE_ZOO, PipelineEntry
 
 __all__ = ["pipeline_table"]
@@ -32,7 +32,7 @@ def _cell(entry: PipelineEntry, status: Outcome) -> str:
         return "NOT ({})".format(upstream or "equiv's zoo, no upstream report")
     if status is Outcome.STEP_ERROR:
         return f"could not run ({upstream})" if upstream else "could not run"
-    return status.replace("_", " ")
+    return outcome_words(status)
 
 
 def pipeline_table() -> pd.DataFrame:

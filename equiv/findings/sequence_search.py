@@ -34,7 +34,7 @@ from equiv.checking.search_space import SearchSpace
 from equiv.checking.verify import VerifyResult, verify
 from equiv.findings.results import ZooSearchFindings
 from equiv.judging.tolerances import ROUNDOFF_UNITS_PER_STEP, unit_roundoff
-from equiv.outcomes import Outcome
+from equiv.outcomes import Outcome, outcome_words
 from equiv.results.verdict import BFLOAT16_UNIT_ROUNDOFF
 from equiv.zoo.precision import PRECISION_SEARCH, PrecisionEntry
 from equiv.zoo.sequence_bugs import PACKED_BUGS, POLICY_BUGS, SEQUENCE_BUG_REPORTS
@@ -66,7 +66,7 @@ def _cause(result: VerifyResult) -> str:
 
 
 def _with_cause(kind: Outcome | None, cause: str) -> str:
-    return _outcome(kind) + (f" ({cause.replace('_', ' ')})" if cause else "")
+    return _outcome(kind) + (f" ({outcome_words(cause)})" if cause else "")
 
 
 def _search_row(name: str, result: VerifyResult, expected: Outcome, cause: str = "") -> dict[str, str]:

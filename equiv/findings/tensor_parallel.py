@@ -19,7 +19,7 @@ from equiv.cases.case import Case
 from equiv.checking.distributed import DistributedCase, check_distributed
 from equiv.checking.distributed_search import verify_distributed
 from equiv.findings.results import TensorParallelFindings
-from equiv.outcomes import Outcome
+from equiv.outcomes import Outcome, outcome_words
 from equiv.zoo.tensor_parallel_bugs import TP_ZOO, TensorParallelEntry
 
 __all__ = ["TP_SPLITS", "measure_tensor_parallel", "tensor_parallel_table"]
@@ -37,7 +37,7 @@ TP_SPLITS: dict[str, list[list[int]]] = {"tp": [[1, 2]], "fsdp2+tp": [[1, 2], [2
 def _cell(entry: TensorParallelEntry, status: Outcome) -> str:
     if status is Outcome.NOT_EQUIVALENT:
         return f"NOT ({entry.upstream})" if entry.upstream else "NOT"
-    return status.replace("_", " ")
+    return outcome_words(status)
 
 
 def tensor_parallel_table() -> pd.DataFrame:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from equiv.batches import split_batch
+from equiv.batches import MicroBatches, split_batch
 from equiv.cases.case import Case
 from equiv.checking.check import check
 from equiv.checking.failure_kinds import classify
@@ -61,8 +61,6 @@ __all__ = [
     "measure_epochs",
     "windows",
 ]
-
-MicroBatches = list[tuple[Tensor, Tensor]]
 
 
 class EpochRunner(Protocol):

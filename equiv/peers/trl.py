@@ -64,7 +64,7 @@ from equiv.auditing.replay import Call, WindowAudit
 from equiv.auditing.trainers import torch_optimizer
 from equiv.auditing.watch import Audit, audit
 from equiv.losses import NextTokenCrossEntropy
-from equiv.policy_losses import GRPO_LOSS_TYPES, GRPOObjective
+from equiv.losses.policy import GRPO_LOSS_TYPES, GRPOObjective
 
 __all__ = [
     "DEFAULT",

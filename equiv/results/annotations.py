@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from equiv.outcomes import Outcome
+from equiv.outcomes import Outcome, outcome_words
 from equiv.results.protocol import Result
 from equiv.results.verdict import CaseVerdicts
 
@@ -110,7 +110,7 @@ def github_annotations(result: Result, where: Location | None, *, command: str, 
             named = f" ({failure.name})" if failure is not None and failure.classified else ""
             lines.append(_command("error", where, f"{command}: {kind.label}{named}: {name}", verdict.message()))
         elif name in result.errors:
-            fault = result.fault(name).value.replace("_", " ")
+            fault = outcome_words(result.fault(name))
             lines.append(_command("error", where, f"{command}: step error ({fault}): {name}", result.errors[name]))
     return lines or [_command("error", where, f"{command}: {result.status.label}", result.line())]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from equiv.cases.case import Case
-from equiv.outcomes import Fault, Outcome
+from equiv.outcomes import Fault, Outcome, outcome_words
 from equiv.results.protocol import EquivalenceError, ResultBase, headed
 
 __all__ = ["CaseVerdicts", "EquivalenceError", "FailureKind", "Judgement", "PrecisionFinding", "TensorDiff", "Verdict"]
@@ -635,4 +635,4 @@ _NOT_RUN = "not run"
 
 def _fault_label(fault: Fault) -> str:
     """A fault as a count's label: "raised", "collective mismatch"."""
-    return fault.value.replace("_", " ")
+    return outcome_words(fault)

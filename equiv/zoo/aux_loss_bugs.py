@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.accumulator import accumulator_step
+from equiv.batches import MicroBatches
 from equiv.distributed.context_parallel import layout
 from equiv.losses import MSEWithAux, TokenMSEWithAux
 from equiv.outcomes import Outcome
@@ -57,10 +58,8 @@ __all__ = ["AUX_MODEL", "AUX_SEARCH_ZOO", "aux_at_full_weight_per_micro_batch", 
            "per_token_router_loss_times_local_tokens", "per_token_router_loss_times_tp_cp_tokens",
            "router_loss_not_scaled_by_cp", "router_loss_over_global_tokens", "z_loss_summed_over_cp_slices"]
 
-Batches = list[tuple[Tensor, Tensor]]
 
-
-def _router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def _router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                  loss_fn: Callable[..., Tensor],
                  router_term: Callable[[Tensor, int, float], Tensor]) -> None:
     """The task loss weighted right (summed, times world / global samples), the
@@ -80,7 +79,7 @@ def _router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
     optimizer.step()
 
 
-def aux_weighted_by_global_samples(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def aux_weighted_by_global_samples(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                    loss_fn: Callable[..., Tensor]) -> None:
     """Correct: the task and the router loss apart (as MoE trainers attach the
     router loss on its own), each summed and weighted by world / global samples."""
@@ -88,7 +87,7 @@ def aux_weighted_by_global_samples(model: nn.Module, optimizer: torch.optim.Opti
                  lambda output, samples, world: output[..., -1].sum() * world / samples)
 
 
-def aux_gradient_shrunk_by_world(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def aux_gradient_shrunk_by_world(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                  loss_fn: Callable[..., Tensor]) -> None:
     """Megatron-LM #3672 (``global_aux_loss``, fixed by PR #3769): the router loss
     averaged over the global sample count with no factor for DDP's averaging over
@@ -99,7 +98,7 @@ def aux_gradient_shrunk_by_world(model: nn.Module, optimizer: torch.optim.Optimi
                  lambda output, samples, world: output[..., -1].sum() / samples)  # BUG: no * world
 
 
-def aux_gradient_never_flows(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def aux_gradient_never_flows(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                              loss_fn: Callable[..., Tensor]) -> None:
     """NeMo Automodel #1408: the router loss handed to ``MoEAuxLossAutoScaler.apply``
     whose return value is discarded, so the autograd node that carries the
@@ -110,7 +109,7 @@ def aux_gradient_never_flows(model: nn.Module, optimizer: torch.optim.Optimizer,
                  lambda output, samples, world: output[..., -1].sum().detach() * world / samples)  # BUG: no gradient
 
 
-def aux_times_tokens_on_a_mean_loss(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def aux_times_tokens_on_a_mean_loss(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                     loss_fn: Callable[..., Tensor]) -> None:
     """NeMo Automodel #1408, its second half: the router loss's gradient scaled
     by the number of items N where the task loss is a mean over them (the ``* N``
@@ -120,7 +119,7 @@ def aux_times_tokens_on_a_mean_loss(model: nn.Module, optimizer: torch.optim.Opt
                  lambda output, samples, world: output[..., -1].sum() * world)  # BUG: not / samples
 
 
-def aux_at_full_weight_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def aux_at_full_weight_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                        loss_fn: Callable[..., Tensor]) -> None:
     """Each micro-batch adds its own mean router loss at full weight, not
     weighted by its share of the window: the router loss counts once per
@@ -131,7 +130,7 @@ def aux_at_full_weight_per_micro_batch(model: nn.Module, optimizer: torch.optim.
                  lambda output, samples, world: output[..., -1].mean())  # BUG: full weight each micro-batch
 
 
-def _cp_router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def _cp_router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                     loss_fn: Callable[..., Tensor], *, aux_factor: float = 1.0, z_factor: float = 1.0,
                     per_token_loss: bool = False) -> None:
     """A context- (or sequence-) parallel rank's step on the token MoE: the task's summed loss
@@ -160,7 +159,7 @@ def _cp_router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_ba
     optimizer.step()
 
 
-def router_loss_over_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def router_loss_over_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                    loss_fn: Callable[..., Tensor]) -> None:
     """Correct under context parallelism: each slice's router shares taken with the
     task's weight, world (data x context) / global tokens: Megatron scales the
@@ -169,7 +168,7 @@ def router_loss_over_global_tokens(model: nn.Module, optimizer: torch.optim.Opti
     _cp_router_step(model, optimizer, micro_batches, loss_fn)
 
 
-def router_loss_not_scaled_by_cp(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def router_loss_not_scaled_by_cp(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                  loss_fn: Callable[..., Tensor]) -> None:
     """Megatron-LM #1652 (2): gradients are averaged over data x context ranks and
     the language-model loss is multiplied by the CP size in advance, but the aux
@@ -180,7 +179,7 @@ def router_loss_not_scaled_by_cp(model: nn.Module, optimizer: torch.optim.Optimi
 
 
 def per_token_router_loss_times_local_tokens(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                             micro_batches: Batches, loss_fn: Callable[..., Tensor]) -> None:
+                                             micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
     """Megatron-LM #1652 (1), fixed by PR #5047: with ``--calculate-per-token-loss``
     every gradient is divided by the global token count, so the router attaches its
     aux and z-loss (each a mean over the tokens of the TP x CP group) times
@@ -193,14 +192,14 @@ def per_token_router_loss_times_local_tokens(model: nn.Module, optimizer: torch.
 
 
 def per_token_router_loss_times_tp_cp_tokens(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                             micro_batches: Batches, loss_fn: Callable[..., Tensor]) -> None:
+                                             micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
     """The fix of Megatron-LM PR #5047: the router losses attached times
     ``num_local_tokens * tp_cp_group.size()``, which the division by the global
     token count cancels, whatever the CP size."""
     _cp_router_step(model, optimizer, micro_batches, loss_fn, per_token_loss=True)
 
 
-def z_loss_summed_over_cp_slices(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def z_loss_summed_over_cp_slices(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                  loss_fn: Callable[..., Tensor]) -> None:
     """Each rank takes the z-loss mean over its own slice's tokens at the full
     coefficient, and the ranks' gradients are summed: the z-loss counted once per

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.batches import MicroBatches
 from equiv.losses import item_count, loss_sum_and_count
 
 __all__ = [
@@ -47,10 +48,8 @@ __all__ = [
     "zero_grads_for_frozen",
 ]
 
-Batches = list[tuple[Tensor, Tensor]]
 
-
-def unscaled_sum(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def unscaled_sum(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Sums the micro-batch means without dividing by N (nanoGPT #168): N times
     the gradient; Adam absorbs it except through eps, clipping can mask it."""
@@ -62,7 +61,7 @@ def unscaled_sum(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
     optimizer.step()
 
 
-def mean_of_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def mean_of_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """The textbook ``loss / N``: exact for equal splits, a mean of means for
     uneven ones (short tail windows: Lightning #19987, transformers #38872)."""
@@ -74,7 +73,7 @@ def mean_of_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batc
     optimizer.step()
 
 
-def clip_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def clip_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                          loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Clips the running gradient after every micro-batch instead of once
     (transformers #986, #1563).  Correctly weighted otherwise."""
@@ -87,7 +86,7 @@ def clip_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mic
     optimizer.step()
 
 
-def leaks_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def leaks_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                     loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Correctly weighted, but never clears ``.grad``: the next step starts
     from this step's gradient (a zero_grad forgotten after the step)."""
@@ -99,7 +98,7 @@ def leaks_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, micro_ba
     optimizer.step()
 
 
-def _sample_weighted_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor]) -> None:
+def _sample_weighted_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
     """Backward of each micro-batch's mean weighted by its share of the samples:
     exact for sample-mean losses, the weighting the bugs below get right."""
     total = sum(len(targets) for _, targets in micro_batches)
@@ -113,7 +112,7 @@ def _clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_
     optimizer.step()
 
 
-def zero_grad_inside_loop(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def zero_grad_inside_loop(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Calls ``zero_grad`` before every micro-batch's backward, so only the last
     micro-batch's gradient reaches the step (accumulation silently off)."""
@@ -124,7 +123,7 @@ def zero_grad_inside_loop(model: nn.Module, optimizer: torch.optim.Optimizer, mi
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def step_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def step_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                          loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Steps the optimizer after every micro-batch (the accumulation boundary
     check forgotten): N small steps instead of one."""
@@ -135,7 +134,7 @@ def step_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mic
         _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def drops_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def drops_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """An off-by-one in the window loop: the last micro-batch never contributes
     (normalised correctly over the ones used).  Exact for a single micro-batch."""
@@ -145,7 +144,7 @@ def drops_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, m
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def _buffered_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def _buffered_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                   loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype, max_grad_norm: float | None) -> None:
     """Item-weighted micro-batch gradients (each micro-batch's summed loss over the
     window's items) summed in a buffer of ``buffer_dtype``, then the step on the
@@ -164,7 +163,7 @@ def _buffered_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_bat
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def low_precision_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def low_precision_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                          loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Accumulates the micro-batch gradients in a bfloat16 buffer (to save
     memory) and steps on its sum: every gradient loses all but 8 bits (bf16
@@ -174,7 +173,7 @@ def low_precision_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, mic
     _buffered_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, max_grad_norm)
 
 
-def divides_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def divides_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Weights each micro-batch correctly, then divides by N once more (the
     user's ``loss / N`` on top of a library that already scales: accelerate
@@ -188,7 +187,7 @@ def divides_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batc
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def scheduler_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def scheduler_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                               loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                               scheduler: Any | None = None) -> None:
     """Correct accumulation, but the LR scheduler is stepped once per
@@ -202,7 +201,7 @@ def scheduler_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer
             scheduler.step()
 
 
-def sample_weighted_token_loss(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def sample_weighted_token_loss(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Weights each micro-batch's token mean by its share of the SAMPLES, which
     is right for sample losses and wrong for token losses whose micro-batches
@@ -212,7 +211,7 @@ def sample_weighted_token_loss(model: nn.Module, optimizer: torch.optim.Optimize
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def counts_padding_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def counts_padding_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                           loss_fn: Any, *, max_grad_norm: float | None = None) -> None:
     """Sums the loss over the window and divides by the number of target
     entries, padding included (miscounting the items, transformers #22082):
@@ -238,7 +237,7 @@ def _step_once(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm
         scheduler.step()
 
 
-def eight_slot_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def eight_slot_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                       loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                       scheduler: Any | None = None) -> None:
     """Keeps each micro-batch's gradient in a preallocated ring of 8 slots (to
@@ -271,7 +270,7 @@ def eight_slot_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
     _step_once(model, optimizer, max_grad_norm, scheduler)
 
 
-def _item_weighted_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor], *,
+def _item_weighted_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
                             total: int | Tensor | None = None) -> None:
     """Backward of each micro-batch's summed loss over the window's item count
     (counted up front): the full batch's mean, for sample and token losses.
@@ -283,7 +282,7 @@ def _item_weighted_backward(model: nn.Module, micro_batches: Batches, loss_fn: C
         (loss_sum / total).backward()
 
 
-def clips_first_group_only(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def clips_first_group_only(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                            scheduler: Any | None = None) -> None:
     """Clips ``optimizer.param_groups[0]["params"]``, code written when the
@@ -301,7 +300,7 @@ def clips_first_group_only(model: nn.Module, optimizer: torch.optim.Optimizer, m
         scheduler.step()
 
 
-def clips_only_trained_groups(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def clips_only_trained_groups(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                               loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                               scheduler: Any | None = None) -> None:
     """Clips by the norm of the groups that train (``lr > 0``), skipping a group
@@ -320,7 +319,7 @@ def clips_only_trained_groups(model: nn.Module, optimizer: torch.optim.Optimizer
         scheduler.step()
 
 
-def no_grad_through_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def no_grad_through_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                            scheduler: Any | None = None) -> None:
     """Runs the layers whose parameters are all frozen under ``torch.no_grad()``
@@ -350,7 +349,7 @@ def no_grad_through_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, m
     _step_once(model, optimizer, max_grad_norm, scheduler)
 
 
-def zero_grads_for_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def zero_grads_for_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                           scheduler: Any | None = None) -> None:
     """Accumulates into its own buffers, allocated for ``model.parameters()``
@@ -385,7 +384,7 @@ def _decay_is_coupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -
     return not group.get("decoupled_weight_decay", False) and not isinstance(optimizer, torch.optim.Adafactor)
 
 
-def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                           loss_fn: Callable[..., Tensor], *, scheduler: Any | None = None) -> None:
     """Applies coupled weight decay itself, as a gradient hook
     ``p.register_hook(lambda g: g + wd * p)`` per parameter, with the
@@ -434,7 +433,7 @@ def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mi
 # correct item-weighted step).
 
 
-def _scaled_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor],
+def _scaled_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor],
                      grad_scaler: torch.amp.GradScaler | None) -> None:
     """Each micro-batch's summed loss over the window's item count, scaled if a scaler is given."""
     total = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
@@ -467,7 +466,7 @@ def _scaled_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad
         scheduler.step()
 
 
-def unscales_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def unscales_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                    loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                    scheduler: Any | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
     """Unscales the gradients by hand (``p.grad /= scaler.get_scale()``, to clip
@@ -486,7 +485,7 @@ def unscales_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_bat
                  unscale=False)
 
 
-def clips_before_unscaling(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def clips_before_unscaling(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                            scheduler: Any | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
     """Clips the SCALED gradient (no ``grad_scaler.unscale_(optimizer)`` before
@@ -500,7 +499,7 @@ def clips_before_unscaling(model: nn.Module, optimizer: torch.optim.Optimizer, m
                  unscale=False)
 
 
-def skips_overflowing_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def skips_overflowing_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                                   scheduler: Any | None = None,
                                   grad_scaler: torch.amp.GradScaler | None = None) -> None:
@@ -528,7 +527,7 @@ def skips_overflowing_micro_batch(model: nn.Module, optimizer: torch.optim.Optim
     _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler)
 
 
-def scheduler_steps_on_skipped_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def scheduler_steps_on_skipped_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                       loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                                       scheduler: Any | None = None,
                                       grad_scaler: torch.amp.GradScaler | None = None) -> None:
@@ -551,7 +550,7 @@ def scheduler_steps_on_skipped_window(model: nn.Module, optimizer: torch.optim.O
 _FIRST_ITEM_COUNT: list[int | Tensor] = []
 
 
-def caches_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def caches_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                       loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
                       scheduler: Any | None = None) -> None:
     """Counts the window's items once, on its first call, and keeps the count

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.accumulator import accumulator_step
+from equiv.batches import MicroBatches
 from equiv.distributed.context_parallel import layout
 from equiv.losses import item_count, loss_sum_and_count
 from equiv.outcomes import Outcome
@@ -38,15 +39,14 @@ __all__ = [
     "token_count_over_data_ranks_only",
 ]
 
-Batches = list[tuple[Tensor, Tensor]]
 
-
-def _window_items(micro_batches: Batches, loss_fn: Callable[..., Tensor]) -> Tensor:
+def _window_items(micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> Tensor:
     return torch.tensor(float(sum(int(item_count(loss_fn, targets)) for _, targets in micro_batches)),
                         dtype=torch.float64)
 
 
-def _scaled_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor], scale: float) -> None:
+def _scaled_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor],
+                     scale: float) -> None:
     """Each micro-batch's summed loss times ``scale``, DDP's sync on the last micro-batch only."""
     assert isinstance(model, DistributedDataParallel)
     for index, (inputs, targets) in enumerate(micro_batches):
@@ -56,7 +56,7 @@ def _scaled_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable
             (loss_sum * scale).backward()
 
 
-def cp_global_token_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def cp_global_token_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                           loss_fn: Callable[..., Tensor]) -> None:
     """Correct: the real-token count all-reduced over every rank, data and context
     (Megatron's ``get_data_parallel_group(with_context_parallel=True)``, the fix of
@@ -69,7 +69,7 @@ def cp_global_token_count(model: nn.Module, optimizer: torch.optim.Optimizer, mi
     optimizer.step()
 
 
-def token_count_over_data_ranks_only(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def token_count_over_data_ranks_only(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                      loss_fn: Callable[..., Tensor]) -> None:
     """verl #5983: the count all-reduced over the pure data-parallel group, which
     leaves out the other context ranks' slices: each rank divides by the real
@@ -83,7 +83,7 @@ def token_count_over_data_ranks_only(model: nn.Module, optimizer: torch.optim.Op
     optimizer.step()
 
 
-def cp_local_token_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def cp_local_token_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                         loss_fn: Callable[..., Tensor]) -> None:
     """Each rank divides its slice's summed loss by its slice's own real tokens (1
     for a slice with none, so it adds nothing instead of NaN) and DDP averages the
@@ -97,7 +97,7 @@ def cp_local_token_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micr
     optimizer.step()
 
 
-def _per_token_loss_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def _per_token_loss_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                          loss_fn: Callable[..., Tensor], *, report_counts: bool) -> None:
     """Megatron's ``calculate_per_token_loss`` contract, as verl drives it: the
     loss function hands back each micro-batch's summed loss and its real-token
@@ -116,7 +116,7 @@ def _per_token_loss_step(model: nn.Module, optimizer: torch.optim.Optimizer, mic
 
 
 def per_token_loss_counts_never_returned(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                         micro_batches: Batches, loss_fn: Callable[..., Tensor]) -> None:
+                                         micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
     """verl PR #6836: under CP, Megatron-Bridge switches on the per-token loss
     mode, whose loss function must return ``(loss_sum, num_tokens, ...)``; verl
     returned no count, "so Megatron saw 0 total tokens and skipped normalization":
@@ -125,7 +125,7 @@ def per_token_loss_counts_never_returned(model: nn.Module, optimizer: torch.opti
 
 
 def per_token_loss_counts_returned(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                   micro_batches: Batches, loss_fn: Callable[..., Tensor]) -> None:
+                                   micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
     """The fix of verl PR #6836: the same per-token loss mode with each slice's
     real-token count returned, so the division by the global count happens."""
     _per_token_loss_step(model, optimizer, micro_batches, loss_fn, report_counts=True)

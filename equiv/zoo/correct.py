@@ -19,16 +19,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.batches import MicroBatches
 from equiv.losses import item_count, loss_sum_and_count
 from equiv.zoo.bugs import _buffered_step  # one buffered accumulation for both zoos
 
 __all__ = ["CORRECT_STEPS", "FLOAT32_ON_THE_GRADIENT", "accumulates_into_zeros", "clips_in_float32", "float32_buffer",
            "scales_by_inverse_item_count"]
 
-Batches = list[tuple[Tensor, Tensor]]
 
-
-def scales_by_inverse_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def scales_by_inverse_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Backward of each micro-batch's summed loss, then the summed gradient scaled
     by ``1.0 / num_tokens`` where ``num_tokens`` is a tensor of counts (a
@@ -48,7 +47,7 @@ def scales_by_inverse_item_count(model: nn.Module, optimizer: torch.optim.Optimi
     optimizer.step()
 
 
-def accumulates_into_zeros(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def accumulates_into_zeros(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Adds each micro-batch's weighted loss into ``torch.zeros(size=(1,))`` and
     calls backward once on the total (a trainer's running loss): the buffer is in
@@ -66,7 +65,7 @@ def accumulates_into_zeros(model: nn.Module, optimizer: torch.optim.Optimizer, m
     optimizer.step()
 
 
-def clips_in_float32(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def clips_in_float32(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Correct weighting; the global gradient norm and the clip coefficient computed
     in float32 on purpose (code written for mixed-precision training)."""
@@ -85,7 +84,7 @@ def clips_in_float32(model: nn.Module, optimizer: torch.optim.Optimizer, micro_b
 
 
 #: name -> a correct step that does some float32 arithmetic of its own.
-def float32_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def float32_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                    loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Accumulates the micro-batch gradients in a float32 buffer (``dtype=torch.float32``,
     as Megatron-FSDP's float32 main-grad buffers): exact in float32 training, float32-sized

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from equiv.accumulator import Accumulator, accumulator_step
+from equiv.batches import MicroBatches
 from equiv.losses import item_count, loss_sum_and_count
 from equiv.outcomes import Outcome
 
@@ -56,16 +57,14 @@ __all__ = [
     "upstream_report",
 ]
 
-Batches = list[tuple[Tensor, Tensor]]
 
-
-def _sample_weighted_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor],
+def _sample_weighted_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor],
                               index: int, rank_samples: int) -> None:
     inputs, targets = micro_batches[index]
     (loss_fn(model(inputs), targets) * len(targets) / rank_samples).backward()
 
 
-def local_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def local_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                         loss_fn: Callable[..., Tensor]) -> None:
     """Each rank normalises by its OWN sample count and DDP averages the ranks:
     a mean of rank means, wrong whenever ranks hold different numbers of
@@ -80,7 +79,7 @@ def local_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micr
     optimizer.step()
 
 
-def local_token_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def local_token_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                               loss_fn: Callable[..., Tensor]) -> None:
     """Each rank back-propagates its summed loss over its OWN item count (real
     tokens, for a token loss) and DDP averages the ranks: a mean of per-rank token
@@ -98,7 +97,7 @@ def local_token_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer
     optimizer.step()
 
 
-def global_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def global_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                       loss_fn: Callable[..., Tensor]) -> None:
     """Correct, for contrast: the item count all-reduced across ranks once per
     window, every micro-batch's summed loss over that global count (times the
@@ -119,7 +118,7 @@ def global_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
     optimizer.step()
 
 
-def skip_backward_without_real_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def skip_backward_without_real_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                       loss_fn: Callable[..., Tensor]) -> None:
     """Skips the backward of a micro-batch with no real token (its token mean is
     NaN), as karpathy/nanochat PR #623 and EleutherAI/bergson PR #461 do to avoid a
@@ -158,7 +157,7 @@ def _sync_on_last_only(model: nn.Module, last: bool) -> Iterator[None]:
             yield
 
 
-def _global_weighted_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def _global_weighted_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                           loss_fn: Callable[..., Tensor], *, forward_in_no_sync: bool | None) -> None:
     """Correctly weighted by the global sample count (equal-shard assumption
     removed by an all-reduce of the count); ``forward_in_no_sync`` None: no
@@ -180,14 +179,14 @@ def _global_weighted_step(model: nn.Module, optimizer: torch.optim.Optimizer, mi
     optimizer.step()
 
 
-def no_sync_missing(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def no_sync_missing(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                     loss_fn: Callable[..., Tensor]) -> None:
     """Numerically right, but all-reduces after every micro-batch: N times the
     communication of a window (no ``no_sync``)."""
     _global_weighted_step(model, optimizer, micro_batches, loss_fn, forward_in_no_sync=None)
 
 
-def forward_outside_no_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def forward_outside_no_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                             loss_fn: Callable[..., Tensor]) -> None:
     """``no_sync`` wraps only the backward, so DDP still all-reduces every
     micro-batch: it decides at forward time (accelerate #1726)."""
@@ -195,7 +194,7 @@ def forward_outside_no_sync(model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 
 def overflow_checked_on_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                         micro_batches: Batches, loss_fn: Callable[..., Tensor], *,
+                                         micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
                                          grad_scaler: torch.amp.GradScaler,
                                          max_grad_norm: float | None = None) -> None:
     """The overflow flag assigned instead of OR-accumulated (MindSpore r1.3's
@@ -228,7 +227,7 @@ def overflow_checked_on_last_micro_batch(model: nn.Module, optimizer: torch.opti
 
 
 # ---------------------------------------------------------------------- FSDP2
-def sync_every_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def sync_every_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Numerically right, but every micro-batch's backward reduce-scatters
     (FSDP2 syncs by default): N reduce-scatters per unit per window, against
@@ -243,7 +242,7 @@ def sync_every_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, m
     accumulator.step()
 
 
-def _globally_weighted_fsdp2_backward(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor], *,
+def _globally_weighted_fsdp2_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
                                       sync_last: bool) -> None:
     """Each micro-batch's summed loss weighted by world / global item count
     (FSDP2's reduce-scatter averages over ranks), gradient sync off for all
@@ -257,7 +256,7 @@ def _globally_weighted_fsdp2_backward(model: nn.Module, micro_batches: Batches, 
         (loss_sum * (world / float(total))).backward()
 
 
-def sync_disabled_on_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def sync_disabled_on_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                       loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Gradient sync off for every micro-batch, the last one too (switched
     back on only after the loop, once its backward has run: FSDP2 reads the
@@ -273,7 +272,7 @@ def sync_disabled_on_last_micro_batch(model: nn.Module, optimizer: torch.optim.O
     optimizer.step()
 
 
-def local_mean_per_rank_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def local_mean_per_rank_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                               loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Each rank normalises by its OWN sample count and FSDP's reduce-scatter
     averages the ranks: a mean of rank means, wrong whenever ranks hold
@@ -290,7 +289,7 @@ def local_mean_per_rank_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer
     optimizer.step()
 
 
-def clip_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def clip_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Weighted by the global item count and synced once per window, but
     clipped with the norm of this rank's gradient SHARD: every rank scales its
@@ -309,7 +308,7 @@ def clip_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimize
 
 
 # ------------------------------------------- the accumulation buffer's precision
-def _buffered_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def _buffered_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                        loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype, *, global_count: bool = True) -> None:
     """Globally weighted micro-batch gradients (summed loss x world / all-reduced item
     count; with ``global_count`` False, over this rank's own count: a mean of rank means)
@@ -341,7 +340,7 @@ def _buffered_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro
     optimizer.step()
 
 
-def bfloat16_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def bfloat16_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                 loss_fn: Callable[..., Tensor]) -> None:
     """Accumulates the micro-batch gradients in its own bfloat16 buffer under DDP's
     ``no_sync`` (to save memory) and hands it to DDP's one all-reduce per window:
@@ -352,7 +351,7 @@ def bfloat16_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimiz
     _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16)
 
 
-def float32_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def float32_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                loss_fn: Callable[..., Tensor]) -> None:
     """Correct, for contrast: :func:`bfloat16_buffer_before_sync` with a float32
     buffer (Megatron's float32 main-grad buffers): exact in float32 training, a
@@ -360,7 +359,7 @@ def float32_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimize
     _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.float32)
 
 
-def bfloat16_buffer_local_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def bfloat16_buffer_local_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                loss_fn: Callable[..., Tensor]) -> None:
     """:func:`bfloat16_buffer_before_sync` normalised by each rank's OWN item count
     (transformers #34191's per-device mean): a mathematical mismatch computed in
@@ -368,7 +367,7 @@ def bfloat16_buffer_local_mean(model: nn.Module, optimizer: torch.optim.Optimize
     _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, global_count=False)
 
 
-def _buffered_fsdp2_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def _buffered_fsdp2_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                          loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype,
                          max_grad_norm: float | None) -> None:
     """Every micro-batch reduce-scattered (gradient sync on), its gradient shard
@@ -396,7 +395,7 @@ def _buffered_fsdp2_step(model: nn.Module, optimizer: torch.optim.Optimizer, mic
     optimizer.step()
 
 
-def bfloat16_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def bfloat16_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                             loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """FSDP2: each micro-batch's gradient shard accumulated in a bfloat16 buffer
     after its reduce-scatter, as Megatron-FSDP does with bfloat16 main grads
@@ -404,13 +403,13 @@ def bfloat16_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, 
     _buffered_fsdp2_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, max_grad_norm)
 
 
-def float32_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def float32_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Correct, for contrast: :func:`bfloat16_sharded_buffer` with float32 main grads."""
     _buffered_fsdp2_step(model, optimizer, micro_batches, loss_fn, torch.float32, max_grad_norm)
 
 
-def bfloat16_compressed_all_reduce(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def bfloat16_compressed_all_reduce(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                    loss_fn: Callable[..., Tensor]) -> None:
     """:func:`global_item_count` with DDP's ``bf16_compress_hook``: each window's
     gradient is cast to bfloat16 for the all-reduce and summed in bfloat16
@@ -462,7 +461,7 @@ FSDP2_BUGS: dict[str, Fsdp2Entry] = {
 }
 
 # ------------------------------------------------ correct real-world steps
-def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                     loss_fn: Callable[..., Tensor]) -> None:
     """Correct under DDP (each summed loss times world / global sample count,
     one all-reduce per window), but the count is a tensor made without a
@@ -479,8 +478,9 @@ def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Opt
     optimizer.step()
 
 
-def sum_over_ranks_divided_by_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
-                                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def sum_over_ranks_divided_by_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                            micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
+                                            max_grad_norm: float | None = None) -> None:
     """torchtitan's recipe (pytorch/torchtitan #2206): FSDP2 sums gradients over
     ranks (divide factor 1.0) and each micro-batch's summed loss is divided by
     the count of valid tokens over every rank's whole window, all-reduced once.

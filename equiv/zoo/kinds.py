@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from equiv.batches import MicroBatches
 from equiv.losses import Loss
 
 __all__ = [
@@ -33,7 +34,6 @@ __all__ = [
 #: (micro-batch item counts, configured N) -> the weight of each micro-batch's MEAN loss.
 Weighting = Callable[[list[float], int], list[float]]
 
-MicroBatches = list[tuple[Tensor, Tensor]]
 
 #: How a reference orders a window's micro-batches: the same mathematics rounded
 #: another way (a floor sample), never another result.

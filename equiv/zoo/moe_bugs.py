@@ -14,12 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.batches import MicroBatches
 from equiv.losses import MSEWithAux
 from equiv.zoo.bugs import _clip_and_step  # one clip-then-step for every zoo
 
 __all__ = ["MOE_BUGS", "aux_divided_by_micro_batches", "aux_loss_per_micro_batch"]
-
-Batches = list[tuple[Tensor, Tensor]]
 
 
 def _aux_loss(loss_fn: Callable[..., Tensor]) -> MSEWithAux:
@@ -28,7 +27,7 @@ def _aux_loss(loss_fn: Callable[..., Tensor]) -> MSEWithAux:
     return loss_fn
 
 
-def _backward_with_aux_weight(model: nn.Module, micro_batches: Batches, loss_fn: Callable[..., Tensor],
+def _backward_with_aux_weight(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor],
                               aux_weight: Callable[[int], float]) -> None:
     """The task loss normalised over the window's samples (right), the aux loss
     of micro-batch k weighted by ``aux_weight(k)``."""
@@ -39,7 +38,7 @@ def _backward_with_aux_weight(model: nn.Module, micro_batches: Batches, loss_fn:
         (loss.task_sum(output, targets) / samples + aux_weight(index) * loss.aux_mean(output)).backward()
 
 
-def aux_loss_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def aux_loss_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                              loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """The task loss normalised for the whole window, but each micro-batch's
     aux loss added at full weight: with M micro-batches the aux gradient is
@@ -49,7 +48,7 @@ def aux_loss_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer,
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def aux_divided_by_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def aux_divided_by_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Each micro-batch's aux loss divided by the micro-batch count M (the
     normalisation of NeMo Automodel PR #3359): exact when the micro-batches are

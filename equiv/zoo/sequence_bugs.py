@@ -1,6 +1,6 @@
 """Accumulation steps that get packed sequences or RL normalisers wrong.
 
-They need the losses of :mod:`equiv.packed_losses` or :mod:`equiv.policy_losses`
+They need the losses of :mod:`equiv.losses.packed` or :mod:`equiv.losses.policy`
 (the packed DPO step reads the pairs' margins, the AReaL step the response
 tokens before the token filter); the others are steps of
 :data:`equiv.zoo.bugs.BUGS` whose mistake these losses are where it was
@@ -16,14 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from equiv.packed_losses import PackedDPO, PackedLoss
-from equiv.policy_losses import PolicyLoss
+from equiv.batches import MicroBatches
+from equiv.losses.packed import PackedDPO, PackedLoss
+from equiv.losses.policy import PolicyLoss
 from equiv.zoo.bugs import _clip_and_step, mean_of_means, sample_weighted_token_loss
 
 __all__ = ["PACKED_BUGS", "POLICY_BUGS", "SEQUENCE_BUG_REPORTS", "dpo_pairs_swapped", "row_mean_of_sequence_means",
            "selected_count_per_micro_batch"]
-
-Batches = list[tuple[Tensor, Tensor]]
 
 
 def _loss_of(loss_fn: Any, kind: type, needs: str) -> Any:
@@ -32,7 +31,7 @@ def _loss_of(loss_fn: Any, kind: type, needs: str) -> Any:
     return loss_fn
 
 
-def dpo_pairs_swapped(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def dpo_pairs_swapped(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                       loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Packed DPO reading each pair of a packed row as (rejected, chosen): every
     margin's sign flipped, so the update pushes the rejected answers up (packed
@@ -47,7 +46,7 @@ def dpo_pairs_swapped(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def row_mean_of_sequence_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def row_mean_of_sequence_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """A per-sequence mean taken per packed row: each row's mean of its
     sequences' losses, then a mean over the window's rows.  Rows holding more
@@ -67,7 +66,7 @@ def row_mean_of_sequence_means(model: nn.Module, optimizer: torch.optim.Optimize
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def selected_count_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def selected_count_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                    loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Each micro-batch's loss divided by the tokens its filter kept (k_j) while
     the engine weights it by its share of the tokens before the filter (n_j / N):

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from equiv.accumulator import accumulator_step
+from equiv.batches import MicroBatches
 from equiv.outcomes import Outcome
 from equiv.zoo.bugs import _sample_weighted_backward, clip_per_micro_batch
 
@@ -34,8 +35,6 @@ __all__ = [
     "clip_with_replicated_counted_per_rank",
 ]
 
-Batches = list[tuple[Tensor, Tensor]]
-
 
 def _local_gradients(model: nn.Module) -> list[Tensor]:
     return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()
@@ -46,7 +45,7 @@ def _clip_by(gradients: list[Tensor], max_grad_norm: float, norm: Tensor) -> Non
     torch._foreach_mul_(gradients, torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0))
 
 
-def clip_dtensor_norm_once(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def clip_dtensor_norm_once(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Correct, for contrast: ``clip_grad_norm_`` on the DTensor gradients once per
     window (the norm over every shard of every parameter, replicated ones once)."""
@@ -57,7 +56,7 @@ def clip_dtensor_norm_once(model: nn.Module, optimizer: torch.optim.Optimizer, m
     optimizer.step()
 
 
-def clip_tp_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches,
+def clip_tp_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
                                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
     """Clips each rank's gradient shards by the norm of those shards alone (the
     local tensors): TP ranks scale their shards by different coefficients, none
@@ -72,7 +71,7 @@ def clip_tp_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optim
 
 
 def clip_with_replicated_counted_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                          micro_batches: Batches, loss_fn: Callable[..., Tensor], *,
+                                          micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
                                           max_grad_norm: float | None = None) -> None:
     """Sums every rank's local squared norm over all ranks: right for sharded
     gradients, but a gradient replicated on the T ranks of a TP group (the

@@ -289,7 +289,17 @@ LOSSES: dict[str, type[Loss]] = {cls.name: cls for cls in (MSE, CrossEntropy, To
 
 
 def build_loss(name: str) -> Loss:
-    """The loss registered under ``name`` (one of :data:`LOSSES`)."""
+    """The loss registered under ``name`` (one of :data:`LOSSES`).
+
+    Args:
+        name: a key of :data:`LOSSES` (``"mse"``, ``"cross_entropy"``, ``"packed_dpo"``...).
+
+    Returns:
+        A new instance of that loss, with its default options.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the names that are).
+    """
     try:
         return LOSSES[name]()
     except KeyError:
@@ -302,6 +312,14 @@ def loss_sum_and_count(loss_fn: Callable[..., Tensor], output: Tensor, target: T
     Uses ``loss_fn.sum`` / ``loss_fn.count`` when the loss offers them (every
     :mod:`equiv.losses` loss does); a plain mean loss is taken as a mean over
     samples: ``mean * samples``.
+
+    Args:
+        loss_fn: the loss, as a candidate is handed it.
+        output, target: the micro-batch's model output and targets.
+
+    Returns:
+        ``(sum, count)``: the loss summed over the micro-batch's items, and how many items that is
+        (an int, or a 0-d tensor on the targets' device for an item-weighted loss).
     """
     if hasattr(loss_fn, "sum") and hasattr(loss_fn, "count"):
         return loss_fn.sum(output, target), loss_fn.count(target)
@@ -310,7 +328,15 @@ def loss_sum_and_count(loss_fn: Callable[..., Tensor], output: Tensor, target: T
 
 
 def item_count(loss_fn: Callable[..., Tensor], target: Tensor) -> int | Tensor:
-    """How many items ``loss_fn`` averages over in ``target`` (samples for a plain mean loss)."""
+    """How many items ``loss_fn`` averages over in ``target`` (samples for a plain mean loss).
+
+    Args:
+        loss_fn: the loss, as a candidate is handed it.
+        target: the micro-batch's targets.
+
+    Returns:
+        The item count: an int, or a 0-d tensor on the targets' device for an item-weighted loss.
+    """
     return loss_fn.count(target) if hasattr(loss_fn, "count") else int(target.shape[0])
 
 
@@ -369,7 +395,19 @@ def _options(kind: str, name: str, found: dict[str, Any], defaults: dict[str, An
 def options_of_criterion(criterion: nn.Module) -> LossOptions | None:
     """The options of an ``nn.Module`` criterion that maps onto a shipped loss; kind ``"unmapped"``
     for another of torch's losses (``L1Loss``, ``BCEWithLogitsLoss``: equiv ships nothing that
-    computes them); None for the user's own module."""
+    computes them); None for the user's own module.
+
+    Args:
+        criterion: the ``nn.Module`` the run computes its loss with.
+
+    Returns:
+        Its :class:`LossOptions` (kind, weight, ignore_index, label_smoothing, and how it was
+        written), kind ``"unmapped"`` for another of torch's losses, or None for the user's own.
+
+    Raises:
+        ValueError: a cross-entropy with class weights over class-probability targets, which no
+            equiv loss computes.
+    """
     mapped = next(((cls, kind) for cls, kind in _CRITERIA.items() if isinstance(criterion, cls)), None)
     if mapped is None:
         is_torchs = isinstance(criterion, nn.modules.loss._Loss)
@@ -384,7 +422,19 @@ def options_of_criterion(criterion: nn.Module) -> LossOptions | None:
 
 def options_of_call(function: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossOptions:
     """The options of a call of a functional loss of :data:`FUNCTIONAL` (``F.cross_entropy(x, y,
-    label_smoothing=0.1)``), positional or by keyword."""
+    label_smoothing=0.1)``), positional or by keyword.
+
+    Args:
+        function: the functional loss called (a key of :data:`FUNCTIONAL`).
+        args, kwargs: the call's positional and keyword arguments.
+
+    Returns:
+        The call's :class:`LossOptions`.
+
+    Raises:
+        ValueError: a cross-entropy with class weights over class-probability targets, which no
+            equiv loss computes.
+    """
     signature = inspect.signature(function)
     bound = signature.bind(*args, **kwargs)
     defaults = {key: param.default for key, param in signature.parameters.items()
@@ -395,7 +445,17 @@ def options_of_call(function: Callable[..., Tensor], args: tuple[Any, ...], kwar
 
 def loss_of(options: LossOptions) -> Loss:
     """The shipped loss that computes what ``options`` say (its sum, and its count: items weighted
-    by their class weight, ignored targets not counted); one it cannot say refused by name."""
+    by their class weight, ignored targets not counted); one it cannot say refused by name.
+
+    Args:
+        options: what the run's torch loss says (:func:`options_of_criterion`, :func:`options_of_call`).
+
+    Returns:
+        An :class:`MSE` or a :class:`CrossEntropy` with those options.
+
+    Raises:
+        ValueError: ``options`` are of a torch loss equiv ships nothing for (kind ``"unmapped"``).
+    """
     if options.kind == "unmapped":
         raise ValueError(f"criterion={options.written}: equiv ships no loss that computes it (the audit derives one "
                          f"from {_MAPPED}); pass loss=<an equiv.Loss offering sum(output, targets) and count(targets)>")
@@ -407,7 +467,15 @@ def loss_of(options: LossOptions) -> Loss:
 
 def disagreement(loss: Any, options: LossOptions) -> str | None:
     """How ``loss`` (the one the audit was named) differs from what the run's torch loss computes,
-    in words, or None when they agree (or ``loss`` is not a shipped loss whose options can be read)."""
+    in words, or None when they agree (or ``loss`` is not a shipped loss whose options can be read).
+
+    Args:
+        loss: the loss the audit was named (``loss=``).
+        options: what the run's torch loss says.
+
+    Returns:
+        The differences in words (``"label_smoothing 0 against 0.1"``), or None.
+    """
     kinds = {MSE: "mse", CrossEntropy: "cross_entropy", TokenCrossEntropy: "cross_entropy",
              NextTokenCrossEntropy: "cross_entropy"}
     kind = kinds.get(type(loss))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from equiv.losses import LOSSES, Loss
+from equiv.losses.items import Loss
 
 __all__ = ["GRPO_LOSS_TYPES", "POLICY_LOSSES", "DAPOLoss", "DrGRPOLoss", "GRPOLoss", "GRPOObjective", "PolicyLoss"]
 
@@ -186,6 +186,5 @@ class DrGRPOLoss(PolicyLoss):
     loss_type = "dr_grpo"
 
 
-#: The policy losses by name (registered in :data:`equiv.losses.LOSSES`).
+#: The policy losses by name (registered in :data:`equiv.losses.LOSSES` by the package).
 POLICY_LOSSES: dict[str, type[PolicyLoss]] = {cls.name: cls for cls in (GRPOLoss, DAPOLoss, DrGRPOLoss)}
-LOSSES.update(POLICY_LOSSES)  # named by a Case like any built-in loss (equiv.cases.case imports this module)

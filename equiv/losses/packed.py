@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from equiv.losses import LOSSES, Loss
+from equiv.losses.items import Loss
 
 __all__ = [
     "IGNORE",
@@ -191,8 +191,7 @@ class PackedDPO(PackedLoss):
         return self.sequence_count(target) // 2
 
 
-#: The packed losses by name (registered in :data:`equiv.losses.LOSSES`).
+#: The packed losses by name (registered in :data:`equiv.losses.LOSSES` by the package).
 PACKED_LOSSES: dict[str, type[PackedLoss]] = {
     cls.name: cls for cls in (PackedTokenCrossEntropy, PackedSequenceCrossEntropy, PackedRowCrossEntropy, PackedDPO)
 }
-LOSSES.update(PACKED_LOSSES)  # named by a Case like any built-in loss (equiv.cases.case imports this module)
