@@ -65,7 +65,13 @@ from equiv.cases.case import Case, InvalidCase, check_device
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check_cases
 from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
-from equiv.checking.distributed_search import ENGINES, MODELS, standard_distributed_cases, verify_distributed
+from equiv.checking.distributed_search import (
+    DATA_PARALLEL_ENGINES,
+    ENGINES,
+    MODELS,
+    standard_distributed_cases,
+    verify_distributed,
+)
 from equiv.checking.profiles import profile_name
 from equiv.checking.search_space import AUTOCAST_DTYPES, SearchSpace
 from equiv.checking.threads import SMALL_MODEL_PARAMETERS
@@ -759,7 +765,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "micro-batch sizes come from --split (default: its split on every rank)")
     # The standard splits are data-parallel ones: tensor-parallel engines are for equiv.check_distributed
     # with DistributedCase.of(..., tensor_parallel=T), and for verify-distributed.
-    ddp_parser.add_argument("--engine", choices=ENGINES[:2], default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
+    ddp_parser.add_argument("--engine", choices=DATA_PARALLEL_ENGINES, default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
     ddp_parser.add_argument("--nproc", type=_positive_int, default=None,
                             help="ranks to spawn without torchrun (default 2); under torchrun, its world size")
     ddp_parser.add_argument("--timeout", type=_positive_seconds, default=120.0,

@@ -59,33 +59,26 @@ import math
 import pickle
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.nn.parallel import DistributedDataParallel
 
 from equiv.cases.case import Case, InvalidCase
-from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
+from equiv.distributed.collectives import CollectiveCounts, StepCollectives
 from equiv.distributed.context_parallel import (
-    CP_ENGINES,
     POSITIONWISE_LOSSES,
     POSITIONWISE_MODELS,
     clear_layout,
     install_layout,
     position_slice,
 )
+from equiv.distributed.engines import DEFAULT_ENGINE, STEP_ENGINES, Apply, Wrapping, engine_named
+from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
-from equiv.distributed.matching import mark, watch_ddp
-from equiv.distributed.sharding import (
-    fsdp_modules,
-    full_tensors,
-    fully_shard_layers,
-    sum_where_premul_sum_is_missing,
-)
-from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
+from equiv.distributed.matching import mark
+from equiv.distributed.sharding import full_tensors, fully_shard_layers
 from equiv.judging.contract import Candidate, bind, shipped
 from equiv.judging.floors import TIERS
 from equiv.judging.judge import FailsBecause, ReferenceRuns, precision_fails_because, precision_finding
@@ -104,18 +97,9 @@ __all__ = [
     "run_on_ranks",
 ]
 
-#: The engines a distributed check wraps the model in: data parallel (DDP,
-#: FSDP2), tensor parallel on a 1-D mesh ("tp"), FSDP2 over TP on a 2-D
-#: mesh ("fsdp2+tp"; see :mod:`equiv.distributed.tensor_parallel`), and context
-#: parallel under DDP ("cp") or FSDP2 ("fsdp2+cp"; see :mod:`equiv.distributed.context_parallel`).
-ENGINES: tuple[str, ...] = ("ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp")
-Engine = Literal["ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp"]
-#: The engines that shard with FSDP2 (reduce-scatters counted, equal micro-batch counts per rank).
-FSDP_ENGINES: tuple[str, ...] = ("fsdp2", "fsdp2+tp", "fsdp2+cp")
-#: The engines that wrap the model in DDP (all-reduces counted).
-DDP_ENGINES: tuple[str, ...] = ("ddp", "cp")
-#: The engines that shard weights over tensor-parallel ranks (``DistributedCase.tensor_parallel`` > 1).
-TP_ENGINES: tuple[str, ...] = ("tp", "fsdp2+tp")
+#: The engines a distributed check wraps the model in, by name (each one record of
+#: :data:`equiv.distributed.engines.ENGINES`, which says how it wraps the model).
+ENGINES: tuple[str, ...] = STEP_ENGINES
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DistributedCase:
@@ -296,7 +280,7 @@ class DistributedVerdict(Judgement):
     ranks: tuple[Verdict, ...]
     #: tier -> per-rank gradient collective statistics (all-reduces or reduce-scatters, see ``engine``)
     comm: dict[str, tuple[CommStats, ...]] = field(default_factory=dict)
-    engine: Engine = "ddp"
+    engine: str = DEFAULT_ENGINE
     #: FSDP2: the units (``fully_shard``-ed modules with trainable parameters);
     #: each reduce-scatters once per gradient sync.
     fsdp_units: int = 0
@@ -337,7 +321,7 @@ class DistributedVerdict(Judgement):
     @property
     def collective(self) -> str:
         """The gradient collective counted: "all-reduce" (DDP) or "reduce-scatter" (FSDP2)."""
-        return {"ddp": "all-reduce", "cp": "all-reduce", "tp": "none"}.get(self.engine, "reduce-scatter")
+        return ENGINE_RECORDS[self.engine].collective
 
     def collectives_per_step(self, tier: str = "exact") -> set[int]:
         """The distinct gradient-collective counts per step seen on any rank."""
@@ -345,7 +329,7 @@ class DistributedVerdict(Judgement):
 
     def allreduces_per_step(self, tier: str = "exact") -> set[int]:
         """The distinct DDP all-reduce counts per step seen on any rank."""
-        if self.engine not in DDP_ENGINES:
+        if ENGINE_RECORDS[self.engine].collective != "all-reduce":
             raise ValueError(
                 f"allreduces_per_step() counts DDP's gradient all-reduces; this check ran engine={self.engine!r}: "
                 "use reduce_scatters_per_step()"
@@ -355,7 +339,7 @@ class DistributedVerdict(Judgement):
     def reduce_scatters_per_step(self, tier: str = "exact") -> set[int]:
         """The distinct FSDP2 reduce-scatter counts per step seen on any rank
         (all units together: ``fsdp_units`` per gradient sync)."""
-        if self.engine not in FSDP_ENGINES:
+        if not ENGINE_RECORDS[self.engine].shards_parameters:
             raise ValueError(
                 f"reduce_scatters_per_step() counts FSDP2's reduce-scatters; this check ran engine={self.engine!r}: "
                 "use allreduces_per_step()"
@@ -387,7 +371,7 @@ class DistributedVerdict(Judgement):
         return max(updates or diffs or worst, key=lambda d: d.ratio, default=None)
 
     def _reproduce(self) -> str:
-        extra = "" if self.engine == "ddp" else f", engine={self.engine!r}"
+        extra = "" if self.engine == DEFAULT_ENGINE else f", engine={self.engine!r}"
         imports = "equiv"
         if self.mp_policy is not None:
             extra += f", mp_policy={_policy_source(self.mp_policy)}"
@@ -435,16 +419,8 @@ class DistributedVerdict(Judgement):
         }
 
     def message(self) -> str:
-        engine = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2 (fully_shard)",
-                  "tp": f"tensor parallel ({self.case.tensor_parallel} ranks, parallelize_module)"
-                        if self.case.sequence_slices == 1 else f"sequence parallel ({self.case.tensor_parallel} TP "
-                        "ranks, each a slice of every sequence, DistributedDataParallel over them)",
-                  "fsdp2+tp": f"FSDP2 over tensor parallel ({self.case.data_ranks} x {self.case.tensor_parallel} "
-                              "mesh)",
-                  "cp": f"context parallel ({self.case.data_ranks} data x {self.case.context_parallel} sequence "
-                        "slices, DistributedDataParallel over all)",
-                  "fsdp2+cp": f"context parallel ({self.case.data_ranks} data x {self.case.context_parallel} "
-                              "sequence slices, FSDP2 over all)"}[self.engine]
+        record = ENGINE_RECORDS[self.engine]
+        engine = record.describe(self.case)
         per = "data rank" if self.case.ranks_per_data_rank > 1 else "rank"
         lines = [
             f"{self.case.world_size} ranks under {engine}, micro-batches per {per} "
@@ -472,8 +448,8 @@ class DistributedVerdict(Judgement):
             # one); the distributed reproduction follows.
             shown = next((v for v in self.ranks if v.precision_note), self.ranks[0])
             lines += [line for line in shown.message().splitlines() if not line.startswith("Reproduce:")]
-        for tier, _stats in sorted(self.comm.items() if self.engine != "tp" else ()):
-            units = f" ({self.fsdp_units} FSDP units, one each per sync)" if self.engine in FSDP_ENGINES else ""
+        for tier, _stats in sorted(self.comm.items() if record.collective != "none" else ()):
+            units = f" ({self.fsdp_units} FSDP units, one each per sync)" if record.shards_parameters else ""
             lines.append(
                 f"gradient {self.collective}s per step ({tier} tier): {sorted(self.collectives_per_step(tier))}"
                 f"{units}, up to {self.bytes_per_step(tier)} bytes per step per rank"
@@ -505,7 +481,9 @@ class _CheckTask:
     candidate: Callable[..., Any]
     dcase: DistributedCase
     tiers: list[tuple[str, str]]
-    engine: Engine
+    #: The engine's ``apply_*`` functions, in order (its record's: sent with the task, so the
+    #: ranks wrap the model as the engine the check was given says).
+    apply: tuple[Apply, ...]
     mp_policy: MixedPrecisionPolicy | None
     #: torch's default dtype while the candidate runs (None: unchanged), e.g. "float64"
     #: to tell a tensor made without a dtype from a mismatch (as equiv.check does).
@@ -514,6 +492,10 @@ class _CheckTask:
     #: its own low-precision arithmetic (an accumulation buffer) from a mismatch (as equiv.check does).
     promote_low_precision: bool = False
 
+    def _comm_hook(self, hook: Any, model: nn.Module) -> Any:
+        """DDP's counting comm hook, lifted with the step's own bfloat16 and float16 where asked."""
+        return lifted_low_precision(hook, next(model.parameters()).dtype) if self.promote_low_precision else hook
+
     def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> dict[str, Any]:
         device = torch.device(self.dcase.case.device)
         results: dict[str, Any] = {}
@@ -521,59 +503,21 @@ class _CheckTask:
         for tier, dtype_name in self.tiers:
             counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2
             own.reset()
-            units = 0
             # Points every rank passes in order, so a rank that made one collective more
             # or less is named at the next one (see equiv.distributed.matching).
             mark(f"the start of the {tier} tier")
-            # Sequence parallelism: a position-wise model under "tp" is split like CP over its TP group.
-            sequence_parallel = self.engine == "tp" and self.dcase.sequence_slices > 1
-            if self.engine in CP_ENGINES or sequence_parallel:  # the groups a step reads (context_parallel.layout())
+            # Every sequence split over ranks (context parallel, or a position-wise model under
+            # tensor parallel: sequence parallel): the groups a step reads (context_parallel.layout()).
+            if self.dcase.sequence_slices > 1:
                 install_layout(self.dcase.sequence_slices)
             else:  # whole sequences on every rank: nothing to sum over (the token MoE's routing counts)
                 clear_layout()
-            if self.engine in DDP_ENGINES or sequence_parallel:
-                # Under sequence parallelism, DDP over the TP group: the replicated weights' gradients
-                # reduced over it, as Megatron all-reduces its sequence-parallel weights' over TP.
+            wrapping = Wrapping(device.type, self.dcase, counter, self.mp_policy, comm_hook=self._comm_hook)
 
-                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
-                    ddp = DistributedDataParallel(
-                        model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None
-                    )
-                    hook = counter.allreduce_hook
-                    if self.promote_low_precision:  # the step's own comm hook (bf16_compress_hook) lifted too,
-                        # to the tier's dtype, which the model was cast to before it is wrapped
-                        hook = lifted_low_precision(hook, next(model.parameters()).dtype)
-                    ddp.register_comm_hook(None, hook)
-                    counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
-                    # DDP's bucket rebuild, a broadcast in C++, recorded in the collective log.
-                    watch_ddp(ddp, synced=lambda: counter.synced)
-                    return ddp
-
-            elif self.engine == "tp":
-
-                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
-                    # No gradient collective of its own to count: DTensor's are inside the forward and backward.
-                    return parallelize(model, tensor_parallel_mesh(device.type, 1, world_size))
-
-            else:
-
-                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
-                    nonlocal units
-                    if self.engine == "fsdp2+tp":
-                        mesh2d = tensor_parallel_mesh(device.type, self.dcase.data_ranks, self.dcase.tensor_parallel)
-                        parallelize(model, mesh2d)
-                        mesh = mesh2d["dp"]
-                    else:  # "fsdp2", and "fsdp2+cp": FSDP2 over every rank, data x context
-
-                        mesh = init_device_mesh(device.type, (world_size,))
-                    units = fully_shard_layers(model, mesh, self.mp_policy)
-                    # A correct step may ask for a reduce op the CPU backend lacks (PREMUL_SUM).
-                    sum_where_premul_sum_is_missing(model, mesh)
-                    for module in fsdp_modules(model):
-                        module.set_custom_reduce_scatter(CountingReduceScatter(counter))
-                        # FSDP2's own all-gathers, told apart from the step's collectives (not reported).
-                        module.set_custom_all_gather(CountingAllGather(CollectiveCounts()))
-                    return model
+            def wrap(model: nn.Module, wrapping: Wrapping = wrapping) -> nn.Module:
+                for apply in self.apply:  # as torchtitan composes apply_tp, then apply_fsdp
+                    model = apply(model, wrapping)
+                return model
 
             def on_step(step: int, counter: CollectiveCounts = counter, tier: str = tier) -> None:
                 mark(f"{tier} tier, step {step}")
@@ -593,38 +537,29 @@ class _CheckTask:
             mark(f"the end of the {tier} tier's steps")
             progress(f"{tier} tier: gathering the snapshots")
             results[tier] = {
-                "snapshots": _gathered(snapshots), "calls": counter.calls, "bytes": counter.bytes, "units": units,
+                "snapshots": _gathered(snapshots), "calls": counter.calls, "bytes": counter.bytes,
+                "units": wrapping.units,
                 "own_calls": own.calls, "own_bytes": own.bytes,
             }
         return results
 
 
-def _check_tensor_parallel(dcase: DistributedCase, engine: str) -> None:
-    """The split must fit the engine: TP engines need T >= 2 ranks per TP group
-    ("tp" one data rank, "fsdp2+tp" two or more), data-parallel ones T = 1."""
-    tp, data = dcase.tensor_parallel, dcase.data_ranks
-    if engine in TP_ENGINES and tp < 2:
-        raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., tensor_parallel=T) with T >= 2 ranks per "
-                          f"tensor-parallel group, got tensor_parallel={tp}")
-    if engine not in TP_ENGINES and tp != 1:
-        raise InvalidCase(f"tensor_parallel={tp} needs engine 'tp' or 'fsdp2+tp', got engine={engine!r}")
-    cp = dcase.context_parallel
-    if engine in CP_ENGINES and cp < 2:
-        raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., context_parallel=C) with C >= 2 ranks "
-                          f"per context-parallel group, got context_parallel={cp}")
-    if engine not in CP_ENGINES and cp != 1:
-        raise InvalidCase(f"context_parallel={cp} needs engine 'cp' or 'fsdp2+cp', got engine={engine!r}")
-    if engine == "tp" and data != 1:
-        raise InvalidCase(f"engine='tp' runs one data rank (every TP rank sees the same micro-batches), got "
-                          f"{data} data ranks {[list(s) for s in dcase.rank_micro_batch_sizes]}; use "
-                          "engine='fsdp2+tp' to shard the data as well")
-    if engine == "fsdp2+tp" and dcase.sequence_slices > 1:
-        raise InvalidCase(f"engine='fsdp2+tp' shards nn.Linear pairs; model={dcase.case.model!r} is split by "
-                          "positions, which runs sequence-parallel under engine='tp' (one data rank) or under "
-                          "engine='fsdp2+cp' with several")
-    if engine == "fsdp2+tp" and data < 2:
-        raise InvalidCase(f"engine='fsdp2+tp' needs at least 2 data ranks for FSDP2 to shard over, got {data}; "
-                          "use engine='tp' for one")
+def _check_split(dcase: DistributedCase, engine: str) -> None:
+    """The split must fit the engine: a tensor- (context-) parallel engine needs T >= 2
+    (C >= 2) ranks per group, any other T = 1 (C = 1); and what the engine's record refuses."""
+    record = engine_named(engine)
+    for group, size, keyword in (("tensor", dcase.tensor_parallel, "tensor_parallel=T"),
+                                 ("context", dcase.context_parallel, "context_parallel=C")):
+        name = keyword.split("=")[0]
+        if record.group == group and size < 2:
+            raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., {keyword}) with {keyword[-1]} >= 2 "
+                              f"ranks per {group}-parallel group, got {name}={size}")
+        if record.group != group and size != 1:
+            engines = " or ".join(repr(n) for n, e in ENGINE_RECORDS.items() if e.group == group)
+            raise InvalidCase(f"{name}={size} needs engine {engines}, got engine={engine!r}")
+    refusal = record.refuse(dcase, dcase.case.model)
+    if refusal is not None:
+        raise InvalidCase(refusal)
 
 
 def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
@@ -633,7 +568,7 @@ def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
 
 def check_distributed(
     candidate: Candidate, dcase: DistributedCase, *, tiers: Sequence[Tier] = TIERS, timeout_s: float = 120.0,
-    engine: str = "ddp", mp_policy: MixedPrecisionPolicy | None = None, train_dtype: torch.dtype | str | None = None,
+    engine: str = DEFAULT_ENGINE, mp_policy: MixedPrecisionPolicy | None = None, train_dtype: torch.dtype | str | None = None,
     strict: bool = False, launcher: Launcher = run_on_ranks,
 ) -> DistributedVerdict:
     """Run ``candidate`` on ``dcase.world_size`` local processes and compare
@@ -712,13 +647,13 @@ def check_distributed(
     if reasons:  # nothing to run: every rank says why the case does not apply
         verdict = Verdict(case=dcase.case, candidate=bound.name, mismatches=(), not_applicable=reasons)
         return DistributedVerdict(case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size,
-                                  engine=engine, mp_policy=mp_policy)  # type: ignore[arg-type]
+                                  engine=engine, mp_policy=mp_policy)
     if (launcher is run_on_ranks and dcase.case.device.startswith("cuda")
             and torch.cuda.device_count() < dcase.world_size):
         raise ValueError(f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, "
                          f"{torch.cuda.device_count()} visible")
     references = ReferenceRuns.of(dcase.case, tiers)
-    ranks = _Ranks(sent, bound.name, dcase, engine, timeout_s, launcher, references)  # type: ignore[arg-type]
+    ranks = _Ranks(sent, bound.name, dcase, engine, timeout_s, launcher, references)
     return ranks.verdict(mp_policy, fails_because)
 
 
@@ -727,17 +662,16 @@ def _check_arguments(dcase: DistributedCase, engine: str, mp_policy: MixedPrecis
     """Refuse what no rank could run, before any starts."""
     if not isinstance(dcase, DistributedCase):
         raise TypeError(f"dcase must be an equiv.DistributedCase, got {type(dcase).__name__}")
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    record = engine_named(engine)  # a ValueError naming the engines for any other
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got {type(mp_policy).__name__}"
         )
-    if mp_policy is not None and engine not in FSDP_ENGINES:
+    if mp_policy is not None and not record.shards_parameters:
         raise ValueError(f"mp_policy is an FSDP2 setting: it needs engine='fsdp2', got engine={engine!r}")
-    _check_tensor_parallel(dcase, engine)
+    _check_split(dcase, engine)
     counts = [len(sizes) for sizes in dcase.rank_micro_batch_sizes]
-    if engine in FSDP_ENGINES and len(set(counts)) > 1:
+    if record.shards_parameters and len(set(counts)) > 1:
         # Each forward all-gathers every unit's parameters (and each backward
         # again), so a rank with fewer micro-batches would leave the others
         # waiting in a collective.  Shard sizes may differ; counts may not.
@@ -777,7 +711,7 @@ class _Ranks:
     sent: Any
     name: str
     dcase: DistributedCase
-    engine: Engine
+    engine: str
     timeout_s: float
     launcher: Launcher
     references: ReferenceRuns
@@ -795,14 +729,15 @@ class _Ranks:
         if rerun is not None and rerun not in _RERUNS:
             raise ValueError(f"rerun must be one of {sorted(_RERUNS)} or None, got {rerun!r}")
         dcase, engine = self.dcase, self.engine
-        task = _CheckTask(self.sent, dcase, [(t, d) for t, d in self.tier_dtypes if t in tiers], engine, policy,
+        task = _CheckTask(self.sent, dcase, [(t, d) for t, d in self.tier_dtypes if t in tiers],
+                          engine_named(engine).apply, policy,
                           default_dtype="float64" if rerun == "default_dtype" else None,
                           promote_low_precision=rerun == "low_precision")
-        extra = "" if engine == "ddp" else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
+        extra = "" if engine == DEFAULT_ENGINE else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
         extra += "" if rerun is None else f", {_RERUNS[rerun]}"
         # Under FSDP2 on CUDA the snapshots' shards are gathered where they live
         # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
-        fsdp_on_cuda = engine in FSDP_ENGINES and dcase.case.device.startswith("cuda")
+        fsdp_on_cuda = engine_named(engine).shards_parameters and dcase.case.device.startswith("cuda")
         return self.launcher(
             task, dcase.world_size, device=dcase.case.device, backend="cpu:gloo,cuda:nccl" if fsdp_on_cuda else None,
             timeout_s=self.timeout_s, describe=f"candidate {self.name}, case {dcase!r}{extra}", match_collectives=True,
