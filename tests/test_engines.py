@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 import equiv
-from equiv.checking.distributed import DistributedCase, check_distributed
+from equiv.checking.distributed import DistributedCase, RankTier, check_distributed
 from equiv.checking.distributed_search import MODELS, DistributedSearchSpace
 from equiv.distributed import engines
 from equiv.distributed.engines import DATA_PARALLEL_ENGINES, ENGINES, STEP_ENGINES, Engine, apply_ddp
+from equiv.distributed.launcher import run_on_ranks
 
 SOURCE = Path(equiv.__file__).parent
 #: An engine name compared with a string, or tested for a substring: what the table replaces.
@@ -62,8 +63,23 @@ def test_a_new_engine_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(engines.ENGINES, "ddp-again", Engine("ddp-again", _replicated, (apply_ddp,), "all-reduce"))
     dcase = DistributedCase.of(equiv.Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,)}),
                                [[1, 2], [2]])
-    verdict = check_distributed(equiv.accumulator_step, dcase, engine="ddp-again")
+    returned: list[object] = []
+
+    def launcher(*args: object, **options: object) -> list[object]:
+        ranks = run_on_ranks(*args, **options)  # type: ignore[arg-type]
+        returned.extend(ranks)
+        return ranks
+
+    verdict = check_distributed(equiv.accumulator_step, dcase, engine="ddp-again", launcher=launcher)
     verdict.assert_ok()
     assert verdict.allreduces_per_step() == {1}
+    # Each rank returns a typed record per tier, not a dict with string keys.
+    assert len(returned) == 2
+    for rank in returned:
+        assert isinstance(rank, dict) and set(rank) == {"exact", "noise"}
+        for tier in rank.values():
+            assert isinstance(tier, RankTier)
+            assert tier.calls == (1, 1) and len(tier.bytes) == 2 and tier.units == 0  # two steps, one sync each
+            assert len(tier.snapshots) == 3 and len(tier.own_calls) == 2  # before and after each step
     assert "2 ranks under replicated by a test engine (2 ranks)" in verdict.message()
     assert "engine='ddp-again'" in verdict.message()

@@ -463,6 +463,29 @@ class DistributedVerdict(Judgement):
         return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class RankTier:
+    """What one rank sends back for one tier: its trajectory and what it counted."""
+
+    #: Every step's parameters and optimizer state, DTensor shards gathered, on the CPU.
+    snapshots: list[Snapshot]
+    #: Gradient collectives per step (DDP's all-reduces or FSDP2's reduce-scatters) and the bytes they took in.
+    calls: tuple[int, ...]
+    bytes: tuple[int, ...]
+    #: FSDP2 units the engine made (0 where it shards nothing).
+    units: int
+    #: Per step, the collectives the step issued itself (name -> calls), apart from the gradient syncs.
+    own_calls: tuple[dict[str, int], ...]
+
+    @property
+    def comm(self) -> CommStats:
+        return CommStats(self.calls, self.bytes)
+
+
+#: What a rank of a distributed check returns: tier -> its :class:`RankTier`.
+RankResult = dict[str, RankTier]
+
+
 def _gathered(snapshots: list[Snapshot]) -> list[Snapshot]:
     """Snapshots with every DTensor shard gathered and on the CPU (a
     collective: every rank runs this in the same order), so their names and
@@ -496,9 +519,9 @@ class _CheckTask:
         """DDP's counting comm hook, lifted with the step's own bfloat16 and float16 where asked."""
         return lifted_low_precision(hook, next(model.parameters()).dtype) if self.promote_low_precision else hook
 
-    def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> RankResult:
         device = torch.device(self.dcase.case.device)
-        results: dict[str, Any] = {}
+        results: RankResult = {}
         own = StepCollectives.installed()  # what the step issues itself, apart from the gradient syncs
         for tier, dtype_name in self.tiers:
             counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2
@@ -536,11 +559,8 @@ class _CheckTask:
             own.stop()
             mark(f"the end of the {tier} tier's steps")
             progress(f"{tier} tier: gathering the snapshots")
-            results[tier] = {
-                "snapshots": _gathered(snapshots), "calls": counter.calls, "bytes": counter.bytes,
-                "units": wrapping.units,
-                "own_calls": own.calls, "own_bytes": own.bytes,
-            }
+            results[tier] = RankTier(_gathered(snapshots), tuple(counter.calls), tuple(counter.bytes), wrapping.units,
+                                     tuple(own.calls))
         return results
 
 
@@ -721,7 +741,7 @@ class _Ranks:
         return [(tier, str(self.references.dtype(tier)).removeprefix("torch.")) for tier in self.references.tiers]
 
     def launch(self, tiers: Collection[Tier], policy: MixedPrecisionPolicy | None,
-               rerun: str | None = None) -> list[dict[str, Any]]:
+               rerun: str | None = None) -> list[RankResult]:
         """Run ``tiers`` on the ranks: what each rank returned, in rank order.  ``rerun``: how
         :func:`~equiv.judging.judge.precision_finding` asks the step to run again, one of
         :data:`_RERUNS` (torch's default dtype set to float64, or the step's own bfloat16
@@ -747,7 +767,7 @@ class _Ranks:
         """Every tier on the ranks, each rank's verdict, precision told apart (as :func:`check_distributed` says)."""
         references, name = self.references, self.name
         per_rank = self.launch(references.tiers, mp_policy)
-        verdicts = [references.verdict(name, {tier: results[tier]["snapshots"] for tier in references.tiers})
+        verdicts = [references.verdict(name, {tier: results[tier].snapshots for tier in references.tiers})
                     for results in per_rank]
 
         def rerun_on_the_ranks(failing: Sequence[Tier], how: str) -> list[TensorDiff] | None:
@@ -756,7 +776,7 @@ class _Ranks:
                 # policy is what differs is _policy_note's question (rerun without it), not the step's.
                 return None
             rerun = self.launch(failing, mp_policy, how)
-            return [d for r in rerun for t in failing for d in references.compare(t, r[t]["snapshots"])]
+            return [d for r in rerun for t in failing for d in references.compare(t, r[t].snapshots)]
 
         # One judge of precision for one process and for W ranks: every rank's mismatches together.
         finding = precision_finding(verdicts, references, rerun_on_the_ranks, fails_because)
@@ -768,11 +788,11 @@ class _Ranks:
         tiers = references.tiers
         return DistributedVerdict(
             case=self.dcase, candidate=name, ranks=tuple(verdicts), engine=self.engine,
-            comm={tier: tuple(CommStats(tuple(r[tier]["calls"]), tuple(r[tier]["bytes"])) for r in per_rank)
+            comm={tier: tuple(r[tier].comm for r in per_rank)
                   for tier in tiers},
-            fsdp_units=max(r[tier]["units"] for r in per_rank for tier in tiers), mp_policy=mp_policy,
+            fsdp_units=max(r[tier].units for r in per_rank for tier in tiers), mp_policy=mp_policy,
             precision_note=precision_note,
-            step_collectives={tier: tuple(tuple(r[tier]["own_calls"]) for r in per_rank) for tier in tiers},
+            step_collectives={tier: tuple(r[tier].own_calls for r in per_rank) for tier in tiers},
         )
 
     def _policy_note(self, verdicts: Sequence[Verdict], mp_policy: MixedPrecisionPolicy | None) -> str | None:
@@ -782,7 +802,7 @@ class _Ranks:
         reduction/accumulation is what differs (trl #2175 under FSDP1)."""
         failing = {d.tier for v in verdicts for d in v.mismatches}
         rerun = self.launch(failing, None)
-        if all(self.references.verdict(self.name, {t: r[t]["snapshots"] for t in failing}) for r in rerun):
+        if all(self.references.verdict(self.name, {t: r[t].snapshots for t in failing}) for r in rerun):
             return (f"the same step with no MixedPrecisionPolicy matches, so the difference is the policy's "
                     f"{_policy_dtypes(mp_policy)}")
         return None
