@@ -30,11 +30,11 @@ import torch
 from hypothesis import strategies as st
 
 from equiv.cases.case import Case
-from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict, check_distributed
+from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict
+from equiv.checking.distributed_cases import RankFault, check_distributed_case
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchRun, run_search
 from equiv.distributed.engines import DATA_PARALLEL_ENGINES, DEFAULT_ENGINE, engine_named
 from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
-from equiv.distributed.launcher import DistributedCheckError
 from equiv.judging.contract import BoundCandidate, Candidate, bind
 from equiv.judging.judge import precision_fails_because
 from equiv.outcomes import Fault, Outcome
@@ -424,11 +424,10 @@ def verify_distributed(
 
     def judge(drawn: tuple[DistributedCase, str]) -> Failure[DistributedVerdict] | Discard | None:
         dcase, engine = drawn
-        try:
-            verdict = check_distributed(candidate, dcase, engine=engine, timeout_s=timeout_s, train_dtype=train_dtype,
-                                        strict=strict)
-        except DistributedCheckError as exc:
-            return Failure(error=str(exc), fault=exc.fault, cause=exc)
+        verdict = check_distributed_case(candidate, dcase, engine=engine, timeout_s=timeout_s,
+                                         train_dtype=train_dtype, strict=strict)
+        if isinstance(verdict, RankFault):
+            return Failure(error=verdict.error, fault=verdict.fault, cause=verdict.cause)
         if verdict.status is Outcome.NOT_APPLICABLE:
             return DISCARD
         if not verdict:
