@@ -50,3 +50,18 @@ def test_the_loop_stops_after_a_hang_or_any_fault_when_asked(fault: Fault, stop_
     assert result.setting == "on 2 ranks (ddp)"
     assert len(shown) == run + (run < len(cases))  # a row per case run, then why the rest were not
     assert not result
+
+
+def test_the_distributed_case_is_a_case_and_its_verdict_a_result_at_their_old_paths_too() -> None:
+    # The case sits with the cases (layer cases), the verdict with the results (layer results),
+    # below the checker that imports them; the paths the docs name still reach the same classes.
+    import equiv.checking.distributed as checking
+    from equiv.cases.distributed import DistributedCase
+    from equiv.layers import layer_of
+    from equiv.results.distributed import DistributedVerdict
+
+    assert DistributedCase.__module__ == "equiv.cases.distributed"
+    assert DistributedVerdict.__module__ == "equiv.results.distributed"
+    assert layer_of(DistributedCase.__module__) < layer_of(DistributedVerdict.__module__) < layer_of(checking.__name__)
+    assert checking.DistributedCase is DistributedCase is equiv.DistributedCase
+    assert checking.DistributedVerdict is DistributedVerdict

@@ -1,6 +1,7 @@
 """What every front door returns: the rows of a comparison
 (:class:`~equiv.results.verdict.TensorDiff`), the verdict on one case
-(:class:`~equiv.results.verdict.Verdict`), and what of a verdict holds on every
+(:class:`~equiv.results.verdict.Verdict`), the verdict on W ranks
+(:class:`~equiv.results.distributed.DistributedVerdict`), and what of a verdict holds on every
 machine (:mod:`~equiv.results.facts`).
 
 One protocol, one schema
