@@ -33,7 +33,8 @@ kind                      returned by                                           
                                                                                  ranks (a verdict each), message, ...
 ``distributed_search``    ``equiv.verify_distributed``, ``verify-distributed``   candidate, engines, found, counterexample,
                                                                                  engine, verdict, outcome, error, ...
-``pipeline_verdict``      ``equiv.check_pipeline``                               setting, description, worst_ratio, error
+``pipeline_verdict``      ``equiv.check_pipeline``                               setting, description, worst_ratio, error,
+                                                                                 fault
 ``audit``                 ``equiv.audit``                                        steps, every, audited, failures, windows
 ``window_audit``          one audited window (``Audit.windows``)                 step, micro_batches, items, tier,
                                                                                  mismatches, worst, inherent, hint
