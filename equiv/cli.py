@@ -79,6 +79,7 @@ from equiv.checking.threads import SMALL_MODEL_PARAMETERS
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
+from equiv.distributed.engines import DEFAULT_ENGINE
 from equiv.distributed.launcher import Launcher, run_on_ranks
 from equiv.distributed.torchrun import TorchrunEnv, TorchrunRanks
 from equiv.host_memory import keep_freed_host_memory
@@ -378,7 +379,7 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
     _now_doing("during the distributed search's first case")
     try:
         result = verify_distributed(
-            candidate, engines=args.engines or ("ddp",), models=args.models or MODELS,
+            candidate, engines=args.engines or (DEFAULT_ENGINE,), models=args.models or MODELS,
             max_examples=args.max_examples, seed=args.seed, max_world_size=args.max_world_size,
             timeout_s=args.timeout, progress=show, train_dtype=args.train_dtype, strict=args.strict_precision,
         )
@@ -742,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "micro-batch sizes come from --split (default: its split on every rank)")
     # The standard splits are data-parallel ones: tensor-parallel engines are for equiv.check_distributed
     # with DistributedCase.of(..., tensor_parallel=T), and for verify-distributed.
-    ddp_parser.add_argument("--engine", choices=DATA_PARALLEL_ENGINES, default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
+    ddp_parser.add_argument("--engine", choices=DATA_PARALLEL_ENGINES, default=DEFAULT_ENGINE, help="DDP (default) or FSDP2 (fully_shard)")
     ddp_parser.add_argument("--nproc", type=_positive_int, default=None,
                             help="ranks to spawn without torchrun (default 2); under torchrun, its world size")
     ddp_parser.add_argument("--timeout", type=_positive_seconds, default=120.0,
