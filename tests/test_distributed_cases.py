@@ -50,6 +50,15 @@ def test_the_loop_stops_after_a_hang_or_any_fault_when_asked(fault: Fault, stop_
     assert result.setting == "on 2 ranks (ddp)"
     assert len(shown) == run + (run < len(cases))  # a row per case run, then why the rest were not
     assert not result
+    first = next(iter(cases))
+    if fault is Fault.HUNG:
+        assert shown[-1] == (f"      the other 4 case(s) were not run: the step hung on {first!r}, and each would "
+                             "wait 120 s as long")
+        assert set(result.not_run.values()) == {f"the step hung on {first!r}"}
+    elif stop_on_fault:
+        assert shown[-1] == "      the other 4 case(s) were not run: after a fault the ranks' process group may be left mid-collective"
+        assert set(result.not_run.values()) == {
+            f"after the fault on {first!r} the ranks' process group may be left mid-collective"}
 
 
 def test_the_distributed_case_is_a_case_and_its_verdict_a_result_at_their_old_paths_too() -> None:

@@ -122,18 +122,24 @@ def check_distributed_cases(
         order.append(case_name)
         if shown is not None:
             shown(so_far().row(case_name))
-        hung = case_name in errors and faults[case_name] is Fault.HUNG
-        if case_name in errors and (loop.stop_on_fault or hung) and index < len(cases):
-            # After a hang each case would wait out the timeout again (as equiv check skips them);
-            # under torchrun a fault may leave a rank mid-collective: its process group cannot be trusted again.
+        fault = faults.get(case_name)
+        if fault is not None and (loop.stop_on_fault or fault is Fault.HUNG) and index < len(cases):
             rest = list(cases)[index:]
-            why = (f"the step hung on {case_name!r}" if hung
-                   else f"after the fault on {case_name!r} the ranks' process group may be left mid-collective")
+            why, line = _not_run(case_name, fault is Fault.HUNG, loop.timeout_s)
             not_run.update(dict.fromkeys(rest, why))
             order.extend(rest)
             if shown is not None:
-                shown(f"      the other {len(rest)} case(s) were not run: "
-                      + (f"the step hung on {case_name!r}, and each would wait {loop.timeout_s:g} s as long" if hung
-                         else "after a fault the ranks' process group may be left mid-collective"))
+                shown(f"      the other {len(rest)} case(s) were not run: {line}")
             break
     return so_far()
+
+
+def _not_run(case_name: str, hung: bool, timeout_s: float) -> tuple[str, str]:
+    """Why the cases after a fault on ``case_name`` are not run: as each result says it, and as its line shows it.
+    After a hang each case would wait out the timeout again (as equiv check skips them); under
+    torchrun a fault may leave a rank mid-collective: its process group cannot be trusted again."""
+    if hung:
+        return (f"the step hung on {case_name!r}",
+                f"the step hung on {case_name!r}, and each would wait {timeout_s:g} s as long")
+    return (f"after the fault on {case_name!r} the ranks' process group may be left mid-collective",
+            "after a fault the ranks' process group may be left mid-collective")
