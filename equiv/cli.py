@@ -64,22 +64,30 @@ from equiv.cases import strategies as eqst
 from equiv.cases.case import Case, InvalidCase, check_device
 from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.check import check_cases
-from equiv.checking.distributed import DistributedCase, DistributedVerdict, check_distributed
-from equiv.checking.distributed_search import ENGINES, MODELS, standard_distributed_cases, verify_distributed
+from equiv.checking.distributed import DistributedCase
+from equiv.checking.distributed_cases import CaseLoop, check_distributed_cases
+from equiv.checking.distributed_search import (
+    DATA_PARALLEL_ENGINES,
+    ENGINES,
+    MODELS,
+    standard_distributed_cases,
+    verify_distributed,
+)
 from equiv.checking.profiles import profile_name
 from equiv.checking.search_space import AUTOCAST_DTYPES, SearchSpace
 from equiv.checking.threads import SMALL_MODEL_PARAMETERS
 from equiv.checking.verify import verify
 from equiv.cost.planner import NothingFitsError, format_plan, plan
 from equiv.cost.workloads import WORKLOADS, CountItems, LossSum, build_workload_model
-from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
+from equiv.distributed.engines import DEFAULT_ENGINE
+from equiv.distributed.launcher import Launcher, run_on_ranks
 from equiv.distributed.torchrun import TorchrunEnv, TorchrunRanks
 from equiv.host_memory import keep_freed_host_memory
 from equiv.judging.contract import CandidateError, ContractError, bind, load_candidate
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout
 from equiv.judging.runs import NonFiniteLossError
 from equiv.names import on_sys_path, target_folder
-from equiv.outcomes import Fault, Outcome
+from equiv.outcomes import Outcome
 from equiv.results.annotations import github_annotations, step_location
 from equiv.results.protocol import Result
 from equiv.results.verdict import CaseVerdicts
@@ -371,7 +379,7 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
     _now_doing("during the distributed search's first case")
     try:
         result = verify_distributed(
-            candidate, engines=args.engines or ("ddp",), models=args.models or MODELS,
+            candidate, engines=args.engines or (DEFAULT_ENGINE,), models=args.models or MODELS,
             max_examples=args.max_examples, seed=args.seed, max_world_size=args.max_world_size,
             timeout_s=args.timeout, progress=show, train_dtype=args.train_dtype, strict=args.strict_precision,
         )
@@ -457,46 +465,22 @@ def _check_distributed_cases(
     args: argparse.Namespace, candidate: Callable[..., Any], cases: dict[str, DistributedCase], launcher: Launcher,
     json_out: Path | None, stop_on_fault: bool = False,
 ) -> int:
-    verdicts: dict[str, DistributedVerdict] = {}
-    errors: dict[str, str] = {}
-    faults: dict[str, Fault] = {}
-    not_run: dict[str, str] = {}
-    order: list[str] = []
-    setting = f"on {next(iter(cases.values())).world_size} ranks ({args.engine})"
+    current = [""]  # the case being checked, to name it when it is refused
 
-    def so_far() -> CaseVerdicts[DistributedVerdict]:
-        return CaseVerdicts(args.target, dict(verdicts), dict(errors), tuple(order), setting=setting,
-                            faults=dict(faults), not_run=dict(not_run))
-
-    for index, (name, dcase) in enumerate(cases.items(), start=1):
+    def starting(index: int, name: str, dcase: DistributedCase) -> None:
+        current[0] = name
         log.info("[%d/%d] %s: %s", index, len(cases), name, dcase)
         _now_doing(f"during case {name!r}")
-        try:
-            verdicts[name] = check_distributed(candidate, dcase, engine=args.engine, timeout_s=args.timeout,
-                                               train_dtype=args.train_dtype, strict=args.strict_precision,
-                                               launcher=launcher)
-        except (InvalidCase, ContractError, TypeError) as exc:
-            raise UsageError(f"{name}: {exc}") from None
-        except NonFiniteLossError as exc:
-            raise UsageError(f"{name}: the case itself diverges, so nothing can be compared with it: {exc}") from None
-        except DistributedCheckError as exc:
-            errors[name], faults[name] = str(exc), exc.fault
-        order.append(name)
-        _progress(args, so_far().row(name))
-        hung = name in errors and faults[name] is Fault.HUNG
-        if name in errors and (stop_on_fault or hung) and index < len(cases):
-            # After a hang each case would wait out the timeout again (as equiv check skips them);
-            # under torchrun a fault may leave a rank mid-collective: its process group cannot be trusted again.
-            rest = list(cases)[index:]
-            why = (f"the step hung on {name!r}" if hung
-                   else f"after the fault on {name!r} the ranks' process group may be left mid-collective")
-            not_run.update(dict.fromkeys(rest, why))
-            order.extend(rest)
-            _progress(args, f"      the other {len(rest)} case(s) were not run: "
-                            + (f"the step hung on {name!r}, and each would wait {args.timeout:g} s as long" if hung
-                               else "after a fault the ranks' process group may be left mid-collective"))
-            break
-    result = so_far()
+
+    loop = CaseLoop(engine=args.engine, timeout_s=args.timeout, train_dtype=args.train_dtype,
+                    strict=args.strict_precision, launcher=launcher, stop_on_fault=stop_on_fault)
+    try:
+        result = check_distributed_cases(candidate, cases, args.target, loop, starting=starting,
+                                         shown=lambda text: _progress(args, text))
+    except (InvalidCase, ContractError, TypeError) as exc:
+        raise UsageError(f"{current[0]}: {exc}") from None
+    except NonFiniteLossError as exc:
+        raise UsageError(f"{current[0]}: the case itself diverges, so nothing can be compared with it: {exc}") from None
     return _finish(args, result, result.summary(), candidate, json_out)
 
 
@@ -759,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "micro-batch sizes come from --split (default: its split on every rank)")
     # The standard splits are data-parallel ones: tensor-parallel engines are for equiv.check_distributed
     # with DistributedCase.of(..., tensor_parallel=T), and for verify-distributed.
-    ddp_parser.add_argument("--engine", choices=ENGINES[:2], default="ddp", help="DDP (default) or FSDP2 (fully_shard)")
+    ddp_parser.add_argument("--engine", choices=DATA_PARALLEL_ENGINES, default=DEFAULT_ENGINE, help="DDP (default) or FSDP2 (fully_shard)")
     ddp_parser.add_argument("--nproc", type=_positive_int, default=None,
                             help="ranks to spawn without torchrun (default 2); under torchrun, its world size")
     ddp_parser.add_argument("--timeout", type=_positive_seconds, default=120.0,

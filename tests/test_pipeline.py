@@ -4,10 +4,13 @@ found, and uneven micro-batch sizes refused by torch's stages."""
 
 import dataclasses
 
+import jsonschema
 import pytest
 
 from equiv.checking.pipeline import SCHEDULES, PipelineSetting, check_pipeline
-from equiv.outcomes import Outcome
+from equiv.distributed.launcher import DistributedCheckError
+from equiv.outcomes import Fault, Outcome
+from equiv.results.protocol import schema
 from equiv.zoo.pipeline_bugs import PIPELINE_ZOO
 
 
@@ -40,7 +43,26 @@ def test_uneven_chunks_are_reported_as_not_runnable_with_torchs_error() -> None:
     verdict = check_pipeline(PipelineSetting(schedule="GPipe", scale_grads=False, loss="window_sum", batch_size=7))
     assert verdict.status is Outcome.STEP_ERROR and not verdict
     assert verdict.error and "could not run" in verdict.message()
+    assert verdict.fault is Fault.RAISED and "pipeline GPipe" in verdict.error  # the ranks' report, whole
     assert verdict.setting.chunk_sizes == (2, 2, 2, 1)
+
+
+@pytest.mark.parametrize("fault", list(Fault))
+def test_ranks_that_give_no_verdict_fail_as_check_distributeds_do(fault: Fault) -> None:
+    # The launcher's report and its Fault are kept as data, the report not searched for an error line.
+    report = "mismatched collectives: rank 0 called all_reduce\n  rank 1 called broadcast; pipeline GPipe"
+
+    def launcher(task: object, world_size: int, **options: object) -> list[object]:
+        raise DistributedCheckError(report, fault)
+
+    setting = PipelineSetting(schedule="GPipe", scale_grads=False, loss="window_sum")
+    verdict = check_pipeline(setting, launcher=launcher)  # type: ignore[arg-type]
+    assert verdict.status is Outcome.STEP_ERROR and not verdict
+    assert verdict.fault is fault and verdict.error == report
+    assert verdict.message().endswith(f"could not run on these ranks: {report}")
+    out = verdict.to_dict()
+    assert out["fault"] == fault.value and "\n" not in out["line"]
+    jsonschema.validate(out, schema())
 
 
 def test_bad_pipeline_settings_are_named() -> None:

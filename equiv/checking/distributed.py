@@ -58,41 +58,28 @@ import functools
 import math
 import pickle
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.nn.parallel import DistributedDataParallel
 
-from equiv.cases.case import Case, InvalidCase
-from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, CountingReduceScatter, StepCollectives
-from equiv.distributed.context_parallel import (
-    CP_ENGINES,
-    POSITIONWISE_LOSSES,
-    POSITIONWISE_MODELS,
-    clear_layout,
-    install_layout,
-    position_slice,
-)
+from equiv.cases.case import InvalidCase
+from equiv.cases.distributed import DistributedCase
+from equiv.distributed.collectives import CollectiveCounts, StepCollectives
+from equiv.distributed.context_parallel import clear_layout, install_layout
+from equiv.distributed.engines import DEFAULT_ENGINE, STEP_ENGINES, Apply, Wrapping, engine_named
+from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
-from equiv.distributed.matching import mark, watch_ddp
-from equiv.distributed.sharding import (
-    fsdp_modules,
-    full_tensors,
-    fully_shard_layers,
-    sum_where_premul_sum_is_missing,
-)
-from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
+from equiv.distributed.matching import mark
+from equiv.distributed.sharding import full_tensors, fully_shard_layers
 from equiv.judging.contract import Candidate, bind, shipped
 from equiv.judging.floors import TIERS
 from equiv.judging.judge import FailsBecause, ReferenceRuns, precision_fails_because, precision_finding
 from equiv.judging.runs import Snapshot, lifted_low_precision, run_candidate
-from equiv.outcomes import Outcome
-from equiv.results.protocol import headed
-from equiv.results.verdict import Judgement, TensorDiff, Tier, Verdict
+from equiv.results.distributed import CommStats, DistributedVerdict
+from equiv.results.verdict import TensorDiff, Tier, Verdict
 
 __all__ = [
     "ENGINES",
@@ -104,387 +91,31 @@ __all__ = [
     "run_on_ranks",
 ]
 
-#: The engines a distributed check wraps the model in: data parallel (DDP,
-#: FSDP2), tensor parallel on a 1-D mesh ("tp"), FSDP2 over TP on a 2-D
-#: mesh ("fsdp2+tp"; see :mod:`equiv.distributed.tensor_parallel`), and context
-#: parallel under DDP ("cp") or FSDP2 ("fsdp2+cp"; see :mod:`equiv.distributed.context_parallel`).
-ENGINES: tuple[str, ...] = ("ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp")
-Engine = Literal["ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp"]
-#: The engines that shard with FSDP2 (reduce-scatters counted, equal micro-batch counts per rank).
-FSDP_ENGINES: tuple[str, ...] = ("fsdp2", "fsdp2+tp", "fsdp2+cp")
-#: The engines that wrap the model in DDP (all-reduces counted).
-DDP_ENGINES: tuple[str, ...] = ("ddp", "cp")
-#: The engines that shard weights over tensor-parallel ranks (``DistributedCase.tensor_parallel`` > 1).
-TP_ENGINES: tuple[str, ...] = ("tp", "fsdp2+tp")
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DistributedCase:
-    """A case run by ``len(rank_micro_batch_sizes)`` ranks.
-
-    ``rank_micro_batch_sizes[r]`` cuts rank r's shard into micro-batches; the
-    shards are consecutive pieces of each step's global batch, in rank order.
-    ``case`` supplies everything else; its ``batch_size`` and
-    ``micro_batch_sizes`` are derived (all ranks' micro-batches, in order).
-
-    With ``tensor_parallel`` = T > 1 each entry of ``rank_micro_batch_sizes``
-    is a data rank served by T tensor-parallel ranks that all see its
-    micro-batches: ``world_size`` is data ranks x T, and rank r is data rank
-    r // T (engines "tp" with one data rank, "fsdp2+tp" with several).
-
-    With ``context_parallel`` = C > 1 each data rank is served by C ranks that
-    see the same samples, rank r holding slice r % C of every sequence's
-    positions (C contiguous, equal slices; engines "cp" and "fsdp2+cp").
-    A position-wise model under ``tensor_parallel`` = T > 1 is split the same
-    way over its T ranks (sequence parallelism, engine "tp"):
-    :attr:`sequence_slices`.
-    """
-
-    case: Case
-    rank_micro_batch_sizes: tuple[tuple[int, ...], ...]
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-
-    @classmethod
-    def of(cls, base: Case, rank_micro_batch_sizes: Sequence[Sequence[int]], *,
-           tensor_parallel: int = 1, context_parallel: int = 1) -> DistributedCase:
-        for name, value in (("tensor_parallel", tensor_parallel), ("context_parallel", context_parallel)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidCase(f"{name} must be a positive int (ranks per {name.replace('_', '-')} group), "
-                                  f"got {value!r}")
-        if tensor_parallel > 1 and context_parallel > 1:
-            raise InvalidCase(f"tensor_parallel={tensor_parallel} and context_parallel={context_parallel}: "
-                              "a case splits its ranks one way, not both")
-        ranks = tuple(tuple(sizes) for sizes in rank_micro_batch_sizes)
-        if not ranks:
-            raise InvalidCase("rank_micro_batch_sizes needs at least one rank, got ()")
-        for rank, sizes in enumerate(ranks):
-            if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-                raise InvalidCase(
-                    f"rank {rank} has micro-batch sizes {sizes}; every rank needs at least one micro-batch "
-                    "of at least one sample"
-                )
-        flat = tuple(size for sizes in ranks for size in sizes)
-        case = base.replace(batch_size=sum(flat), micro_batch_sizes=list(flat))
-        if context_parallel > 1:
-            _check_context_parallel_case(case, context_parallel)
-        elif tensor_parallel > 1 and case.model in POSITIONWISE_MODELS:  # sequence parallel
-            _check_context_parallel_case(case, tensor_parallel, "tensor_parallel")
-        return cls(case=case, rank_micro_batch_sizes=ranks, tensor_parallel=tensor_parallel,
-                   context_parallel=context_parallel)
-
-    @property
-    def data_ranks(self) -> int:
-        return len(self.rank_micro_batch_sizes)
-
-    @property
-    def ranks_per_data_rank(self) -> int:
-        """The ranks that see one data rank's samples: its TP or CP group."""
-        return self.tensor_parallel * self.context_parallel
-
-    @property
-    def sequence_slices(self) -> int:
-        """How many ranks split every sequence's positions: the context-parallel
-        group, or the tensor-parallel group of a position-wise model (sequence
-        parallelism); 1 where every rank holds whole sequences."""
-        if self.context_parallel > 1:
-            return self.context_parallel
-        if self.tensor_parallel > 1 and self.case.model in POSITIONWISE_MODELS:
-            return self.tensor_parallel
-        return 1
-
-    @property
-    def world_size(self) -> int:
-        return self.data_ranks * self.ranks_per_data_rank
-
-    def data_rank(self, rank: int) -> int:
-        """Which entry of ``rank_micro_batch_sizes`` rank ``rank`` trains on."""
-        return rank // self.ranks_per_data_rank
-
-    def rank_slice(self, rank: int) -> slice | tuple[slice, slice]:
-        """What rank ``rank`` keeps of every batch: its data rank's samples, and
-        under context (or sequence) parallelism its slice of every sequence's positions."""
-        data_rank = self.data_rank(rank)
-        start = sum(sum(sizes) for sizes in self.rank_micro_batch_sizes[:data_rank])
-        samples = slice(start, start + sum(self.rank_micro_batch_sizes[data_rank]))
-        slices = self.sequence_slices
-        if slices == 1:
-            return samples
-        return samples, position_slice(_sequence_length(self.case), slices, rank % slices)
-
-    def rank_micro_batches(self, rank: int) -> tuple[int, ...]:
-        """Rank ``rank``'s micro-batch sizes (its data rank's)."""
-        return self.rank_micro_batch_sizes[self.data_rank(rank)]
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"case": self.case.to_dict(),
-                               "rank_micro_batch_sizes": [list(s) for s in self.rank_micro_batch_sizes]}
-        for name in ("tensor_parallel", "context_parallel"):
-            if getattr(self, name) != 1:
-                out[name] = getattr(self, name)
-        return out
-
-    def source(self, prefix: str = "") -> str:
-        """The expression that builds this case again, every name behind ``prefix``
-        (``"equiv."`` where only ``import equiv`` is in scope: a Reproduce line).
-
-        Args:
-            prefix: what goes before ``DistributedCase`` and ``Case``.
-
-        Returns:
-            ``DistributedCase.of(Case(...), [[...], ...])``, with ``tensor_parallel=T`` when T > 1
-            (``context_parallel=C`` when C > 1).
-        """
-        tp = "" if self.tensor_parallel == 1 else f", tensor_parallel={self.tensor_parallel}"
-        tp += "" if self.context_parallel == 1 else f", context_parallel={self.context_parallel}"
-        shards = [list(s) for s in self.rank_micro_batch_sizes]
-        return f"{prefix}DistributedCase.of({prefix}{self.case!r}, {shards!r}{tp})"
-
-    def __repr__(self) -> str:
-        return self.source()
-
-
-def _sequence_length(case: Case) -> int:
-    shape = case.build_model().output_shape
-    assert shape is not None and len(shape) == 2, shape  # checked by _check_context_parallel_case
-    return shape[0]
-
-
-def _check_context_parallel_case(case: Case, context_parallel: int, name: str = "context_parallel") -> None:
-    """A case context (or sequence) parallelism can split: a position-wise token
-    model and a token loss, its sequence length a multiple of the group (``name``)."""
-    if case.model not in POSITIONWISE_MODELS or case.loss != POSITIONWISE_LOSSES[case.model]:
-        raise InvalidCase(f"{name}={context_parallel} splits every sequence's positions over ranks: it needs "
-                          f"a position-wise token model {list(POSITIONWISE_MODELS)} (no attention across the slices) "
-                          f"with its loss {POSITIONWISE_LOSSES}, got model={case.model!r}, loss={case.loss!r}")
-    seq_len = _sequence_length(case)
-    if seq_len % context_parallel:
-        raise InvalidCase(f"{name}={context_parallel} needs a sequence length divisible by it, got "
-                          f"seq_len={seq_len} (model_kwargs={dict(case.model_kwargs)!r})")
-
+#: The engines a distributed check wraps the model in, by name (each one record of
+#: :data:`equiv.distributed.engines.ENGINES`, which says how it wraps the model).
+ENGINES: tuple[str, ...] = STEP_ENGINES
 
 @dataclass(frozen=True, slots=True)
-class CommStats:
-    """Gradient collectives on one rank, per optimizer step: DDP's all-reduces
-    (one per bucket per sync) or FSDP2's reduce-scatters (one per unit per sync)."""
+class RankTier:
+    """What one rank sends back for one tier: its trajectory and what it counted."""
 
-    calls_per_step: tuple[int, ...]
-    #: Bytes each call took in (FSDP2: the padded unsharded gradients, before scattering).
-    bytes_per_step: tuple[int, ...]
-
-
-def _policy_source(policy: MixedPrecisionPolicy) -> str:
-    """``policy`` as Python that runs after ``import torch, equiv`` (its repr names
-    ``MixedPrecisionPolicy`` bare): its fields that differ from the defaults."""
-    default = MixedPrecisionPolicy()
-    fields = ", ".join(
-        f"{item.name}={getattr(policy, item.name)!r}"
-        for item in dataclasses.fields(policy)
-        if getattr(policy, item.name) != getattr(default, item.name)
-    )
-    return f"torch.distributed.fsdp.MixedPrecisionPolicy({fields})"
-
-
-@dataclass(frozen=True)
-class DistributedVerdict(Judgement):
-    """Truthy only when every rank matches the single-process full-batch step."""
-
-    KIND = "distributed_verdict"
-
-    case: DistributedCase
-    candidate: str
-    #: One verdict per rank (its trajectory against the same references).
-    ranks: tuple[Verdict, ...]
-    #: tier -> per-rank gradient collective statistics (all-reduces or reduce-scatters, see ``engine``)
-    comm: dict[str, tuple[CommStats, ...]] = field(default_factory=dict)
-    engine: Engine = "ddp"
-    #: FSDP2: the units (``fully_shard``-ed modules with trainable parameters);
-    #: each reduce-scatters once per gradient sync.
-    fsdp_units: int = 0
-    #: FSDP2: the ``MixedPrecisionPolicy`` the model was sharded with (None: full precision).
-    mp_policy: MixedPrecisionPolicy | None = None
-    #: Set when the mismatch is the mixed-precision policy's: the same step
-    #: without the policy matches (a precision finding, see :attr:`kind`).
-    precision_note: str | None = None
-    #: tier -> per rank, per step: the collectives the step issued itself
-    #: (name -> calls; a token count all-reduced...), apart from the gradient syncs.
-    step_collectives: dict[str, tuple[tuple[dict[str, int], ...], ...]] = dataclasses.field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return all(self.ranks)
+    #: Every step's parameters and optimizer state, DTensor shards gathered, on the CPU.
+    snapshots: list[Snapshot]
+    #: Gradient collectives per step (DDP's all-reduces or FSDP2's reduce-scatters) and the bytes they took in.
+    calls: tuple[int, ...]
+    bytes: tuple[int, ...]
+    #: FSDP2 units the engine made (0 where it shards nothing).
+    units: int
+    #: Per step, the collectives the step issued itself (name -> calls), apart from the gradient syncs.
+    own_calls: tuple[dict[str, int], ...]
 
     @property
-    def status(self) -> Outcome:
-        statuses = {v.status for v in self.ranks}
-        for status in (Outcome.NOT_APPLICABLE, Outcome.INHERENTLY_NON_EQUIVALENT, Outcome.NOT_EQUIVALENT):
-            if status in statuses:
-                return status
-        return Outcome.EQUIVALENT
+    def comm(self) -> CommStats:
+        return CommStats(self.calls, self.bytes)
 
-    @property
-    def kind(self) -> Outcome:
-        """The status, with a precision finding told apart from a mathematical
-        mismatch: the mixed-precision policy's (16-bit reduction or
-        accumulation), or the ranks' own (float32-sized differences inside the
-        float64 run, failing for float64 training or strict precision, as in
-        :func:`equiv.check`)."""
-        failing = [v for v in self.ranks if not v]
-        if self.status is Outcome.NOT_EQUIVALENT and (
-            self.precision_note or all(v.kind is Outcome.PRECISION for v in failing)
-        ):
-            return Outcome.PRECISION
-        return self.status
 
-    @property
-    def collective(self) -> str:
-        """The gradient collective counted: "all-reduce" (DDP) or "reduce-scatter" (FSDP2)."""
-        return {"ddp": "all-reduce", "cp": "all-reduce", "tp": "none"}.get(self.engine, "reduce-scatter")
-
-    def collectives_per_step(self, tier: str = "exact") -> set[int]:
-        """The distinct gradient-collective counts per step seen on any rank."""
-        return {calls for stats in self.comm.get(tier, ()) for calls in stats.calls_per_step}
-
-    def allreduces_per_step(self, tier: str = "exact") -> set[int]:
-        """The distinct DDP all-reduce counts per step seen on any rank."""
-        if self.engine not in DDP_ENGINES:
-            raise ValueError(
-                f"allreduces_per_step() counts DDP's gradient all-reduces; this check ran engine={self.engine!r}: "
-                "use reduce_scatters_per_step()"
-            )
-        return self.collectives_per_step(tier)
-
-    def reduce_scatters_per_step(self, tier: str = "exact") -> set[int]:
-        """The distinct FSDP2 reduce-scatter counts per step seen on any rank
-        (all units together: ``fsdp_units`` per gradient sync)."""
-        if self.engine not in FSDP_ENGINES:
-            raise ValueError(
-                f"reduce_scatters_per_step() counts FSDP2's reduce-scatters; this check ran engine={self.engine!r}: "
-                "use allreduces_per_step()"
-            )
-        return self.collectives_per_step(tier)
-
-    def bytes_per_step(self, tier: str = "exact") -> int:
-        """The most bytes any rank sent into gradient collectives in one step."""
-        return max((b for stats in self.comm.get(tier, ()) for b in stats.bytes_per_step), default=0)
-
-    def step_collectives_per_step(self, tier: str = "exact") -> list[dict[str, int]]:
-        """The collectives the step issued itself at each step, the most any rank
-        made of each (e.g. ``[{"all_reduce": 1}]``: a count all-reduced once per
-        window); DDP's and FSDP2's gradient syncs are counted apart."""
-        steps = max((len(rank) for rank in self.step_collectives.get(tier, ())), default=0)
-        out: list[dict[str, int]] = [{} for _ in range(steps)]
-        for rank in self.step_collectives.get(tier, ()):
-            for step, calls in enumerate(rank):
-                for name, count in calls.items():
-                    out[step][name] = max(out[step].get(name, 0), count)
-        return out
-
-    def measured_error(self, tier: str) -> TensorDiff | None:
-        """How far off ``tier`` is, on any rank: the parameter update furthest
-        past its allowance (what training feels), else the worst tensor."""
-        diffs = [d for v in self.ranks for d in v.mismatches if d.tier == tier]
-        updates = [d for d in diffs if d.kind == "update"]
-        worst = [v.worst[tier] for v in self.ranks if tier in v.worst]
-        return max(updates or diffs or worst, key=lambda d: d.ratio, default=None)
-
-    def _reproduce(self) -> str:
-        extra = "" if self.engine == "ddp" else f", engine={self.engine!r}"
-        imports = "equiv"
-        if self.mp_policy is not None:
-            extra += f", mp_policy={_policy_source(self.mp_policy)}"
-            imports = "torch, equiv"
-        # The keywords that make a failing precision finding fail again (the same on every rank).
-        extra += next((v._precision_flags() for v in self.ranks if v.precision is not None), "")
-        # Every name as the imports reach it, so the line runs as printed (tensor_parallel included).
-        call = f"equiv.check_distributed({self.candidate}, {self.case.source('equiv.')}{extra})"
-        return f"Reproduce: {call}" if imports == "equiv" else f"Reproduce: import {imports}; {call}"
-
-    def note(self) -> str | None:
-        """A passing rank's precision note (the mixed-precision policy's own note is :attr:`precision_note`)."""
-        if self.status is not Outcome.EQUIVALENT:
-            return None
-        return next((v.precision_note for v in self.ranks if v.precision_note), None)
-
-    def reasons(self) -> tuple[str, ...]:
-        return next((v.reasons() for v in self.ranks if v.status is self.status), ())
-
-    def line(self) -> str:
-        """One line: the outcome, the candidate, the ranks and engine, and the first failing rank's line."""
-        where = f"{self.candidate} on {self.case.world_size} ranks ({self.engine}), {self.case!r}"
-        return headed(self.kind, where + self.detail())
-
-    def detail(self) -> str:
-        """What :meth:`line` says after the case: the first failing rank's detail, or a passing rank's."""
-        failing = next(((rank, v) for rank, v in enumerate(self.ranks) if not v), None)
-        if failing is None or self.reasons():
-            shown = next((v for v in self.ranks if v.note()), self.ranks[0]) if self.ranks else None
-            return "" if shown is None else shown.detail()
-        rank, verdict = failing
-        return f", rank {rank}{verdict.detail()}"
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "candidate": self.candidate,
-            "case": self.case.to_dict(),
-            "outcome": self.kind.value,
-            "engine": self.engine,
-            "world_size": self.case.world_size,
-            "ranks": [v.to_dict() for v in self.ranks],
-            "collectives_per_step": {tier: sorted(self.collectives_per_step(tier)) for tier in sorted(self.comm)},
-            "precision_note": self.precision_note,
-            "message": self.message(),
-        }
-
-    def message(self) -> str:
-        engine = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2 (fully_shard)",
-                  "tp": f"tensor parallel ({self.case.tensor_parallel} ranks, parallelize_module)"
-                        if self.case.sequence_slices == 1 else f"sequence parallel ({self.case.tensor_parallel} TP "
-                        "ranks, each a slice of every sequence, DistributedDataParallel over them)",
-                  "fsdp2+tp": f"FSDP2 over tensor parallel ({self.case.data_ranks} x {self.case.tensor_parallel} "
-                              "mesh)",
-                  "cp": f"context parallel ({self.case.data_ranks} data x {self.case.context_parallel} sequence "
-                        "slices, DistributedDataParallel over all)",
-                  "fsdp2+cp": f"context parallel ({self.case.data_ranks} data x {self.case.context_parallel} "
-                              "sequence slices, FSDP2 over all)"}[self.engine]
-        per = "data rank" if self.case.ranks_per_data_rank > 1 else "rank"
-        lines = [
-            f"{self.case.world_size} ranks under {engine}, micro-batches per {per} "
-            f"{[list(s) for s in self.case.rank_micro_batch_sizes]}"
-        ]
-        if self.kind is Outcome.PRECISION and self.precision_note:
-            lines.append(f"Precision ({self.candidate} under {self.mp_policy!r}): {self.precision_note}")
-            for failing_tier in sorted({d.tier for v in self.ranks for d in v.mismatches}):
-                diff = self.measured_error(failing_tier)
-                if diff is not None:
-                    lines.append(
-                        f"Measured error, {failing_tier} tier ({diff.dtype}): {diff.max_abs_diff:.3g} absolute, "
-                        f"{diff.max_rel_diff:.3g} relative in {diff.label} at step {diff.step} "
-                        f"({diff.ratio:.3g} x allowed)"
-                    )
-        failing = [(rank, v) for rank, v in enumerate(self.ranks) if not v]
-        if failing:
-            rank, verdict = failing[0]
-            body = [line for line in verdict.message().splitlines() if not line.startswith("Reproduce:")]
-            lines.append(f"rank {rank} of {self.case.world_size}: " + "\n".join(body))
-            if len(failing) > 1:
-                lines.append(f"also not equivalent on rank(s) {[r for r, _ in failing[1:]]}")
-        else:
-            # One rank's summary suffices (one with a precision note, if any has
-            # one); the distributed reproduction follows.
-            shown = next((v for v in self.ranks if v.precision_note), self.ranks[0])
-            lines += [line for line in shown.message().splitlines() if not line.startswith("Reproduce:")]
-        for tier, _stats in sorted(self.comm.items() if self.engine != "tp" else ()):
-            units = f" ({self.fsdp_units} FSDP units, one each per sync)" if self.engine in FSDP_ENGINES else ""
-            lines.append(
-                f"gradient {self.collective}s per step ({tier} tier): {sorted(self.collectives_per_step(tier))}"
-                f"{units}, up to {self.bytes_per_step(tier)} bytes per step per rank"
-            )
-        own = self.step_collectives_per_step("exact")
-        if any(own):
-            per_step = "; ".join(f"step {step}: " + (", ".join(f"{name} x{count}" for name, count in sorted(calls.items()))
-                                                     or "none") for step, calls in enumerate(own, start=1))
-            lines.append(f"the step's own collectives (exact tier, most on any rank): {per_step}")
-        lines.append(self._reproduce())
-        return "\n".join(lines)
+#: What a rank of a distributed check returns: tier -> its :class:`RankTier`.
+RankResult = dict[str, RankTier]
 
 
 def _gathered(snapshots: list[Snapshot]) -> list[Snapshot]:
@@ -505,7 +136,9 @@ class _CheckTask:
     candidate: Callable[..., Any]
     dcase: DistributedCase
     tiers: list[tuple[str, str]]
-    engine: Engine
+    #: The engine's ``apply_*`` functions, in order (its record's: sent with the task, so the
+    #: ranks wrap the model as the engine the check was given says).
+    apply: tuple[Apply, ...]
     mp_policy: MixedPrecisionPolicy | None
     #: torch's default dtype while the candidate runs (None: unchanged), e.g. "float64"
     #: to tell a tensor made without a dtype from a mismatch (as equiv.check does).
@@ -514,66 +147,32 @@ class _CheckTask:
     #: its own low-precision arithmetic (an accumulation buffer) from a mismatch (as equiv.check does).
     promote_low_precision: bool = False
 
-    def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    def _comm_hook(self, hook: Any, model: nn.Module) -> Any:
+        """DDP's counting comm hook, lifted with the step's own bfloat16 and float16 where asked."""
+        return lifted_low_precision(hook, next(model.parameters()).dtype) if self.promote_low_precision else hook
+
+    def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> RankResult:
         device = torch.device(self.dcase.case.device)
-        results: dict[str, Any] = {}
+        results: RankResult = {}
         own = StepCollectives.installed()  # what the step issues itself, apart from the gradient syncs
         for tier, dtype_name in self.tiers:
             counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2
             own.reset()
-            units = 0
             # Points every rank passes in order, so a rank that made one collective more
             # or less is named at the next one (see equiv.distributed.matching).
             mark(f"the start of the {tier} tier")
-            # Sequence parallelism: a position-wise model under "tp" is split like CP over its TP group.
-            sequence_parallel = self.engine == "tp" and self.dcase.sequence_slices > 1
-            if self.engine in CP_ENGINES or sequence_parallel:  # the groups a step reads (context_parallel.layout())
+            # Every sequence split over ranks (context parallel, or a position-wise model under
+            # tensor parallel: sequence parallel): the groups a step reads (context_parallel.layout()).
+            if self.dcase.sequence_slices > 1:
                 install_layout(self.dcase.sequence_slices)
             else:  # whole sequences on every rank: nothing to sum over (the token MoE's routing counts)
                 clear_layout()
-            if self.engine in DDP_ENGINES or sequence_parallel:
-                # Under sequence parallelism, DDP over the TP group: the replicated weights' gradients
-                # reduced over it, as Megatron all-reduces its sequence-parallel weights' over TP.
+            wrapping = Wrapping(device.type, self.dcase, counter, self.mp_policy, comm_hook=self._comm_hook)
 
-                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
-                    ddp = DistributedDataParallel(
-                        model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None
-                    )
-                    hook = counter.allreduce_hook
-                    if self.promote_low_precision:  # the step's own comm hook (bf16_compress_hook) lifted too,
-                        # to the tier's dtype, which the model was cast to before it is wrapped
-                        hook = lifted_low_precision(hook, next(model.parameters()).dtype)
-                    ddp.register_comm_hook(None, hook)
-                    counter.chain_step_hooks(ddp)  # a step's own comm hook runs inside the counting one
-                    # DDP's bucket rebuild, a broadcast in C++, recorded in the collective log.
-                    watch_ddp(ddp, synced=lambda: counter.synced)
-                    return ddp
-
-            elif self.engine == "tp":
-
-                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
-                    # No gradient collective of its own to count: DTensor's are inside the forward and backward.
-                    return parallelize(model, tensor_parallel_mesh(device.type, 1, world_size))
-
-            else:
-
-                def wrap(model: nn.Module, counter: CollectiveCounts = counter) -> nn.Module:
-                    nonlocal units
-                    if self.engine == "fsdp2+tp":
-                        mesh2d = tensor_parallel_mesh(device.type, self.dcase.data_ranks, self.dcase.tensor_parallel)
-                        parallelize(model, mesh2d)
-                        mesh = mesh2d["dp"]
-                    else:  # "fsdp2", and "fsdp2+cp": FSDP2 over every rank, data x context
-
-                        mesh = init_device_mesh(device.type, (world_size,))
-                    units = fully_shard_layers(model, mesh, self.mp_policy)
-                    # A correct step may ask for a reduce op the CPU backend lacks (PREMUL_SUM).
-                    sum_where_premul_sum_is_missing(model, mesh)
-                    for module in fsdp_modules(model):
-                        module.set_custom_reduce_scatter(CountingReduceScatter(counter))
-                        # FSDP2's own all-gathers, told apart from the step's collectives (not reported).
-                        module.set_custom_all_gather(CountingAllGather(CollectiveCounts()))
-                    return model
+            def wrap(model: nn.Module, wrapping: Wrapping = wrapping) -> nn.Module:
+                for apply in self.apply:  # as torchtitan composes apply_tp, then apply_fsdp
+                    model = apply(model, wrapping)
+                return model
 
             def on_step(step: int, counter: CollectiveCounts = counter, tier: str = tier) -> None:
                 mark(f"{tier} tier, step {step}")
@@ -592,39 +191,27 @@ class _CheckTask:
             own.stop()
             mark(f"the end of the {tier} tier's steps")
             progress(f"{tier} tier: gathering the snapshots")
-            results[tier] = {
-                "snapshots": _gathered(snapshots), "calls": counter.calls, "bytes": counter.bytes, "units": units,
-                "own_calls": own.calls, "own_bytes": own.bytes,
-            }
+            results[tier] = RankTier(_gathered(snapshots), tuple(counter.calls), tuple(counter.bytes), wrapping.units,
+                                     tuple(own.calls))
         return results
 
 
-def _check_tensor_parallel(dcase: DistributedCase, engine: str) -> None:
-    """The split must fit the engine: TP engines need T >= 2 ranks per TP group
-    ("tp" one data rank, "fsdp2+tp" two or more), data-parallel ones T = 1."""
-    tp, data = dcase.tensor_parallel, dcase.data_ranks
-    if engine in TP_ENGINES and tp < 2:
-        raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., tensor_parallel=T) with T >= 2 ranks per "
-                          f"tensor-parallel group, got tensor_parallel={tp}")
-    if engine not in TP_ENGINES and tp != 1:
-        raise InvalidCase(f"tensor_parallel={tp} needs engine 'tp' or 'fsdp2+tp', got engine={engine!r}")
-    cp = dcase.context_parallel
-    if engine in CP_ENGINES and cp < 2:
-        raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., context_parallel=C) with C >= 2 ranks "
-                          f"per context-parallel group, got context_parallel={cp}")
-    if engine not in CP_ENGINES and cp != 1:
-        raise InvalidCase(f"context_parallel={cp} needs engine 'cp' or 'fsdp2+cp', got engine={engine!r}")
-    if engine == "tp" and data != 1:
-        raise InvalidCase(f"engine='tp' runs one data rank (every TP rank sees the same micro-batches), got "
-                          f"{data} data ranks {[list(s) for s in dcase.rank_micro_batch_sizes]}; use "
-                          "engine='fsdp2+tp' to shard the data as well")
-    if engine == "fsdp2+tp" and dcase.sequence_slices > 1:
-        raise InvalidCase(f"engine='fsdp2+tp' shards nn.Linear pairs; model={dcase.case.model!r} is split by "
-                          "positions, which runs sequence-parallel under engine='tp' (one data rank) or under "
-                          "engine='fsdp2+cp' with several")
-    if engine == "fsdp2+tp" and data < 2:
-        raise InvalidCase(f"engine='fsdp2+tp' needs at least 2 data ranks for FSDP2 to shard over, got {data}; "
-                          "use engine='tp' for one")
+def _check_split(dcase: DistributedCase, engine: str) -> None:
+    """The split must fit the engine: a tensor- (context-) parallel engine needs T >= 2
+    (C >= 2) ranks per group, any other T = 1 (C = 1); and what the engine's record refuses."""
+    record = engine_named(engine)
+    for group, size, keyword in (("tensor", dcase.tensor_parallel, "tensor_parallel=T"),
+                                 ("context", dcase.context_parallel, "context_parallel=C")):
+        name = keyword.split("=")[0]
+        if record.group == group and size < 2:
+            raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., {keyword}) with {keyword[-1]} >= 2 "
+                              f"ranks per {group}-parallel group, got {name}={size}")
+        if record.group != group and size != 1:
+            engines = " or ".join(repr(n) for n, e in ENGINE_RECORDS.items() if e.group == group)
+            raise InvalidCase(f"{name}={size} needs engine {engines}, got engine={engine!r}")
+    refusal = record.refuse(dcase, dcase.case.model)
+    if refusal is not None:
+        raise InvalidCase(refusal)
 
 
 def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
@@ -633,7 +220,7 @@ def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
 
 def check_distributed(
     candidate: Candidate, dcase: DistributedCase, *, tiers: Sequence[Tier] = TIERS, timeout_s: float = 120.0,
-    engine: str = "ddp", mp_policy: MixedPrecisionPolicy | None = None, train_dtype: torch.dtype | str | None = None,
+    engine: str = DEFAULT_ENGINE, mp_policy: MixedPrecisionPolicy | None = None, train_dtype: torch.dtype | str | None = None,
     strict: bool = False, launcher: Launcher = run_on_ranks,
 ) -> DistributedVerdict:
     """Run ``candidate`` on ``dcase.world_size`` local processes and compare
@@ -712,13 +299,13 @@ def check_distributed(
     if reasons:  # nothing to run: every rank says why the case does not apply
         verdict = Verdict(case=dcase.case, candidate=bound.name, mismatches=(), not_applicable=reasons)
         return DistributedVerdict(case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size,
-                                  engine=engine, mp_policy=mp_policy)  # type: ignore[arg-type]
+                                  engine=engine, mp_policy=mp_policy)
     if (launcher is run_on_ranks and dcase.case.device.startswith("cuda")
             and torch.cuda.device_count() < dcase.world_size):
         raise ValueError(f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, "
                          f"{torch.cuda.device_count()} visible")
     references = ReferenceRuns.of(dcase.case, tiers)
-    ranks = _Ranks(sent, bound.name, dcase, engine, timeout_s, launcher, references)  # type: ignore[arg-type]
+    ranks = _Ranks(sent, bound.name, dcase, engine, timeout_s, launcher, references)
     return ranks.verdict(mp_policy, fails_because)
 
 
@@ -727,17 +314,16 @@ def _check_arguments(dcase: DistributedCase, engine: str, mp_policy: MixedPrecis
     """Refuse what no rank could run, before any starts."""
     if not isinstance(dcase, DistributedCase):
         raise TypeError(f"dcase must be an equiv.DistributedCase, got {type(dcase).__name__}")
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    record = engine_named(engine)  # a ValueError naming the engines for any other
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got {type(mp_policy).__name__}"
         )
-    if mp_policy is not None and engine not in FSDP_ENGINES:
+    if mp_policy is not None and not record.shards_parameters:
         raise ValueError(f"mp_policy is an FSDP2 setting: it needs engine='fsdp2', got engine={engine!r}")
-    _check_tensor_parallel(dcase, engine)
+    _check_split(dcase, engine)
     counts = [len(sizes) for sizes in dcase.rank_micro_batch_sizes]
-    if engine in FSDP_ENGINES and len(set(counts)) > 1:
+    if record.shards_parameters and len(set(counts)) > 1:
         # Each forward all-gathers every unit's parameters (and each backward
         # again), so a rank with fewer micro-batches would leave the others
         # waiting in a collective.  Shard sizes may differ; counts may not.
@@ -777,7 +363,7 @@ class _Ranks:
     sent: Any
     name: str
     dcase: DistributedCase
-    engine: Engine
+    engine: str
     timeout_s: float
     launcher: Launcher
     references: ReferenceRuns
@@ -787,7 +373,7 @@ class _Ranks:
         return [(tier, str(self.references.dtype(tier)).removeprefix("torch.")) for tier in self.references.tiers]
 
     def launch(self, tiers: Collection[Tier], policy: MixedPrecisionPolicy | None,
-               rerun: str | None = None) -> list[dict[str, Any]]:
+               rerun: str | None = None) -> list[RankResult]:
         """Run ``tiers`` on the ranks: what each rank returned, in rank order.  ``rerun``: how
         :func:`~equiv.judging.judge.precision_finding` asks the step to run again, one of
         :data:`_RERUNS` (torch's default dtype set to float64, or the step's own bfloat16
@@ -795,14 +381,15 @@ class _Ranks:
         if rerun is not None and rerun not in _RERUNS:
             raise ValueError(f"rerun must be one of {sorted(_RERUNS)} or None, got {rerun!r}")
         dcase, engine = self.dcase, self.engine
-        task = _CheckTask(self.sent, dcase, [(t, d) for t, d in self.tier_dtypes if t in tiers], engine, policy,
+        task = _CheckTask(self.sent, dcase, [(t, d) for t, d in self.tier_dtypes if t in tiers],
+                          engine_named(engine).apply, policy,
                           default_dtype="float64" if rerun == "default_dtype" else None,
                           promote_low_precision=rerun == "low_precision")
-        extra = "" if engine == "ddp" else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
+        extra = "" if engine == DEFAULT_ENGINE else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
         extra += "" if rerun is None else f", {_RERUNS[rerun]}"
         # Under FSDP2 on CUDA the snapshots' shards are gathered where they live
         # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
-        fsdp_on_cuda = engine in FSDP_ENGINES and dcase.case.device.startswith("cuda")
+        fsdp_on_cuda = engine_named(engine).shards_parameters and dcase.case.device.startswith("cuda")
         return self.launcher(
             task, dcase.world_size, device=dcase.case.device, backend="cpu:gloo,cuda:nccl" if fsdp_on_cuda else None,
             timeout_s=self.timeout_s, describe=f"candidate {self.name}, case {dcase!r}{extra}", match_collectives=True,
@@ -812,7 +399,7 @@ class _Ranks:
         """Every tier on the ranks, each rank's verdict, precision told apart (as :func:`check_distributed` says)."""
         references, name = self.references, self.name
         per_rank = self.launch(references.tiers, mp_policy)
-        verdicts = [references.verdict(name, {tier: results[tier]["snapshots"] for tier in references.tiers})
+        verdicts = [references.verdict(name, {tier: results[tier].snapshots for tier in references.tiers})
                     for results in per_rank]
 
         def rerun_on_the_ranks(failing: Sequence[Tier], how: str) -> list[TensorDiff] | None:
@@ -821,7 +408,7 @@ class _Ranks:
                 # policy is what differs is _policy_note's question (rerun without it), not the step's.
                 return None
             rerun = self.launch(failing, mp_policy, how)
-            return [d for r in rerun for t in failing for d in references.compare(t, r[t]["snapshots"])]
+            return [d for r in rerun for t in failing for d in references.compare(t, r[t].snapshots)]
 
         # One judge of precision for one process and for W ranks: every rank's mismatches together.
         finding = precision_finding(verdicts, references, rerun_on_the_ranks, fails_because)
@@ -833,11 +420,11 @@ class _Ranks:
         tiers = references.tiers
         return DistributedVerdict(
             case=self.dcase, candidate=name, ranks=tuple(verdicts), engine=self.engine,
-            comm={tier: tuple(CommStats(tuple(r[tier]["calls"]), tuple(r[tier]["bytes"])) for r in per_rank)
+            comm={tier: tuple(r[tier].comm for r in per_rank)
                   for tier in tiers},
-            fsdp_units=max(r[tier]["units"] for r in per_rank for tier in tiers), mp_policy=mp_policy,
+            fsdp_units=max(r[tier].units for r in per_rank for tier in tiers), mp_policy=mp_policy,
             precision_note=precision_note,
-            step_collectives={tier: tuple(tuple(r[tier]["own_calls"]) for r in per_rank) for tier in tiers},
+            step_collectives={tier: tuple(r[tier].own_calls for r in per_rank) for tier in tiers},
         )
 
     def _policy_note(self, verdicts: Sequence[Verdict], mp_policy: MixedPrecisionPolicy | None) -> str | None:
@@ -847,7 +434,7 @@ class _Ranks:
         reduction/accumulation is what differs (trl #2175 under FSDP1)."""
         failing = {d.tier for v in verdicts for d in v.mismatches}
         rerun = self.launch(failing, None)
-        if all(self.references.verdict(self.name, {t: r[t]["snapshots"] for t in failing}) for r in rerun):
+        if all(self.references.verdict(self.name, {t: r[t].snapshots for t in failing}) for r in rerun):
             return (f"the same step with no MixedPrecisionPolicy matches, so the difference is the policy's "
                     f"{_policy_dtypes(mp_policy)}")
         return None

@@ -30,34 +30,22 @@ import torch
 from hypothesis import strategies as st
 
 from equiv.cases.case import Case
-from equiv.checking.distributed import FSDP_ENGINES, DistributedCase, DistributedVerdict, check_distributed
+from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict
+from equiv.checking.distributed_cases import RankFault, check_distributed_case
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchRun, run_search
-from equiv.distributed.context_parallel import CP_ENGINES
-from equiv.distributed.launcher import DistributedCheckError
+from equiv.distributed.engines import DATA_PARALLEL_ENGINES, DEFAULT_ENGINE, engine_named
+from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
 from equiv.judging.contract import BoundCandidate, Candidate, bind
 from equiv.judging.judge import precision_fails_because
 from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import SearchBase
 
-__all__ = ["ENGINES", "MODELS", "DistributedSearchResult", "DistributedSearchSpace", "UnequalCountsFault",
+__all__ = ["DATA_PARALLEL_ENGINES", "ENGINES", "MODELS", "DistributedSearchResult", "DistributedSearchSpace", "UnequalCountsFault",
            "distributed_cases", "standard_distributed_cases", "verify_distributed"]
 
-#: The engines a search may draw (see :func:`~equiv.checking.distributed.check_distributed`).
-ENGINES = ("ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp")
-#: Ranks per tensor-parallel group the search draws under "tp" and "fsdp2+tp"
-#: (the MLP's hidden width, 8, splits evenly over them).
-SEARCH_TENSOR_PARALLEL = 2
-#: The models "tp" draws: the MLP (its nn.Linear pairs sharded), and "moe" as the token-level MoE
-#: run sequence-parallel (each TP rank a slice of every sequence, :data:`_SEQUENCE_BASES`).
-TP_MODELS = ("mlp", "moe")
-#: The models "fsdp2+tp" draws: the tensor-parallel plan shards nn.Linear pairs (not the token model's embedding).
-FSDP2_TP_MODELS = ("mlp",)
-#: Ranks per context-parallel group the search draws under "cp" and "fsdp2+cp"
-#: (the token model's 6 positions: 3 per slice).
-SEARCH_CONTEXT_PARALLEL = 2
-#: The models context parallelism can split (position-wise: the token model; "moe" drawn there as the
-#: token-level MoE, its routing counts summed over each sequence's slices, :data:`_SEQUENCE_BASES`).
-CP_MODELS = ("tokens", "moe")
+# The engines a search may draw are :data:`ENGINES` (see :func:`~equiv.checking.distributed.check_distributed`);
+# which models each draws, with how many data ranks and ranks per group, is its record's
+# (:data:`equiv.distributed.engines.ENGINES`).
 #: The models drawn: a small MLP on a sample-mean loss, a token model whose
 #: batches hold padding (each sample a different number of real tokens, and
 #: whole micro-batches with none drawn on some ranks), and the MoE model with its
@@ -69,7 +57,7 @@ _BASES: dict[str, Case] = {
 }
 #: The model names a search draws from, in shrinking order.
 MODELS = tuple(_BASES)
-#: What a model name means where sequences are split ("cp", "fsdp2+cp", and "tp" sequence-parallel) where
+#: What a model name means where sequences are split (context parallel, and tensor parallel's sequence parallelism) where
 #: it differs: the MoE with an output at every position (``model="token_moe"``, ``loss="token_mse_aux"``),
 #: the same router losses per sequence.
 _SEQUENCE_BASES: dict[str, Case] = {
@@ -84,7 +72,7 @@ _CLIP_NORM = 0.05
 @st.composite
 def distributed_cases(
     draw: st.DrawFn, *, max_world_size: int = 3, max_micro_batches: int = 3, max_micro_batch_size: int = 4,
-    clipping: bool = False, models: Sequence[str] = MODELS, engine: str = "ddp",
+    clipping: bool = False, models: Sequence[str] = MODELS, engine: str = DEFAULT_ENGINE,
     equal_micro_batch_counts: bool = False,
 ) -> DistributedCase:
     """Distributed cases: 2 to ``max_world_size`` ranks, each with 1 to
@@ -96,36 +84,31 @@ def distributed_cases(
     all-gathers the parameters on every rank), of its own sizes.  Under
     ``equal_micro_batch_counts`` asks the same of every engine (a step whose
     collectives depend on its micro-batch count runs only so).  Under
-    ``engine="tp"`` one data rank served by :data:`SEARCH_TENSOR_PARALLEL`
+    ``engine="tp"`` one data rank served by 2 (the record's ``search_group_ranks``)
     TP ranks ("moe" as the token-level MoE, sequence-parallel: each TP rank
     a slice of every sequence); under ``"fsdp2+tp"`` 2 to ``max_world_size // 2`` data ranks (at
     least 2: 4 processes even when ``max_world_size`` is 3) of
-    ``SEARCH_TENSOR_PARALLEL`` each.  Under ``"cp"`` and ``"fsdp2+cp"`` 1 to
-    ``max_world_size // 2`` data ranks of :data:`SEARCH_CONTEXT_PARALLEL`
-    ranks each (the token model, and "moe" as the token-level MoE), each
+    2 each.  Under ``"cp"`` and ``"fsdp2+cp"`` 1 to
+    ``max_world_size // 2`` data ranks of 2 ranks each (the token model, and "moe" as the token-level MoE), each
     holding a slice of every sequence.
     On the token model, one micro-batch of one rank may be drawn with no real
     token at all (``Case.empty_samples``), besides the padding every sample has.
     Shrinks towards 2 ranks of one 1-sample micro-batch."""
     _check_bounds(max_world_size, max_micro_batches, max_micro_batch_size, models)
-    tensor_parallel = SEARCH_TENSOR_PARALLEL if engine in ("tp", "fsdp2+tp") else 1
-    context_parallel = SEARCH_CONTEXT_PARALLEL if engine in CP_ENGINES else 1
-    if engine == "tp":
-        world_size = 1
-    elif engine == "fsdp2+tp":
-        world_size = draw(st.integers(2, max(2, max_world_size // tensor_parallel)))
-    elif engine in CP_ENGINES:
-        world_size = draw(st.integers(1, max(1, max_world_size // context_parallel)))
-    else:
-        world_size = draw(st.integers(2, max_world_size))
-    if engine in FSDP_ENGINES or equal_micro_batch_counts:
+    record = engine_named(engine)
+    tensor_parallel = record.search_group_ranks if record.group == "tensor" else 1
+    context_parallel = record.search_group_ranks if record.group == "context" else 1
+    low, fixed = record.search_data_ranks  # data ranks: a fixed count is not drawn
+    world_size = fixed if fixed is not None else draw(
+        st.integers(low, max(low, max_world_size // record.search_group_ranks)))
+    if record.shards_parameters or equal_micro_batch_counts:
         count = draw(st.integers(1, max_micro_batches))
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=count, max_size=count)
     else:
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=1, max_size=max_micro_batches)
     ranks = draw(st.lists(sizes, min_size=world_size, max_size=world_size))
     model = draw(st.sampled_from(tuple(models)))
-    split = context_parallel > 1 or engine == "tp"
+    split = record.splits_sequences
     base = _SEQUENCE_BASES.get(model, _BASES[model]) if split else _BASES[model]
     optimizer = draw(st.sampled_from(sorted(_OPTIMIZERS, reverse=True)))  # SGD first: it shrinks to it
     case = base.replace(optimizer=optimizer, optimizer_kwargs=_OPTIMIZERS[optimizer], steps=draw(st.integers(1, 2)))
@@ -153,7 +136,7 @@ def _empty_micro_batch(ranks: Sequence[Sequence[int]]) -> st.SearchStrategy[tupl
     return st.just(()) | st.sampled_from(slots).map(samples)
 
 
-def standard_distributed_cases(world_size: int, engine: str = "ddp") -> dict[str, DistributedCase]:
+def standard_distributed_cases(world_size: int, engine: str = DEFAULT_ENGINE) -> dict[str, DistributedCase]:
     """The cases ``equiv check-distributed`` runs when given none, for
     ``world_size`` ranks: splits that expose what goes wrong across ranks
     without a search.  Rank r holds 1 + (r + 2) samples in two micro-batches
@@ -163,8 +146,8 @@ def standard_distributed_cases(world_size: int, engine: str = "ddp") -> dict[str
     micro-batch counts: a count all-reduced per micro-batch, sync left on); and
     an active clip norm (not applicable to a step that takes no
     ``max_grad_norm``).  Two steps each, so state carried between steps counts."""
-    if engine not in ENGINES[:2]:
-        raise ValueError(f"engine must be one of {ENGINES[:2]} (the data-parallel engines), got {engine!r}")
+    if engine not in DATA_PARALLEL_ENGINES:
+        raise ValueError(f"engine must be one of {DATA_PARALLEL_ENGINES} (the data-parallel engines), got {engine!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     sizes = [[1, rank + 2] for rank in range(world_size)]
@@ -175,7 +158,7 @@ def standard_distributed_cases(world_size: int, engine: str = "ddp") -> dict[str
         "uneven shards, Adam": DistributedCase.of(adam, sizes),
         "ragged real tokens": DistributedCase.of(_BASES["tokens"].replace(steps=2), sizes),
     }
-    if engine == "ddp":
+    if not ENGINE_RECORDS[engine].shards_parameters:  # FSDP2 all-gathers per forward: equal counts only
         cases["uneven micro-batch counts, Adam"] = DistributedCase.of(
             adam, [[2] * (rank + 1) for rank in range(world_size)])
     cases["clipped (max_grad_norm), Adam"] = DistributedCase.of(adam.replace(max_grad_norm=_CLIP_NORM), sizes)
@@ -333,10 +316,10 @@ class DistributedSearchSpace:
     drawn from it (a ``ValueError`` naming the value)."""
 
     #: The engines drawn (:data:`ENGINES`), kept as a tuple.
-    engines: Sequence[str] = ("ddp",)
-    #: The models drawn (:data:`MODELS`), kept as a tuple; "tp" draws :data:`TP_MODELS` only, "fsdp2+tp"
-    #: :data:`FSDP2_TP_MODELS` only,
-    #: "cp" and "fsdp2+cp" split :data:`CP_MODELS` only.
+    engines: Sequence[str] = (DEFAULT_ENGINE,)
+    #: The models drawn (:data:`MODELS`), kept as a tuple; an engine with ``search_models`` in its
+    #: record draws those only ("tp" the MLP and the MoE, "fsdp2+tp" the MLP, "cp" and "fsdp2+cp"
+    #: the token model and the MoE).
     models: Sequence[str] = MODELS
     #: Bounds on the ranks, each rank's micro-batch count and each micro-batch's samples.
     max_world_size: int = 3
@@ -352,15 +335,20 @@ class DistributedSearchSpace:
         if unknown or not self.engines:
             raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {self.engines!r}")
         _check_bounds(self.max_world_size, self.max_micro_batches, self.max_micro_batch_size, self.models)
-        for engine, drawable in (("tp", TP_MODELS), ("fsdp2+tp", FSDP2_TP_MODELS)):
-            if engine in self.engines and not set(self.models) <= set(drawable):
+        for engine, record in ENGINE_RECORDS.items():
+            drawable = record.search_models
+            if record.group == "tensor" and drawable is not None and engine in self.engines \
+                    and not set(self.models) <= set(drawable):
                 raise ValueError(f"engine {engine!r} shards nn.Linear pairs (and runs the MoE sequence-parallel "
                                  f"under 'tp' alone): models must be a subset of {drawable} with it, got "
                                  f"{self.models!r}")
-        unsliceable = [model for model in self.models if model not in CP_MODELS]
-        if unsliceable and any(engine in CP_ENGINES for engine in self.engines):
-            raise ValueError(f"engines 'cp' and 'fsdp2+cp' split every sequence's positions over ranks: models must "
-                             f"be a subset of {CP_MODELS} with them, got {self.models!r}")
+        context = {name: record for name, record in ENGINE_RECORDS.items() if record.group == "context"}
+        for record in context.values():
+            drawable = record.search_models or MODELS
+            if any(model not in drawable for model in self.models) and any(e in context for e in self.engines):
+                names = " and ".join(repr(name) for name in context)
+                raise ValueError(f"engines {names} split every sequence's positions over ranks: models must "
+                                 f"be a subset of {drawable} with them, got {self.models!r}")
 
     def strategy(self, *, clipping: bool) -> st.SearchStrategy[tuple[DistributedCase, str]]:
         """(a case, the engine it runs on): an engine drawn first, then a case for it;
@@ -436,11 +424,10 @@ def verify_distributed(
 
     def judge(drawn: tuple[DistributedCase, str]) -> Failure[DistributedVerdict] | Discard | None:
         dcase, engine = drawn
-        try:
-            verdict = check_distributed(candidate, dcase, engine=engine, timeout_s=timeout_s, train_dtype=train_dtype,
-                                        strict=strict)
-        except DistributedCheckError as exc:
-            return Failure(error=str(exc), fault=exc.fault, cause=exc)
+        verdict = check_distributed_case(candidate, dcase, engine=engine, timeout_s=timeout_s,
+                                         train_dtype=train_dtype, strict=strict)
+        if isinstance(verdict, RankFault):
+            return Failure(error=verdict.error, fault=verdict.fault, cause=verdict.cause)
         if verdict.status is Outcome.NOT_APPLICABLE:
             return DISCARD
         if not verdict:

@@ -43,11 +43,11 @@ from equiv.cases.pipeline import (
     V_SHAPED_SCHEDULES,
     PipelineSetting,
 )
-from equiv.distributed.launcher import Launcher, run_on_ranks
+from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot
-from equiv.outcomes import Outcome, outcome_words
+from equiv.outcomes import Fault, Outcome, outcome_words
 from equiv.results.protocol import ResultBase, headed
 from equiv.results.verdict import TensorDiff
 
@@ -62,6 +62,16 @@ __all__ = [
 ]
 
 @dataclass(frozen=True, slots=True)
+class PipelineRank:
+    """What one rank of a pipeline check sends back: its stages' worst parameter."""
+
+    #: The largest difference of its stages' parameters from the full-batch run, over its allowance.
+    worst_ratio: float
+    #: Which parameter, and the allowance's terms there.
+    worst_where: str
+
+
+@dataclass(frozen=True, slots=True)
 class PipelineVerdict(ResultBase):
     """One pipeline setting against the float64 full-batch run: truthy only when equivalent."""
 
@@ -74,8 +84,11 @@ class PipelineVerdict(ResultBase):
     worst_ratio: float | None = None
     #: Which stage parameter that worst ratio belongs to, and the allowance's terms there.
     worst_where: str | None = None
-    #: Why it could not run: the first line of the rank's error (status STEP_ERROR).
+    #: Why it could not run (status STEP_ERROR): the ranks' report, as :func:`equiv.check_distributed`'s
+    #: :class:`~equiv.distributed.launcher.DistributedCheckError` says it (which rank, how, the setting).
     error: str | None = None
+    #: How the ranks failed to give a verdict (with ``error``), as data: read it, never the error's text.
+    fault: Fault | None = None
 
     def __bool__(self) -> bool:
         return self.status is Outcome.EQUIVALENT
@@ -89,12 +102,14 @@ class PipelineVerdict(ResultBase):
     def line(self) -> str:
         """One line: the outcome, the setting, and the worst parameter against its allowance."""
         if self.error is not None:
-            return headed(self.status, f"{self.setting.describe()}: could not run: {self.error}")
+            # One line, as the schema wants it (a rank's report may hold a collective mismatch's lines).
+            return headed(self.status, f"{self.setting.describe()}: could not run: {' '.join(self.error.split())}")
         return headed(self.status, f"{self.setting.describe()}, worst {self.worst_ratio:.3g} of its allowance")
 
     def _fields(self) -> dict[str, Any]:
         return {"setting": asdict(self.setting), "description": self.setting.describe(), "worst_ratio": self.worst_ratio,
-                "worst_where": self.worst_where, "error": self.error}
+                "worst_where": self.worst_where, "error": self.error,
+                "fault": None if self.fault is None else self.fault.value}
 
 
 _WIDTH = 4
@@ -199,7 +214,7 @@ def _stage_indices(setting: PipelineSetting, rank: int) -> list[int]:
 class _PipelineTask:
     setting: PipelineSetting
 
-    def __call__(self, rank: int, world_size: int, progress: Any) -> dict[str, Any]:
+    def __call__(self, rank: int, world_size: int, progress: Any) -> PipelineRank:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as pipelining
 
@@ -245,7 +260,7 @@ class _PipelineTask:
             comparer.add(step + 1, _stage_snapshot(blocks, indices))
         comparer.end_run()
         worst, where = _worst(comparer.diffs)
-        return {"worst_ratio": worst, "worst_where": where}
+        return PipelineRank(worst, where)
 
 
 def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
@@ -264,33 +279,25 @@ def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
     Returns:
         A :class:`PipelineVerdict`: EQUIVALENT or NOT_EQUIVALENT with the worst ratio and
         where; a schedule that raises, hangs or dies on these ranks is a STEP_ERROR
-        verdict carrying the first line of the error (what could not run, and why),
-        never a pass.
+        verdict carrying the ranks' report and its :class:`~equiv.outcomes.Fault`
+        (what could not run, and why, as ``check_distributed``'s ranks report it), never a pass.
 
     Raises:
         ValueError: ``timeout_s`` is not a positive number.
         UnguardedMainError: called at the top level of a script the ranks import again
             (not under ``if __name__ == "__main__":``).
     """
-    from equiv.distributed.launcher import DistributedCheckError
-
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     try:
         results = launcher(_PipelineTask(setting), setting.ranks, timeout_s=timeout_s,
                            describe=f"pipeline {setting.describe()}")
     except DistributedCheckError as exc:
-        return PipelineVerdict(setting, Outcome.STEP_ERROR, error=_root_cause(str(exc)))
-    worst = max(results, key=lambda r: r["worst_ratio"])
-    status = Outcome.EQUIVALENT if worst["worst_ratio"] <= 1.0 else Outcome.NOT_EQUIVALENT
-    return PipelineVerdict(setting, status, worst_ratio=worst["worst_ratio"], worst_where=worst["worst_where"])
-
-
-def _root_cause(report: str) -> str:
-    """The last exception line of a rank's traceback (the error itself)."""
-    lines = [line.strip() for line in report.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error:" in line or "Exception:" in line]
-    return (errors[-1] if errors else lines[0])[:300]
+        # As check_distributed's ranks fail: the launcher's report and its Fault, kept as data.
+        return PipelineVerdict(setting, Outcome.STEP_ERROR, error=str(exc), fault=exc.fault)
+    worst = max(results, key=lambda r: r.worst_ratio)
+    status = Outcome.EQUIVALENT if worst.worst_ratio <= 1.0 else Outcome.NOT_EQUIVALENT
+    return PipelineVerdict(setting, status, worst_ratio=worst.worst_ratio, worst_where=worst.worst_where)
 
 
 def settings_grid(schedules: Sequence[str] = SCHEDULES) -> list[PipelineSetting]:

@@ -4,6 +4,7 @@ a rank that raises, hangs or dies; :mod:`~equiv.distributed.torchrun` runs
 it on the ranks torchrun started instead; :mod:`~equiv.distributed.sharding` shards
 a model with FSDP2 and gathers its shards; :mod:`~equiv.distributed.collectives`
 counts the collectives a step makes; :mod:`~equiv.distributed.matching` names
-ranks whose collectives do not line up.  It imports nothing of equiv above it:
+ranks whose collectives do not line up; :mod:`~equiv.distributed.engines` holds the
+parallel engines, one record each (how each wraps a rank's model).  It imports nothing of equiv above it:
 :mod:`equiv.checking.distributed` (the judge) and :mod:`equiv.cost.fsdp` (the
 cost sweep) import it."""

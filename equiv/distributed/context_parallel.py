@@ -41,11 +41,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["CP_ENGINES", "POSITIONWISE_LOSSES", "POSITIONWISE_MODELS", "ContextParallelLayout", "clear_layout", "install_layout", "layout",
+__all__ = ["POSITIONWISE_LOSSES", "POSITIONWISE_MODELS", "ContextParallelLayout", "clear_layout", "install_layout", "layout",
            "position_slice", "sequence_group"]
 
-#: The context-parallel engines: under DDP, under FSDP2.
-CP_ENGINES: tuple[str, ...] = ("cp", "fsdp2+cp")
 #: Registered model families whose output at each position depends on that
 #: position's input only (embedding -> per-token MLP -> logits; the token-level
 #: MoE, its routing counts summed over :func:`sequence_group`), with the loss each takes.

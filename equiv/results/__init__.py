@@ -1,6 +1,7 @@
 """What every front door returns: the rows of a comparison
 (:class:`~equiv.results.verdict.TensorDiff`), the verdict on one case
-(:class:`~equiv.results.verdict.Verdict`), what of a verdict holds on every
+(:class:`~equiv.results.verdict.Verdict`), the verdict on W ranks
+(:class:`~equiv.results.distributed.DistributedVerdict`), what of a verdict holds on every
 machine (:mod:`~equiv.results.facts`), and an audit's windows and counts (:mod:`~equiv.results.audit`).
 
 One protocol, one schema
@@ -32,7 +33,8 @@ kind                      returned by                                           
                                                                                  ranks (a verdict each), message, ...
 ``distributed_search``    ``equiv.verify_distributed``, ``verify-distributed``   candidate, engines, found, counterexample,
                                                                                  engine, verdict, outcome, error, ...
-``pipeline_verdict``      ``equiv.check_pipeline``                               setting, description, worst_ratio, error
+``pipeline_verdict``      ``equiv.check_pipeline``                               setting, description, worst_ratio, error,
+                                                                                 fault
 ``audit``                 ``equiv.audit``                                        steps, every, audited, failures, windows
 ``window_audit``          one audited window (``Audit.windows``)                 step, micro_batches, items, tier,
                                                                                  mismatches, worst, inherent, hint
