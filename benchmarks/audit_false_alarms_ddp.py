@@ -51,9 +51,17 @@ def segment(seed: int, windows: int, rank: int, world: int) -> list[dict[str, ob
                     (TOKENS.sum(model(ids, labels), labels) / global_tokens * world).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return [{"worst_ratio": max(r.worst_ratio for r in w.ranks), "flagged": not w.equivalent, "step": w.step,
-             "seed": seed, "line": w.line()}
-            for w in watched.windows if w.judged]
+    return [
+        {
+            "worst_ratio": max(r.worst_ratio for r in w.ranks),
+            "flagged": not w.equivalent,
+            "step": w.step,
+            "seed": seed,
+            "line": w.line(),
+        }
+        for w in watched.windows
+        if w.judged
+    ]
 
 
 def main() -> None:
@@ -65,8 +73,10 @@ def main() -> None:
         records += segment(seed, per_segment, rank, world)
     if rank == 0:
         with open(out, "w", encoding="utf-8") as handle:
-            json.dump({"windows": records, "world_size": world,
-                       "parameters": sum(p.numel() for p in TinyLM().parameters())}, handle)
+            json.dump(
+                {"windows": records, "world_size": world, "parameters": sum(p.numel() for p in TinyLM().parameters())},
+                handle,
+            )
     dist.destroy_process_group()
 
 

@@ -56,10 +56,19 @@ def main() -> None:
     assert watched.ranks is not None
     if rank == 0:
         with open(sys.argv[1], "w", encoding="utf-8") as out:
-            json.dump({"plain_s": plain[1:], "audited_s": audited[1:], "verdicts": verdicts,
-                       "communicated_bytes": watched.ranks.communicated, "audited_windows": len(watched.windows),
-                       "world_size": dist.get_world_size(), "micro_batches": MICRO_BATCHES,
-                       "parameters": sum(p.numel() for p in inner.parameters())}, out)
+            json.dump(
+                {
+                    "plain_s": plain[1:],
+                    "audited_s": audited[1:],
+                    "verdicts": verdicts,
+                    "communicated_bytes": watched.ranks.communicated,
+                    "audited_windows": len(watched.windows),
+                    "world_size": dist.get_world_size(),
+                    "micro_batches": MICRO_BATCHES,
+                    "parameters": sum(p.numel() for p in inner.parameters()),
+                },
+                out,
+            )
     dist.destroy_process_group()
 
 

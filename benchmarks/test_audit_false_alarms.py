@@ -71,13 +71,28 @@ def _trainer_segment(seed: int, windows: int) -> list[Any]:
     callback = equiv.auditing.trainers.transformers_callback(loss=equiv.NextTokenCrossEntropy(), say=None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2,
-                                 gradient_accumulation_steps=accumulation, num_train_epochs=1,
-                                 max_grad_norm=1.0 if seed % 2 else 0.0, seed=seed,
-                                 use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
-                                 disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
-        trainer = InOrder(model=model, args=args, train_dataset=rows, callbacks=[callback],
-                          optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)))
+        args = TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=accumulation,
+            num_train_epochs=1,
+            max_grad_norm=1.0 if seed % 2 else 0.0,
+            seed=seed,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            remove_unused_columns=False,
+        )
+        trainer = InOrder(
+            model=model,
+            args=args,
+            train_dataset=rows,
+            callbacks=[callback],
+            optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)),
+        )
         with contextlib.redirect_stdout(io.StringIO()):
             trainer.train()
     assert callback.audit is not None
@@ -104,12 +119,15 @@ def _adamw_segment(seed: int, windows: int, clipped: list[bool] | None = None) -
     with equiv.audit(model, optimizer, loss=equiv.CrossEntropy(), max_grad_norm=CLIP) as watched:
         for _ in range(windows):
             sizes = torch.randint(1, 17, (accumulation,), generator=generator).tolist()
-            window = [(torch.randn(size, WIDTH, generator=generator),
-                       torch.randint(0, CLASSES, (size,), generator=generator)) for size in sizes]
+            window = [
+                (torch.randn(size, WIDTH, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator))
+                for size in sizes
+            ]
             samples = sum(sizes)
             for inputs, targets in window:
-                (watched.wrap(nn.functional.cross_entropy)(model(inputs), targets, reduction="sum")
-                 / samples).backward()
+                (
+                    watched.wrap(nn.functional.cross_entropy)(model(inputs), targets, reduction="sum") / samples
+                ).backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             if clipped is not None:
                 clipped.append(bool(norm > CLIP))
@@ -119,20 +137,47 @@ def _adamw_segment(seed: int, windows: int, clipped: list[bool] | None = None) -
 
 
 def _records(windows: list[Any], seed: int) -> list[dict[str, Any]]:
-    return [{"worst_ratio": 0.0 if w.worst is None else w.worst.ratio, "flagged": not w.equivalent, "step": w.step,
-             "seed": seed, "line": w.line()} for w in windows if w.judged]
+    return [
+        {
+            "worst_ratio": 0.0 if w.worst is None else w.worst.ratio,
+            "flagged": not w.equivalent,
+            "step": w.step,
+            "seed": seed,
+            "line": w.line(),
+        }
+        for w in windows
+        if w.judged
+    ]
 
 
 def _ddp_records(segments: int, per_segment: int, first_seed: int, threads: int) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("RANK", None)
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "ddp.json"
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               str(Path(__file__).parent / "audit_false_alarms_ddp.py"), str(out), str(segments),
-                               str(per_segment), str(first_seed)],
-                              env=env, capture_output=True, text=True, timeout=6 * 3600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(Path(__file__).parent / "audit_false_alarms_ddp.py"),
+                str(out),
+                str(segments),
+                str(per_segment),
+                str(first_seed),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=6 * 3600,
+        )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         return json.loads(out.read_text())["windows"]  # type: ignore[no-any-return]
 
@@ -144,8 +189,10 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
     closest = sorted(records, key=lambda record: -record["worst_ratio"])[:3]
     return {
         "windows": len(records),
-        "p50": float(np.percentile(ratios, 50)), "p90": float(np.percentile(ratios, 90)),
-        "p99": float(np.percentile(ratios, 99)), "max": float(ratios.max()),
+        "p50": float(np.percentile(ratios, 50)),
+        "p90": float(np.percentile(ratios, 90)),
+        "p99": float(np.percentile(ratios, 99)),
+        "max": float(ratios.max()),
         "at_least_0_9": int((ratios >= 0.9).sum()),
         "flagged": len(flagged),
         "flagged_lines": [f"seed {r['seed']}: {r['line']}" for r in flagged[:5]],
@@ -167,14 +214,23 @@ def test_audit_false_alarms(benchmark, bench_settings) -> None:  # type: ignore[
             segments, per_segment = plan[name]
             start = time.perf_counter()
             records = [record for seed in range(segments) for record in _records(segment(seed, per_segment), seed)]
-            runs[name] = {**summarise(records), "seconds": time.perf_counter() - start,
-                          "segments": segments, "windows_per_segment": per_segment}
+            runs[name] = {
+                **summarise(records),
+                "seconds": time.perf_counter() - start,
+                "segments": segments,
+                "windows_per_segment": per_segment,
+            }
         runs["adamw_clipped"]["clipped_steps"] = sum(clipped)
         segments, per_segment = plan["ddp"]
         start = time.perf_counter()
         records = _ddp_records(segments, per_segment, 0, bench_settings.threads)
-        runs["ddp"] = {**summarise(records), "seconds": time.perf_counter() - start,
-                       "segments": segments, "windows_per_segment": per_segment, "world_size": 2}
+        runs["ddp"] = {
+            **summarise(records),
+            "seconds": time.perf_counter() - start,
+            "segments": segments,
+            "windows_per_segment": per_segment,
+            "world_size": 2,
+        }
 
     benchmark.pedantic(measure, rounds=1, iterations=1, warmup_rounds=0)
     for name, run in runs.items():

@@ -35,17 +35,22 @@ WIDTH, MICRO_BATCHES, MICRO_BATCH = 590, 4, 16
 class Classifier(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-                                 nn.Linear(WIDTH, 10))
+        self.net = nn.Sequential(
+            nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 10)
+        )
 
     def forward(self, inputs: Tensor, targets: Tensor | None = None) -> Tensor:
         return self.net(inputs)  # type: ignore[no-any-return]
 
 
 def _window(generator: torch.Generator) -> list[tuple[Tensor, Tensor]]:
-    return [(torch.randn(MICRO_BATCH, WIDTH, generator=generator), torch.randint(0, 10, (MICRO_BATCH,),
-                                                                              generator=generator))
-            for _ in range(MICRO_BATCHES)]
+    return [
+        (
+            torch.randn(MICRO_BATCH, WIDTH, generator=generator),
+            torch.randint(0, 10, (MICRO_BATCH,), generator=generator),
+        )
+        for _ in range(MICRO_BATCHES)
+    ]
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, window: list[tuple[Tensor, Tensor]]) -> float:
@@ -159,10 +164,17 @@ def test_audit_whole_run_overhead(benchmark, bench_settings) -> None:  # type: i
         parameters=sum(p.numel() for p in plain_model.parameters()),
         micro_batches=MICRO_BATCHES,
         rounds=rounds,
-        runs=[{"every": every, "steps": steps, "audited_steps": audited[every],
-               "run_ratio_median": statistics.median(ratios[every]),
-               "run_ratio_min": min(ratios[every]), "run_ratio_max": max(ratios[every])}
-              for every, steps in RUNS],
+        runs=[
+            {
+                "every": every,
+                "steps": steps,
+                "audited_steps": audited[every],
+                "run_ratio_median": statistics.median(ratios[every]),
+                "run_ratio_min": min(ratios[every]),
+                "run_ratio_max": max(ratios[every]),
+            }
+            for every, steps in RUNS
+        ],
     )
 
 
@@ -173,14 +185,31 @@ def test_audit_ddp_overhead(benchmark, bench_settings, tmp_path) -> None:  # typ
     (benchmarks/ddp_audit_timing.py); and the bytes each rank sent per audited step."""
     out = tmp_path / "ddp.json"
     rounds = 5 if bench_settings.quick else 15
-    env = {**os.environ, "OMP_NUM_THREADS": str(bench_settings.threads),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(bench_settings.threads),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("RANK", None)
 
     def launch() -> None:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               str(Path(__file__).parent / "ddp_audit_timing.py"), str(out), str(rounds)],
-                              env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(Path(__file__).parent / "ddp_audit_timing.py"),
+                str(out),
+                str(rounds),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
     benchmark.pedantic(launch, rounds=1, iterations=1, warmup_rounds=0)

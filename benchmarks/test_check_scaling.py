@@ -71,12 +71,15 @@ class GPT2Shaped(nn.Module):
     50257, tied input and output embeddings: 124M parameters) in plain torch,
     dropout off; brought to the check through ``Case(model=..., data=..., loss=...)``."""
 
-    def __init__(self, layers: int = 12, width: int = 768, heads: int = 12, vocab: int = 50257, positions: int = 1024) -> None:
+    def __init__(
+        self, layers: int = 12, width: int = 768, heads: int = 12, vocab: int = 50257, positions: int = 1024
+    ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(positions, width)
-        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        block = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.ln_f = nn.LayerNorm(width)
 
@@ -98,8 +101,14 @@ def gpt2_tokens(step: int, batch_size: int, generator: torch.Generator) -> tuple
 
 
 def _case(size: str, device: torch.device) -> equiv.Case:
-    common: dict[str, Any] = dict(batch_size=8, micro_batch_sizes=(3, 5), optimizer="AdamW",
-                                  optimizer_kwargs={"lr": 1e-3}, steps=2, device=str(device))
+    common: dict[str, Any] = dict(
+        batch_size=8,
+        micro_batch_sizes=(3, 5),
+        optimizer="AdamW",
+        optimizer_kwargs={"lr": 1e-3},
+        steps=2,
+        device=str(device),
+    )
     if size == GPT2_SMALL:
         return equiv.Case(model=GPT2Shaped, data=gpt2_tokens, loss=TokenCrossEntropy(), **common)
     width = WIDTHS[size]
@@ -113,8 +122,10 @@ def _own_steps_seconds(case: equiv.Case) -> float:
     model = bundle.module.to(device)
     optimizer = case.build_optimizer(model)
     loss = case.build_loss()
-    batches = [split_batch((inputs.to(device), targets.to(device)), case.micro_batch_sizes)
-               for inputs, targets in case.batches(bundle)]
+    batches = [
+        split_batch((inputs.to(device), targets.to(device)), case.micro_batch_sizes)
+        for inputs, targets in case.batches(bundle)
+    ]
     synchronize(device)
     start = time.perf_counter()
     for micro_batches in batches:
@@ -139,6 +150,7 @@ def _recording_runs() -> Iterator[list[Run]]:
             kept = {key: value for key, value in kwargs.items() if key not in ("on_snapshot", "on_note", "initial")}
             runs.append((originals[name], args, kept))
             return originals[name](*args, **kwargs)
+
         return record
 
     judge_module.run_reference = recorder("run_reference")  # type: ignore[assignment]

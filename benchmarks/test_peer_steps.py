@@ -54,7 +54,9 @@ from equiv.batches import MicroBatches, even_sizes, split_batch
 from equiv.cost.steps import default_optimizer, prepare_workload_step, synchronize
 from equiv.cost.workloads import WORKLOADS, Workload, build_workload_model
 
-accelerate = pytest.importorskip("accelerate", reason="the peers' timing needs the accelerate extra (pip install equiv[accelerate])")
+accelerate = pytest.importorskip(
+    "accelerate", reason="the peers' timing needs the accelerate extra (pip install equiv[accelerate])"
+)
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402  (after the importorskip)
 
 try:
@@ -151,7 +153,8 @@ def test_peer_step_ratios(benchmark: Any, bench_settings: Any, workload_name: st
     benchmark.pedantic(rotate, rounds=bench_settings.overhead_pairs, iterations=1, warmup_rounds=0)
     ratios = {
         name: [t / native for t, native in zip(seconds[name], seconds["native"], strict=True)]
-        for name in steps if name != "native"
+        for name in steps
+        if name != "native"
     }
     benchmark.extra_info.update(
         bench_settings.extra_info(),

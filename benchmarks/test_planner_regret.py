@@ -70,8 +70,9 @@ def test_planner_regret(benchmark: Any, bench_settings: Any, workload_name: str)
             real = measurements_of(model, batch, options, repeats=repeats)
             probe_peaks: list[int] = []
 
-            def probe(micro_batch_size: int, window: int, real: Measurements = real,
-                      probe_peaks: list[int] = probe_peaks) -> Probe:
+            def probe(
+                micro_batch_size: int, window: int, real: Measurements = real, probe_peaks: list[int] = probe_peaks
+            ) -> Probe:
                 measured = real.probe(micro_batch_size, window)
                 probe_peaks.append(measured.memory.peak_bytes)
                 return measured
@@ -85,23 +86,27 @@ def test_planner_regret(benchmark: Any, bench_settings: Any, workload_name: str)
 
             plan = search_plan(
                 Measurements(probe=probe, whole_step=whole_step),
-                global_batch_size=workload.global_batch_size, memory_budget_bytes=budget, device=str(device),
+                global_batch_size=workload.global_batch_size,
+                memory_budget_bytes=budget,
+                device=str(device),
             )
             fitting = [n for n in candidates if peaks[n] <= budget]
             best = min(fitting, key=lambda n: seconds[n]) if fitting else None
             picked = plan.recommended_n
             regret = (seconds[picked] - seconds[best]) / seconds[best] if picked in peaks and best else None
-            rows.append({
-                "budget_bytes": budget,
-                "picked_n": picked,
-                "picked_fits": picked is not None and peaks[picked] <= budget,
-                "best_n": best,
-                "regret": regret,
-                "probes": len(probe_peaks),
-                "probes_over_budget": sum(p > budget for p in probe_peaks),
-                "whole_steps": len(whole_peaks),
-                "whole_steps_over_budget": sum(p > budget for p in whole_peaks),
-            })
+            rows.append(
+                {
+                    "budget_bytes": budget,
+                    "picked_n": picked,
+                    "picked_fits": picked is not None and peaks[picked] <= budget,
+                    "best_n": best,
+                    "regret": regret,
+                    "probes": len(probe_peaks),
+                    "probes_over_budget": sum(p > budget for p in probe_peaks),
+                    "whole_steps": len(whole_peaks),
+                    "whole_steps_over_budget": sum(p > budget for p in whole_peaks),
+                }
+            )
 
     benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
     benchmark.extra_info.update(
@@ -110,8 +115,11 @@ def test_planner_regret(benchmark: Any, bench_settings: Any, workload_name: str)
         workload_name=workload_name,
         candidates=candidates,
         exhaustive={
-            str(n): {"peak_bytes": m.memory.peak_bytes, "median_step_s": m.median_step_seconds,
-                     "step_s_spread": statistics.pstdev(m.step_seconds) / m.median_step_seconds}
+            str(n): {
+                "peak_bytes": m.memory.peak_bytes,
+                "median_step_s": m.median_step_seconds,
+                "step_s_spread": statistics.pstdev(m.step_seconds) / m.median_step_seconds,
+            }
             for n, m in exhaustive.items()
         },
         rows=rows,

@@ -23,10 +23,10 @@ from benchmarks.conftest import BenchSettings
 from tests.test_docs_examples import ROOT, commands, parse
 
 #: A conftest for the side-by-side run: equiv's ci profile with Hypothesis's explain phase back.
-_EXPLAIN_CONFTEST = '''
+_EXPLAIN_CONFTEST = """
 from hypothesis import Phase, settings
 settings.register_profile("equiv-ci-explain", settings.get_profile("equiv-ci"), phases=list(Phase))
-'''
+"""
 
 
 def _readme_example(folder: Path) -> list[str]:
@@ -35,8 +35,13 @@ def _readme_example(folder: Path) -> list[str]:
     for block in page.blocks:
         if "file" in block.markers:
             (folder / block.markers["file"]).write_text(block.source)
-    command = next(line for block in page.blocks if block.language == "bash"
-                   for line in commands(block.source) if line.startswith("pytest "))
+    command = next(
+        line
+        for block in page.blocks
+        if block.language == "bash"
+        for line in commands(block.source)
+        if line.startswith("pytest ")
+    )
     return shlex.split(command)
 
 
@@ -44,16 +49,18 @@ def _seconds(argv: list[str], folder: Path) -> float:
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     environment.pop("HYPOTHESIS_PROFILE", None)
     started = time.perf_counter()
-    finished = subprocess.run([sys.executable, "-m", *argv], cwd=folder, env=environment, capture_output=True,
-                              text=True, timeout=900)
+    finished = subprocess.run(
+        [sys.executable, "-m", *argv], cwd=folder, env=environment, capture_output=True, text=True, timeout=900
+    )
     seconds = time.perf_counter() - started
     # The example fails on purpose (exit 1); anything else measures nothing.
     assert finished.returncode == 1 and "EquivalenceError" in finished.stdout, finished.stdout[-3000:]
     return seconds
 
 
-def test_readme_pytest_example_reports_its_failure(benchmark: pytest.FixtureRequest, tmp_path: Path,
-                                                   bench_settings: BenchSettings) -> None:
+def test_readme_pytest_example_reports_its_failure(
+    benchmark: pytest.FixtureRequest, tmp_path: Path, bench_settings: BenchSettings
+) -> None:
     argv = _readme_example(tmp_path)
     # Only the @given test: the explain phase is Hypothesis's, the standard cases run no search.
     drawn = [*argv, "-k", "drawn_cases"]
@@ -68,10 +75,12 @@ def test_readme_pytest_example_reports_its_failure(benchmark: pytest.FixtureRequ
         explain = [part if part != "equiv-ci" else "equiv-ci-explain" for part in drawn]
         times["explain"] = _seconds(explain, tmp_path)
     benchmark.extra_info.update(bench_settings.extra_info())
-    benchmark.extra_info.update({
-        "kind": "readme_pytest_example",
-        "command": " ".join(drawn),
-        "seconds": round(times["readme"], 1),
-        "seconds_with_explain": round(times["explain"], 1) if "explain" in times else None,
-        "target_seconds": 15,
-    })
+    benchmark.extra_info.update(
+        {
+            "kind": "readme_pytest_example",
+            "command": " ".join(drawn),
+            "seconds": round(times["readme"], 1),
+            "seconds_with_explain": round(times["explain"], 1) if "explain" in times else None,
+            "target_seconds": 15,
+        }
+    )

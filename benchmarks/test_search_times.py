@@ -33,8 +33,10 @@ DISTRIBUTED: dict[str, tuple[str, dict[str, Any]]] = {
     "DDP, tokens": ("", {"engines": ("ddp",), "models": ("tokens",)}),
     "CP, tokens": ("DDP, tokens", {"engines": ("cp",), "models": ("tokens",), "max_world_size": CP_MAX_WORLD_SIZE}),
     "FSDP2, tokens": ("", {"engines": ("fsdp2",), "models": ("tokens",)}),
-    "FSDP2+CP, tokens": ("FSDP2, tokens", {"engines": ("fsdp2+cp",), "models": ("tokens",),
-                                           "max_world_size": CP_MAX_WORLD_SIZE}),
+    "FSDP2+CP, tokens": (
+        "FSDP2, tokens",
+        {"engines": ("fsdp2+cp",), "models": ("tokens",), "max_world_size": CP_MAX_WORLD_SIZE},
+    ),
     "DDP, MoE (aux + z-loss)": ("DDP, tokens", {"engines": ("ddp",), "models": ("moe",)}),
 }
 #: label -> (what it extends, the losses searched): single-process searches of the accumulator.
@@ -51,11 +53,16 @@ def _searches(distributed_examples: int, single_examples: int) -> dict[str, Call
     searches: dict[str, Callable[[], Any]] = {}
     for label, (_, kwargs) in DISTRIBUTED.items():
         searches[f"verify_distributed: {label}"] = lambda kwargs=kwargs: verify_distributed(
-            equiv.accumulator_step, max_examples=distributed_examples, seed=SEED, **kwargs)
+            equiv.accumulator_step, max_examples=distributed_examples, seed=SEED, **kwargs
+        )
     for label, (_, losses) in SINGLE.items():
         searches[f"verify: {label}"] = lambda losses=losses: equiv.verify(
-            equiv.accumulator_step, SearchSpace(losses=losses), max_examples=single_examples, seed=SEED,
-            replay_in_fresh_process=False)
+            equiv.accumulator_step,
+            SearchSpace(losses=losses),
+            max_examples=single_examples,
+            seed=SEED,
+            replay_in_fresh_process=False,
+        )
     return searches
 
 
@@ -92,12 +99,15 @@ def test_search_times(benchmark: Any, bench_settings: Any) -> None:
         bench_settings.extra_info(),
         search_times=True,
         seed=SEED,
-        rows=[{
-            "search": name,
-            "cases": examples[name],
-            "seconds": median[name],
-            "per_case_s": per_case[name],
-            "baseline": _baseline(name),
-            "ratio": per_case[name] / per_case[_baseline(name)] if _baseline(name) else None,
-        } for name in searches],
+        rows=[
+            {
+                "search": name,
+                "cases": examples[name],
+                "seconds": median[name],
+                "per_case_s": per_case[name],
+                "baseline": _baseline(name),
+                "ratio": per_case[name] / per_case[_baseline(name)] if _baseline(name) else None,
+            }
+            for name in searches
+        ],
     )

@@ -46,8 +46,11 @@ def _as_before_lazy_floors() -> Iterator[None]:
     try:
         yield
     finally:
-        (check_module._natural_overflow_possible, check_module.reference_runs,  # type: ignore[assignment]
-         verify_module.check) = originals
+        (
+            check_module._natural_overflow_possible,
+            check_module.reference_runs,  # type: ignore[assignment]
+            verify_module.check,
+        ) = originals
 
 
 def _search(step: Callable[..., Any], mode: str, max_examples: int) -> VerifyResult:
@@ -80,7 +83,10 @@ def test_verify_speed(benchmark: Any, bench_settings: Any, verdict_kind: str) ->
     assert shipped.found == (verdict_kind == "failing"), shipped
     # Same search, same verdict: the faster mode must not have found something else.
     assert (shipped.found, shipped.examples, shipped.first_failure_at) == (
-        eager.found, eager.examples, eager.first_failure_at)
+        eager.found,
+        eager.examples,
+        eager.first_failure_at,
+    )
     assert shipped.counterexample == eager.counterexample
     median = {mode: statistics.median(values) for mode, values in seconds.items()}
     benchmark.extra_info.update(

@@ -52,8 +52,9 @@ def _search(mode: str, max_examples: int, default_threads: int) -> VerifyResult:
     clear_reference_cache()
     torch.set_num_threads(default_threads)
     threads = {MODES[0]: default_threads, MODES[1]: None, MODES[2]: 1}[mode]
-    return equiv.verify(equiv.accumulator_step, max_examples=max_examples, seed=SEED,
-                        replay_in_fresh_process=False, threads=threads)
+    return equiv.verify(
+        equiv.accumulator_step, max_examples=max_examples, seed=SEED, replay_in_fresh_process=False, threads=threads
+    )
 
 
 def test_verify_threads(benchmark: Any, bench_settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -166,12 +166,10 @@ class Accumulator:
         self._buffered: list[nn.Parameter] = [
             p
             for p in self.params
-            if accumulate_dtype is not None
-            and torch.finfo(accumulate_dtype).bits > torch.finfo(p.dtype).bits
+            if accumulate_dtype is not None and torch.finfo(accumulate_dtype).bits > torch.finfo(p.dtype).bits
         ]
         self._buffers: list[Tensor] = [
-            torch.zeros_like(p, dtype=accumulate_dtype, memory_format=torch.preserve_format)
-            for p in self._buffered
+            torch.zeros_like(p, dtype=accumulate_dtype, memory_format=torch.preserve_format) for p in self._buffered
         ]
         self._micro_batches = 0
         self._items: int | Tensor = 0
@@ -332,7 +330,6 @@ class Accumulator:
             torch._foreach_mul_(accumulated, float(dist.get_world_size(group)))
         return total, accumulated
 
-
     def _prepare_fsdp(
         self, root: FSDPModule, *, widening: bool, grad_scaler: torch.amp.GradScaler | None
     ) -> dist.ProcessGroup:
@@ -360,10 +357,15 @@ class Accumulator:
                 f"(FSDP2 over tensor parallel), got meshes {shapes}"
             )
         units = [m for m in cast(nn.Module, root).modules() if isinstance(m, FSDPModule)]
-        missing = [name for name in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
-                   if not hasattr(units[0], name)]
+        missing = [
+            name
+            for name in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
+            if not hasattr(units[0], name)
+        ]
         if missing:
-            raise RuntimeError(f"Accumulator under FSDP2 needs FSDPModule.{missing[0]} (torch {torch.__version__} has none)")
+            raise RuntimeError(
+                f"Accumulator under FSDP2 needs FSDPModule.{missing[0]} (torch {torch.__version__} has none)"
+            )
         for unit in units:
             # FSDP2 divides by the world size by default; summing instead leaves
             # the division by the global item count as the only normalisation

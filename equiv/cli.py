@@ -270,8 +270,15 @@ def _check_on_path(args: argparse.Namespace) -> int:
 
     _now_doing(f"during case {next(iter(cases))!r}")
     try:
-        verdicts = check_cases(step, cases, timeout=timeout, on_case=show, train_dtype=args.train_dtype,
-                               strict=args.strict_precision, threads=args.threads)
+        verdicts = check_cases(
+            step,
+            cases,
+            timeout=timeout,
+            on_case=show,
+            train_dtype=args.train_dtype,
+            strict=args.strict_precision,
+            threads=args.threads,
+        )
     except NonFiniteLossError as exc:
         raise UsageError(f"the case itself diverges, so nothing can be compared with it: {exc}") from None
     except InvalidCase as exc:
@@ -296,8 +303,9 @@ def _progress(args: argparse.Namespace, text: str) -> None:
     print(text, file=sys.stderr if args.format == "json" else sys.stdout, flush=True)
 
 
-def _finish(args: argparse.Namespace, result: Result, text: str, step: Callable[..., Any] | None,
-            json_out: Path | None) -> int:
+def _finish(
+    args: argparse.Namespace, result: Result, text: str, step: Callable[..., Any] | None, json_out: Path | None
+) -> int:
     """Show ``result`` as ``--format`` says (text: ``text``; github: ``text``, then a workflow
     annotation per failing case at ``step``'s definition; json: ``result.to_dict()`` alone),
     write its JSON to ``--json`` (when given), and return the exit code of its status."""
@@ -313,8 +321,10 @@ def _finish(args: argparse.Namespace, result: Result, text: str, step: Callable[
         try:
             json_out.write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
         except OSError as exc:  # writable when checked, not now (a full disk, a folder removed meanwhile)
-            raise UsageError(f"--json {str(json_out)!r} could not be written after the check: "
-                             f"{exc.strerror or exc} (the result is printed above)") from None
+            raise UsageError(
+                f"--json {str(json_out)!r} could not be written after the check: "
+                f"{exc.strerror or exc} (the result is printed above)"
+            ) from None
     return EXIT_CODES[result.status]
 
 
@@ -379,9 +389,16 @@ def _cmd_verify_distributed(args: argparse.Namespace) -> int:
     _now_doing("during the distributed search's first case")
     try:
         result = verify_distributed(
-            candidate, engines=args.engines or (DEFAULT_ENGINE,), models=args.models or MODELS,
-            max_examples=args.max_examples, seed=args.seed, max_world_size=args.max_world_size,
-            timeout_s=args.timeout, progress=show, train_dtype=args.train_dtype, strict=args.strict_precision,
+            candidate,
+            engines=args.engines or (DEFAULT_ENGINE,),
+            models=args.models or MODELS,
+            max_examples=args.max_examples,
+            seed=args.seed,
+            max_world_size=args.max_world_size,
+            timeout_s=args.timeout,
+            progress=show,
+            train_dtype=args.train_dtype,
+            strict=args.strict_precision,
         )
     except (InvalidArgument, ContractError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -400,17 +417,23 @@ def _split(text: str) -> list[list[int]]:
     return ranks
 
 
-def _distributed_cases(args: argparse.Namespace, candidate: Callable[..., Any],
-                       world_size: int) -> dict[str, DistributedCase]:
+def _distributed_cases(
+    args: argparse.Namespace, candidate: Callable[..., Any], world_size: int
+) -> dict[str, DistributedCase]:
     if args.split is None and args.case is None:
         return standard_distributed_cases(world_size, args.engine)
     allowed = [getattr(candidate, "__module__", None) or "", *args.allow_import]
-    base = (_parse_case(args.case, [name for name in allowed if name]) if args.case
-            else Case(batch_size=4, micro_batch_sizes=(2, 2)))
+    base = (
+        _parse_case(args.case, [name for name in allowed if name])
+        if args.case
+        else Case(batch_size=4, micro_batch_sizes=(2, 2))
+    )
     split = args.split if args.split is not None else [list(base.micro_batch_sizes)] * world_size
     if len(split) != world_size:
-        raise UsageError(f"--split gives {len(split)} rank(s), {split}; the check runs {world_size} (torchrun's "
-                         "world size, or --nproc)")
+        raise UsageError(
+            f"--split gives {len(split)} rank(s), {split}; the check runs {world_size} (torchrun's "
+            "world size, or --nproc)"
+        )
     try:
         return {"--split" if args.split is not None else "--case on every rank": DistributedCase.of(base, split)}
     except InvalidCase as exc:
@@ -428,7 +451,9 @@ def _cmd_check_distributed(args: argparse.Namespace) -> int:
     with on_sys_path(target_folder(args.target)):
         # Every rank loads the step: the tasks rank 0 posts name it, and a rank unpickles them.
         candidate = load_target(args.target)
-        cases = _distributed_cases(args, candidate, (2 if args.nproc is None else args.nproc) if env is None else env.world_size)
+        cases = _distributed_cases(
+            args, candidate, (2 if args.nproc is None else args.nproc) if env is None else env.world_size
+        )
         if env is None:
             return _check_distributed_cases(args, candidate, cases, run_on_ranks, json_out)
         with TorchrunRanks(env) as ranks:
@@ -462,8 +487,12 @@ def _exit_now(code: int, ranks: TorchrunRanks) -> int:
 
 
 def _check_distributed_cases(
-    args: argparse.Namespace, candidate: Callable[..., Any], cases: dict[str, DistributedCase], launcher: Launcher,
-    json_out: Path | None, stop_on_fault: bool = False,
+    args: argparse.Namespace,
+    candidate: Callable[..., Any],
+    cases: dict[str, DistributedCase],
+    launcher: Launcher,
+    json_out: Path | None,
+    stop_on_fault: bool = False,
 ) -> int:
     current = [""]  # the case being checked, to name it when it is refused
 
@@ -472,11 +501,18 @@ def _check_distributed_cases(
         log.info("[%d/%d] %s: %s", index, len(cases), name, dcase)
         _now_doing(f"during case {name!r}")
 
-    loop = CaseLoop(engine=args.engine, timeout_s=args.timeout, train_dtype=args.train_dtype,
-                    strict=args.strict_precision, launcher=launcher, stop_on_fault=stop_on_fault)
+    loop = CaseLoop(
+        engine=args.engine,
+        timeout_s=args.timeout,
+        train_dtype=args.train_dtype,
+        strict=args.strict_precision,
+        launcher=launcher,
+        stop_on_fault=stop_on_fault,
+    )
     try:
-        result = check_distributed_cases(candidate, cases, args.target, loop, starting=starting,
-                                         shown=lambda text: _progress(args, text))
+        result = check_distributed_cases(
+            candidate, cases, args.target, loop, starting=starting, shown=lambda text: _progress(args, text)
+        )
     except (InvalidCase, ContractError, TypeError) as exc:
         raise UsageError(f"{current[0]}: {exc}") from None
     except NonFiniteLossError as exc:
@@ -535,8 +571,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, batch, loss_sum, count_items, default_batch = _load_plan_target(args.target)
-    global_batch_size = next(size for size in (args.global_batch_size, default_batch, int(batch[0].shape[0]))
-                             if size is not None)
+    global_batch_size = next(
+        size for size in (args.global_batch_size, default_batch, int(batch[0].shape[0])) if size is not None
+    )
     try:
         result = plan(
             model,
@@ -624,45 +661,66 @@ def _shown_path(path: Path) -> str:
 # ------------------------------------------------------------------- parser
 def _format_flag(parser: argparse.ArgumentParser) -> None:
     """``--format``: how the result is shown on stdout."""
-    parser.add_argument("--format", choices=FORMATS, default="text",
-                        help="text (default); github: the text, then a GitHub Actions ::error annotation per "
-                             "failing case on the step's definition line (a ::notice when it passes); json: the "
-                             "result's JSON (equiv/results/schema.json) alone on stdout, progress on stderr")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        help="text (default); github: the text, then a GitHub Actions ::error annotation per "
+        "failing case on the step's definition line (a ::notice when it passes); json: the "
+        "result's JSON (equiv/results/schema.json) alone on stdout, progress on stderr",
+    )
 
 
 def _threads_flag(parser: argparse.ArgumentParser) -> None:
     """``--threads``: torch's CPU threads during the check (the rule: :mod:`equiv.checking.threads`)."""
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
-                        help="torch CPU threads while checking (default: 1 on small models such as every standard "
-                             "and drawn case, where more threads only wait on each other, many times slower on a "
-                             "busy machine; torch's own count if OMP_NUM_THREADS is set or a model has over "
-                             f"{SMALL_MODEL_PARAMETERS:,} parameters); restored afterwards")
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads while checking (default: 1 on small models such as every standard "
+        "and drawn case, where more threads only wait on each other, many times slower on a "
+        "busy machine; torch's own count if OMP_NUM_THREADS is set or a model has over "
+        f"{SMALL_MODEL_PARAMETERS:,} parameters); restored afterwards",
+    )
 
 
 def _precision_flags(parser: argparse.ArgumentParser) -> None:
     """When a float32-sized difference inside the float64 run fails (it passes with a note otherwise)."""
-    parser.add_argument("--train-dtype", choices=["float64", "float32", "bfloat16", "float16"], default=None,
-                        help="the dtype you train in (default: float32 or lower); with float64, float32-sized "
-                             "differences inside the float64 run fail as a precision finding; with bfloat16 or "
-                             "float16, a step computing its gradient in bfloat16 (an accumulation buffer) passes "
-                             "with a note")
-    parser.add_argument("--strict-precision", action="store_true",
-                        help="fail float32-sized differences inside the float64 run whatever you train in")
+    parser.add_argument(
+        "--train-dtype",
+        choices=["float64", "float32", "bfloat16", "float16"],
+        default=None,
+        help="the dtype you train in (default: float32 or lower); with float64, float32-sized "
+        "differences inside the float64 run fail as a precision finding; with bfloat16 or "
+        "float16, a step computing its gradient in bfloat16 (an accumulation buffer) passes "
+        "with a note",
+    )
+    parser.add_argument(
+        "--strict-precision",
+        action="store_true",
+        help="fail float32-sized differences inside the float64 run whatever you train in",
+    )
 
 
 def _autocast_flag(parser: argparse._ActionsContainer) -> None:
     """``--autocast``: every case's forward under ``torch.autocast`` to that dtype (``Case.autocast``)."""
-    parser.add_argument("--autocast", choices=AUTOCAST_DTYPES, default=None,
-                        help="run every case's forward under torch.autocast to this dtype, as AMP does, and judge "
-                             "it in that precision (default: none, unless the step enters torch.autocast itself: "
-                             "then each case is judged in the step's own autocast dtype)")
+    parser.add_argument(
+        "--autocast",
+        choices=AUTOCAST_DTYPES,
+        default=None,
+        help="run every case's forward under torch.autocast to this dtype, as AMP does, and judge "
+        "it in that precision (default: none, unless the step enters torch.autocast itself: "
+        "then each case is judged in the step's own autocast dtype)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="equiv", description="Is your gradient accumulation full-batch training?",
+        prog="equiv",
+        description="Is your gradient accumulation full-batch training?",
         epilog="exit codes: 0 equivalent, 1 counterexample, 2 usage error, 3 the step raised or hung, 4 equiv failed, "
-               "130 interrupted (Ctrl-C)",
+        "130 interrupted (Ctrl-C)",
     )
     parser.add_argument("--version", action="version", version=f"equiv {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -672,14 +730,22 @@ def build_parser() -> argparse.ArgumentParser:
     check_parser.add_argument("target", help=contract)
     check_parser.add_argument("--case", help="one case as JSON (Case.to_dict()), or @file.json")
     check_parser.add_argument("--json", help="also write the verdicts as JSON to this path")
-    check_parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
-                              help="a module the --case may import its model, loss or data from, besides the step's "
-                                   "own (repeatable; a case pasted from a log imports nothing else)")
-    check_parser.add_argument("--tb", action="store_true",
-                              help="where the step raised, also print its own traceback")
-    check_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                              help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
-                                   "a step still running then is reported as hung (exit 3)")
+    check_parser.add_argument(
+        "--allow-import",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module the --case may import its model, loss or data from, besides the step's "
+        "own (repeatable; a case pasted from a log imports nothing else)",
+    )
+    check_parser.add_argument("--tb", action="store_true", help="where the step raised, also print its own traceback")
+    check_parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
+        "a step still running then is reported as hung (exit 3)",
+    )
     _precision_flags(check_parser)
     _autocast_flag(check_parser)
     _threads_flag(check_parser)
@@ -693,30 +759,50 @@ def build_parser() -> argparse.ArgumentParser:
         "the first mismatch to the smallest case that still shows it.",
     )
     verify_parser.add_argument("target", help=contract)
-    verify_parser.add_argument("--max-examples", type=_positive_int, default=None, help="cases to draw (default: the profile's)")
+    verify_parser.add_argument(
+        "--max-examples", type=_positive_int, default=None, help="cases to draw (default: the profile's)"
+    )
     verify_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
-    verify_parser.add_argument("--profile", default=None, help="Hypothesis profile: equiv's dev, ci or thorough (shipped in the package), or one you registered")
+    verify_parser.add_argument(
+        "--profile",
+        default=None,
+        help="Hypothesis profile: equiv's dev, ci or thorough (shipped in the package), or one you registered",
+    )
     verify_parser.add_argument("--json", help="also write the result as JSON to this path")
-    verify_parser.add_argument("--tb", action="store_true",
-                               help="where the step raised, also print its own traceback")
-    verify_parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                               help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
-                                    "a step still running then ends the search (exit 3)")
+    verify_parser.add_argument("--tb", action="store_true", help="where the step raised, also print its own traceback")
+    verify_parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
+        "a step still running then ends the search (exit 3)",
+    )
     space = verify_parser.add_argument_group("what cases are drawn from (equiv.checking.search_space.SearchSpace)")
-    space.add_argument("--families", type=_names, default=(),
-                       help=f"comma-separated model families ({','.join(eqst.MODEL_FAMILIES)})")
-    space.add_argument("--optimizers", type=_names, default=(),
-                       help=f"comma-separated optimizers ({','.join(eqst.OPTIMIZERS)})")
-    space.add_argument("--losses", type=_names, default=(),
-                       help="comma-separated losses ("
-                            + ",".join((*eqst.SAMPLE_LOSSES, *eqst.ITEM_WEIGHTED_LOSSES, *eqst.SEQUENCE_LOSS_FAMILIES))
-                            + "; the packed_* and policy_* ones only when named)")
+    space.add_argument(
+        "--families", type=_names, default=(), help=f"comma-separated model families ({','.join(eqst.MODEL_FAMILIES)})"
+    )
+    space.add_argument(
+        "--optimizers", type=_names, default=(), help=f"comma-separated optimizers ({','.join(eqst.OPTIMIZERS)})"
+    )
+    space.add_argument(
+        "--losses",
+        type=_names,
+        default=(),
+        help="comma-separated losses ("
+        + ",".join((*eqst.SAMPLE_LOSSES, *eqst.ITEM_WEIGHTED_LOSSES, *eqst.SEQUENCE_LOSS_FAMILIES))
+        + "; the packed_* and policy_* ones only when named)",
+    )
     space.add_argument("--item-weighted", action="store_true", help="also search the token-level loss")
     space.add_argument("--allow-inherent", action="store_true", help="also draw BatchNorm and dropout models")
-    space.add_argument("--max-batch-size", type=_positive_int, default=None,
-                       help="largest batch drawn (default: its micro-batch count plus up to 8 samples)")
-    space.add_argument("--max-micro-batches", type=_positive_int, default=None,
-                       help="most micro-batches per window drawn (default 32)")
+    space.add_argument(
+        "--max-batch-size",
+        type=_positive_int,
+        default=None,
+        help="largest batch drawn (default: its micro-batch count plus up to 8 samples)",
+    )
+    space.add_argument(
+        "--max-micro-batches", type=_positive_int, default=None, help="most micro-batches per window drawn (default 32)"
+    )
     space.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
     _autocast_flag(space)
     verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
@@ -736,21 +822,42 @@ def build_parser() -> argparse.ArgumentParser:
         "standard splits are checked (ranks holding different samples, micro-batch counts and real tokens).",
     )
     ddp_parser.add_argument("target", help=contract)
-    ddp_parser.add_argument("--split", type=_split, default=None,
-                            help="each rank's micro-batch sizes, ranks separated by ';' (e.g. \"1,2;3\"): one entry "
-                                 "per rank")
-    ddp_parser.add_argument("--case", help="the case as JSON (Case.to_dict()), or @file.json; its batch and "
-                                           "micro-batch sizes come from --split (default: its split on every rank)")
+    ddp_parser.add_argument(
+        "--split",
+        type=_split,
+        default=None,
+        help="each rank's micro-batch sizes, ranks separated by ';' (e.g. \"1,2;3\"): one entry per rank",
+    )
+    ddp_parser.add_argument(
+        "--case",
+        help="the case as JSON (Case.to_dict()), or @file.json; its batch and "
+        "micro-batch sizes come from --split (default: its split on every rank)",
+    )
     # The standard splits are data-parallel ones: tensor-parallel engines are for equiv.check_distributed
     # with DistributedCase.of(..., tensor_parallel=T), and for verify-distributed.
-    ddp_parser.add_argument("--engine", choices=DATA_PARALLEL_ENGINES, default=DEFAULT_ENGINE, help="DDP (default) or FSDP2 (fully_shard)")
-    ddp_parser.add_argument("--nproc", type=_positive_int, default=None,
-                            help="ranks to spawn without torchrun (default 2); under torchrun, its world size")
-    ddp_parser.add_argument("--timeout", type=_positive_seconds, default=120.0,
-                            help="seconds the ranks may take per case once started (default 120)")
+    ddp_parser.add_argument(
+        "--engine", choices=DATA_PARALLEL_ENGINES, default=DEFAULT_ENGINE, help="DDP (default) or FSDP2 (fully_shard)"
+    )
+    ddp_parser.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=None,
+        help="ranks to spawn without torchrun (default 2); under torchrun, its world size",
+    )
+    ddp_parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=120.0,
+        help="seconds the ranks may take per case once started (default 120)",
+    )
     ddp_parser.add_argument("--json", help="also write the verdicts as JSON to this path (rank 0)")
-    ddp_parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE",
-                            help="a module the --case may name factories from (besides the step's own)")
+    ddp_parser.add_argument(
+        "--allow-import",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module the --case may name factories from (besides the step's own)",
+    )
     _precision_flags(ddp_parser)
     _format_flag(ddp_parser)
     ddp_parser.set_defaults(handler=_cmd_check_distributed)
@@ -763,15 +870,23 @@ def build_parser() -> argparse.ArgumentParser:
         "first mismatch to the smallest split. The step must be importable by name (MODULE:FUNC): the ranks import it.",
     )
     search_parser.add_argument("target", help=contract)
-    search_parser.add_argument("--engines", type=_names, default=(),
-                               help=f"comma-separated engines to draw ({','.join(ENGINES)}; default ddp)")
-    search_parser.add_argument("--models", type=_names, default=(),
-                               help=f"comma-separated models to draw ({','.join(MODELS)}; default both)")
-    search_parser.add_argument("--max-examples", type=_positive_int, default=25, help="distributed cases to draw (default 25)")
+    search_parser.add_argument(
+        "--engines", type=_names, default=(), help=f"comma-separated engines to draw ({','.join(ENGINES)}; default ddp)"
+    )
+    search_parser.add_argument(
+        "--models", type=_names, default=(), help=f"comma-separated models to draw ({','.join(MODELS)}; default both)"
+    )
+    search_parser.add_argument(
+        "--max-examples", type=_positive_int, default=25, help="distributed cases to draw (default 25)"
+    )
     search_parser.add_argument("--max-world-size", type=int, default=3, help="most ranks drawn (default 3)")
     search_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
-    search_parser.add_argument("--timeout", type=_positive_seconds, default=20.0,
-                               help="seconds one case's ranks may take (default 20); a hung rank ends the search")
+    search_parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=20.0,
+        help="seconds one case's ranks may take (default 20); a hung rank ends the search",
+    )
     search_parser.add_argument("--json", help="also write the result as JSON to this path")
     _precision_flags(search_parser)
     _format_flag(search_parser)
@@ -803,7 +918,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated N to consider (default: powers of two up to the batch)",
     )
     plan_parser.add_argument("--repeats", type=_positive_int, default=3, help="timed steps per measured N (default: 3)")
-    plan_parser.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads for the measurement")
+    plan_parser.add_argument(
+        "--threads", type=_positive_int, default=None, help="torch.set_num_threads for the measurement"
+    )
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)
 
@@ -823,11 +940,17 @@ def build_parser() -> argparse.ArgumentParser:
     benchmarks = reports.add_parser("benchmarks", help="pytest --benchmark-json output as markdown (tox -e bench)")
     benchmarks.add_argument("--json", type=Path, required=True, help="pytest --benchmark-json output")
     benchmarks.add_argument("--out", type=Path, default=Path("reports/benchmarks.md"), help="markdown file to write")
-    benchmarks.add_argument("--full-run", "--scaling-full", dest="scaling_full", type=Path, action="append",
-                            default=None,
-                            help="a committed full run of a benchmark too long for CI (benchmarks/"
-                                 "test_check_scaling.py, benchmarks/test_audit_false_alarms.py) to show beside this "
-                                 "one (repeat it for several, e.g. a CPU and a GPU run)")
+    benchmarks.add_argument(
+        "--full-run",
+        "--scaling-full",
+        dest="scaling_full",
+        type=Path,
+        action="append",
+        default=None,
+        help="a committed full run of a benchmark too long for CI (benchmarks/"
+        "test_check_scaling.py, benchmarks/test_audit_false_alarms.py) to show beside this "
+        "one (repeat it for several, e.g. a CPU and a GPU run)",
+    )
     benchmarks.set_defaults(handler=_cmd_report_benchmarks)
     return parser
 
@@ -866,8 +989,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The user's Ctrl-C (a KeyboardInterrupt the step raised itself is a raised step, judged
         # where the step is called): one line, the shell's code, no traceback.  Spawned ranks
         # were ended on the way out (the launcher's clean-up runs as the interrupt unwinds).
-        print(f"equiv: interrupted (Ctrl-C) {_doing.get('at_interrupt', _doing['now'])}; nothing judged after it",
-              file=sys.stderr)
+        print(
+            f"equiv: interrupted (Ctrl-C) {_doing.get('at_interrupt', _doing['now'])}; nothing judged after it",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"equiv: error: {exc}", file=sys.stderr)
@@ -877,8 +1002,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_STEP_FAILED
     except Exception:
         traceback.print_exc()
-        print(f"equiv: internal error: equiv {_version()} failed on its own (not your step): please report it "
-              f"with the command line: equiv {' '.join(sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        print(
+            f"equiv: internal error: equiv {_version()} failed on its own (not your step): please report it "
+            f"with the command line: equiv {' '.join(sys.argv[1:] if argv is None else argv)}",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL_ERROR
     finally:
         if on_main_thread:
@@ -901,8 +1029,11 @@ def console() -> NoReturn:
     strays = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     if strays:
         names = ", ".join(repr(t.name) for t in strays)
-        print(f"equiv: the step left {len(strays)} non-daemon thread(s) running ({names}); exiting without "
-              "waiting for them", file=sys.stderr)
+        print(
+            f"equiv: the step left {len(strays)} non-daemon thread(s) running ({names}); exiting without "
+            "waiting for them",
+            file=sys.stderr,
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

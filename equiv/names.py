@@ -57,8 +57,9 @@ def resolve(spec: str) -> Any:
         raise ValueError(f"expected an import path 'package.module:attribute', got {type(spec).__name__}: {spec!r}")
     module_part, sep, attribute = spec.rpartition(":")
     if not sep or not module_part or not attribute:
-        raise ValueError(f"{spec!r} is not an import path; expected 'package.module:attribute' "
-                         "or 'path/to/file.py:attribute'")
+        raise ValueError(
+            f"{spec!r} is not an import path; expected 'package.module:attribute' or 'path/to/file.py:attribute'"
+        )
     if module_part.endswith(".py"):
         module = _load_file(Path(module_part), spec)
         target: Any = module

@@ -60,12 +60,20 @@ class Outcome(str, Enum):
 _WORDS: dict[Outcome, tuple[str, str]] = {
     Outcome.EQUIVALENT: ("equivalent", "every tensor at every step within its allowance, in every tier"),
     Outcome.NOT_EQUIVALENT: ("not equivalent", "a mathematical mismatch with the full-batch step"),
-    Outcome.PRECISION: ("precision", "float32-sized differences inside the float64 run (or a mixed-precision "
-                                     "policy's 16-bit arithmetic), failing for the precision trained in"),
-    Outcome.INHERENTLY_NON_EQUIVALENT: ("inherently non-equivalent", "a layer whose output depends on the batch "
-                                        "(BatchNorm, dropout): no accumulation can match the full batch, not judged"),
-    Outcome.NOT_APPLICABLE: ("not applicable", "the case sets something the step cannot be told about: it says "
-                                               "nothing about the step"),
+    Outcome.PRECISION: (
+        "precision",
+        "float32-sized differences inside the float64 run (or a mixed-precision "
+        "policy's 16-bit arithmetic), failing for the precision trained in",
+    ),
+    Outcome.INHERENTLY_NON_EQUIVALENT: (
+        "inherently non-equivalent",
+        "a layer whose output depends on the batch "
+        "(BatchNorm, dropout): no accumulation can match the full batch, not judged",
+    ),
+    Outcome.NOT_APPLICABLE: (
+        "not applicable",
+        "the case sets something the step cannot be told about: it says nothing about the step",
+    ),
     Outcome.STEP_ERROR: ("step error", "the step raised, hung past the time limit, or a rank died: no verdict"),
 }
 

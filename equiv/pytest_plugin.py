@@ -31,8 +31,15 @@ __all__ = ["FIXTURE", "PROPERTIES", "junit_properties", "record_verdict"]
 #: The fixture a test asks for to run once per standard case.
 FIXTURE = "equiv_case"
 #: The user properties a test that asserted equivalence gets, in this order.
-PROPERTIES = ("equiv_checks", "equiv_status", "equiv_kind", "equiv_failure_kind", "equiv_tier", "equiv_worst_ratio",
-              "equiv_case")
+PROPERTIES = (
+    "equiv_checks",
+    "equiv_status",
+    "equiv_kind",
+    "equiv_failure_kind",
+    "equiv_tier",
+    "equiv_worst_ratio",
+    "equiv_case",
+)
 
 #: The verdicts :func:`record_verdict` heard during the running test (None outside one).
 _verdicts: ContextVar[list[Verdict] | None] = ContextVar("equiv_verdicts", default=None)
@@ -77,8 +84,15 @@ def junit_properties(verdicts: list[Verdict]) -> list[tuple[str, object]]:
     ratio = _worst_ratio(shown)
     failure = shown.failure_kind
     failure_kind = "" if failure is None else " / ".join((failure.name, *failure.also))
-    values: tuple[object, ...] = (len(verdicts), shown.status.value, shown.kind.value, failure_kind, tier,
-                                  f"{ratio:.3g}" if not math.isnan(ratio) else "", repr(shown.case))
+    values: tuple[object, ...] = (
+        len(verdicts),
+        shown.status.value,
+        shown.kind.value,
+        failure_kind,
+        tier,
+        f"{ratio:.3g}" if not math.isnan(ratio) else "",
+        repr(shown.case),
+    )
     return list(zip(PROPERTIES, values, strict=True))
 
 

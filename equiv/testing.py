@@ -54,8 +54,9 @@ def standard_cases() -> list[Any]:
     return [pytest.param(case, id=name) for name, case in STANDARD_CASES.items()]
 
 
-def assert_equivalent(candidate: Candidate, case: Case, *, train_dtype: torch.dtype | str | None = None,
-                      strict: bool = False) -> Verdict:
+def assert_equivalent(
+    candidate: Candidate, case: Case, *, train_dtype: torch.dtype | str | None = None, strict: bool = False
+) -> Verdict:
     """Check ``candidate`` on ``case`` and fail the test unless it is equivalent.
 
     A case that does not apply to the step, or that no accumulation can match

@@ -29,9 +29,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not _results:
         return
     RECORD.parent.mkdir(parents=True, exist_ok=True)
-    RECORD.write_text(json.dumps({
-        "profile": os.environ.get("HYPOTHESIS_PROFILE", "dev"),
-        "max_examples": settings.default.max_examples,
-        "derandomize": settings.default.derandomize,
-        "tests": dict(sorted(_results.items())),
-    }, indent=2) + "\n")
+    RECORD.write_text(
+        json.dumps(
+            {
+                "profile": os.environ.get("HYPOTHESIS_PROFILE", "dev"),
+                "max_examples": settings.default.max_examples,
+                "derandomize": settings.default.derandomize,
+                "tests": dict(sorted(_results.items())),
+            },
+            indent=2,
+        )
+        + "\n"
+    )

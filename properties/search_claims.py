@@ -10,9 +10,15 @@ import equiv
 from equiv.checking.verify import VerifyResult, verify
 
 
-def assert_found_and_shrunk(name: str, bug: Callable[..., Any], shrunk: Callable[[equiv.Case], bool], *,
-                            without: Callable[[equiv.Case], equiv.Case] | None = None,
-                            result: VerifyResult | None = None, **verify_kwargs: Any) -> equiv.Case:
+def assert_found_and_shrunk(
+    name: str,
+    bug: Callable[..., Any],
+    shrunk: Callable[[equiv.Case], bool],
+    *,
+    without: Callable[[equiv.Case], equiv.Case] | None = None,
+    result: VerifyResult | None = None,
+    **verify_kwargs: Any,
+) -> equiv.Case:
     """``result``: a search already run; else ``verify(bug, **verify_kwargs)`` with
     no fresh-process replay (a torch import, seconds per search: the zoo's bugs
     keep no state, and the shrunk case is replayed here in process)."""

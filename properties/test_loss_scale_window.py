@@ -14,8 +14,15 @@ def overflowing_cases(draw: st.DrawFn) -> equiv.Case:
     batch_size = draw(st.integers(2, 8))
     cuts = draw(st.sets(st.integers(1, batch_size - 1), max_size=batch_size - 1))
     bounds = [0, *sorted(cuts), batch_size]
-    optimizer, kwargs = draw(st.sampled_from([("SGD", {"lr": 0.1, "momentum": 0.9}), ("Adam", {"lr": 1e-2}),
-                                              ("AdamW", {"lr": 1e-3, "weight_decay": 0.1})]))
+    optimizer, kwargs = draw(
+        st.sampled_from(
+            [
+                ("SGD", {"lr": 0.1, "momentum": 0.9}),
+                ("Adam", {"lr": 1e-2}),
+                ("AdamW", {"lr": 1e-3, "weight_decay": 0.1}),
+            ]
+        )
+    )
     steps = draw(st.integers(2, 3))
     # AMP's mixed precision (float32 weights, autocast forward) or plain float32.
     autocast = draw(st.sampled_from([None, "float16", "bfloat16"]))

@@ -30,8 +30,11 @@ COUPLED = ("SGD", "Adam", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Ada
 def coupled_decay(case: equiv.Case) -> bool:
     """Weight decay > 0 that is an L2 term in the gradient."""
     kwargs = case.optimizer_kwargs
-    return (case.optimizer in COUPLED and kwargs.get("weight_decay", 0.0) > 0
-            and not kwargs.get("decoupled_weight_decay", False))
+    return (
+        case.optimizer in COUPLED
+        and kwargs.get("weight_decay", 0.0) > 0
+        and not kwargs.get("decoupled_weight_decay", False)
+    )
 
 
 #: bug -> what its shrunk counterexample must have (the setting that exposes it).
@@ -39,12 +42,14 @@ SHRUNK: dict[str, Callable[[equiv.Case], bool]] = {
     # A ring of 8 slots loses micro-batches from the 9th on: the fewest that show it are 9.
     "eight_slot_buffer": lambda c: len(c.micro_batch_sizes) == 9,
     # Two groups and a clip norm the gradient exceeds.
-    "clips_first_group_only": lambda c: c.param_groups in PARAM_GROUPS and c.max_grad_norm is not None
-    and c.max_grad_norm <= 1e-2,
+    "clips_first_group_only": lambda c: (
+        c.param_groups in PARAM_GROUPS and c.max_grad_norm is not None and c.max_grad_norm <= 1e-2
+    ),
     "zero_grads_for_frozen": lambda c: c.frozen_layers != 0,
     # A group parked at lr = 0 (still requiring grad) and a clip norm the gradient exceeds.
-    "clips_only_trained_groups": lambda c: c.param_groups == "parked" and c.max_grad_norm is not None
-    and c.max_grad_norm <= 1e-2,
+    "clips_only_trained_groups": lambda c: (
+        c.param_groups == "parked" and c.max_grad_norm is not None and c.max_grad_norm <= 1e-2
+    ),
     # A frozen layer with a trainable one below it: a layer index, not a frozen bottom.
     "no_grad_through_frozen": lambda c: isinstance(c.frozen_layers, tuple),
     # Coupled decay counted once per micro-batch: two micro-batches are enough.
@@ -99,8 +104,15 @@ def test_a_step_that_keeps_state_across_calls_is_found_and_told_so() -> None:
         forget_item_count()
 
 
-def correct_loop(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: Any, *,
-                 max_grad_norm: float | None = None, scheduler: Any | None = None) -> None:
+def correct_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    loss_fn: Any,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
     """A hand-written correct step, not the Accumulator: each micro-batch's
     summed loss over the window's item count (counted up front), one clip over
     the parameters that have gradients, one step, one scheduler step."""
@@ -129,9 +141,13 @@ def assert_correct_steps_pass(case: equiv.Case) -> None:
 # anywhere, every optimizer (decay drawn for each), schedulers, token losses.
 # (The default search of the reference, in test_quality_bug_zoo.py, covers
 # them mixed with the rest.)
-UNUSUAL = eqst.cases(min_micro_batches=eqst.FEW_MICRO_BATCHES + 1, param_groups=list(PARAM_GROUPS),
-                     frozen_layers=[f for f in eqst.FROZEN_LAYERS if f != 0], schedulers=list(eqst.SCHEDULERS),
-                     item_weighted=True)
+UNUSUAL = eqst.cases(
+    min_micro_batches=eqst.FEW_MICRO_BATCHES + 1,
+    param_groups=list(PARAM_GROUPS),
+    frozen_layers=[f for f in eqst.FROZEN_LAYERS if f != 0],
+    schedulers=list(eqst.SCHEDULERS),
+    item_weighted=True,
+)
 
 
 @given(UNUSUAL)

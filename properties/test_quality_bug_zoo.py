@@ -55,8 +55,11 @@ def search(name: str) -> VerifyResult:
     # Token bugs are exact for sample losses by design: search the token loss only.  No fresh-process
     # replay (a torch import, seconds per search): these bugs keep no state, each test replays its
     # shrunk case in process, and test_quality_blind_spots.py tests the fresh replay on a step that does.
-    return verify(BUGS[name], SearchSpace(losses=eqst.ITEM_WEIGHTED_LOSSES if item_weighted else ()),
-                  replay_in_fresh_process=False)
+    return verify(
+        BUGS[name],
+        SearchSpace(losses=eqst.ITEM_WEIGHTED_LOSSES if item_weighted else ()),
+        replay_in_fresh_process=False,
+    )
 
 
 def test_the_zoo_holds_at_least_10_kinds_of_bug_each_with_a_shrink_claim() -> None:

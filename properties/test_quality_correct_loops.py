@@ -21,8 +21,13 @@ EXAMPLES = 30
 
 @pytest.mark.parametrize("name", sorted(CORRECT_STEPS))
 def test_the_default_search_passes_a_correct_real_loop(name: str) -> None:
-    result = verify(CORRECT_STEPS[name], SearchSpace(item_weighted=True), max_examples=EXAMPLES, seed=0,
-                    replay_in_fresh_process=False)
+    result = verify(
+        CORRECT_STEPS[name],
+        SearchSpace(item_weighted=True),
+        max_examples=EXAMPLES,
+        seed=0,
+        replay_in_fresh_process=False,
+    )
     assert result, result.message()
     if name in FLOAT32_ON_THE_GRADIENT:
         assert result.precision_notes > 0, "the float32 arithmetic was never noticed"
@@ -32,6 +37,12 @@ def test_the_default_search_passes_a_correct_real_loop(name: str) -> None:
 
 def test_for_float64_training_it_is_a_precision_finding_not_a_mismatch() -> None:
     # One step is enough here: tests/test_precision.py holds both to it case by case.
-    result = verify(CORRECT_STEPS["scales_by_inverse_item_count"], SearchSpace(item_weighted=True),
-                    max_examples=EXAMPLES, seed=0, replay_in_fresh_process=False, train_dtype="float64")
+    result = verify(
+        CORRECT_STEPS["scales_by_inverse_item_count"],
+        SearchSpace(item_weighted=True),
+        max_examples=EXAMPLES,
+        seed=0,
+        replay_in_fresh_process=False,
+        train_dtype="float64",
+    )
     assert result.kind is Outcome.PRECISION, result.message()

@@ -34,8 +34,9 @@ SHRUNK: dict[str, Callable[[equiv.Case], bool]] = {
     # Divided by the scale twice: any scale above 1 shows, even the smallest drawn (2).
     "unscales_twice": lambda c: c.loss_scale is not None and c.loss_scale > 1 and c.overflow_at is None,
     # The scaled norm is compared with the clip norm: needs clipping that bites, and a scale.
-    "clips_before_unscaling": lambda c: c.loss_scale is not None and c.max_grad_norm is not None
-    and c.max_grad_norm <= 1e-2 and c.overflow_at is None,
+    "clips_before_unscaling": lambda c: (
+        c.loss_scale is not None and c.max_grad_norm is not None and c.max_grad_norm <= 1e-2 and c.overflow_at is None
+    ),
     # Only a window that overflows tells a per-micro-batch check from the window's.
     "skips_overflowing_micro_batch": lambda c: c.overflow_at is not None,
     # A skipped window followed by another, and the simplest scheduler that moves the lr.
@@ -62,9 +63,16 @@ def without_setting(name: str, case: equiv.Case) -> equiv.Case:
     return case.replace(loss_scale=None, overflow_at=None, scale_growth_interval=None)  # unscales_twice
 
 
-def correct_scaled_loop(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: Any, *,
-                        max_grad_norm: float | None = None, scheduler: Any | None = None,
-                        grad_scaler: torch.amp.GradScaler | None = None) -> None:
+def correct_scaled_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    loss_fn: Any,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> None:
     """A hand-written correct step, not the Accumulator, as PyTorch's AMP examples
     write accumulation: each micro-batch's scaled loss (summed over the window's
     item count), then once per window unscale, clip, ``scaler.step`` (skipped on

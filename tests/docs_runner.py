@@ -51,8 +51,12 @@ def _run_page() -> None:
             output = captured.getvalue()
             if error is not None and (expected is None or type(error).__name__ != expected):
                 detail = "".join(traceback.format_exception(error))
-                fail(block, f"the block raised {type(error).__name__}"
-                            + (f" (expected {expected})" if expected else "") + f":\n{output}{detail}")
+                fail(
+                    block,
+                    f"the block raised {type(error).__name__}"
+                    + (f" (expected {expected})" if expected else "")
+                    + f":\n{output}{detail}",
+                )
             if error is None and expected is not None:
                 fail(block, f"the block was expected to raise {expected} and did not:\n{output}")
             if error is not None:
@@ -60,8 +64,13 @@ def _run_page() -> None:
             sys.stdout.write(output)
             results.append({"line": block["line"], "output": output})
         elif block["kind"] == "bash" and main:
-            ran = subprocess.run(["bash", "-o", "pipefail", "-c", str(block["source"])], cwd=here,
-                                 capture_output=True, text=True, timeout=float(block["timeout"]))
+            ran = subprocess.run(
+                ["bash", "-o", "pipefail", "-c", str(block["source"])],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                timeout=float(block["timeout"]),
+            )
             output = ran.stdout + ran.stderr
             sys.stdout.write(output)
             if ran.returncode != int(block["exit"]):

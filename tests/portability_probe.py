@@ -37,8 +37,12 @@ def ci_searches() -> dict[str, Any]:
     out = {}
     for name, bug in sorted(BUGS.items()):
         item_weighted = name in ITEM_WEIGHTED_BUGS
-        result = verify(bug, SearchSpace(losses=eqst.ITEM_WEIGHTED_LOSSES if item_weighted else ()), profile="ci",
-                        replay_in_fresh_process=False)
+        result = verify(
+            bug,
+            SearchSpace(losses=eqst.ITEM_WEIGHTED_LOSSES if item_weighted else ()),
+            profile="ci",
+            replay_in_fresh_process=False,
+        )
         out[name] = {
             "found": result.found,
             "shrunk case": None if result.counterexample is None else result.counterexample.to_dict(),
@@ -52,15 +56,23 @@ def main(out: str) -> None:
     from test_pinned_verdicts import facts_of, pinned_rows
 
     rows = pinned_rows()
-    Path(out).write_text(json.dumps({
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "facts": {f"{row['candidate']} | {row['case_name']}": facts_of(row) for row in rows},
-        "search_sections": [*search_sections(measure_searches(), properties_record=None),
-                            packed_section(measure_packed_search()), policy_section(measure_policy_search()),
-                            precision_section(measure_precision_search())],
-        "ci_searches": ci_searches(),
-    }, ensure_ascii=False))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "capability": torch.backends.cpu.get_cpu_capability(),
+                "threads": torch.get_num_threads(),
+                "facts": {f"{row['candidate']} | {row['case_name']}": facts_of(row) for row in rows},
+                "search_sections": [
+                    *search_sections(measure_searches(), properties_record=None),
+                    packed_section(measure_packed_search()),
+                    policy_section(measure_policy_search()),
+                    precision_section(measure_precision_search()),
+                ],
+                "ci_searches": ci_searches(),
+            },
+            ensure_ascii=False,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,9 @@ def test_tensor_item_counts_stay_tensors_on_the_device(device: str) -> None:
 @pytest.mark.cuda
 def test_micro_steps_never_synchronise_with_the_host() -> None:
     model = tiny("cuda")
-    accumulator = equiv.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True),
-                                    max_grad_norm=1.0)
+    accumulator = equiv.Accumulator(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), max_grad_norm=1.0
+    )
     x, y = data(device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -125,8 +126,7 @@ def test_grad_scaler_skips_the_whole_window_when_one_micro_batch_overflows() -> 
 def test_bfloat16_parameters_accumulate_in_a_float32_buffer() -> None:
     model = tiny(dtype=torch.bfloat16)
     start = [p.detach().clone() for p in model.parameters()]
-    accumulator = equiv.Accumulator(model, torch.optim.SGD(model.parameters(), lr=1.0),
-                                    accumulate_dtype=torch.float32)
+    accumulator = equiv.Accumulator(model, torch.optim.SGD(model.parameters(), lr=1.0), accumulate_dtype=torch.float32)
     assert accumulator.buffer_bytes == sum(p.numel() * 4 for p in model.parameters())
     x, y = data(dtype=torch.bfloat16)
     expected = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
@@ -142,8 +142,7 @@ def test_bfloat16_parameters_accumulate_in_a_float32_buffer() -> None:
 
 def test_no_second_copy_when_parameters_are_already_as_wide() -> None:
     model = tiny()
-    accumulator = equiv.Accumulator(model, torch.optim.SGD(model.parameters(), lr=1.0),
-                                    accumulate_dtype=torch.float32)
+    accumulator = equiv.Accumulator(model, torch.optim.SGD(model.parameters(), lr=1.0), accumulate_dtype=torch.float32)
     assert accumulator.buffer_bytes == 0
 
 
@@ -210,5 +209,9 @@ def test_non_scalar_loss_is_refused() -> None:
 def test_grad_scaler_with_a_widening_buffer_is_refused() -> None:
     model = tiny(dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"grad_scaler with accumulate_dtype=torch\.float32"):
-        equiv.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                          grad_scaler=torch.amp.GradScaler("cpu"), accumulate_dtype=torch.float32)
+        equiv.Accumulator(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            grad_scaler=torch.amp.GradScaler("cpu"),
+            accumulate_dtype=torch.float32,
+        )

@@ -74,8 +74,10 @@ def test_every_audits_one_window_in_k_and_records_nothing_in_between() -> None:
         nanogpt_loop(model, optimizer, _loader([8] * 16), 1)
     assert watched.steps == 8
     assert [w.step for w in watched.windows] == [0, 3, 6]
-    assert "3 of 8 optimizer steps audited (every 3): 3 judged (3 equivalent, 0 not equivalent), 5 not judged " \
-           "(5 not sampled)" in watched.summary()
+    assert (
+        "3 of 8 optimizer steps audited (every 3): 3 judged (3 equivalent, 0 not equivalent), 5 not judged "
+        "(5 not sampled)" in watched.summary()
+    )
 
 
 def test_stop_at_first_failure_raises_from_the_failing_step() -> None:
@@ -126,8 +128,11 @@ def test_a_run_that_clips_unannounced_is_flagged_with_the_clip_norm_to_pass() ->
 
     unannounced = clipped_run()
     assert unannounced.windows and not any(w.equivalent for w in unannounced.windows)
-    assert all("clipped its gradients to 0.05 (1 clip_grad_norm_ call in the window)" in w.line()
-               and "audit with max_grad_norm=0.05" in w.line() for w in unannounced.windows), unannounced.summary()
+    assert all(
+        "clipped its gradients to 0.05 (1 clip_grad_norm_ call in the window)" in w.line()
+        and "audit with max_grad_norm=0.05" in w.line()
+        for w in unannounced.windows
+    ), unannounced.summary()
     assert clipped_run(max_grad_norm=0.05), "told the clip norm, the run is equivalent"
     assert torch.nn.utils.clip_grad_norm_.__name__ == "clip_grad_norm_"  # torch's own again once the audit closed
 
@@ -244,8 +249,11 @@ def test_a_regression_loop_with_float_targets_is_replayed_in_float64(sample_weig
             samples = sum(len(targets) for _, targets in window)
             for inputs, targets in window:
                 output = model(inputs, targets)
-                loss = (torch.nn.functional.mse_loss(output, targets, reduction="sum") / samples if sample_weighted
-                        else torch.nn.functional.mse_loss(output, targets) / len(window))
+                loss = (
+                    torch.nn.functional.mse_loss(output, targets, reduction="sum") / samples
+                    if sample_weighted
+                    else torch.nn.functional.mse_loss(output, targets) / len(window)
+                )
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -284,13 +292,16 @@ def _autocast_run(*, per_window_items: bool) -> equiv.auditing.Audit:
     data = [(torch.randn(n, 4, generator=generator), torch.randn(n, 3, generator=generator)) for n in (2, 5, 3, 4)]
     with audit(model, optimizer, loss=equiv.MSE()) as watched:
         for start in (0, 2):
-            window = data[start:start + 2]
+            window = data[start : start + 2]
             items = sum(targets.numel() for _, targets in window)
             for inputs, targets in window:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     output = model(inputs, targets=targets)
-                loss = (nn.functional.mse_loss(output.float(), targets, reduction="sum") / items if per_window_items
-                        else nn.functional.mse_loss(output.float(), targets) / len(window))
+                loss = (
+                    nn.functional.mse_loss(output.float(), targets, reduction="sum") / items
+                    if per_window_items
+                    else nn.functional.mse_loss(output.float(), targets) / len(window)
+                )
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -33,8 +33,10 @@ class Regressor(nn.Module):
 
 def _windows(count: int) -> list[list[tuple[Tensor, Tensor]]]:
     generator = torch.Generator().manual_seed(0)
-    return [[(torch.randn(3, 3, generator=generator), torch.randn(3, 1, generator=generator))
-             for _ in range(MICRO_BATCHES)] for _ in range(count)]
+    return [
+        [(torch.randn(3, 3, generator=generator), torch.randn(3, 1, generator=generator)) for _ in range(MICRO_BATCHES)]
+        for _ in range(count)
+    ]
 
 
 def _run(update: str, *, averaged_kind: str = "ema", windows: int = 4, decay: float = 0.9) -> Audit:
@@ -46,7 +48,8 @@ def _run(update: str, *, averaged_kind: str = "ema", windows: int = 4, decay: fl
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     if averaged_kind == "ema":
         averaged: AveragedModel | equiv.ExponentialAverage = AveragedModel(
-            model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+            model, multi_avg_fn=get_ema_multi_avg_fn(decay)
+        )
         move = averaged.update_parameters
     elif averaged_kind == "swa":
         averaged = AveragedModel(model)
@@ -109,8 +112,9 @@ def test_an_average_counted_by_micro_steps_is_flagged_on_the_steps_it_misses_or_
     watched = _run("every_3_micro_batches", windows=5)
     # micro-steps 3, 6, 9, 12, 15, 18: windows of 4 hold 1, 1, 1, 0, 2 ... updates, never one per step
     assert watched.failures, watched.summary()
-    assert any("updated 0 times" in window.line() for window in watched.failures) or \
-        any("updated 2 times" in window.line() for window in watched.failures)
+    assert any("updated 0 times" in window.line() for window in watched.failures) or any(
+        "updated 2 times" in window.line() for window in watched.failures
+    )
 
 
 def test_an_average_never_updated_is_flagged() -> None:
@@ -141,8 +145,9 @@ def test_windows_reach_tensorboard_beside_the_loss_curve(tmp_path: Path) -> None
     torch.manual_seed(0)
     model = Regressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    on_window = equiv.auditing.tensorboard_writer(writer, global_step=lambda window: 100 + window.step,
-                                                  then=lambda window: seen.append(window.step))
+    on_window = equiv.auditing.tensorboard_writer(
+        writer, global_step=lambda window: 100 + window.step, then=lambda window: seen.append(window.step)
+    )
     with audit(model, optimizer, loss=equiv.MSE(), on_window=on_window) as watched:
         mse = watched.wrap(nn.functional.mse_loss)
         for index, window in enumerate(_windows(3)):

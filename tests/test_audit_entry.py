@@ -48,8 +48,9 @@ def _opened(model: nn.Module, optimizer: Any, criterion: nn.Module) -> tuple[equ
 # -- item 5: the wrappers users hold ------------------------------------------------------
 
 
-def _accelerate_run(per_micro_batch: Callable[[Any], None] | None = None,
-                    sizes: tuple[int, ...] = (4,) * 8) -> tuple[equiv.auditing.Audit, list[str]]:
+def _accelerate_run(
+    per_micro_batch: Callable[[Any], None] | None = None, sizes: tuple[int, ...] = (4,) * 8
+) -> tuple[equiv.auditing.Audit, list[str]]:
     """Accelerate's own accumulation loop (``accelerator.accumulate``, mean loss, ``accelerator.backward``
     dividing by the accumulation steps, the prepared scheduler stepped every iteration)."""
     from accelerate import Accelerator
@@ -90,7 +91,8 @@ def test_an_accelerate_loop_with_uneven_micro_batches_is_flagged() -> None:
 
 @pytest.mark.peers("accelerate")
 def test_accelerates_scheduler_stepped_num_processes_times_by_design_is_one_advance(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import accelerate.scheduler
 
     class TwoProcesses:  # split_batches=False on 2 processes: the wrapper steps its scheduler twice per step
@@ -136,11 +138,14 @@ def test_nested_wrappers_are_unwrapped_and_the_run_audited() -> None:
     assert audit and audit.judged == 4, audit.summary()
 
 
-@pytest.mark.parametrize("given, named", [
-    (object(), "got a object"),
-    (_Holder(object()), "its .optimizer chain ends at a object"),
-    (_Holder(None), "got a _Holder"),
-])
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        (object(), "got a object"),
+        (_Holder(object()), "its .optimizer chain ends at a object"),
+        (_Holder(None), "got a _Holder"),
+    ],
+)
 def test_what_is_not_an_optimizer_or_a_wrapper_of_one_is_refused_by_name(given: Any, named: str) -> None:
     with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer") as raised:
         equiv.audit(_model(), given, loss=equiv.CrossEntropy())
@@ -186,7 +191,7 @@ def _closure_run(before_step: int, zero_in_closure: bool) -> equiv.auditing.Audi
     loader = _loader()
     with equiv.audit(model, optimizer, loss=equiv.CrossEntropy(), criterion=criterion) as audit:
         for start in range(0, len(loader), 2):
-            window = loader[start:start + 2]
+            window = loader[start : start + 2]
             for x, y in window[:before_step]:
                 (criterion(model(x), y) / 2).backward()
 
@@ -220,8 +225,13 @@ def test_a_closure_that_discards_the_micro_batches_before_the_step_is_flagged() 
 # -- item 12: the LR schedule per optimizer step ------------------------------------------------
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module,
-           on_micro_batch: Callable[[], None] = lambda: None, on_step: Callable[[], None] = lambda: None) -> None:
+def _train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: nn.Module,
+    on_micro_batch: Callable[[], None] = lambda: None,
+    on_step: Callable[[], None] = lambda: None,
+) -> None:
     loader = _loader()
     for index, (x, y) in enumerate(loader):
         (criterion(model(x), y) / 2).backward()
@@ -232,27 +242,43 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Mod
             on_step()
 
 
-def _scheduled(make: Callable[[torch.optim.Optimizer], Any], per_micro_batch: bool,
-               optimizer_class: type[torch.optim.Optimizer] = torch.optim.SGD,
-               step: Callable[[Any], None] = lambda scheduler: scheduler.step()) -> equiv.auditing.Audit:
+def _scheduled(
+    make: Callable[[torch.optim.Optimizer], Any],
+    per_micro_batch: bool,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.SGD,
+    step: Callable[[Any], None] = lambda scheduler: scheduler.step(),
+) -> equiv.auditing.Audit:
     model, criterion = _model(), nn.CrossEntropyLoss()
     optimizer = optimizer_class(model.parameters(), lr=0.1)
     scheduler = make(optimizer)
     with equiv.audit(model, optimizer, loss=equiv.CrossEntropy(), criterion=criterion) as audit:
-        _train(model, optimizer, criterion, on_micro_batch=(lambda: step(scheduler)) if per_micro_batch else
-               lambda: None, on_step=(lambda: None) if per_micro_batch else lambda: step(scheduler))
+        _train(
+            model,
+            optimizer,
+            criterion,
+            on_micro_batch=(lambda: step(scheduler)) if per_micro_batch else lambda: None,
+            on_step=(lambda: None) if per_micro_batch else lambda: step(scheduler),
+        )
     return audit
 
 
 SCHEDULES: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "LambdaLR": lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step)),
     "OneCycleLR": lambda optimizer: torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=20),
-    "SequentialLR": lambda optimizer: torch.optim.lr_scheduler.SequentialLR(optimizer, [
-        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2),
-        torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)], milestones=[2]),
-    "ChainedScheduler": lambda optimizer: torch.optim.lr_scheduler.ChainedScheduler([
-        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=4),
-        torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)]),
+    "SequentialLR": lambda optimizer: torch.optim.lr_scheduler.SequentialLR(
+        optimizer,
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9),
+        ],
+        milestones=[2],
+    ),
+    "ChainedScheduler": lambda optimizer: torch.optim.lr_scheduler.ChainedScheduler(
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=4),
+            torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9),
+        ]
+    ),
 }
 
 
@@ -271,15 +297,19 @@ def test_a_scheduler_stepped_per_micro_batch_is_flagged_naming_it_and_the_count(
 
 
 def test_reduce_lr_on_plateau_stepped_per_micro_batch_is_flagged_where_it_cuts_the_rate() -> None:
-    audit = _scheduled(lambda optimizer: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0),
-                       per_micro_batch=True, step=lambda scheduler: scheduler.step(1.0))  # a flat metric
+    audit = _scheduled(
+        lambda optimizer: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0),
+        per_micro_batch=True,
+        step=lambda scheduler: scheduler.step(1.0),
+    )  # a flat metric
     assert audit.status is Outcome.NOT_EQUIVALENT, audit.summary()
     assert "ReduceLROnPlateau stepped 2 times" in audit.failures[0].line()
 
 
 def test_a_constant_schedule_stepped_per_micro_batch_passes_with_a_note() -> None:
-    audit = _scheduled(lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-                       per_micro_batch=True)
+    audit = _scheduled(
+        lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), per_micro_batch=True
+    )
     assert audit and audit.judged == 4, audit.summary()
     assert all(window.note is not None and "LambdaLR stepped 2 times" in window.line() for window in audit.windows)
     assert audit.windows[0].to_dict()["note"] == audit.windows[0].note
@@ -299,14 +329,31 @@ def test_the_transformers_trainer_with_a_warmup_schedule_passes() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     rows = [{"input_ids": torch.randint(0, 32, (8,)), "labels": torch.randint(0, 32, (8,))} for _ in range(8)]
-    args = TrainingArguments(output_dir="/tmp/equiv-entry-trainer", per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, num_train_epochs=1, use_cpu=True, report_to="none",
-                             save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                             remove_unused_columns=False, lr_scheduler_type="linear", warmup_steps=1,
-                             learning_rate=1e-2)
+    args = TrainingArguments(
+        output_dir="/tmp/equiv-entry-trainer",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        learning_rate=1e-2,
+    )
     callback = equiv.auditing.transformers_callback(loss=equiv.NextTokenCrossEntropy(), say=None)
     Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=rows, callbacks=[callback]).train()
     assert callback.audit is not None and callback.audit and callback.audit.judged == 2, callback.audit.summary()

@@ -48,8 +48,13 @@ def _batches(windows: int, *, poison: int | None = None) -> list[list[tuple[Tens
     return out
 
 
-def _sgd_loop(model: nn.Module, optimizer: torch.optim.Optimizer, windows: list[list[tuple[Tensor, Tensor]]],
-              *, loss_scale: float = 1.0) -> None:
+def _sgd_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    windows: list[list[tuple[Tensor, Tensor]]],
+    *,
+    loss_scale: float = 1.0,
+) -> None:
     for window in windows:
         samples = sum(targets.numel() for _, targets in window)
         for inputs, targets in window:
@@ -183,10 +188,18 @@ def test_a_loop_that_never_steps_is_named() -> None:
 def test_every_window_is_counted_judged_or_not_sampled() -> None:
     watched = _audited(_batches(5), every=2)
     assert watched.steps == 5 and len(watched.windows) == 3
-    assert watched.counts() == {"equivalent": 3, "not_equivalent": 0, "inherent": 0, "full_batch_not_finite": 0,
-                                "not_sampled": 2, "skipped": 0}
-    assert "3 of 5 optimizer steps audited (every 2): 3 judged (3 equivalent, 0 not equivalent), 2 not judged " \
-           "(2 not sampled)" in watched.summary(), watched.summary()
+    assert watched.counts() == {
+        "equivalent": 3,
+        "not_equivalent": 0,
+        "inherent": 0,
+        "full_batch_not_finite": 0,
+        "not_sampled": 2,
+        "skipped": 0,
+    }
+    assert (
+        "3 of 5 optimizer steps audited (every 2): 3 judged (3 equivalent, 0 not equivalent), 2 not judged "
+        "(2 not sampled)" in watched.summary()
+    ), watched.summary()
     assert watched.to_dict()["not_sampled"] == 2 and watched.to_dict()["judged"] == 3
 
 
@@ -197,8 +210,11 @@ def test_a_step_the_grad_scaler_skips_is_counted_and_the_next_window_judged_alon
     # micro-batches are not the next step's, which is judged on its own (and equivalent).
     torch.manual_seed(0)
     model = Regressor()
-    optimizer = (torch.optim.Adam(model.parameters(), lr=0.01, fused=True) if fused
-                 else torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = (
+        torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     start = [param.detach().clone() for param in model.parameters()]
     seen_scales: list[float] = []
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-120)
@@ -259,8 +275,11 @@ def test_dropout_set_to_zero_as_the_hint_says_is_judged() -> None:
 def test_an_optimizer_of_another_model_is_refused_on_entry() -> None:
     model, other = nn.Linear(3, 4), nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"the optimizer holds 4 parameter tensors that are not the model's "
-                                         r"parameters \(first: shape \(4, 3\);.*model\.parameters\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the optimizer holds 4 parameter tensors that are not the model's "
+        r"parameters \(first: shape \(4, 3\);.*model\.parameters\(\)",
+    ):
         audit(model, optimizer, loss=equiv.MSE())
 
 

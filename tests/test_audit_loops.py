@@ -59,9 +59,11 @@ def test_the_callback_says_what_it_read_in_one_line_when_training_begins() -> No
     callback.on_train_begin(args, None, None, model=model, optimizer=optimizer)
     callback.on_train_end(args, None, None)
     assert said == [callback.audit.read]
-    assert said[0].startswith("equiv audit: read from TrainingArguments: max_grad_norm=1.0, "
-                              "gradient_accumulation_steps=4, bf16=False, fp16=False, model_accepts_loss_kwargs=False "
-                              "(the Trainer divides each micro-batch's mean loss by gradient_accumulation_steps"), said
+    assert said[0].startswith(
+        "equiv audit: read from TrainingArguments: max_grad_norm=1.0, "
+        "gradient_accumulation_steps=4, bf16=False, fp16=False, model_accepts_loss_kwargs=False "
+        "(the Trainer divides each micro-batch's mean loss by gradient_accumulation_steps"
+    ), said
     told = equiv.auditing.transformers_callback(loss=TOKENS, say=None, max_grad_norm=0.5)
     told.on_train_begin(args, None, None, model=model, optimizer=optimizer)
     told.on_train_end(args, None, None)
@@ -97,8 +99,11 @@ def test_a_run_that_clamps_by_value_unannounced_is_hinted_and_told_is_clean() ->
 
     unannounced = clamped_run()
     assert unannounced.windows and not any(w.equivalent for w in unannounced.windows), unannounced.summary()
-    assert all("clamped its gradients to ±0.01 (1 clip_grad_value_ call in the window)" in w.line()
-               and "audit with max_grad_value=0.01" in w.line() for w in unannounced.windows), unannounced.summary()
+    assert all(
+        "clamped its gradients to ±0.01 (1 clip_grad_value_ call in the window)" in w.line()
+        and "audit with max_grad_value=0.01" in w.line()
+        for w in unannounced.windows
+    ), unannounced.summary()
     assert clamped_run(max_grad_value=0.01), "told the clip value, the run is equivalent"
     assert torch.nn.utils.clip_grad_value_.__module__ == "torch.nn.utils.clip_grad"  # torch's own again
 
@@ -132,6 +137,7 @@ def test_lightning_on_its_defaults_says_it_does_not_clip() -> None:
 
 # -- 2. the loop people write: loss = criterion(model(x), y) ----------------------------------------
 
+
 def _classifier() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -143,11 +149,12 @@ def _batches(*sizes: int) -> list[tuple[Tensor, Tensor]]:
     return [(torch.randn(n, 3, generator=generator), torch.randint(0, 2, (n,), generator=generator)) for n in sizes]
 
 
-def _criterion_loop(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module,
-                    data: list[tuple[Tensor, Tensor]], n: int) -> None:
+def _criterion_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, data: list[tuple[Tensor, Tensor]], n: int
+) -> None:
     """The commonest loop: ``loss = criterion(model(x), y) / N``, targets never reach forward."""
     for start in range(0, len(data), n):
-        for inputs, targets in data[start:start + n]:
+        for inputs, targets in data[start : start + n]:
             out = model(inputs)
             loss = criterion(out, targets) / n
             loss.backward()
@@ -182,7 +189,7 @@ def test_a_wrapped_loss_function_hands_its_targets_to_the_audit() -> None:
 def test_a_criterion_called_twice_per_forward_is_named() -> None:
     criterion = nn.CrossEntropyLoss()
     model, optimizer = _classifier()
-    (inputs, targets), = _batches(4)
+    ((inputs, targets),) = _batches(4)
     with pytest.raises(ValueError, match=r"criterion .*2 times.* 1 forward call"):
         with audit(model, optimizer, loss=equiv.CrossEntropy(), criterion=criterion):
             out = model(inputs)
@@ -197,6 +204,7 @@ def test_a_criterion_that_is_not_a_module_is_refused_with_what_to_do() -> None:
 
 
 # -- 3. a guess that does not fit the loss ----------------------------------------------------------
+
 
 class Denoiser(nn.Module):
     """A diffusion model's call shape: ``model(x, t)``, ``t`` the timestep, not the target."""
@@ -215,8 +223,9 @@ def _squared_error(output: Tensor, target: Tensor) -> Tensor:
     return ((output - target) ** 2).mean()
 
 
-def _diffusion_loop(criterion: nn.Module | None = None, *, by_hand: bool = False,
-                    **settings: object) -> equiv.auditing.Audit:
+def _diffusion_loop(
+    criterion: nn.Module | None = None, *, by_hand: bool = False, **settings: object
+) -> equiv.auditing.Audit:
     torch.manual_seed(0)
     model = Denoiser()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -254,6 +263,7 @@ def test_the_same_diffusion_loop_untold_is_judged_on_the_targets_its_mse_loss_re
 
 
 # -- 4. calls the forward hook cannot see ------------------------------------------------------------
+
 
 def _nanogpt_loop(call: object, optimizer: torch.optim.Optimizer) -> None:
     for window in windows(token_loader([8, 8, 8, 8, 3, 7, 2, 2]), 2):

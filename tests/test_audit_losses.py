@@ -51,7 +51,7 @@ def _run(loss_of: Any, batches: Sequence[Batch] | None = None, **settings: Any) 
     batches = _batches() if batches is None else batches
     with audit(model, optimizer, **settings) as watched:
         for start in range(0, len(batches), 2):
-            window = batches[start:start + 2]
+            window = batches[start : start + 2]
             total = _window_items(window, loss_of)
             for x, y in window:
                 loss_of(model(x), y, total).backward()
@@ -72,8 +72,10 @@ class _Summed:
 
 def _per_micro_batch_mean(criterion: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor, float], Tensor]:
     """The bug: each micro-batch's own mean, divided by the number of micro-batches."""
+
     def loss(output: Tensor, y: Tensor, total: float) -> Tensor:
         return criterion(output, y) / 2
+
     return loss
 
 
@@ -86,17 +88,27 @@ def _verdicts(watched: Audit) -> list[bool]:
 
 def test_a_label_smoothed_criterion_with_a_plain_loss_is_one_line_naming_both() -> None:
     model, optimizer = _classifier()
-    with pytest.raises(ValueError, match=r"^loss=CrossEntropy\(\) and criterion=CrossEntropyLoss\("
-                       r"label_smoothing=0\.1\) disagree \(label_smoothing 0 against 0\.1\)") as raised:
+    with pytest.raises(
+        ValueError,
+        match=r"^loss=CrossEntropy\(\) and criterion=CrossEntropyLoss\("
+        r"label_smoothing=0\.1\) disagree \(label_smoothing 0 against 0\.1\)",
+    ) as raised:
         audit(model, optimizer, loss=equiv.CrossEntropy(), criterion=nn.CrossEntropyLoss(label_smoothing=0.1))
     assert "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("options", [{"label_smoothing": 0.1}, {"weight": torch.tensor([0.2, 1.0, 3.0, 0.5])},
-                                     {"ignore_index": 2}, {"weight": torch.tensor([0.2, 1.0, 3.0, 0.5]),
-                                                           "label_smoothing": 0.2, "ignore_index": 1}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"label_smoothing": 0.1},
+        {"weight": torch.tensor([0.2, 1.0, 3.0, 0.5])},
+        {"ignore_index": 2},
+        {"weight": torch.tensor([0.2, 1.0, 3.0, 0.5]), "label_smoothing": 0.2, "ignore_index": 1},
+    ],
+)
 def test_the_loss_derived_from_a_criterion_passes_a_correct_run_and_flags_a_per_micro_batch_mean(
-        options: dict[str, Any]) -> None:
+    options: dict[str, Any],
+) -> None:
     summing = nn.CrossEntropyLoss(reduction="sum", **options)
     derived = equiv.CrossEntropy(**{"ignore_index": -100, **options})
 
@@ -119,8 +131,10 @@ def test_class_weights_count_each_item_by_its_weight_as_torch_divides() -> None:
     assert torch.allclose(loss.sum(output, target) / loss.count(target), expected)
     assert float(loss.count(target)) == pytest.approx(float(weight[target[target != -100]].sum()))
     tokens = equiv.TokenCrossEntropy(weight=weight)
-    assert torch.allclose(tokens.sum(output[None], target[None]) / tokens.count(target[None]),
-                          F.cross_entropy(output, target, weight=weight))
+    assert torch.allclose(
+        tokens.sum(output[None], target[None]) / tokens.count(target[None]),
+        F.cross_entropy(output, target, weight=weight),
+    )
 
 
 def test_a_criterion_given_alone_names_the_loss_and_loss_given_alongside_that_agrees_is_kept() -> None:
@@ -207,8 +221,11 @@ def test_a_functional_loop_with_options_reads_them_and_a_metric_on_a_detached_ou
 
     correct.items = lambda y: float(loss.count(y))  # type: ignore[attr-defined]
     assert _verdicts(_run(correct, loss=loss)) == [True, True]
-    with pytest.raises(ValueError, match=r"^loss=CrossEntropy\(\) and the loop's F\.cross_entropy\("
-                       r"label_smoothing=0\.1\) disagree \(label_smoothing 0 against 0\.1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^loss=CrossEntropy\(\) and the loop's F\.cross_entropy\("
+        r"label_smoothing=0\.1\) disagree \(label_smoothing 0 against 0\.1\)",
+    ):
         _run(lambda output, y, total: F.cross_entropy(output, y, label_smoothing=0.1), loss=equiv.CrossEntropy())
     assert torch.overrides._get_current_function_mode() is None  # restored on the exception too
 
@@ -232,7 +249,7 @@ def test_wrap_and_a_criterion_with_the_functional_mode_record_each_target_once()
         with audit(model, optimizer, **settings) as watched:
             loss_of = make(watched)
             for start in range(0, len(batches), 2):
-                window = batches[start:start + 2]
+                window = batches[start : start + 2]
                 for x, y in window:
                     loss_of(model(x), y, float(sum(len(b) for _, b in window))).backward()
                 optimizer.step()
@@ -245,8 +262,11 @@ def test_wrap_and_a_criterion_with_the_functional_mode_record_each_target_once()
 
     assert _verdicts(wrapped_run(wrapped, loss=equiv.CrossEntropy())) == [True, True]
     summing = nn.CrossEntropyLoss(reduction="sum")
-    assert _verdicts(wrapped_run(lambda w: lambda output, y, total: summing(output, y) / total,
-                                 loss=equiv.CrossEntropy(), criterion=summing)) == [True, True]
+    assert _verdicts(
+        wrapped_run(
+            lambda w: lambda output, y, total: summing(output, y) / total, loss=equiv.CrossEntropy(), criterion=summing
+        )
+    ) == [True, True]
 
 
 VOCAB, SEQ = 11, 5
@@ -279,15 +299,20 @@ def _token_batches(seed: int = 3) -> list[Batch]:
     return batches
 
 
-def _lm_run(model: nn.Module, loss_of: Callable[[Any, Tensor, Tensor, float], Tensor], *,
-            forward: Callable[[nn.Module, Tensor, Tensor], Any] | None = None, next_token: bool = False,
-            **settings: Any) -> Audit:
+def _lm_run(
+    model: nn.Module,
+    loss_of: Callable[[Any, Tensor, Tensor, float], Tensor],
+    *,
+    forward: Callable[[nn.Module, Tensor, Tensor], Any] | None = None,
+    next_token: bool = False,
+    **settings: Any,
+) -> Audit:
     """Two windows of two micro-batches; ``real``: the window's real (next-token, ``next_token``) targets."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     batches = _token_batches()
     with audit(model, optimizer, **settings) as watched:
         for start in range(0, len(batches), 2):
-            window = batches[start:start + 2]
+            window = batches[start : start + 2]
             real = float(sum(int((labels[:, 1:] if next_token else labels).ne(-100).sum()) for _, labels in window))
             for tokens, labels in window:
                 out = model(tokens) if forward is None else forward(model, tokens, labels)
@@ -359,7 +384,7 @@ def test_a_compiled_model_with_a_functional_loss_is_audited() -> None:
     batches = _token_batches()
     with audit(compiled, optimizer, loss=equiv.TokenCrossEntropy()) as watched:  # type: ignore[arg-type]
         for start in range(0, len(batches), 2):
-            window = batches[start:start + 2]
+            window = batches[start : start + 2]
             real = float(sum(int((labels != -100).sum()) for _, labels in window))
             for tokens, labels in window:
                 correct(compiled(tokens), labels, tokens, real).backward()
@@ -395,8 +420,13 @@ class _FunASRStyle(_TinyLM):
     """FunASR's ``forward(speech, speech_lengths, text, text_lengths)``: ``(loss, stats, weight)``,
     the loss a mean over the batch's real tokens, its stats a dict, its weight the batch size."""
 
-    def forward(self, speech: Tensor, speech_lengths: Tensor, text: Tensor,  # type: ignore[override]
-                text_lengths: Tensor) -> tuple[Tensor, dict[str, Any], Tensor]:
+    def forward(
+        self,
+        speech: Tensor,
+        speech_lengths: Tensor,
+        text: Tensor,  # type: ignore[override]
+        text_lengths: Tensor,
+    ) -> tuple[Tensor, dict[str, Any], Tensor]:
         loss = F.cross_entropy(self.logits(speech).flatten(0, 1), text.flatten(), ignore_index=-100)
         stats = {"loss": loss.detach(), "acc": None, "batch_size": speech.shape[0]}
         return loss, stats, torch.tensor(speech.shape[0])
@@ -445,11 +475,18 @@ def test_a_model_computing_its_own_loss_is_judged_on_what_call_model_returns(sty
 
 def test_a_call_model_whose_output_does_not_fit_the_loss_is_one_line() -> None:
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match=r"^the targets \(a tensor of shape \(2, 5\)\) do not fit the loss: "
-                       r"CrossEntropy\(\) on what call_model / output returned"):
-        _lm_run(_LinguaStyle(), lambda out, labels, tokens, real: out.sum() / real,
-                forward=lambda model, tokens, labels: model(tokens, labels),
-                loss=equiv.CrossEntropy(), call_model=lambda model, call: model.logits(call[0][0])[:, 0])
+    with pytest.raises(
+        ValueError,
+        match=r"^the targets \(a tensor of shape \(2, 5\)\) do not fit the loss: "
+        r"CrossEntropy\(\) on what call_model / output returned",
+    ):
+        _lm_run(
+            _LinguaStyle(),
+            lambda out, labels, tokens, real: out.sum() / real,
+            forward=lambda model, tokens, labels: model(tokens, labels),
+            loss=equiv.CrossEntropy(),
+            call_model=lambda model, call: model.logits(call[0][0])[:, 0],
+        )
 
 
 def test_two_audits_closed_out_of_order_leave_no_mode_behind() -> None:
@@ -460,7 +497,7 @@ def test_two_audits_closed_out_of_order_leave_no_mode_behind() -> None:
     first.__enter__()
     second.__enter__()
     for start in range(0, len(batches), 2):
-        for x, y in batches[start:start + 2]:
+        for x, y in batches[start : start + 2]:
             F.cross_entropy(model(x), y, reduction="sum").backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -28,11 +28,12 @@ def _run(**options: object) -> Audit:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     criterion = nn.CrossEntropyLoss(reduction="sum")
     generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(n, 4, generator=generator), torch.randint(0, 3, (n,), generator=generator))
-               for n in (2, 3, 4, 4)]
+    batches = [
+        (torch.randn(n, 4, generator=generator), torch.randint(0, 3, (n,), generator=generator)) for n in (2, 3, 4, 4)
+    ]
     with equiv.audit(model, optimizer, criterion=criterion, **options) as watched:  # type: ignore[arg-type]
         for first in (0, 2):
-            window = batches[first:first + 2]
+            window = batches[first : first + 2]
             items = sum(len(y) for _, y in window)
             for x, y in window:
                 (criterion(model(x), y) / items).backward()

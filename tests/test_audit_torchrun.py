@@ -25,17 +25,43 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parent / "data" / "audit_under_torchrun.py"
 CORRECT = ("ddp_global_tokens", "fsdp2_global_tokens", "buffer_correct")
 #: each kind of 2025-2026 bug, flagged from the step where it goes wrong (the first)
-BUGS = ("ddp_rank_token_mean", "ddp_sync_left_off", "fsdp2_rank_token_mean", "fsdp2_sync_left_off",
-        "buffer_scaled_by_index", "buffer_last_only", "buffer_last_left_out")
+BUGS = (
+    "ddp_rank_token_mean",
+    "ddp_sync_left_off",
+    "fsdp2_rank_token_mean",
+    "fsdp2_sync_left_off",
+    "buffer_scaled_by_index",
+    "buffer_last_only",
+    "buffer_last_left_out",
+)
 
 
 def _launch(world: int, kinds: tuple[str, ...], out: Path, **env_settings: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_settings,
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        **env_settings,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("RANK", None)
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(SCRIPT),
-         str(out), *kinds], cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            str(SCRIPT),
+            str(out),
+            *kinds,
+        ],
+        cwd=out.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def audits_under_torchrun(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dict[str, Any]]:
@@ -110,8 +136,17 @@ def fsdp2_bytes_on_two_ranks(tmp_path: Path) -> int:
 
 
 def test_three_ranks(tmp_path: Path) -> None:
-    audits = audits_under_torchrun(3, ("ddp_global_tokens", "fsdp2_global_tokens", "ddp_rank_token_mean",
-                                       "fsdp2_sync_left_off", "buffer_scaled_by_index"), tmp_path)
+    audits = audits_under_torchrun(
+        3,
+        (
+            "ddp_global_tokens",
+            "fsdp2_global_tokens",
+            "ddp_rank_token_mean",
+            "fsdp2_sync_left_off",
+            "buffer_scaled_by_index",
+        ),
+        tmp_path,
+    )
     for kind in ("ddp_global_tokens", "fsdp2_global_tokens"):  # 3 ranks: FSDP2's shards of 13 rows are uneven
         good = audits[kind]["audit"]
         assert good["status"] == "equivalent" and good["judged"] == 3, audits[kind]["summary"]
@@ -124,14 +159,15 @@ def test_three_ranks(tmp_path: Path) -> None:
     assert audits["fsdp2_global_tokens"]["communicated"] <= fsdp2_bytes_on_two_ranks(tmp_path)
 
 
-
 def test_a_rank_that_hangs_is_named_within_the_timeout_and_no_process_is_left(tmp_path: Path) -> None:
     start = time.monotonic()
     done = _launch(2, ("buffer_rank_1_hangs",), tmp_path / "out.jsonl", EQUIV_AUDIT_RANK_TIMEOUT_S="3")
     elapsed = time.monotonic() - start
     assert done.returncode != 0
-    assert ("equiv.audit: rank 0 of 2 waited for the other ranks in the full-batch replay of optimizer step 1"
-            in done.stderr), done.stderr[-3000:]
+    assert (
+        "equiv.audit: rank 0 of 2 waited for the other ranks in the full-batch replay of optimizer step 1"
+        in done.stderr
+    ), done.stderr[-3000:]
     assert "did a rank hang, stop stepping, or raise?" in done.stderr
     assert elapsed < 60, elapsed  # rank 1 sleeps 120 s: torchrun ended it once rank 0 raised
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)

@@ -28,15 +28,32 @@ MLP = {"hidden": (8,)}
         ({"batch_size": 2, "micro_batch_sizes": (2,), "max_grad_norm": -1.0}, "max_grad_norm must be positive"),
         ({"batch_size": 2, "micro_batch_sizes": (2,), "scheduler": "Nope"}, "unknown scheduler 'Nope'"),
         # Issue 36: LBFGS got past the case and failed inside the full-batch reference (exit 4).
-        ({"batch_size": 2, "micro_batch_sizes": (2,), "optimizer": "LBFGS"},
-         "optimizer 'LBFGS' is not supported: its step(closure) re-evaluates the loss"),
+        (
+            {"batch_size": 2, "micro_batch_sizes": (2,), "optimizer": "LBFGS"},
+            "optimizer 'LBFGS' is not supported: its step(closure) re-evaluates the loss",
+        ),
         ({"batch_size": 2, "micro_batch_sizes": (2,), "optimizer": "lbfgs"}, "optimizer 'LBFGS' is not supported"),
-        ({"batch_size": 2, "micro_batch_sizes": (2,), "optimizer": torch.optim.SparseAdam},
-         "optimizer 'SparseAdam' is not supported: it takes sparse gradients only"),
+        (
+            {"batch_size": 2, "micro_batch_sizes": (2,), "optimizer": torch.optim.SparseAdam},
+            "optimizer 'SparseAdam' is not supported: it takes sparse gradients only",
+        ),
     ],
-    ids=["sizes_do_not_add_up", "empty_micro_batch", "no_micro_batch", "zero_batch", "zero_steps",
-         "unknown_optimizer", "unknown_loss", "unknown_model", "unknown_dtype", "negative_clip",
-         "unknown_scheduler", "lbfgs", "lbfgs_lowercase", "sparse_adam"],
+    ids=[
+        "sizes_do_not_add_up",
+        "empty_micro_batch",
+        "no_micro_batch",
+        "zero_batch",
+        "zero_steps",
+        "unknown_optimizer",
+        "unknown_loss",
+        "unknown_model",
+        "unknown_dtype",
+        "negative_clip",
+        "unknown_scheduler",
+        "lbfgs",
+        "lbfgs_lowercase",
+        "sparse_adam",
+    ],
 )
 def test_invalid_case_names_the_value(fields: dict[str, object], message: str) -> None:
     with pytest.raises(equiv.InvalidCase, match=re.escape(message)):
@@ -122,8 +139,15 @@ def test_check_rejects_non_case_and_bad_tiers() -> None:
 
 
 def test_case_round_trips_through_dict_and_repr() -> None:
-    case = equiv.Case(batch_size=5, micro_batch_sizes=(2, 3), optimizer="Adam", optimizer_kwargs={"lr": 1e-3},
-                      loss="cross_entropy", max_grad_norm=1.0, seed=7)
+    case = equiv.Case(
+        batch_size=5,
+        micro_batch_sizes=(2, 3),
+        optimizer="Adam",
+        optimizer_kwargs={"lr": 1e-3},
+        loss="cross_entropy",
+        max_grad_norm=1.0,
+        seed=7,
+    )
     assert equiv.Case.from_dict(case.to_dict()) == case
     assert eval(repr(case), {"Case": equiv.Case}) == case
     assert case.to_dict()["micro_batch_sizes"] == [2, 3]

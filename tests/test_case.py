@@ -21,12 +21,20 @@ def case(**changes) -> Case:
     ("changes", "message"),
     [
         ({"frozen_layers": (1, 1)}, "non-empty tuple of distinct layer indices, got (1, 1)"),
-        ({"frozen_layers": True}, "frozen_layers must be an int (k: the first k layers, -k: all but the last k) "
-                                  "or a non-empty tuple of distinct layer indices, got True"),
-        ({"frozen_layers": 1.0}, "frozen_layers must be an int (k: the first k layers, -k: all but the last k) "
-                                 "or a non-empty tuple of distinct layer indices, got 1.0"),
-        ({"param_groups": "layerwise"},
-         "unknown param_groups 'layerwise'; expected None or one of ['head_lr', 'no_decay', 'parked']"),
+        (
+            {"frozen_layers": True},
+            "frozen_layers must be an int (k: the first k layers, -k: all but the last k) "
+            "or a non-empty tuple of distinct layer indices, got True",
+        ),
+        (
+            {"frozen_layers": 1.0},
+            "frozen_layers must be an int (k: the first k layers, -k: all but the last k) "
+            "or a non-empty tuple of distinct layer indices, got 1.0",
+        ),
+        (
+            {"param_groups": "layerwise"},
+            "unknown param_groups 'layerwise'; expected None or one of ['head_lr', 'no_decay', 'parked']",
+        ),
         ({"param_groups": ""}, "unknown param_groups ''"),
     ],
     ids=["frozen-repeated", "frozen-bool", "frozen-float", "groups-unknown", "groups-empty-name"],
@@ -38,8 +46,9 @@ def test_bad_new_fields_are_rejected_naming_the_value(changes: dict, message: st
 
 
 def test_new_fields_round_trip_through_dict_json_and_repr() -> None:
-    original = case(frozen_layers=1, param_groups="head_lr", optimizer="AdamW",
-                    optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1})
+    original = case(
+        frozen_layers=1, param_groups="head_lr", optimizer="AdamW", optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1}
+    )
     data = original.to_dict()
     assert data["frozen_layers"] == 1 and data["param_groups"] == "head_lr"
     assert Case.from_dict(data) == original
@@ -59,7 +68,11 @@ def test_frozen_layers_freeze_the_first_layers_that_own_parameters_only() -> Non
     assert frozen == ["0.weight", "0.bias"]
     two = case(frozen_layers=2).build_model().module
     assert [name for name, p in two.named_parameters() if not p.requires_grad] == [
-        "0.weight", "0.bias", "1.weight", "1.bias"]
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+    ]
     assert all(p.requires_grad for p in case().build_model().module.parameters())
 
 
@@ -143,12 +156,20 @@ def test_schedulers_step_every_group(recipe: str) -> None:
 
 
 def test_torch_objects_and_any_capitalisation_are_accepted_as_the_canonical_names() -> None:
-    case = Case(batch_size=2, micro_batch_sizes=(1, 1), dtype=torch.float64, optimizer=torch.optim.AdamW,
-                optimizer_kwargs={"lr": 1e-3}, scheduler=torch.optim.lr_scheduler.StepLR,
-                scheduler_kwargs={"step_size": 1}, autocast=torch.bfloat16)
+    case = Case(
+        batch_size=2,
+        micro_batch_sizes=(1, 1),
+        dtype=torch.float64,
+        optimizer=torch.optim.AdamW,
+        optimizer_kwargs={"lr": 1e-3},
+        scheduler=torch.optim.lr_scheduler.StepLR,
+        scheduler_kwargs={"step_size": 1},
+        autocast=torch.bfloat16,
+    )
     assert (case.dtype, case.optimizer, case.scheduler, case.autocast) == ("float64", "AdamW", "StepLR", "bfloat16")
     assert Case(batch_size=2, micro_batch_sizes=(1, 1), optimizer="adamw", loss="MSE", model="MLP") == Case(
-        batch_size=2, micro_batch_sizes=(1, 1), optimizer="AdamW", loss="mse", model="mlp")
+        batch_size=2, micro_batch_sizes=(1, 1), optimizer="AdamW", loss="mse", model="mlp"
+    )
     assert Case.from_dict(case.to_dict()) == case
 
 
@@ -171,11 +192,21 @@ def test_names_and_optimizer_keywords_are_checked_when_the_case_is_made(changes:
 
 def test_frozen_layers_anywhere_and_their_bad_values() -> None:
     three = {"batch_size": 2, "micro_batch_sizes": (1, 1), "model_kwargs": {"hidden": (8, 8)}}
-    trains = {spec: [p.requires_grad for n, p in Case(**three, frozen_layers=spec).build_model().module.named_parameters()
-                     if n.endswith("weight")]
-              for spec in (1, -1, (1,), (-1,), (0, 2))}
-    assert trains == {1: [False, True, True], -1: [False, False, True], (1,): [True, False, True],
-                      (-1,): [True, True, False], (0, 2): [False, True, False]}
+    trains = {
+        spec: [
+            p.requires_grad
+            for n, p in Case(**three, frozen_layers=spec).build_model().module.named_parameters()
+            if n.endswith("weight")
+        ]
+        for spec in (1, -1, (1,), (-1,), (0, 2))
+    }
+    assert trains == {
+        1: [False, True, True],
+        -1: [False, False, True],
+        (1,): [True, False, True],
+        (-1,): [True, True, False],
+        (0, 2): [False, True, False],
+    }
     assert Case.from_dict(Case(**three, frozen_layers=(1,)).to_dict()).frozen_layers == (1,)
     with pytest.raises(InvalidCase, match=r"names layer\(s\) \[5\] of model 'mlp', which has 3 layers"):
         Case(**three, frozen_layers=(5,)).build_model()

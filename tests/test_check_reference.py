@@ -29,8 +29,15 @@ def test_reference_passes_standard_case(name: str) -> None:
 @pytest.mark.parametrize("pieces", [1, 2, 3, 5, 8, 16])
 def test_reference_matches_full_batch_for_uneven_splits(optimizer: str, pieces: int) -> None:
     name, kwargs = OPTIMIZERS[optimizer]
-    case = equiv.Case(batch_size=17, micro_batch_sizes=uneven_split(17, pieces), model_kwargs=MLP,
-                      optimizer=name, optimizer_kwargs=kwargs, steps=3, seed=pieces)
+    case = equiv.Case(
+        batch_size=17,
+        micro_batch_sizes=uneven_split(17, pieces),
+        model_kwargs=MLP,
+        optimizer=name,
+        optimizer_kwargs=kwargs,
+        steps=3,
+        seed=pieces,
+    )
     equiv.check(equiv.accumulator_step, case).assert_ok()
 
 
@@ -38,8 +45,15 @@ def test_reference_matches_full_batch_for_uneven_splits(optimizer: str, pieces: 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
 def test_reference_clips_once_after_accumulation(max_grad_norm: float, optimizer: str) -> None:
     name, kwargs = OPTIMIZERS[optimizer]
-    case = equiv.Case(batch_size=9, micro_batch_sizes=(1, 3, 5), model_kwargs=MLP, optimizer=name,
-                      optimizer_kwargs=kwargs, max_grad_norm=max_grad_norm, steps=3)
+    case = equiv.Case(
+        batch_size=9,
+        micro_batch_sizes=(1, 3, 5),
+        model_kwargs=MLP,
+        optimizer=name,
+        optimizer_kwargs=kwargs,
+        max_grad_norm=max_grad_norm,
+        steps=3,
+    )
     equiv.check(equiv.accumulator_step, case).assert_ok()
 
 
@@ -47,27 +61,55 @@ def test_reference_clips_once_after_accumulation(max_grad_norm: float, optimizer
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
 def test_reference_is_exact_for_token_weighted_loss(sizes: tuple[int, ...], optimizer: str) -> None:
     name, kwargs = OPTIMIZERS[optimizer]
-    case = equiv.Case(batch_size=sum(sizes), micro_batch_sizes=sizes, model="token_mlp",
-                      loss="token_cross_entropy", optimizer=name, optimizer_kwargs=kwargs, steps=3)
+    case = equiv.Case(
+        batch_size=sum(sizes),
+        micro_batch_sizes=sizes,
+        model="token_mlp",
+        loss="token_cross_entropy",
+        optimizer=name,
+        optimizer_kwargs=kwargs,
+        steps=3,
+    )
     equiv.check(equiv.accumulator_step, case).assert_ok()
 
 
 def test_reference_steps_scheduler_once_per_window() -> None:
-    case = equiv.Case(batch_size=8, micro_batch_sizes=(3, 5), model_kwargs=MLP, optimizer="SGD",
-                      optimizer_kwargs={"lr": 0.1}, scheduler="StepLR",
-                      scheduler_kwargs={"step_size": 1, "gamma": 0.5}, steps=3)
+    case = equiv.Case(
+        batch_size=8,
+        micro_batch_sizes=(3, 5),
+        model_kwargs=MLP,
+        optimizer="SGD",
+        optimizer_kwargs={"lr": 0.1},
+        scheduler="StepLR",
+        scheduler_kwargs={"step_size": 1, "gamma": 0.5},
+        steps=3,
+    )
     equiv.check(equiv.accumulator_step, case).assert_ok()
 
 
 def test_reference_passes_in_bfloat16_noise_tier() -> None:
-    case = equiv.Case(batch_size=12, micro_batch_sizes=(2, 3, 7), model_kwargs=MLP, optimizer="AdamW",
-                      optimizer_kwargs={"lr": 1e-3}, dtype="bfloat16", steps=2)
+    case = equiv.Case(
+        batch_size=12,
+        micro_batch_sizes=(2, 3, 7),
+        model_kwargs=MLP,
+        optimizer="AdamW",
+        optimizer_kwargs={"lr": 1e-3},
+        dtype="bfloat16",
+        steps=2,
+    )
     verdict = equiv.check(equiv.accumulator_step, case)
     verdict.assert_ok()
     assert verdict.worst["noise"].dtype == "bfloat16"
 
 
 def test_reference_on_device(device: str) -> None:
-    case = equiv.Case(batch_size=10, micro_batch_sizes=(1, 4, 5), model_kwargs=MLP, optimizer="Adam",
-                      optimizer_kwargs={"lr": 1e-2}, device=device, steps=3)
+    case = equiv.Case(
+        batch_size=10,
+        micro_batch_sizes=(1, 4, 5),
+        model_kwargs=MLP,
+        optimizer="Adam",
+        optimizer_kwargs={"lr": 1e-2},
+        device=device,
+        steps=3,
+    )
     equiv.check(equiv.accumulator_step, case).assert_ok()

@@ -8,8 +8,9 @@ MLP = {"hidden": (8, 8), "activation": "tanh"}
 
 
 def case(**changes: object) -> equiv.Case:
-    base = equiv.Case(batch_size=8, micro_batch_sizes=(4, 4), model_kwargs=MLP, optimizer="SGD",
-                      optimizer_kwargs={"lr": 0.1}, steps=2)
+    base = equiv.Case(
+        batch_size=8, micro_batch_sizes=(4, 4), model_kwargs=MLP, optimizer="SGD", optimizer_kwargs={"lr": 0.1}, steps=2
+    )
     return base.replace(**changes)
 
 

@@ -71,7 +71,10 @@ def test_a_correct_step_that_does_not_clip_passes_with_clipping_not_applicable(
     not_applicable = sorted(name for name, status in statuses.items() if status == "not_applicable")
     equivalent = sum(status == "equivalent" for status in statuses.values())
     assert "SGD, active clipping 3+5" in not_applicable
-    assert f"{equivalent} equivalent, 0 not equivalent, {len(not_applicable)} not applicable, of {len(statuses)} case(s)" in text
+    assert (
+        f"{equivalent} equivalent, 0 not equivalent, {len(not_applicable)} not applicable, of {len(statuses)} case(s)"
+        in text
+    )
 
 
 def test_a_step_that_cannot_take_the_contract_is_a_usage_error(
@@ -95,7 +98,11 @@ def test_one_case_as_json(steps_file: Path) -> None:
         ("{file}", [], "expected MODULE:FUNC or path/to/file.py:FUNC"),
         ("nowhere/steps.py:step", [], "no such file 'nowhere/steps.py'"),
         ("{file}:textbook", ["--case", "{not json"], "--case is not valid JSON"),
-        ("{file}:textbook", ["--case", '{"batch_size": 3, "micro_batch_sizes": [1]}'], "add up to 1, but batch_size is 3"),
+        (
+            "{file}:textbook",
+            ["--case", '{"batch_size": 3, "micro_batch_sizes": [1]}'],
+            "add up to 1, but batch_size is 3",
+        ),
     ],
     ids=["bad_module", "missing_attr", "not_callable", "no_colon", "no_file", "bad_json", "bad_case"],
 )
@@ -106,8 +113,9 @@ def test_usage_errors_exit_2_with_a_message(
     assert message in capsys.readouterr().err
 
 
-def test_loading_a_target_leaves_sys_path_as_it_was(steps_file: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    tmp_path: Path) -> None:
+def test_loading_a_target_leaves_sys_path_as_it_was(
+    steps_file: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import sys
 
     from equiv.cli import load_target

@@ -25,7 +25,7 @@ from equiv.judging.contract import bind
 from equiv.outcomes import Fault
 from equiv.results.protocol import schema
 
-STEPS = '''
+STEPS = """
 import threading, time
 import equiv
 
@@ -53,9 +53,15 @@ def tiny():
 def batches(step, batch_size, generator):
     import torch
     return torch.randn(batch_size, 4, generator=generator), torch.randn(batch_size, 2, generator=generator)
-'''
-TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",
-                 optimizer_kwargs={"lr": 0.02}, steps=1)
+"""
+TOY = equiv.Case(
+    batch_size=8,
+    micro_batch_sizes=(1, 3, 4),
+    model="scalar_linear",
+    data="toy_2x",
+    optimizer_kwargs={"lr": 0.02},
+    steps=1,
+)
 
 
 @pytest.fixture
@@ -69,7 +75,9 @@ def _case_json(case: equiv.Case = TOY) -> str:
     return json.dumps(case.to_dict())
 
 
-def test_a_hanging_step_ends_the_check_at_the_timeout_with_exit_3(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_hanging_step_ends_the_check_at_the_timeout_with_exit_3(
+    steps: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     started = time.monotonic()
     assert main(["check", f"{steps}:hangs", "--case", _case_json(), "--timeout", "2"]) == EXIT_STEP_FAILED
     assert time.monotonic() - started < 30
@@ -92,9 +100,17 @@ def test_after_a_hang_the_other_standard_cases_are_not_run(
     assert f"0 equivalent, 0 not equivalent, 1 hung, {rest} not run, of {len(STANDARD_CASES)} case(s)" in text
     written = json.loads(out.read_text())
     jsonschema.validate(written, schema())
-    assert written["counts"] == {"equivalent": 0, "not equivalent": 0, "not applicable": 0,
-                                 "inherently non-equivalent": 0, "raised": 0, "hung": 1, "died": 0,
-                                 "collective mismatch": 0, "not run": rest}
+    assert written["counts"] == {
+        "equivalent": 0,
+        "not equivalent": 0,
+        "not applicable": 0,
+        "inherently non-equivalent": 0,
+        "raised": 0,
+        "hung": 1,
+        "died": 0,
+        "collective mismatch": 0,
+        "not run": rest,
+    }
     rows = {row["case_name"]: row for row in written["cases"]}
     assert rows[first]["fault"] == "hung" and sum(row.get("not_run", False) for row in rows.values()) == rest
 
@@ -107,8 +123,10 @@ def test_a_step_that_raises_everywhere_is_tallied_raised_never_not_equivalent(
     step = bind(equiv.cli.load_target(f"{steps}:raises"))
     raised = sum(not step.not_applicable_reasons(case) for case in STANDARD_CASES.values())
     assert raised > 1
-    assert summary == (f"0 equivalent, 0 not equivalent, {len(STANDARD_CASES) - raised} not applicable, "
-                       f"{raised} raised, of {len(STANDARD_CASES)} case(s)")
+    assert summary == (
+        f"0 equivalent, 0 not equivalent, {len(STANDARD_CASES) - raised} not applicable, "
+        f"{raised} raised, of {len(STANDARD_CASES)} case(s)"
+    )
 
 
 def test_a_distributed_fault_stops_the_torchrun_cases_and_counts_the_rest_as_not_run(
@@ -121,15 +139,17 @@ def test_a_distributed_fault_stops_the_torchrun_cases_and_counts_the_rest_as_not
     def hangs_on_every_rank(task: object, world_size: int, **options: object) -> list[object]:
         raise DistributedCheckError("rank 1 hung past 5 s in step 0", Fault.HUNG)
 
-    args = argparse.Namespace(target=f"{steps}:textbook", engine="ddp", timeout=5.0, train_dtype=None,
-                              strict_precision=False, format="text")
+    args = argparse.Namespace(
+        target=f"{steps}:textbook", engine="ddp", timeout=5.0, train_dtype=None, strict_precision=False, format="text"
+    )
     cases = standard_distributed_cases(2, "ddp")
     candidate = equiv.cli.load_target(args.target)
     code = _check_distributed_cases(args, candidate, cases, hangs_on_every_rank, None, stop_on_fault=True)
     assert code == EXIT_STEP_FAILED
     summary = capsys.readouterr().out.strip().splitlines()[-1]
-    assert summary == (f"0 equivalent, 0 not equivalent, 1 hung, {len(cases) - 1} not run, of {len(cases)} case(s) "
-                       "on 2 ranks (ddp)")
+    assert summary == (
+        f"0 equivalent, 0 not equivalent, 1 hung, {len(cases) - 1} not run, of {len(cases)} case(s) on 2 ranks (ddp)"
+    )
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a folder that takes no new file)")
@@ -165,7 +185,9 @@ def test_an_unsupported_optimizer_in_a_case_is_a_usage_error(steps: Path, capsys
 
 def test_a_hanging_step_ends_the_search_without_shrinking(steps: Path, capsys: pytest.CaptureFixture[str]) -> None:
     started = time.monotonic()
-    assert main(["verify", f"{steps}:hangs", "--seed", "0", "--max-examples", "5", "--timeout", "1"]) == EXIT_STEP_FAILED
+    assert (
+        main(["verify", f"{steps}:hangs", "--seed", "0", "--max-examples", "5", "--timeout", "1"]) == EXIT_STEP_FAILED
+    )
     assert time.monotonic() - started < 30
     assert "did not finish step" in capsys.readouterr().out
 
@@ -183,7 +205,10 @@ def test_a_counterexample_is_exit_1(steps: Path) -> None:
 def test_the_command_exits_although_the_step_left_a_non_daemon_thread(steps: Path, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "equiv", "check", f"{steps}:leaves_a_thread", "--case", _case_json()],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert "ok    --case" in done.stdout
@@ -193,18 +218,32 @@ def test_the_command_exits_although_the_step_left_a_non_daemon_thread(steps: Pat
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        pytest.param(["check", "{steps}:textbook", "--case", "@{tmp}/missing.json"], "cannot read the --case file",
-                     id="case-file-missing"),
-        pytest.param(["check", "{steps}:textbook", "--json", "{tmp}/no/such/folder/out.json"], "does not exist",
-                     id="json-folder-missing"),
-        pytest.param(["verify", "{steps}:textbook", "--json", "{tmp}/no/such/folder/out.json"], "does not exist",
-                     id="verify-json-folder-missing"),
-        pytest.param(["report", "peers", "--out", "{tmp}/no/such/folder/peers.md"], "does not exist",
-                     id="report-out-folder-missing"),
-        pytest.param(["check", "{steps}:textbook", "--case", "LR"], "rejected: Invalid learning rate: -1",
-                     id="negative-lr"),
-        pytest.param(["check", "{steps}:textbook", "--case", "DIVERGES"], "the case itself diverges",
-                     id="diverging-case"),
+        pytest.param(
+            ["check", "{steps}:textbook", "--case", "@{tmp}/missing.json"],
+            "cannot read the --case file",
+            id="case-file-missing",
+        ),
+        pytest.param(
+            ["check", "{steps}:textbook", "--json", "{tmp}/no/such/folder/out.json"],
+            "does not exist",
+            id="json-folder-missing",
+        ),
+        pytest.param(
+            ["verify", "{steps}:textbook", "--json", "{tmp}/no/such/folder/out.json"],
+            "does not exist",
+            id="verify-json-folder-missing",
+        ),
+        pytest.param(
+            ["report", "peers", "--out", "{tmp}/no/such/folder/peers.md"],
+            "does not exist",
+            id="report-out-folder-missing",
+        ),
+        pytest.param(
+            ["check", "{steps}:textbook", "--case", "LR"], "rejected: Invalid learning rate: -1", id="negative-lr"
+        ),
+        pytest.param(
+            ["check", "{steps}:textbook", "--case", "DIVERGES"], "the case itself diverges", id="diverging-case"
+        ),
         pytest.param(["check", "{steps}:textbook", "--timeout", "-1"], "--timeout must be", id="negative-timeout"),
     ],
 )
@@ -254,8 +293,7 @@ def test_a_case_from_json_imports_nothing_the_user_did_not_name(
     steps: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     marker = tmp_path / "PWNED"
-    hostile = {**TOY.to_dict(), "model": "os:system", "model_kwargs": {"command": f"touch {marker}"},
-               "data": "random"}
+    hostile = {**TOY.to_dict(), "model": "os:system", "model_kwargs": {"command": f"touch {marker}"}, "data": "random"}
     assert main(["check", f"{steps}:textbook", "--case", json.dumps(hostile)]) == EXIT_USAGE
     assert "would import module 'os', which was not named" in capsys.readouterr().err
     assert not marker.exists()
@@ -264,8 +302,13 @@ def test_a_case_from_json_imports_nothing_the_user_did_not_name(
 def test_a_case_naming_factories_beside_the_step_replays_from_the_command_line(
     steps: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    own = {**TOY.to_dict(), "model": "exit_steps:tiny", "data": "exit_steps:batches", "batch_size": 3,
-           "micro_batch_sizes": [1, 2]}
+    own = {
+        **TOY.to_dict(),
+        "model": "exit_steps:tiny",
+        "data": "exit_steps:batches",
+        "batch_size": 3,
+        "micro_batch_sizes": [1, 2],
+    }
     # The step's own module is allowed, and its folder is where the case's imports resolve.
     assert main(["check", f"{steps}:textbook", "--case", json.dumps(own)]) == EXIT_COUNTEREXAMPLE
     assert "FAIL  --case" in capsys.readouterr().out
@@ -290,11 +333,16 @@ def test_tb_shows_the_step_s_own_traceback(steps: Path, capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["verify", "{steps}:textbook", "--max-examples", "0"], "argument --max-examples: expected a whole number >= 1"),
+        (
+            ["verify", "{steps}:textbook", "--max-examples", "0"],
+            "argument --max-examples: expected a whole number >= 1",
+        ),
         (["verify", "{steps}:textbook", "--max-batch-size", "0"], "argument --max-batch-size: expected a whole number"),
         (["verify", "{steps}:textbook", "--families", ","], "argument --families: expected comma-separated names"),
-        (["verify-distributed", "{steps}:textbook", "--timeout", "0"], "argument --timeout: expected a number of "
-                                                                       "seconds > 0, got '0'"),
+        (
+            ["verify-distributed", "{steps}:textbook", "--timeout", "0"],
+            "argument --timeout: expected a number of seconds > 0, got '0'",
+        ),
         (["verify-distributed", "{steps}:textbook", "--engines", ""], "argument --engines: expected comma-separated"),
         (["check-distributed", "{steps}:textbook", "--nproc", "0"], "argument --nproc: expected a whole number >= 1"),
     ],

@@ -15,7 +15,7 @@ from equiv.cli import EXIT_COUNTEREXAMPLE, EXIT_EQUIVALENT, EXIT_STEP_FAILED, ma
 from equiv.results.annotations import escape_data, escape_property, step_location
 from equiv.results.protocol import schema
 
-STEPS = '''import equiv
+STEPS = """import equiv
 
 
 def textbook(model, optimizer, micro_batches, loss_fn):
@@ -31,7 +31,7 @@ def raises(model, optimizer, micro_batches, loss_fn):
 
 def reference(model, optimizer, micro_batches, loss_fn):
     equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)
-'''
+"""
 UNEVEN = '{"batch_size": 8, "micro_batch_sizes": [1, 3, 4], "model": "scalar_linear", "data": "toy_2x", "steps": 1}'
 
 
@@ -52,7 +52,7 @@ def _commands(out: str, kind: str) -> list[tuple[dict[str, str], str]]:
     found = []
     for line in out.splitlines():
         if line.startswith(f"::{kind} "):
-            head, _, message = line[len(kind) + 3:].partition("::")
+            head, _, message = line[len(kind) + 3 :].partition("::")
             properties = dict(item.split("=", 1) for item in head.split(","))
             unescape = {"%3A": ":", "%2C": ",", "%0A": "\n", "%0D": "\r", "%25": "%"}
             for key, value in [*properties.items(), ("", message)]:
@@ -129,8 +129,12 @@ class _Callable:
 def test_step_location_finds_functions_wrapped_steps_and_callable_objects(tmp_path: Path) -> None:
     here = Path(__file__).resolve()
     wrapped = functools.wraps(_plain)(lambda *args: _plain(*args))
-    line = here.read_text().splitlines().index("def _plain(model: Any, optimizer: Any, micro_batches: Any, "
-                                              "loss_fn: Any) -> None:") + 1
+    line = (
+        here.read_text()
+        .splitlines()
+        .index("def _plain(model: Any, optimizer: Any, micro_batches: Any, loss_fn: Any) -> None:")
+        + 1
+    )
     assert step_location(_plain, cwd=str(here.parent)) == (here.name, line)
     assert step_location(wrapped, cwd=str(here.parent)) == (here.name, line)
     assert step_location(_plain, cwd=str(tmp_path)) == (str(here), line)  # outside the folder: absolute

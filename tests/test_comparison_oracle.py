@@ -93,8 +93,10 @@ class Oracle:
 
         float32 = samples(torch.float32)
         exact = [(run, to64) for run in float32]
-        exact += [(run_reference(case, torch.float64, permutation_seed=shuffles[0], initial=self.initial), 1.0),
-                  (run_reference(case, torch.float64, normalise_after_backward=True, initial=self.initial), 1.0)]
+        exact += [
+            (run_reference(case, torch.float64, permutation_seed=shuffles[0], initial=self.initial), 1.0),
+            (run_reference(case, torch.float64, normalise_after_backward=True, initial=self.initial), 1.0),
+        ]
         working = case.working_dtype
         noise = [(run, 1.0) for run in (float32 if working == torch.float32 else samples(working))]
         self.floors = {"exact": self._floors(exact), "noise": self._floors(noise)}
@@ -133,8 +135,11 @@ class Oracle:
         return rows
 
 
-CANDIDATES = {"accumulator_step": equiv.accumulator_step, "mean_of_means": BUGS["mean_of_means"],
-              "low_precision_buffer": BUGS["low_precision_buffer"]}
+CANDIDATES = {
+    "accumulator_step": equiv.accumulator_step,
+    "mean_of_means": BUGS["mean_of_means"],
+    "low_precision_buffer": BUGS["low_precision_buffer"],
+}
 
 
 @pytest.mark.parametrize("case_name", sorted(STANDARD_CASES))
@@ -147,8 +152,10 @@ def test_the_streaming_check_measures_exactly_what_the_whole_trajectory_oracle_m
         if equiv.check(candidate, case).status == "not_applicable":
             continue
         for tier in references.tiers:
-            streamed = [(d.step, (d.kind, d.name), d.max_abs_diff, d.scale, d.allowed)
-                        for d in references.run_and_compare(tier, case, candidate)]
+            streamed = [
+                (d.step, (d.kind, d.name), d.max_abs_diff, d.scale, d.allowed)
+                for d in references.run_and_compare(tier, case, candidate)
+            ]
             assert streamed == oracle.judge(tier, candidate), f"{name} on {case_name!r}, {tier} tier"
             checked += 1
     assert checked >= 2
@@ -161,10 +168,16 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 #: Standard cases, and one whose tensors span several rows of the check's two-pass
 #: argmax with a tail (3500 and 4900 elements: rows of 1024 and a remainder).
 DETAIL_CASES = {
-    **{name: STANDARD_CASES[name] for name in ("Adam, uneven 1+2", "SGD momentum, uneven 1+5+10",
-                                               "Adam, token loss with padding 2+3")},
-    "AdamW, MLP 50-70-70-30, 3+5": Case(batch_size=8, micro_batch_sizes=(3, 5), optimizer="AdamW",
-                                        model_kwargs={"in_features": 50, "hidden": (70, 70), "out_features": 30}),
+    **{
+        name: STANDARD_CASES[name]
+        for name in ("Adam, uneven 1+2", "SGD momentum, uneven 1+5+10", "Adam, token loss with padding 2+3")
+    },
+    "AdamW, MLP 50-70-70-30, 3+5": Case(
+        batch_size=8,
+        micro_batch_sizes=(3, 5),
+        optimizer="AdamW",
+        model_kwargs={"in_features": 50, "hidden": (70, 70), "out_features": 30},
+    ),
 }
 
 
@@ -178,8 +191,12 @@ def test_a_failing_rows_details_are_what_plain_torch_computes_from_the_whole_tra
     assert not verdict and verdict.mismatches
     initial = case.build_model()
     truth = run_reference(case, torch.float64, initial=initial)
-    runs = {tier: run_candidate(case, BUGS["mean_of_means"], torch.float64 if tier == "exact" else case.working_dtype,
-                                initial=initial) for tier in {d.tier for d in verdict.mismatches}}
+    runs = {
+        tier: run_candidate(
+            case, BUGS["mean_of_means"], torch.float64 if tier == "exact" else case.working_dtype, initial=initial
+        )
+        for tier in {d.tier for d in verdict.mismatches}
+    }
     detailed = [row for row in verdict.mismatches if not (math.isinf(row.max_abs_diff) and not row.index)]
     assert detailed  # (a missing tensor has nothing to detail)
     for row in detailed:

@@ -20,8 +20,14 @@ from equiv.zoo.distributed_bugs import SEARCH_ZOO
 
 TOKENS = Case(batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy", steps=2)
 MOE = Case(batch_size=1, micro_batch_sizes=(1,), model="moe", model_kwargs={"z_weight": 0.01}, loss="mse_aux", steps=2)
-TOKEN_MOE = Case(batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01},
-                 loss="token_mse_aux", steps=2)
+TOKEN_MOE = Case(
+    batch_size=1,
+    micro_batch_sizes=(1,),
+    model="token_moe",
+    model_kwargs={"z_weight": 0.01},
+    loss="token_mse_aux",
+    steps=2,
+)
 SETTINGS = settings(database=None, max_examples=2000)
 
 
@@ -44,8 +50,9 @@ def test_a_cp_rank_holds_its_slice_of_every_sequence_of_its_data_rank() -> None:
 
 def test_context_parallelism_refuses_what_it_cannot_split() -> None:
     with pytest.raises(InvalidCase, match="position-wise token model"):
-        DistributedCase.of(TOKENS.replace(model="attention", model_kwargs={"head": "tokens"}), [[1]],
-                           context_parallel=2)
+        DistributedCase.of(
+            TOKENS.replace(model="attention", model_kwargs={"head": "tokens"}), [[1]], context_parallel=2
+        )
     with pytest.raises(InvalidCase, match="divisible"):
         DistributedCase.of(TOKENS.replace(model_kwargs={"seq_len": 5}), [[1]], context_parallel=2)
     with pytest.raises(InvalidCase, match="one way, not both"):
@@ -88,8 +95,9 @@ def test_the_cp_search_draws_ragged_slices_including_one_with_none() -> None:
         held = [sum(_real_tokens(dcase, rank)) for rank in range(dcase.world_size)]
         return dcase.context_parallel == 2 and 0 in held and len(set(held)) > 1 and dcase.data_ranks == 2
 
-    drawn = find(distributed_cases(models=("tokens",), engine="cp", max_world_size=4), ragged_with_empty_slice,
-                 settings=SETTINGS)
+    drawn = find(
+        distributed_cases(models=("tokens",), engine="cp", max_world_size=4), ragged_with_empty_slice, settings=SETTINGS
+    )
     assert drawn.case.model == "token_mlp"
     with pytest.raises(ValueError, match="models must be a subset of \\('tokens', 'moe'\\)"):
         DistributedSearchSpace(engines=("cp",), models=("mlp",))
@@ -101,8 +109,7 @@ def test_the_search_draws_the_moe_model_with_its_z_loss() -> None:
 
 
 def test_the_cp_search_draws_the_moe_as_the_token_level_moe() -> None:
-    drawn = find(distributed_cases(models=("moe",), engine="cp"), lambda d: d.context_parallel == 2,
-                 settings=SETTINGS)
+    drawn = find(distributed_cases(models=("moe",), engine="cp"), lambda d: d.context_parallel == 2, settings=SETTINGS)
     assert (drawn.case.model, drawn.case.loss) == ("token_moe", "token_mse_aux")
     assert drawn.case.model_kwargs["z_weight"] > 0 and drawn.rank_slice(1) == (slice(0, 1), slice(2, 4))
 
@@ -148,8 +155,11 @@ def test_each_cp_step_gets_its_verdict_on_ragged_slices(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(name for name, entry in AUX_SEARCH_ZOO.items() if entry.engine != "tp"))
 def test_each_router_loss_weighting_gets_its_verdict(name: str) -> None:
     entry = AUX_SEARCH_ZOO[name]
-    dcase = (DistributedCase.of(TOKEN_MOE, [[1, 2]], context_parallel=2) if entry.engine == "cp"
-             else DistributedCase.of(MOE, [[1, 2], [2, 1]]))
+    dcase = (
+        DistributedCase.of(TOKEN_MOE, [[1, 2]], context_parallel=2)
+        if entry.engine == "cp"
+        else DistributedCase.of(MOE, [[1, 2], [2, 1]])
+    )
     verdict = check_distributed(entry.step, dcase, engine=entry.engine)
     assert verdict.status is entry.expected, verdict.message()
 
@@ -157,15 +167,17 @@ def test_each_router_loss_weighting_gets_its_verdict(name: str) -> None:
 @pytest.mark.distributed
 def test_the_accumulator_is_the_token_moes_full_batch_step_under_context_parallelism() -> None:
     """About 3 s: 2 data ranks x 2 slices, the routing counts summed over each sequence's slices."""
-    verdict = check_distributed(equiv.accumulator_step, DistributedCase.of(TOKEN_MOE, [[1, 2], [2, 1]],
-                                                                           context_parallel=2), engine="cp")
+    verdict = check_distributed(
+        equiv.accumulator_step, DistributedCase.of(TOKEN_MOE, [[1, 2], [2, 1]], context_parallel=2), engine="cp"
+    )
     assert verdict.status is Outcome.EQUIVALENT, verdict.message()
 
 
 @pytest.mark.distributed
 def test_a_cp_undercount_is_found_by_the_search_and_shrunk() -> None:
-    result = verify_distributed(token_count_over_data_ranks_only, engines=("cp",), models=("tokens",),
-                                max_examples=10, seed=0)
+    result = verify_distributed(
+        token_count_over_data_ranks_only, engines=("cp",), models=("tokens",), max_examples=10, seed=0
+    )
     assert result.found and result.kind is Outcome.NOT_EQUIVALENT and result.engine == "cp", result.message()
     dcase = result.counterexample
     assert dcase is not None and dcase.context_parallel == 2 and dcase.data_ranks == 1, result.message()
@@ -186,7 +198,7 @@ def committed_section_rows(heading: str) -> dict[str, dict[str, str]]:
     text = REPORT.read_text()
     start = text.index(f"\n## {heading}")
     end = text.find("\n## ", start + 1)
-    lines = [line for line in text[start:end if end > 0 else None].splitlines() if line.startswith("|")]
+    lines = [line for line in text[start : end if end > 0 else None].splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     rows = {}
     for line in lines[2:]:  # past the header and its rule
@@ -205,10 +217,14 @@ def test_the_committed_report_concludes_every_cp_and_router_loss_entry_as_expect
     found = [row for row in aux.values() if row["found"] != "nothing"]
     # Under CP: Megatron-LM #1652, PR #5047 and commit cac8d1a, each shrunk to one data rank of one 1-sample
     # micro-batch cut into 2 sequence slices; under TP's sequence parallelism PR #5047 and cac8d1a, likewise.
-    assert sorted(row[SHRUNK] for row in found if "sequence slices" in row[SHRUNK]) == [
-        "[1] (2 sequence slices per data rank)"] * 3, aux
-    assert sorted(row[SHRUNK] for row in found if "TP slices" in row[SHRUNK]) == [
-        "[1] (sequence parallel: 2 TP slices per data rank)"] * 2, aux
+    assert (
+        sorted(row[SHRUNK] for row in found if "sequence slices" in row[SHRUNK])
+        == ["[1] (2 sequence slices per data rank)"] * 3
+    ), aux
+    assert (
+        sorted(row[SHRUNK] for row in found if "TP slices" in row[SHRUNK])
+        == ["[1] (sequence parallel: 2 TP slices per data rank)"] * 2
+    ), aux
     text = REPORT.read_text()
     assert "verl #5983" in text and "Megatron-LM #3672" in text and "Megatron-LM PR #5047; #1652" in text
 

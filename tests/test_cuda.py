@@ -51,8 +51,9 @@ def test_the_gpu_verdict_is_the_cpu_one(row: dict[str, Any]) -> None:
     assert verdict.status == row["facts"]["status"], verdict.message()
     # A precision finding (float64-only, float32-sized differences) passes past its exact-tier
     # allowance by definition: the GPU must find the same one, for the same cause.
-    assert (None if verdict.precision is None else verdict.precision.cause) == row["facts"]["precision"], \
+    assert (None if verdict.precision is None else verdict.precision.cause) == row["facts"]["precision"], (
         verdict.message()
+    )
     # Any other passing check on the GPU stays clear of its allowance as on the CPU (within the floor's noise).
     if row["facts"]["status"] == "equivalent" and row["facts"]["precision"] is None:
         assert all(diff.ratio < 1 for diff in verdict.worst.values()), verdict.message()
@@ -74,12 +75,24 @@ def _host_syncs(caught: list[warnings.WarningMessage]) -> int:
 
 @pytest.mark.parametrize("candidate", ["accumulator_step", "mean_of_means"])
 def test_a_compared_step_reads_the_host_once_plus_once_per_detailed_row(candidate: str) -> None:
-    case = equiv.Case(batch_size=12, micro_batch_sizes=(1, 4, 7), model_kwargs={"hidden": (8, 8)},
-                      optimizer="AdamW", optimizer_kwargs={"lr": 1e-2}, steps=3, device="cuda")
+    case = equiv.Case(
+        batch_size=12,
+        micro_batch_sizes=(1, 4, 7),
+        model_kwargs={"hidden": (8, 8)},
+        optimizer="AdamW",
+        optimizer_kwargs={"lr": 1e-2},
+        steps=3,
+        device="cuda",
+    )
     references = ReferenceRuns.of(case, ("exact",))
     snapshots: list[Snapshot] = []
-    run_candidate(case, CANDIDATES[candidate], torch.float64, initial=references.initial,
-                  on_snapshot=lambda step, snapshot: snapshots.append(_copy(snapshot)))
+    run_candidate(
+        case,
+        CANDIDATES[candidate],
+        torch.float64,
+        initial=references.initial,
+        on_snapshot=lambda step, snapshot: snapshots.append(_copy(snapshot)),
+    )
     comparer = StepComparer(tier="exact", dtype=torch.float64, floors=references.floors["exact"])
     comparer.add(0, snapshots[0])  # the run's start: one read for the whole model
     for step, snapshot in enumerate(snapshots[1:], start=1):

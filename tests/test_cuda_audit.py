@@ -39,9 +39,14 @@ CUDA = torch.device("cuda")
 def _windows(real_lengths: list[int], n: int) -> list[list[tuple[Tensor, Tensor]]]:
     """Micro-batches of 2 sequences on the GPU, n per window."""
     sequences = padded_sequences(real_lengths)
-    micro = [(torch.stack([s[0] for s in sequences[i:i + 2]]).to(CUDA),
-              torch.stack([s[1] for s in sequences[i:i + 2]]).to(CUDA)) for i in range(0, len(sequences), 2)]
-    return [micro[i:i + n] for i in range(0, len(micro), n)]
+    micro = [
+        (
+            torch.stack([s[0] for s in sequences[i : i + 2]]).to(CUDA),
+            torch.stack([s[1] for s in sequences[i : i + 2]]).to(CUDA),
+        )
+        for i in range(0, len(sequences), 2)
+    ]
+    return [micro[i : i + n] for i in range(0, len(micro), n)]
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:

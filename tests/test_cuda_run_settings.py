@@ -44,8 +44,9 @@ def cuda_bfloat16_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro
     optimizer.step()
 
 
-def cuda_bfloat16_mean_of_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any,
-                                loss_fn: Any) -> None:
+def cuda_bfloat16_mean_of_means(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, loss_fn: Any
+) -> None:
     optimizer.zero_grad()
     for inputs, targets in micro_batches:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -60,16 +61,22 @@ def test_a_cuda_autocast_step_is_judged_in_its_precision() -> None:
     applicable = [v for v in verdicts if v.status is not equiv.Outcome.NOT_APPLICABLE]
     assert applicable and all(v for v in applicable), "\n".join(v.message() for v in applicable if not v)
     assert all(v.case.autocast == "bfloat16" for v in applicable)
-    buggy = equiv.check(cuda_bfloat16_mean_of_means,
-                        dataclasses.replace(STANDARD_CASES["Adam, uneven 1+2"], device="cuda"))
+    buggy = equiv.check(
+        cuda_bfloat16_mean_of_means, dataclasses.replace(STANDARD_CASES["Adam, uneven 1+2"], device="cuda")
+    )
     assert buggy.status is equiv.Outcome.NOT_EQUIVALENT, buggy.message()
 
 
 def _windows(n: int) -> list[list[tuple[Tensor, Tensor]]]:
     sequences = padded_sequences(REAL_LENGTHS)
-    micro = [(torch.stack([s[0] for s in sequences[i:i + 2]]).to(CUDA),
-              torch.stack([s[1] for s in sequences[i:i + 2]]).to(CUDA)) for i in range(0, len(sequences), 2)]
-    return [micro[i:i + n] for i in range(0, len(micro), n)]
+    micro = [
+        (
+            torch.stack([s[0] for s in sequences[i : i + 2]]).to(CUDA),
+            torch.stack([s[1] for s in sequences[i : i + 2]]).to(CUDA),
+        )
+        for i in range(0, len(sequences), 2)
+    ]
+    return [micro[i : i + n] for i in range(0, len(micro), n)]
 
 
 def _functional_run(global_mean: bool, scheduler_per_micro_batch: bool = False) -> Audit:
@@ -83,8 +90,12 @@ def _functional_run(global_mean: bool, scheduler_per_micro_batch: bool = False) 
             for inputs, labels in window:
                 logits = model(inputs)
                 vocabulary = logits.shape[-1]
-                flat = F.cross_entropy(logits[:, :-1].reshape(-1, vocabulary), labels[:, 1:].reshape(-1),
-                                       ignore_index=IGNORE, reduction="sum" if global_mean else "mean")
+                flat = F.cross_entropy(
+                    logits[:, :-1].reshape(-1, vocabulary),
+                    labels[:, 1:].reshape(-1),
+                    ignore_index=IGNORE,
+                    reduction="sum" if global_mean else "mean",
+                )
                 (flat / total if global_mean else flat / len(window)).backward()
                 if scheduler_per_micro_batch:
                     scheduler.step()

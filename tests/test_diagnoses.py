@@ -9,8 +9,14 @@ import torch
 import equiv
 from equiv.zoo.bugs import BUGS
 
-TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",
-                 optimizer_kwargs={"lr": 0.02}, steps=1)
+TOY = equiv.Case(
+    batch_size=8,
+    micro_batch_sizes=(1, 3, 4),
+    model="scalar_linear",
+    data="toy_2x",
+    optimizer_kwargs={"lr": 0.02},
+    steps=1,
+)
 
 
 def no_step(model, optimizer, micro_batches, loss_fn):  # type: ignore[no-untyped-def]
@@ -51,8 +57,10 @@ def test_nan_is_named_with_where_it_first_appears() -> None:
 
 
 def test_a_correct_step_shows_no_diagnosis_and_state_rows_have_no_update_ratio() -> None:
-    verdict = equiv.check(BUGS["unscaled_sum"], equiv.Case(batch_size=4, micro_batch_sizes=(2, 2), optimizer="Adam",
-                                                           optimizer_kwargs={"lr": 1e-3}))
+    verdict = equiv.check(
+        BUGS["unscaled_sum"],
+        equiv.Case(batch_size=4, micro_batch_sizes=(2, 2), optimizer="Adam", optimizer_kwargs={"lr": 1e-3}),
+    )
     state_rows = [d for d in verdict.mismatches if d.kind == "state"]
     assert state_rows and all(math.isnan(d.update_ratio) for d in state_rows)
     assert equiv.check(equiv.accumulator_step, TOY)
@@ -80,7 +88,8 @@ def casts_to_half(model, optimizer, micro_batches, loss_fn):  # type: ignore[no-
 def test_a_replaced_parameter_and_a_dtype_change_are_named() -> None:
     replaced = equiv.check(replaces_a_parameter, TOY)
     assert "Note: the step replaced parameter 'weight' with a new tensor: the optimizer no longer holds it" in (
-        replaced.message())
+        replaced.message()
+    )
     cast = equiv.check(casts_to_half, TOY)
     assert "Note: the step changed the dtype of 'weight' from float64 to float16" in cast.message()
     assert not equiv.check(equiv.accumulator_step, TOY).notes

@@ -29,8 +29,9 @@ from equiv.zoo.distributed_bugs import (
 pytestmark = pytest.mark.distributed
 
 MLP = {"hidden": (8,), "activation": "tanh"}
-BASE = equiv.Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs=MLP, optimizer="Adam",
-                  optimizer_kwargs={"lr": 1e-2}, steps=2)
+BASE = equiv.Case(
+    batch_size=1, micro_batch_sizes=(1,), model_kwargs=MLP, optimizer="Adam", optimizer_kwargs={"lr": 1e-2}, steps=2
+)
 
 
 def no_stray_processes() -> bool:
@@ -75,9 +76,15 @@ def test_missing_or_misplaced_no_sync_costs_one_allreduce_per_micro_batch(candid
 
 def test_overflow_on_one_rank_skips_the_window_on_every_rank() -> None:
     # Sample 5 of step 1 is in rank 1's shard (rank 0 holds samples 0-3).
-    scaled = BASE.replace(batch_size=6, micro_batch_sizes=[6], optimizer="SGD",
-                          optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, steps=3,
-                          loss_scale=2.0**10, overflow_at=[1, 5])
+    scaled = BASE.replace(
+        batch_size=6,
+        micro_batch_sizes=[6],
+        optimizer="SGD",
+        optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
+        steps=3,
+        loss_scale=2.0**10,
+        overflow_at=[1, 5],
+    )
     dcase = DistributedCase.of(scaled, [[2, 2], [1, 1]])
     truth = run_reference(dcase.case, torch.float64)
     # The full-batch reference skips step 1 and backs its scale off once...
@@ -149,7 +156,9 @@ def test_a_rank_that_raises_is_named_with_the_case() -> None:
 
 def test_a_rank_that_hangs_ends_the_check_within_the_timeout() -> None:
     started = time.monotonic()
-    with pytest.raises(DistributedCheckError, match=r"did not finish within 8 s: .*rank 1 hung \(exact tier, step 0") as info:
+    with pytest.raises(
+        DistributedCheckError, match=r"did not finish within 8 s: .*rank 1 hung \(exact tier, step 0"
+    ) as info:
         check_distributed(hangs_on_rank_1, FAULT_CASE, timeout_s=8)
     assert info.value.fault is Fault.HUNG
     # The deadline bounds the wait (the slack is process start-up and clean-up).
@@ -164,8 +173,9 @@ def test_a_rank_that_dies_is_named_with_its_exit_code() -> None:
     assert no_stray_processes()
 
 
-def global_count_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
-                                 loss_fn: object) -> None:
+def global_count_per_micro_batch(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object
+) -> None:
     """Each micro-batch divided by its own all-reduced count: one all-reduce per
     micro-batch, so ranks holding different numbers of micro-batches make
     different numbers of collectives."""
@@ -177,8 +187,9 @@ def global_count_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimi
     optimizer.step()
 
 
-def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
-                                      loss_fn: object) -> None:
+def skips_the_last_backward_on_rank_1(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object
+) -> None:
     optimizer.zero_grad(set_to_none=True)
     for index, (inputs, targets) in enumerate(micro_batches):
         loss = loss_fn(model(inputs), targets)  # type: ignore[operator]
@@ -188,20 +199,32 @@ def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.O
     optimizer.step()
 
 
-@pytest.mark.parametrize(("candidate", "shards", "expected"), [
-    # Rank 0 holds two micro-batches, rank 1 one: rank 0's second count meets rank 1's next step.
-    (global_count_per_micro_batch, [[1, 1], [2]],
-     r"^mismatched collectives: rank 0 called all_reduce of shape \[\] int64 as its collective #5 "
-     r"\(exact tier, step 0: in the candidate, after the step's DDP forward 1\); rank 1 made no collective #5: it "
-     r"went on to exact tier, step 1; "
-     r"candidate global_count_per_micro_batch"),
-    (skips_the_last_backward_on_rank_1, [[1, 1], [2, 1]],
-     r"^mismatched collectives: rank 0 called all_reduce of shape \[67\] float64 as its collective #5 "
-     r"\(exact tier, step 0: in the candidate, after the step's DDP forward 2\); rank 1 made no collective #5: it "
-     r"went on to exact tier, step 1"),
-], ids=["count_per_micro_batch", "skipped_backward"])
+@pytest.mark.parametrize(
+    ("candidate", "shards", "expected"),
+    [
+        # Rank 0 holds two micro-batches, rank 1 one: rank 0's second count meets rank 1's next step.
+        (
+            global_count_per_micro_batch,
+            [[1, 1], [2]],
+            r"^mismatched collectives: rank 0 called all_reduce of shape \[\] int64 as its collective #5 "
+            r"\(exact tier, step 0: in the candidate, after the step's DDP forward 1\); rank 1 made no collective #5: it "
+            r"went on to exact tier, step 1; "
+            r"candidate global_count_per_micro_batch",
+        ),
+        (
+            skips_the_last_backward_on_rank_1,
+            [[1, 1], [2, 1]],
+            r"^mismatched collectives: rank 0 called all_reduce of shape \[67\] float64 as its collective #5 "
+            r"\(exact tier, step 0: in the candidate, after the step's DDP forward 2\); rank 1 made no collective #5: it "
+            r"went on to exact tier, step 1",
+        ),
+    ],
+    ids=["count_per_micro_batch", "skipped_backward"],
+)
 def test_mismatched_collectives_are_named_at_once_not_after_the_timeout(
-    candidate: object, shards: list[list[int]], expected: str,
+    candidate: object,
+    shards: list[list[int]],
+    expected: str,
 ) -> None:
     # Without the comparison gloo pairs the wrong calls: this ended after the
     # 120 s timeout ("Timed out waiting 120000ms for recv operation").
@@ -225,7 +248,8 @@ def test_ddp_ranks_that_sync_a_different_number_of_times_are_named_not_left_to_t
     assert message.startswith(
         "mismatched collectives: rank 0 made no collective #5: it went on to the end of the exact tier's steps; "
         f"rank 1 called {DDP_BUCKET_REBUILD} as its collective #5 (exact tier, step 0: in the candidate, after the "
-        "step's DDP forward 1); candidate no_sync_missing"), message
+        "step's DDP forward 1); candidate no_sync_missing"
+    ), message
     assert "did not finish within" not in message and "Timed out" not in message, message
     assert no_stray_processes()
 

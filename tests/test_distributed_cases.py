@@ -30,19 +30,26 @@ def test_one_case_returns_the_rank_fault_as_data() -> None:
     assert isinstance(outcome.cause, DistributedCheckError)
 
 
-@pytest.mark.parametrize(("fault", "stop_on_fault", "run"), [
-    (Fault.RAISED, False, 5),  # a rank that raised: the next case runs on fresh ranks
-    (Fault.RAISED, True, 1),  # under torchrun the process group may be left mid-collective
-    (Fault.HUNG, False, 1),  # each case would wait out the timeout again
-])
+@pytest.mark.parametrize(
+    ("fault", "stop_on_fault", "run"),
+    [
+        (Fault.RAISED, False, 5),  # a rank that raised: the next case runs on fresh ranks
+        (Fault.RAISED, True, 1),  # under torchrun the process group may be left mid-collective
+        (Fault.HUNG, False, 1),  # each case would wait out the timeout again
+    ],
+)
 def test_the_loop_stops_after_a_hang_or_any_fault_when_asked(fault: Fault, stop_on_fault: bool, run: int) -> None:
     calls, launch = _failing(fault)
     cases = standard_distributed_cases(2)
     started: list[str] = []
     shown: list[str] = []
     result = check_distributed_cases(
-        equiv.accumulator_step, cases, "the step", CaseLoop(launcher=launch, stop_on_fault=stop_on_fault),  # type: ignore[arg-type]
-        starting=lambda index, name, dcase: started.append(name), shown=shown.append,
+        equiv.accumulator_step,
+        cases,
+        "the step",
+        CaseLoop(launcher=launch, stop_on_fault=stop_on_fault),  # type: ignore[arg-type]
+        starting=lambda index, name, dcase: started.append(name),
+        shown=shown.append,
     )
     assert len(cases) == 5 and len(calls) == run and started == list(cases)[:run]
     assert set(result.faults) == set(list(cases)[:run]) and set(result.faults.values()) == {fault}
@@ -52,13 +59,18 @@ def test_the_loop_stops_after_a_hang_or_any_fault_when_asked(fault: Fault, stop_
     assert not result
     first = next(iter(cases))
     if fault is Fault.HUNG:
-        assert shown[-1] == (f"      the other 4 case(s) were not run: the step hung on {first!r}, and each would "
-                             "wait 120 s as long")
+        assert shown[-1] == (
+            f"      the other 4 case(s) were not run: the step hung on {first!r}, and each would wait 120 s as long"
+        )
         assert set(result.not_run.values()) == {f"the step hung on {first!r}"}
     elif stop_on_fault:
-        assert shown[-1] == "      the other 4 case(s) were not run: after a fault the ranks' process group may be left mid-collective"
+        assert (
+            shown[-1]
+            == "      the other 4 case(s) were not run: after a fault the ranks' process group may be left mid-collective"
+        )
         assert set(result.not_run.values()) == {
-            f"after the fault on {first!r} the ranks' process group may be left mid-collective"}
+            f"after the fault on {first!r} the ranks' process group may be left mid-collective"
+        }
 
 
 def test_the_distributed_case_is_a_case_and_its_verdict_a_result_at_their_old_paths_too() -> None:

@@ -149,8 +149,16 @@ def test_a_lifted_function_keeps_its_signature_and_computes_in_the_runs_dtype() 
 @pytest.mark.distributed
 def test_the_search_takes_the_users_training_dtype_from_the_shell(capsys: pytest.CaptureFixture[str]) -> None:
     # bf16_compress_hook rounds on every split: a failing finding for float32 training, a note for bfloat16.
-    target = ["verify-distributed", "equiv.zoo.distributed_bugs:bfloat16_compressed_all_reduce", "--models", "tokens",
-              "--max-examples", "3", "--seed", "0"]
+    target = [
+        "verify-distributed",
+        "equiv.zoo.distributed_bugs:bfloat16_compressed_all_reduce",
+        "--models",
+        "tokens",
+        "--max-examples",
+        "3",
+        "--seed",
+        "0",
+    ]
     assert main(target) == 1
     out = capsys.readouterr().out
     assert "Precision (candidate bfloat16_compressed_all_reduce)" in out and "train_dtype" not in out

@@ -31,7 +31,10 @@ def test_a_per_rank_mean_is_found_and_shrunk_to_two_ranks_holding_different_coun
     held = [sum(sizes) for sizes in dcase.rank_micro_batch_sizes]
     assert held[0] != held[1], result.message()  # equal counts would hide it
     assert "Not equivalent to full-batch training" in result.message()
-    assert "Reproduce: equiv.check_distributed(local_mean_per_rank, equiv.DistributedCase.of(equiv.Case(" in result.message()
+    assert (
+        "Reproduce: equiv.check_distributed(local_mean_per_rank, equiv.DistributedCase.of(equiv.Case("
+        in result.message()
+    )
     assert not equiv.check_distributed(local_mean_per_rank, dcase)  # the shrunk case fails on its own
 
 
@@ -83,8 +86,11 @@ def test_a_hang_on_unequal_micro_batch_counts_does_not_hide_the_mismatch_equal_c
 
 def test_equal_micro_batch_counts_draw_only_equal_counts() -> None:
     space = DistributedSearchSpace(engines=("ddp",), equal_micro_batch_counts=True)
-    drawn = find(space.strategy(clipping=False),
-                 lambda case: len(case[0].rank_micro_batch_sizes[0]) > 1, settings=settings(database=None))
+    drawn = find(
+        space.strategy(clipping=False),
+        lambda case: len(case[0].rank_micro_batch_sizes[0]) > 1,
+        settings=settings(database=None),
+    )
     assert len({len(sizes) for sizes in drawn[0].rank_micro_batch_sizes}) == 1
     assert space.to_dict()["equal_micro_batch_counts"] is True
 
@@ -103,8 +109,18 @@ def test_bad_search_input_is_refused() -> None:
 @pytest.mark.distributed
 def test_the_search_runs_from_the_shell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "found.json"
-    code = main(["verify-distributed", "equiv.zoo.distributed_bugs:local_mean_per_rank", "--models", "mlp",
-                 "--seed", "0", "--json", str(out)])
+    code = main(
+        [
+            "verify-distributed",
+            "equiv.zoo.distributed_bugs:local_mean_per_rank",
+            "--models",
+            "mlp",
+            "--seed",
+            "0",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 1  # a counterexample
     assert "counterexample, shrunk to 2 ranks" in capsys.readouterr().out
     found = json.loads(out.read_text())
@@ -113,7 +129,10 @@ def test_the_search_runs_from_the_shell(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_bad_search_flags_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify-distributed", "equiv:accumulator_step", "--engines", "pp"]) == 2
-    assert "engines must be a non-empty subset of ('ddp', 'fsdp2', 'tp', 'fsdp2+tp', 'cp', 'fsdp2+cp'), got ('pp',)" in capsys.readouterr().err
+    assert (
+        "engines must be a non-empty subset of ('ddp', 'fsdp2', 'tp', 'fsdp2+tp', 'cp', 'fsdp2+cp'), got ('pp',)"
+        in capsys.readouterr().err
+    )
     # The tensor-parallel plan cannot shard the token model's embedding: named, not run.
     assert main(["verify-distributed", "equiv:accumulator_step", "--engines", "tp"]) == 2
     assert "models must be a subset of ('mlp', 'moe')" in capsys.readouterr().err
@@ -133,14 +152,16 @@ def test_ragged_token_counts_across_ranks_part_the_shortcut_from_the_global_coun
 def _hooked_accumulator_step(model: object, optimizer: object, micro_batches: object, loss_fn: object) -> None:
     """The reference accumulator with the step's own DDP comm hook (the stock all-reduce)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     model.register_comm_hook(None, default_hooks.allreduce_hook)  # type: ignore[attr-defined]
     equiv.accumulator_step(model, optimizer, micro_batches, loss_fn)  # type: ignore[arg-type]
 
 
 @pytest.mark.distributed
 def test_the_steps_own_collectives_are_counted_apart_and_it_may_bring_a_comm_hook() -> None:
-    token_case = equiv.Case(batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy",
-                            steps=2)
+    token_case = equiv.Case(
+        batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy", steps=2
+    )
     dcase = equiv.DistributedCase.of(token_case, [[1, 2], [3]])
     step, _ = RAGGED_TOKEN_STEPS["global_item_count"]
     verdict = equiv.check_distributed(step, dcase)

@@ -100,7 +100,7 @@ def parse(path: Path, root: Path = ROOT) -> Page:
         while end < len(lines) and lines[end] != "```":
             end += 1
         assert end < len(lines), f"{name}:{index + 1}: the block never closes"
-        blocks.append(Block(name, index + 2, language, "\n".join(lines[index + 1:end]) + "\n", markers))
+        blocks.append(Block(name, index + 2, language, "\n".join(lines[index + 1 : end]) + "\n", markers))
         index = end + 1
     return Page(name, blocks, settings, path)
 
@@ -119,8 +119,10 @@ def check_output(block: Block, output: str) -> None:
     produced = {same_line(line) for line in output.splitlines()}
     for offset, line in enumerate(block.source.splitlines()):
         if line.strip() and line.strip() != "..." and same_line(line) not in produced:
-            raise AssertionError(f"{block.page}:{block.line + offset}: the page shows {line.strip()!r}, "
-                                 f"which the code no longer prints. It printed:\n{output}")
+            raise AssertionError(
+                f"{block.page}:{block.line + offset}: the page shows {line.strip()!r}, "
+                f"which the code no longer prints. It printed:\n{output}"
+            )
 
 
 def run_page(page: Page, folder: Path) -> None:
@@ -141,10 +143,19 @@ def run_page(page: Page, folder: Path) -> None:
             for command in commands(block.source):
                 assert command.startswith(RUNNABLE_COMMANDS), (
                     f"{block.page}:{block.line}: {command!r} is not a command the docs test runs "
-                    f"({', '.join(c.strip() for c in RUNNABLE_COMMANDS)}): mark the block <!-- not-run: why -->")
-        plan.append({"kind": block.language, "page": block.page, "line": block.line, "source": block.source,
-                     "raises": block.markers.get("raises"), "exit": int(block.markers.get("exit", "0")),
-                     "timeout": timeout})
+                    f"({', '.join(c.strip() for c in RUNNABLE_COMMANDS)}): mark the block <!-- not-run: why -->"
+                )
+        plan.append(
+            {
+                "kind": block.language,
+                "page": block.page,
+                "line": block.line,
+                "source": block.source,
+                "raises": block.markers.get("raises"),
+                "exit": int(block.markers.get("exit", "0")),
+                "timeout": timeout,
+            }
+        )
         runs.append(block)
     shutil.copy(Path(__file__).with_name("docs_runner.py"), folder / "docs_runner.py")
     # The page itself where its blocks' file name points, so a traceback shows the doc's own lines.
@@ -156,11 +167,14 @@ def run_page(page: Page, folder: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(folder), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     try:
-        ran = subprocess.run([sys.executable, "docs_runner.py"], cwd=folder, env=env, capture_output=True,
-                             text=True, timeout=timeout)
+        ran = subprocess.run(
+            [sys.executable, "docs_runner.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{page.path}: its examples took more than {timeout:.0f} s "
-                             f"(<!-- docs-test: timeout=N --> if that is expected)") from exc
+        raise AssertionError(
+            f"{page.path}: its examples took more than {timeout:.0f} s "
+            f"(<!-- docs-test: timeout=N --> if that is expected)"
+        ) from exc
     assert ran.returncode == 0, f"{page.path}: an example failed\n{ran.stderr[-6000:]}"
     outputs = {int(r["line"]): str(r["output"]) for r in json.loads((folder / "results.json").read_text())}
     previous: Block | None = None
@@ -194,15 +208,17 @@ def test_every_block_is_run_or_says_why_not() -> None:
         for block in page.blocks:
             if "not-run" in block.markers:
                 assert len(block.markers["not-run"].split()) >= 2, (
-                    f"{block.page}:{block.line}: say why the block is not run, e.g. <!-- not-run: needs CUDA -->")
+                    f"{block.page}:{block.line}: say why the block is not run, e.g. <!-- not-run: needs CUDA -->"
+                )
                 counted[page.path] = counted.get(page.path, 0) + 1
             if "output" in block.markers:
                 assert block.language == "text", f"{block.page}:{block.line}: an output is a ```text block"
             if block.language == "python" and "file" not in block.markers and "not-run" not in block.markers:
                 spawns = re.search(r"\b(check_distributed|check_pipeline|verify_distributed)\(", block.source)
                 assert not spawns or '__name__ == "__main__"' in block.source, (
-                    f"{block.page}:{block.line}: a block that starts ranks needs an if __name__ == \"__main__\": "
-                    "guard (the ranks import the script again)")
+                    f'{block.page}:{block.line}: a block that starts ranks needs an if __name__ == "__main__": '
+                    "guard (the ranks import the script again)"
+                )
     assert counted == NOT_RUN, "blocks not run, by page, differ from NOT_RUN: update it with the reason in the page"
 
 
@@ -220,4 +236,3 @@ def test_a_changed_output_is_caught() -> None:
     check_output(block, "Tier exact (float64): worst 3.3e+13 x allowed\nok 2.04\n")
     with pytest.raises(AssertionError, match=r"docs/x.md:12: the page shows 'ok 2.04'"):
         check_output(block, "Tier exact (float64): worst 3.3e+13 x allowed\nok 2.05\n")
-

@@ -15,15 +15,19 @@ from equiv.distributed.launcher import run_on_ranks
 
 SOURCE = Path(equiv.__file__).parent
 #: An engine name compared with a string, or tested for a substring: what the table replaces.
-_STRING_TEST = re.compile(r"""engine\s*(==|!=)\s*["']|engine\s+(not\s+)?in\s+\(\s*["']|["'][\w+]+["']\s+in\s+\w*engine\b""")
+_STRING_TEST = re.compile(
+    r"""engine\s*(==|!=)\s*["']|engine\s+(not\s+)?in\s+\(\s*["']|["'][\w+]+["']\s+in\s+\w*engine\b"""
+)
 
 
 def test_no_module_tests_an_engine_by_its_name() -> None:
     # Every engine-dependent choice is a lookup on its record, not a comparison with a name.
-    found = [f"{path.relative_to(SOURCE)}:{number}: {line.strip()}"
-             for path in sorted(SOURCE.rglob("*.py"))
-             for number, line in enumerate(path.read_text().splitlines(), start=1)
-             if _STRING_TEST.search(line) and not line.lstrip().startswith("#")]
+    found = [
+        f"{path.relative_to(SOURCE)}:{number}: {line.strip()}"
+        for path in sorted(SOURCE.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if _STRING_TEST.search(line) and not line.lstrip().startswith("#")
+    ]
     assert found == []
 
 
@@ -47,10 +51,16 @@ def test_the_search_refuses_models_an_engine_cannot_split_from_its_record() -> N
         DistributedSearchSpace(engines=("cp",), models=("mlp",))
     with pytest.raises(ValueError, match=r"engine 'fsdp2\+tp' shards nn.Linear pairs"):
         DistributedSearchSpace(engines=("fsdp2+tp",), models=("moe",))
-    with pytest.raises(ValueError, match=r"engine must be one of \('ddp', 'fsdp2', 'tp', 'fsdp2\+tp', 'cp', "
-                                         r"'fsdp2\+cp'\), got 'pipeline'"):
-        check_distributed(equiv.accumulator_step, DistributedCase.of(equiv.Case(batch_size=2, micro_batch_sizes=(2,)), [[1], [1]]),
-                          engine="pipeline")
+    with pytest.raises(
+        ValueError,
+        match=r"engine must be one of \('ddp', 'fsdp2', 'tp', 'fsdp2\+tp', 'cp', "
+        r"'fsdp2\+cp'\), got 'pipeline'",
+    ):
+        check_distributed(
+            equiv.accumulator_step,
+            DistributedCase.of(equiv.Case(batch_size=2, micro_batch_sizes=(2,)), [[1], [1]]),
+            engine="pipeline",
+        )
 
 
 def _replicated(split: engines.Split) -> str:
@@ -61,8 +71,9 @@ def _replicated(split: engines.Split) -> str:
 def test_a_new_engine_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     # One record, and the check runs a step under it: its wrap sent to the ranks, its wording, its collective.
     monkeypatch.setitem(engines.ENGINES, "ddp-again", Engine("ddp-again", _replicated, (apply_ddp,), "all-reduce"))
-    dcase = DistributedCase.of(equiv.Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,)}),
-                               [[1, 2], [2]])
+    dcase = DistributedCase.of(
+        equiv.Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,)}), [[1, 2], [2]]
+    )
     returned: list[object] = []
 
     def launcher(*args: object, **options: object) -> list[object]:

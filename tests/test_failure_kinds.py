@@ -33,12 +33,16 @@ def never_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_
         (loss_fn(model(inputs), targets) * len(targets) / total).backward()
 
 
-@pytest.mark.parametrize(("step", "case", "kind"), [
-    (BUGS["mean_of_means"], UNEVEN, "mean of means"),
-    (BUGS["unscaled_sum"], EVEN, "sum without division"),
-    (BUGS["clip_per_micro_batch"], CLIPPED, "per-micro-batch clipping"),
-    (never_steps, EVEN, "window boundary"),
-], ids=["mean_of_means", "unscaled_sum", "clip_per_micro_batch", "never_steps"])
+@pytest.mark.parametrize(
+    ("step", "case", "kind"),
+    [
+        (BUGS["mean_of_means"], UNEVEN, "mean of means"),
+        (BUGS["unscaled_sum"], EVEN, "sum without division"),
+        (BUGS["clip_per_micro_batch"], CLIPPED, "per-micro-batch clipping"),
+        (never_steps, EVEN, "window boundary"),
+    ],
+    ids=["mean_of_means", "unscaled_sum", "clip_per_micro_batch", "never_steps"],
+)
 def test_each_known_kind_is_named_in_the_verdict(step: Any, case: equiv.Case, kind: str) -> None:
     verdict = equiv.check(step, case)
     assert verdict.status is equiv.Outcome.NOT_EQUIVALENT
@@ -63,8 +67,10 @@ def test_a_mismatch_no_known_kind_reproduces_is_unclassified() -> None:
     assert verdict.status is equiv.Outcome.NOT_EQUIVALENT
     assert verdict.failure_kind is not None and not verdict.failure_kind.classified
     assert verdict.failure_kind.name == "unclassified"
-    assert "Kind of failure: unclassified (none of the known kinds (mean of means, sum without division" \
+    assert (
+        "Kind of failure: unclassified (none of the known kinds (mean of means, sum without division"
         in verdict.message()
+    )
     assert verdict.to_dict()["failure_kind"]["name"] == "unclassified"
 
 
@@ -92,8 +98,13 @@ def test_a_verdict_made_without_details_or_a_passing_one_has_no_kind() -> None:
     assert equiv.check(BUGS["mean_of_means"], UNEVEN, details=False).failure_kind is None  # a search's verdict
 
 
-def clips_by_its_own_default(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any,
-                             loss_fn: Any, max_grad_norm: float | None = 1.0) -> None:
+def clips_by_its_own_default(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Any,
+    loss_fn: Any,
+    max_grad_norm: float | None = 1.0,
+) -> None:
     """Correctly weighted and clipped once after accumulation, to its own default where none is passed."""
     optimizer.zero_grad()
     total = sum(loss_fn.count(targets) for _, targets in micro_batches)

@@ -37,8 +37,15 @@ from equiv.zoo.distributed_bugs import FSDP2_BUGS, sum_over_ranks_divided_by_glo
 pytestmark = pytest.mark.distributed
 
 MLP = {"hidden": (8,), "activation": "tanh"}  # two Linear layers: two FSDP units
-BASE = equiv.Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs=MLP, optimizer="Adam",
-                  optimizer_kwargs={"lr": 1e-2}, steps=2, max_grad_norm=0.05)
+BASE = equiv.Case(
+    batch_size=1,
+    micro_batch_sizes=(1,),
+    model_kwargs=MLP,
+    optimizer="Adam",
+    optimizer_kwargs={"lr": 1e-2},
+    steps=2,
+    max_grad_norm=0.05,
+)
 UNITS = 2
 
 
@@ -132,8 +139,10 @@ def test_fsdp2_cost_sweep_counts_communication_and_memory_per_policy() -> None:
         # One micro-batch: the same step either way, byte for byte.
         assert rows[rank, "sync_once_per_window", 1].memory == rows[rank, "sync_every_micro_batch", 1].memory
         # Two: syncing once holds the gradients unsharded through the window.
-        assert (rows[rank, "sync_once_per_window", 2].memory.forward_backward_peak_bytes
-                > rows[rank, "sync_every_micro_batch", 2].memory.forward_backward_peak_bytes)
+        assert (
+            rows[rank, "sync_once_per_window", 2].memory.forward_backward_peak_bytes
+            > rows[rank, "sync_every_micro_batch", 2].memory.forward_backward_peak_bytes
+        )
     # Equal shards: the storage counter gives both ranks the same figures.
     assert all(rows[0, p, n].memory == rows[1, p, n].memory for _, p, n in rows)
     assert no_stray_processes()
@@ -146,8 +155,10 @@ def accumulator_contract_on_rank(rank: int, world_size: int, progress: object) -
     out: dict[str, object] = {}
     misuse = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))  # float32
     fully_shard_layers(misuse, mesh)
-    for name, kwargs in {"grad_scaler": {"grad_scaler": torch.amp.GradScaler("cpu")},
-                         "accumulate_dtype": {"accumulate_dtype": torch.float64}}.items():
+    for name, kwargs in {
+        "grad_scaler": {"grad_scaler": torch.amp.GradScaler("cpu")},
+        "accumulate_dtype": {"accumulate_dtype": torch.float64},
+    }.items():
         try:
             equiv.Accumulator(misuse, torch.optim.SGD(misuse.parameters()), **kwargs)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -216,8 +227,9 @@ def test_a_step_that_sums_over_ranks_and_divides_by_the_global_token_count_passe
     # reduce with a plain sum there (the same sum), so this correct step passes
     # in both tiers instead of raising in the float32 one.
     tokens = BASE.replace(model="token_mlp", model_kwargs={}, loss="token_cross_entropy")
-    verdict = check_distributed(sum_over_ranks_divided_by_global_tokens, DistributedCase.of(tokens, [[1, 2], [3, 1]]),
-                                engine="fsdp2")
+    verdict = check_distributed(
+        sum_over_ranks_divided_by_global_tokens, DistributedCase.of(tokens, [[1, 2], [3, 1]]), engine="fsdp2"
+    )
     verdict.assert_ok()
     assert set(verdict.comm) == {"exact", "noise"}  # both tiers ran
     assert verdict.reduce_scatters_per_step("noise") == {2 * verdict.fsdp_units}  # sync on both micro-batches
@@ -225,15 +237,27 @@ def test_a_step_that_sums_over_ranks_and_divides_by_the_global_token_count_passe
 
 
 # ------------------------------------------------------------------ faults
-def raises_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object,
-                     *, max_grad_norm: float | None = None) -> None:
+def raises_on_rank_1(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    loss_fn: object,
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     if dist.get_rank() == 1:
         raise ValueError("rank 1 cannot go on")
     equiv.accumulator_step(model, optimizer, micro_batches, loss_fn, max_grad_norm=max_grad_norm)  # type: ignore[arg-type]
 
 
-def hangs_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list, loss_fn: object,
-                    *, max_grad_norm: float | None = None) -> None:
+def hangs_on_rank_1(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    loss_fn: object,
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     if dist.get_rank() == 1:
         time.sleep(3600)
     equiv.accumulator_step(model, optimizer, micro_batches, loss_fn, max_grad_norm=max_grad_norm)  # type: ignore[arg-type]
@@ -262,8 +286,14 @@ def test_a_rank_that_hangs_under_fsdp2_ends_the_check_within_the_timeout() -> No
     assert no_stray_processes()
 
 
-def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list,
-                                      loss_fn: object, *, max_grad_norm: float | None = None) -> None:
+def skips_the_last_backward_on_rank_1(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    loss_fn: object,
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     optimizer.zero_grad(set_to_none=True)
     for index, (inputs, targets) in enumerate(micro_batches):
         loss = loss_fn(model(inputs), targets)  # type: ignore[operator]
@@ -275,10 +305,13 @@ def skips_the_last_backward_on_rank_1(model: nn.Module, optimizer: torch.optim.O
 
 def test_a_rank_that_skips_a_backward_under_fsdp2_is_named_at_once() -> None:
     started = time.monotonic()
-    with pytest.raises(DistributedCheckError, match=(
-        r"^mismatched collectives: rank 0 called all_gather_single of shape \[\d+\] float64 as its collective #\d+ "
-        r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #\d+: it went on to exact tier, step 1"
-    )):
+    with pytest.raises(
+        DistributedCheckError,
+        match=(
+            r"^mismatched collectives: rank 0 called all_gather_single of shape \[\d+\] float64 as its collective #\d+ "
+            r"\(exact tier, step 0: in the candidate\); rank 1 made no collective #\d+: it went on to exact tier, step 1"
+        ),
+    ):
         check_distributed(skips_the_last_backward_on_rank_1, FAULT_CASE, engine="fsdp2")
     assert time.monotonic() - started < 30  # the timeout is 120 s
     assert no_stray_processes()
@@ -286,11 +319,15 @@ def test_a_rank_that_skips_a_backward_under_fsdp2_is_named_at_once() -> None:
 
 # ------------------------------------------------------------ bad input (no ranks)
 def test_bad_fsdp2_input_is_refused_before_anything_runs() -> None:
-    with pytest.raises(ValueError, match=r"engine must be one of \('ddp', 'fsdp2', 'tp', 'fsdp2\+tp', 'cp', 'fsdp2\+cp'\), got 'fsdp'"):
+    with pytest.raises(
+        ValueError, match=r"engine must be one of \('ddp', 'fsdp2', 'tp', 'fsdp2\+tp', 'cp', 'fsdp2\+cp'\), got 'fsdp'"
+    ):
         check_distributed(equiv.accumulator_step, FAULT_CASE, engine="fsdp")
     with pytest.raises(ValueError, match="mp_policy is an FSDP2 setting: it needs engine='fsdp2', got engine='ddp'"):
         check_distributed(equiv.accumulator_step, FAULT_CASE, mp_policy=MixedPrecisionPolicy())
-    with pytest.raises(TypeError, match=r"mp_policy must be a torch\.distributed\.fsdp\.MixedPrecisionPolicy or None, got dtype"):
+    with pytest.raises(
+        TypeError, match=r"mp_policy must be a torch\.distributed\.fsdp\.MixedPrecisionPolicy or None, got dtype"
+    ):
         check_distributed(equiv.accumulator_step, FAULT_CASE, engine="fsdp2", mp_policy=torch.bfloat16)  # type: ignore[arg-type]
     with pytest.raises(equiv.InvalidCase, match=r"same number of micro-batches .* got \[2, 1\] micro-batches per rank"):
         check_distributed(equiv.accumulator_step, DistributedCase.of(BASE, [[1, 3], [2]]), engine="fsdp2")
@@ -309,16 +346,33 @@ def test_bad_fsdp2_input_is_refused_before_anything_runs() -> None:
 # ------------------------------------------------------------ report rendering
 def test_fsdp2_cost_table_gives_one_figure_where_ranks_agree_and_charts_both_policies() -> None:
     def row(rank: int, policy: str, n: int, peak: int) -> FsdpCostRow:
-        memory = StepMemory(device="cpu", method="storage-counter", baseline_bytes=1,
-                            forward_backward_peak_bytes=peak, optimizer_step_peak_bytes=3 * 2**20)
+        memory = StepMemory(
+            device="cpu",
+            method="storage-counter",
+            baseline_bytes=1,
+            forward_backward_peak_bytes=peak,
+            optimizer_step_peak_bytes=3 * 2**20,
+        )
         every = policy == "sync_every_micro_batch"
-        return FsdpCostRow(policy=policy, micro_batches=n, rank=rank, world_size=2,
-                           reduce_scatters=3 * (n if every else 1), reduce_scatter_bytes=2**20 * (n if every else 1),
-                           all_gathers=6 * n, all_gather_bytes=2**21 * n, memory=memory, step_seconds=0.1 + rank)
+        return FsdpCostRow(
+            policy=policy,
+            micro_batches=n,
+            rank=rank,
+            world_size=2,
+            reduce_scatters=3 * (n if every else 1),
+            reduce_scatter_bytes=2**20 * (n if every else 1),
+            all_gathers=6 * n,
+            all_gather_bytes=2**21 * n,
+            memory=memory,
+            step_seconds=0.1 + rank,
+        )
 
     per_rank = [
-        [row(rank, policy, n, (30 + n + (rank if policy == "sync_every_micro_batch" and n == 2 else 0)) * 2**20)
-         for policy in ("sync_once_per_window", "sync_every_micro_batch") for n in (1, 2)]
+        [
+            row(rank, policy, n, (30 + n + (rank if policy == "sync_every_micro_batch" and n == 2 else 0)) * 2**20)
+            for policy in ("sync_once_per_window", "sync_every_micro_batch")
+            for n in (1, 2)
+        ]
         for rank in (0, 1)
     ]
     table = fsdp2_cost_table(per_rank)

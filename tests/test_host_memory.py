@@ -19,8 +19,9 @@ _PROBE = "from equiv.host_memory import keep_freed_host_memory; print(keep_freed
 
 
 def _probe(**env: str) -> str:
-    return subprocess.run([sys.executable, "-c", _PROBE], env={**os.environ, **env}, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE], env={**os.environ, **env}, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def _glibc() -> bool:

@@ -76,7 +76,11 @@ GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 def test_every_module_is_placed_in_a_layer() -> None:
     assert {module for module in MODULES if _layer(module) == FACADE} == {
-        "equiv", "equiv.strategies", "equiv.testing", "equiv.pytest_plugin", "equiv.__main__"
+        "equiv",
+        "equiv.strategies",
+        "equiv.testing",
+        "equiv.pytest_plugin",
+        "equiv.__main__",
     }
 
 
@@ -102,11 +106,15 @@ def test_checking_and_cost_do_not_import_each_other() -> None:
 
 def test_the_peers_report_only_renders() -> None:
     # Measurement lives in equiv.peers; the report renders its results and imports nothing that measures.
-    assert GRAPH["equiv.reporting.peers"] <= {"equiv.peers.results", "equiv.reporting.markdown"}, \
-        GRAPH["equiv.reporting.peers"]
+    assert GRAPH["equiv.reporting.peers"] <= {"equiv.peers.results", "equiv.reporting.markdown"}, GRAPH[
+        "equiv.reporting.peers"
+    ]
     assert GRAPH["equiv.reporting.trl"] <= {"equiv.reporting.markdown"}, GRAPH["equiv.reporting.trl"]
-    assert not [module for module in GRAPH if module.startswith("equiv.peers")
-                and any(target.startswith("equiv.reporting") for target in GRAPH[module])]
+    assert not [
+        module
+        for module in GRAPH
+        if module.startswith("equiv.peers") and any(target.startswith("equiv.reporting") for target in GRAPH[module])
+    ]
 
 
 REPORTING = sorted(module for module in MODULES if module.startswith("equiv.reporting."))
@@ -114,8 +122,11 @@ REPORTING = sorted(module for module in MODULES if module.startswith("equiv.repo
 
 @pytest.mark.parametrize("module", REPORTING)
 def test_a_report_imports_nothing_that_measures(module: str) -> None:
-    measuring = sorted(target for target in GRAPH[module]
-                       if not target.startswith("equiv.reporting") and target not in RENDERING_INPUTS)
+    measuring = sorted(
+        target
+        for target in GRAPH[module]
+        if not target.startswith("equiv.reporting") and target not in RENDERING_INPUTS
+    )
     assert not measuring, f"{module} renders only, but imports {measuring}: measure in equiv.findings (or equiv.peers)"
     tree = ast.parse(MODULES[module].read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
@@ -131,8 +142,13 @@ def test_what_a_report_imports_imports_nothing_that_measures(module: str) -> Non
 
 
 def test_findings_do_not_render() -> None:
-    assert not [(module, target) for module, targets in GRAPH.items() if module.startswith("equiv.findings")
-                for target in targets if target.startswith("equiv.reporting")]
+    assert not [
+        (module, target)
+        for module, targets in GRAPH.items()
+        if module.startswith("equiv.findings")
+        for target in targets
+        if target.startswith("equiv.reporting")
+    ]
 
 
 def test_only_the_entry_point_imports_the_cli() -> None:
@@ -191,9 +207,28 @@ def test_the_public_api_is_exactly_all() -> None:
     # that ships a pytest11 plugin (equiv's does) when it is installed as a wheel.
     public = {name for name in vars(equiv) if not name.startswith(("_", "@"))} - {
         # subpackages and modules reachable as attributes once imported
-        "accumulator", "batches", "cases", "distributed", "checking", "cost", "losses", "reporting", "zoo", "cli", "peers",
-        "pytest_plugin", "testing", "names", "outcomes", "host_memory", "auditing", "findings", "judging", "results",
-        "adapters", "layers",
+        "accumulator",
+        "batches",
+        "cases",
+        "distributed",
+        "checking",
+        "cost",
+        "losses",
+        "reporting",
+        "zoo",
+        "cli",
+        "peers",
+        "pytest_plugin",
+        "testing",
+        "names",
+        "outcomes",
+        "host_memory",
+        "auditing",
+        "findings",
+        "judging",
+        "results",
+        "adapters",
+        "layers",
     }
     assert public == set(equiv.__all__) - {"__version__"}
 
@@ -263,13 +298,12 @@ def test_contributings_tree_names_every_module_and_package() -> None:
     lines = tree.splitlines()
     start = lines.index("equiv/")
     body = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line and not line.startswith(" "):
             break
         body.append(line)
     written = re.findall(r"(?<!\S)(\w+(?:/|\.py))(?!\S)", "\n".join(body))
-    expected = [_short(key) + ("/" if _is_package(key) else ".py") for key in MODULES
-                if key.count(".") == 1]
+    expected = [_short(key) + ("/" if _is_package(key) else ".py") for key in MODULES if key.count(".") == 1]
     assert sorted(written) == sorted(expected)
 
 
@@ -280,8 +314,12 @@ def test_the_packages_docstring_draws_the_layer_table() -> None:
     drawn = [{name.strip() for name in group.split(",")} for group in flow.split("->")]
     grouped = _layers_by_number()
     assert drawn == [grouped[layer] for layer in sorted(grouped, reverse=True)]
-    listed = [name for line in doc.splitlines() if line.startswith("- ")
-              for name in re.findall(r"``(\w+)``", line.split(":", 1)[0])]
+    listed = [
+        name
+        for line in doc.splitlines()
+        if line.startswith("- ")
+        for name in re.findall(r"``(\w+)``", line.split(":", 1)[0])
+    ]
     assert sorted(listed) == sorted(name for names in grouped.values() for name in names)
 
 
@@ -292,10 +330,17 @@ def test_micro_batches_have_one_type() -> None:
         if module == "equiv.batches":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Assign) and ast.unparse(node.value) in ("list[tuple[Tensor, Tensor]]", "list[Batch]"):
+            if isinstance(node, ast.Assign) and ast.unparse(node.value) in (
+                "list[tuple[Tensor, Tensor]]",
+                "list[Batch]",
+            ):
                 copies.append(f"{module}: {ast.unparse(node)}")
-            elif (isinstance(node, ast.arg) and node.arg == "micro_batches" and node.annotation is not None
-                  and ast.unparse(node.annotation) == "list[tuple[Tensor, Tensor]]"):
+            elif (
+                isinstance(node, ast.arg)
+                and node.arg == "micro_batches"
+                and node.annotation is not None
+                and ast.unparse(node.annotation) == "list[tuple[Tensor, Tensor]]"
+            ):
                 copies.append(f"{module}: micro_batches: {ast.unparse(node.annotation)}")
     assert copies == [], "use equiv.batches.MicroBatches"
 
@@ -308,8 +353,12 @@ def test_an_outcome_is_put_in_words_in_one_place() -> None:
         if module == "equiv.outcomes":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "replace"
-                    and [ast.unparse(arg) for arg in node.args] in (["'_'", "' '"], ['"_"', '" "'])):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "replace"
+                and [ast.unparse(arg) for arg in node.args] in (["'_'", "' '"], ['"_"', '" "'])
+            ):
                 own.append(f"{module}:{node.lineno}")
     assert own == [], "use equiv.outcomes.outcome_words"
 
@@ -328,21 +377,39 @@ def test_the_distributed_machinery_is_still_reachable_where_it_was_published() -
 
 def _calls(tree: ast.AST, name: str) -> list[int]:
     """Lines calling ``name`` as a bare name or an attribute."""
-    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and ((isinstance(node.func, ast.Name) and node.func.id == name)
-                 or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id == name)
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == name)
+        )
+    ]
 
 
 #: What only the engine may call: an allowance, a floor's distances, a truth, a comparer.
-ENGINE_ONLY = ("allowance", "FloorErrors", "FloorRun", "TruthTrajectory", "StepComparer", "compare_trajectories",
-               "floor_plan")
+ENGINE_ONLY = (
+    "allowance",
+    "FloorErrors",
+    "FloorRun",
+    "TruthTrajectory",
+    "StepComparer",
+    "compare_trajectories",
+    "floor_plan",
+)
 
 
 def test_one_floor_recipe_nothing_outside_the_engine_computes_an_allowance() -> None:
     # Every verdict's floors and allowances come from equiv.judging (its floor plan, its Judge): a front door
     # that measured a floor or called tolerances.allowance itself would be a second judge.
-    outside = {f"{module}:{name}": lines for module, path in MODULES.items() if not module.startswith("equiv.judging")
-               for name in ENGINE_ONLY if (lines := _calls(ast.parse(path.read_text()), name))}
+    outside = {
+        f"{module}:{name}": lines
+        for module, path in MODULES.items()
+        if not module.startswith("equiv.judging")
+        for name in ENGINE_ONLY
+        if (lines := _calls(ast.parse(path.read_text()), name))
+    }
     assert outside == {}, f"the engine's work done outside equiv.judging: {outside}"
 
 
@@ -353,17 +420,23 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("equiv"):
                 source_package = node.module.split(".")[:2]
                 for alias in node.names:
-                    hidden = alias.name.startswith("_") or any(part.startswith("_") and part != "__init__"
-                                                               for part in node.module.split("."))
+                    hidden = alias.name.startswith("_") or any(
+                        part.startswith("_") and part != "__init__" for part in node.module.split(".")
+                    )
                     if hidden and source_package != module.split(".")[:2]:
                         private.append(f"{module} imports {node.module}.{alias.name}")
     assert private == []
 
 
 #: Every ``__all__`` of the package: the facade's and each subpackage's that states one.
-PUBLIC_NAMESPACES = ["equiv", *sorted(
-    module for module, path in MODULES.items()
-    if path.name == "__init__.py" and module != "equiv" and "__all__" in path.read_text())]
+PUBLIC_NAMESPACES = [
+    "equiv",
+    *sorted(
+        module
+        for module, path in MODULES.items()
+        if path.name == "__init__.py" and module != "equiv" and "__all__" in path.read_text()
+    ),
+]
 
 
 def _public_functions() -> list[str]:
@@ -391,9 +464,12 @@ def test_every_public_function_documents_its_args_and_what_it_returns(dotted: st
     signature = inspect.signature(function)
     if signature.parameters:
         assert "\nArgs:\n" in doc, f"{dotted}'s docstring needs an Args: section"
-        documented = {name.strip() for line in doc.split("\nArgs:\n", 1)[1].split("\n\n", 1)[0].splitlines()
-                      if line.startswith("    ") and not line.startswith("     ") and ":" in line
-                      for name in line.split(":", 1)[0].split(",")}
+        documented = {
+            name.strip()
+            for line in doc.split("\nArgs:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+            if line.startswith("    ") and not line.startswith("     ") and ":" in line
+            for name in line.split(":", 1)[0].split(",")
+        }
         documented = {name.strip("*") for name in documented}
         missing = [name for name in signature.parameters if name not in documented]
         assert missing == [], f"{dotted}'s Args: does not name {missing}"
@@ -409,9 +485,12 @@ def _raised(dotted: str) -> list[tuple[str, Any]]:
     if "\nRaises:\n" not in doc:
         return []
     section = doc.split("\nRaises:\n", 1)[1].split("\n\n", 1)[0]
-    names = [name.strip() for line in section.splitlines()
-             if line.startswith("    ") and not line.startswith("     ") and ":" in line
-             for name in line.split(":", 1)[0].split(",")]
+    names = [
+        name.strip()
+        for line in section.splitlines()
+        if line.startswith("    ") and not line.startswith("     ") and ":" in line
+        for name in line.split(":", 1)[0].split(",")
+    ]
     found = []
     for name in names:
         found.append((name, function.__globals__.get(name, getattr(builtins, name, None))))
@@ -431,10 +510,15 @@ def test_every_exception_a_public_function_raises_is_importable_from_equiv(dotte
         assert isinstance(error, type) and issubclass(error, BaseException), f"{dotted} raises {name}: not an exception"
         if error.__module__.split(".")[0] == "equiv":
             assert getattr(equiv, error.__name__, None) is error and error.__name__ in equiv.__all__, (
-                f"{dotted} raises {error.__module__}.{error.__name__}, which is not importable from equiv")
+                f"{dotted} raises {error.__module__}.{error.__name__}, which is not importable from equiv"
+            )
 
 
 def test_the_raises_sections_are_read() -> None:
     # The test above can only fail if it finds the exceptions: check's and plan's are named and resolved.
-    assert {error.__name__ for _, error in _raised("equiv.check")} >= {"CandidateError", "CandidateTimeout", "CheckTimeout"}
+    assert {error.__name__ for _, error in _raised("equiv.check")} >= {
+        "CandidateError",
+        "CandidateTimeout",
+        "CheckTimeout",
+    }
     assert any(error is not None and error.__name__ == "NothingFitsError" for _, error in _raised("equiv.plan"))

@@ -23,8 +23,12 @@ from equiv.judging.judge import SETTLED, ReferenceRuns, clear_reference_cache
 from equiv.results.verdict import Verdict
 from equiv.zoo.bugs import BUGS
 
-CASES = ["SGD momentum, uneven 1+5+10", "Adam, uneven 1+2", "SGD, active clipping 3+5",
-         "Adam, token loss with padding 2+3"]
+CASES = [
+    "SGD momentum, uneven 1+5+10",
+    "Adam, uneven 1+2",
+    "SGD, active clipping 3+5",
+    "Adam, token loss with padding 2+3",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +68,13 @@ def test_a_correct_step_within_the_roundoff_term_runs_no_floor(case_name: str, m
 
 #: A float32 case whose correct float32 run is past the roundoff term alone (Adam's
 #: m / sqrt(v) amplifies float32 rounding): its noise tier needs floor samples.
-NEEDS_FLOORS = equiv.Case(batch_size=8, micro_batch_sizes=(3, 5), optimizer="AdamW", optimizer_kwargs={"lr": 1e-3},
-                          model_kwargs={"in_features": 64, "hidden": (64, 64), "out_features": 64})
+NEEDS_FLOORS = equiv.Case(
+    batch_size=8,
+    micro_batch_sizes=(3, 5),
+    optimizer="AdamW",
+    optimizer_kwargs={"lr": 1e-3},
+    model_kwargs={"in_features": 64, "hidden": (64, 64), "out_features": 64},
+)
 
 
 def test_a_correct_step_that_needs_floors_stops_at_the_sample_that_settles_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,9 +105,13 @@ def test_a_verdict_without_details_is_the_same_verdict(case_name: str) -> None:
     quick = equiv.check(BUGS["mean_of_means"], case, details=False)
     assert quick.status == full.status and quick.kind == full.kind
     assert [(d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in quick.mismatches] == [
-        (d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in full.mismatches]
+        (d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in full.mismatches
+    ]
     assert quick.first_mismatch is not None and full.first_mismatch is not None
-    assert (quick.first_mismatch.step, quick.first_mismatch.name) == (full.first_mismatch.step, full.first_mismatch.name)
+    assert (quick.first_mismatch.step, quick.first_mismatch.name) == (
+        full.first_mismatch.step,
+        full.first_mismatch.name,
+    )
     assert full.first_mismatch.index and not quick.first_mismatch.index  # where: only in the full verdict
 
 
@@ -131,6 +144,7 @@ def test_a_case_holding_your_own_objects_gets_fresh_references(monkeypatch: pyte
 
     def data(step: int, batch_size: int, generator: object) -> object:
         import torch
+
         return torch.randn(batch_size, 3, generator=generator), torch.randn(batch_size, 2, generator=generator)
 
     case = equiv.Case(batch_size=4, micro_batch_sizes=(1, 3), model=model, data=data)
@@ -219,13 +233,18 @@ def test_a_correct_audited_run_reads_each_window_within_settled() -> None:
     with equiv.audit(model, optimizer, loss=equiv.CrossEntropy(), max_grad_norm=0.5) as watched:
         for _ in range(12):
             sizes = torch.randint(1, 17, (5,), generator=generator).tolist()
-            window = [(torch.randn(size, 24, generator=generator), torch.randint(0, 5, (size,), generator=generator))
-                      for size in sizes]
+            window = [
+                (torch.randn(size, 24, generator=generator), torch.randint(0, 5, (size,), generator=generator))
+                for size in sizes
+            ]
             for inputs, targets in window:
-                (watched.wrap(functional.cross_entropy)(model(inputs), targets, reduction="sum") / sum(sizes)).backward()
+                (
+                    watched.wrap(functional.cross_entropy)(model(inputs), targets, reduction="sum") / sum(sizes)
+                ).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     assert watched and watched.judged == 12, watched.summary()
-    assert max(window.worst.ratio for window in watched.windows if window.worst is not None) <= SETTLED, \
+    assert max(window.worst.ratio for window in watched.windows if window.worst is not None) <= SETTLED, (
         watched.summary()
+    )

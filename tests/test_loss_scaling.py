@@ -12,8 +12,16 @@ from equiv.judging.runs import run_reference
 from equiv.zoo import bugs as zoo
 from equiv.zoo.distributed_bugs import overflow_checked_on_last_micro_batch
 
-SCALED = equiv.Case(batch_size=6, micro_batch_sizes=(1, 2, 3), model_kwargs={"hidden": (8,)}, optimizer="Adam",
-                    optimizer_kwargs={"lr": 1e-2}, steps=3, loss_scale=2.0**8, overflow_at=(1, 0))
+SCALED = equiv.Case(
+    batch_size=6,
+    micro_batch_sizes=(1, 2, 3),
+    model_kwargs={"hidden": (8,)},
+    optimizer="Adam",
+    optimizer_kwargs={"lr": 1e-2},
+    steps=3,
+    loss_scale=2.0**8,
+    overflow_at=(1, 0),
+)
 
 
 @pytest.mark.parametrize("sample", range(6))
@@ -46,9 +54,15 @@ def test_summed_losses_reach_a_natural_float16_overflow_sooner_than_a_mean() -> 
     # the SUM (5x the mean here) overflows float16 at scale 2**14 where the
     # mean does not.  Both are the full batch's mathematics, so the verdict is
     # "no exact reference for this skip decision", not a bug of the accumulator.
-    case = equiv.Case(batch_size=5, micro_batch_sizes=(5,), model_kwargs={"hidden": (8,)},
-                      optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, loss_scale=2.0**14, overflow_at=(0, 0),
-                      autocast="float16")
+    case = equiv.Case(
+        batch_size=5,
+        micro_batch_sizes=(5,),
+        model_kwargs={"hidden": (8,)},
+        optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
+        loss_scale=2.0**14,
+        overflow_at=(0, 0),
+        autocast="float16",
+    )
     verdict = equiv.check(equiv.accumulator_step, case)
     assert verdict.status == "inherently_non_equivalent"
     assert any("summed loss normalised after backward overflow at different scales" in r for r in verdict.inherent)
@@ -60,7 +74,9 @@ def test_a_full_batch_step_that_overflows_naturally_has_no_exact_reference() -> 
     case = SCALED.replace(overflow_at=None, loss_scale=2.0**40, autocast="float16", steps=2)
     verdict = equiv.check(equiv.accumulator_step, case)
     assert verdict.status == "inherently_non_equivalent"
-    assert any("overflows in float32 with float16 autocast at loss scale 1.09951e+12" in reason for reason in verdict.inherent)
+    assert any(
+        "overflows in float32 with float16 autocast at loss scale 1.09951e+12" in reason for reason in verdict.inherent
+    )
 
 
 def test_scaled_case_is_not_applicable_to_a_candidate_without_the_scaler() -> None:
@@ -77,14 +93,26 @@ def test_scaled_case_is_not_applicable_to_a_candidate_without_the_scaler() -> No
         ({"overflow_at": [0, 6]}, "overflow_at=(0, 6) is outside steps 0..2 x samples 0..5"),
         ({"loss_scale": -1.0, "overflow_at": None}, "loss_scale must be positive or None, got -1.0"),
         ({"autocast": "float8"}, "autocast must be 'float16', 'bfloat16' or None, got 'float8'"),
-        ({"scale_growth_interval": 0}, "scale_growth_interval must be a positive int (clean windows before the "
-                                       "scale doubles) or None, got 0"),
+        (
+            {"scale_growth_interval": 0},
+            "scale_growth_interval must be a positive int (clean windows before the scale doubles) or None, got 0",
+        ),
         ({"scale_growth_interval": True}, "scale_growth_interval must be a positive int"),
-        ({"loss_scale": None, "overflow_at": None, "scale_growth_interval": 2},
-         "scale_growth_interval=2 needs loss_scale"),
+        (
+            {"loss_scale": None, "overflow_at": None, "scale_growth_interval": 2},
+            "scale_growth_interval=2 needs loss_scale",
+        ),
     ],
-    ids=["no_scaler", "step_out_of_range", "sample_out_of_range", "negative_scale", "bad_autocast",
-         "growth_zero", "growth_bool", "growth_without_scale"],
+    ids=[
+        "no_scaler",
+        "step_out_of_range",
+        "sample_out_of_range",
+        "negative_scale",
+        "bad_autocast",
+        "growth_zero",
+        "growth_bool",
+        "growth_without_scale",
+    ],
 )
 def test_bad_loss_scale_fields_name_the_value(changes: dict[str, object], message: str) -> None:
     with pytest.raises(equiv.InvalidCase, match=re.escape(message)):
@@ -114,8 +142,10 @@ def test_a_growth_interval_grows_the_scale_within_the_case_and_an_overflow_backs
 @pytest.mark.parametrize("interval", [1, 2])
 def test_reference_is_exact_while_the_scale_grows(interval: int) -> None:
     for overflow_at in (None, (0, 3), (2, 5)):
-        equiv.check(equiv.accumulator_step, SCALED.replace(scale_growth_interval=interval, overflow_at=overflow_at,
-                                                           max_grad_norm=0.05)).assert_ok()
+        equiv.check(
+            equiv.accumulator_step,
+            SCALED.replace(scale_growth_interval=interval, overflow_at=overflow_at, max_grad_norm=0.05),
+        ).assert_ok()
 
 
 def test_growth_interval_round_trips_through_json_and_repr() -> None:

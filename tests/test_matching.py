@@ -29,8 +29,11 @@ def test_the_same_calls_in_the_same_order_pass_and_the_later_rank_names_a_differ
 def test_a_rank_still_calling_collectives_meets_the_end_of_its_peers_task() -> None:
     rank0, rank1 = two_ranks()
     rank1.end_of_task()
-    with pytest.raises(CollectiveMismatch, match=r"rank 0 called barrier as its collective #1 \(step 0\); "
-                                                 r"rank 1 made no collective #1: it went on to the end of its task$"):
+    with pytest.raises(
+        CollectiveMismatch,
+        match=r"rank 0 called barrier as its collective #1 \(step 0\); "
+        r"rank 1 made no collective #1: it went on to the end of its task$",
+    ):
         rank0.record("barrier")
 
 

@@ -12,15 +12,26 @@ from equiv.zoo.moe_bugs import aux_divided_by_micro_batches, aux_loss_per_micro_
 
 
 def moe_case(balance: str = "sequence", micro_batch_sizes: tuple[int, ...] = (2, 4), **changes) -> equiv.Case:
-    return equiv.Case(batch_size=sum(micro_batch_sizes), micro_batch_sizes=micro_batch_sizes, model="moe",
-                      model_kwargs={"balance": balance}, loss="mse_aux", steps=2, **changes)
+    return equiv.Case(
+        batch_size=sum(micro_batch_sizes),
+        micro_batch_sizes=micro_batch_sizes,
+        model="moe",
+        model_kwargs={"balance": balance},
+        loss="mse_aux",
+        steps=2,
+        **changes,
+    )
 
 
-@pytest.mark.parametrize("changes", [
-    {},
-    {"optimizer": "Adam", "optimizer_kwargs": {"lr": 1e-2}},
-    {"max_grad_norm": 1e-2},
-], ids=["sgd", "adam", "clipped"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"optimizer": "Adam", "optimizer_kwargs": {"lr": 1e-2}},
+        {"max_grad_norm": 1e-2},
+    ],
+    ids=["sgd", "adam", "clipped"],
+)
 def test_reference_accumulator_is_equivalent_with_a_sequence_wise_aux_loss(changes: dict) -> None:
     equiv.check(equiv.accumulator_step, moe_case(micro_batch_sizes=(1, 2, 3), **changes)).assert_ok()
 
@@ -46,7 +57,9 @@ def test_batch_wise_aux_loss_is_not_linear_in_the_samples() -> None:
 
 
 def test_aux_loss_at_full_weight_per_micro_batch_is_found() -> None:
-    assert equiv.check(aux_loss_per_micro_batch, moe_case(micro_batch_sizes=(6,))), "one micro-batch: nothing to over-weight"
+    assert equiv.check(aux_loss_per_micro_batch, moe_case(micro_batch_sizes=(6,))), (
+        "one micro-batch: nothing to over-weight"
+    )
     verdict = equiv.check(aux_loss_per_micro_batch, moe_case(micro_batch_sizes=(3, 3)))
     assert verdict.status == "not_equivalent"
 
@@ -66,8 +79,9 @@ def test_bad_moe_arguments_are_named() -> None:
     with pytest.raises(equiv.InvalidCase, match="unknown balance 'tokens'"):
         moe_case("tokens").build_model()
     with pytest.raises(equiv.InvalidCase, match=r"top_k must be in 1\.\.experts"):
-        equiv.Case(batch_size=2, micro_batch_sizes=(2,), model="moe", model_kwargs={"top_k": 5},
-                   loss="mse_aux").build_model()
+        equiv.Case(
+            batch_size=2, micro_batch_sizes=(2,), model="moe", model_kwargs={"top_k": 5}, loss="mse_aux"
+        ).build_model()
     with pytest.raises(ValueError, match="one column fewer"):
         MSEWithAux()(torch.zeros(2, 3), torch.zeros(2, 3))
 

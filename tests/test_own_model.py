@@ -43,8 +43,9 @@ class TinyGPT(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = nn.MultiheadAttention(config.n_embd, config.n_head, dropout=0.0, bias=False, batch_first=True)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
-                                 nn.Linear(4 * config.n_embd, config.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(), nn.Linear(4 * config.n_embd, config.n_embd)
+        )
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
@@ -93,8 +94,16 @@ class NextTokenLoss:
 
 
 def own_case(**changes: object) -> equiv.Case:
-    fields = dict(batch_size=7, micro_batch_sizes=(2, 5), model=make_tiny_gpt, data=padded_token_batches,
-                  loss=NextTokenLoss(), optimizer="AdamW", optimizer_kwargs={"lr": 1e-3}, max_grad_norm=0.5)
+    fields = dict(
+        batch_size=7,
+        micro_batch_sizes=(2, 5),
+        model=make_tiny_gpt,
+        data=padded_token_batches,
+        loss=NextTokenLoss(),
+        optimizer="AdamW",
+        optimizer_kwargs={"lr": 1e-3},
+        max_grad_norm=0.5,
+    )
     return equiv.Case(**{**fields, **changes})  # type: ignore[arg-type]
 
 
@@ -125,7 +134,9 @@ def test_own_factory_replays_through_its_import_path() -> None:
     again = dict(replayed.build_model().module.named_parameters())
     assert all(torch.equal(first[name], again[name]) for name in first)
     batches, replayed_batches = case.batches(case.build_model()), replayed.batches(replayed.build_model())
-    assert all(torch.equal(a, b) for x, y in zip(batches, replayed_batches, strict=True) for a, b in zip(x, y, strict=True))
+    assert all(
+        torch.equal(a, b) for x, y in zip(batches, replayed_batches, strict=True) for a, b in zip(x, y, strict=True)
+    )
 
 
 def test_model_kwargs_reach_the_factory() -> None:

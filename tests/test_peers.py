@@ -50,7 +50,9 @@ TOY_UNEVEN = TOY_CASE.replace(micro_batch_sizes=(3, 3, 2))
 #: The toy as one epoch of 8 micro-batches of one sample, N=3: windows 3+3+2.
 TOY_EPOCH = EpochRun(TOY_CASE.replace(micro_batch_sizes=(1,) * 8), 3)
 #: Why a test of an optional peer skips (one reason for the module: one ``-ra`` line).
-PEERS_EXTRA = "needs the peers extra: accelerate, pytorch-lightning, transformers 5.x (pip install equiv[peers]; tox -e peers)"
+PEERS_EXTRA = (
+    "needs the peers extra: accelerate, pytorch-lightning, transformers 5.x (pip install equiv[peers]; tox -e peers)"
+)
 
 
 def toy_w(candidate: object) -> float:
@@ -82,7 +84,9 @@ def test_textbook_loop_averages_token_means_in_the_causal_lm() -> None:
     assert equiv.check(equiv.accumulator_step, TOKENS)
 
 
-@pytest.mark.parametrize("case", [EVEN, ADAM, UNEVEN, TOKENS, CLIPPED], ids=["even", "adam", "uneven", "tokens", "clip"])
+@pytest.mark.parametrize(
+    "case", [EVEN, ADAM, UNEVEN, TOKENS, CLIPPED], ids=["even", "adam", "uneven", "tokens", "clip"]
+)
 def test_torchtitan_style_loop_is_exact_everywhere(case: equiv.Case) -> None:
     equiv.check(torchtitan_step, case).assert_ok()
 
@@ -100,7 +104,9 @@ def test_mindspore_2_port_cannot_clip_and_misses_short_tails() -> None:
     # The notebook's Accumulator has no clipping: a clipping case does not apply to it (not a failure).
     verdict = equiv.check(MindSporeAccumulator(), CLIPPED)
     assert verdict.status == "not_applicable", verdict.message()
-    assert verdict.not_applicable == ("MindSporeAccumulator() takes no max_grad_norm (the case sets max_grad_norm=0.01)",)
+    assert verdict.not_applicable == (
+        "MindSporeAccumulator() takes no max_grad_norm (the case sets max_grad_norm=0.01)",
+    )
     # accumulate_step=4 with 3 micro-batches per window: the counter never reaches the step in the first window.
     assert first_update_mismatch(MindSporeAccumulator(4), EVEN).max_rel_diff == 1.0
 
@@ -151,8 +157,9 @@ def test_transformers_trainer_is_exact_with_num_items_in_batch_and_averages_toke
     from equiv.adapters.transformers import TrainerRun
 
     def trainer_measure(run: TokenRun) -> Measure:
-        return measure(lambda model, optimizer, micro: TrainerRun(run.n).train(model, optimizer, micro,
-                                                                               epochs=run.epochs), run)
+        return measure(
+            lambda model, optimizer, micro: TrainerRun(run.n).train(model, optimizer, micro, epochs=run.epochs), run
+        )
 
     uneven = TRAINER_RUNS["uneven token counts, tail of a long epoch: 7 micro-batches, N=3"]
     exact = trainer_measure(uneven)
@@ -219,8 +226,9 @@ def test_mindspore_loss_scaled_ports_skip_the_overflowing_window_once_but_sum_wi
     port(model, optimizer, overflowing, torch.nn.functional.mse_loss)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     port(model, optimizer, window, torch.nn.functional.mse_loss)
-    assert all(bool(torch.isfinite(p).all()) and not torch.equal(p, b)
-               for p, b in zip(model.parameters(), before, strict=True))
+    assert all(
+        bool(torch.isfinite(p).all()) and not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)
+    )
     # Peers without a grad scaler are not asked (not applicable, never a failure).
     verdict = equiv.check(MindSporeAccumulator(), LOSS_SCALED)
     assert verdict.status == "not_applicable"
@@ -267,13 +275,16 @@ def test_a_missing_peer_is_named_by_the_package_that_is_missing(monkeypatch: pyt
     from equiv.peers import catalogue
 
     installed = {"transformers", "pytorch_lightning"}
-    monkeypatch.setattr(catalogue.importlib.util, "find_spec",
-                        lambda name, *args: importlib.machinery.ModuleSpec(name, None) if name in installed else None)
+    monkeypatch.setattr(
+        catalogue.importlib.util,
+        "find_spec",
+        lambda name, *args: importlib.machinery.ModuleSpec(name, None) if name in installed else None,
+    )
     reasons = catalogue.not_measured()
     assert reasons == {
         "Accelerate": "accelerate is not installed (pip install equiv[peers])",
         "the transformers Trainer": "accelerate is not installed, which the transformers Trainer needs "
-                                    "(pip install equiv[peers])",
+        "(pip install equiv[peers])",
     }
 
 
@@ -323,22 +334,49 @@ def test_the_saved_transformers_4452_rows_read_as_cells() -> None:
 
 def test_the_report_starts_with_a_table_read_at_a_glance_and_charts_measured_numbers() -> None:
     results = PeersResults(
-        versions={"torch": "2.13.0"}, not_measured={},
-        situations=[Situation("tail of a long epoch", "run: epoch tail", "run", "7 micro-batches, N=3"),
-                    Situation("equal splits, SGD", "equal, SGD", "window", "`Case()`")],
-        rows=[PeerRow("Lightning", cells={"tail of a long epoch": Cell("not equivalent", kind="tail divided by N",
-                                                                       detail="step 3: update 0.333x"),
-                                          "equal splits, SGD": Cell("equivalent")}),
-              PeerRow("Recipe", cells={"tail of a long epoch": Cell("equivalent"),
-                                       "equal splits, SGD": Cell("not applicable", detail="takes no clip")})],
-        kinds=[("tail divided by N", "a short window divided by N")], known=[],
-        charts=[Chart("Update per window", "Update per window, epoch tail", "window", ("1 (3)", "2 (3)", "3 (1)"), "update / full-batch update",
-                      (("Lightning", (1.0, 1.0, 0.333)), ("Recipe", (1.0, 1.0, 1.0))))],
+        versions={"torch": "2.13.0"},
+        not_measured={},
+        situations=[
+            Situation("tail of a long epoch", "run: epoch tail", "run", "7 micro-batches, N=3"),
+            Situation("equal splits, SGD", "equal, SGD", "window", "`Case()`"),
+        ],
+        rows=[
+            PeerRow(
+                "Lightning",
+                cells={
+                    "tail of a long epoch": Cell(
+                        "not equivalent", kind="tail divided by N", detail="step 3: update 0.333x"
+                    ),
+                    "equal splits, SGD": Cell("equivalent"),
+                },
+            ),
+            PeerRow(
+                "Recipe",
+                cells={
+                    "tail of a long epoch": Cell("equivalent"),
+                    "equal splits, SGD": Cell("not applicable", detail="takes no clip"),
+                },
+            ),
+        ],
+        kinds=[("tail divided by N", "a short window divided by N")],
+        known=[],
+        charts=[
+            Chart(
+                "Update per window",
+                "Update per window, epoch tail",
+                "window",
+                ("1 (3)", "2 (3)", "3 (1)"),
+                "update / full-batch update",
+                (("Lightning", (1.0, 1.0, 0.333)), ("Recipe", (1.0, 1.0, 1.0))),
+            )
+        ],
     )
     text = render_peers(results)
     first_table = next(line for line in text.split("\n\n") if line.startswith("| implementation")).splitlines()
     assert [name.strip() for name in first_table[0].split("|")[2:4]] == ["run: epoch tail", "equal, SGD"]
     assert [line.split("|")[1].strip() for line in first_table[2:]] == ["Lightning", "Recipe"]  # one line per peer
     assert "✗ (tail divided by N)" in first_table[2] and "✓" in first_table[2] and "n/a" in first_table[3]
-    assert text.index("## At a glance") < text.index("## How a verdict is reached") < text.index("step 3: update 0.333x")
+    assert (
+        text.index("## At a glance") < text.index("## How a verdict is reached") < text.index("step 3: update 0.333x")
+    )
     assert "xychart-beta" in text and "    bar [1, 1, 0.333]" in text and "    line [1, 1, 1]" in text

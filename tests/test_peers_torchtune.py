@@ -10,7 +10,8 @@ import pytest
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(package) is None for package in ("torchtune", "torchao")),
-    reason="needs torchtune and torchao (pip install equiv[torchtune]; tox -e peers-torchtune)")
+    reason="needs torchtune and torchao (pip install equiv[torchtune]; tox -e peers-torchtune)",
+)
 
 
 def test_the_recipe_is_equivalent_when_each_sequences_first_label_is_masked() -> None:

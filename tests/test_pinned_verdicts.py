@@ -74,8 +74,10 @@ if __name__ == "__main__":
     from equiv.cases.standard import STANDARD_CASES
 
     # Cases as the test rebuilds them (through JSON).
-    cases = {name: equiv.Case.from_dict(json.loads(json.dumps(case.to_dict(), sort_keys=True)))
-             for name, case in STANDARD_CASES.items()}
+    cases = {
+        name: equiv.Case.from_dict(json.loads(json.dumps(case.to_dict(), sort_keys=True)))
+        for name, case in STANDARD_CASES.items()
+    }
     rows: list[dict[str, Any]] = [
         {"case_name": case_name, "candidate": name, "case": case.to_dict()}
         for case_name, case in cases.items()

@@ -24,8 +24,12 @@ T_FIXED, T_SAMPLE, T_UPDATE = 1e-3, 1e-5, 2e-3
 class Curves:
     """Peak bytes and seconds as functions of the micro-batch size m; records every measurement."""
 
-    def __init__(self, forward_backward: Callable[[int], int], optimizer_step: int = 100 * KIB,
-                 whole_step_seconds: Callable[[int], float] | None = None) -> None:
+    def __init__(
+        self,
+        forward_backward: Callable[[int], int],
+        optimizer_step: int = 100 * KIB,
+        whole_step_seconds: Callable[[int], float] | None = None,
+    ) -> None:
         self.forward_backward = forward_backward
         self.optimizer_step = optimizer_step
         #: A whole step's time as a function of N; by default what the probes' line predicts.
@@ -44,14 +48,18 @@ class Curves:
 
     def probe(self, m: int, window: int) -> Probe:
         self.probed.append(m)
-        return Probe(self.memory(m), MicroStepPoint(micro_batch_size=m, micro_step_seconds=T_FIXED + m * T_SAMPLE,
-                                                    update_seconds=T_UPDATE), window)
+        return Probe(
+            self.memory(m),
+            MicroStepPoint(micro_batch_size=m, micro_step_seconds=T_FIXED + m * T_SAMPLE, update_seconds=T_UPDATE),
+            window,
+        )
 
     def whole_step(self, n: int) -> StepMeasurement:
         self.whole_steps.append(n)
         m = -(-BATCH // n)
-        return StepMeasurement(n_micro_batches=n, micro_batch_size=m, memory=self.memory(m),
-                               step_seconds=[self.whole_step_seconds(n)])
+        return StepMeasurement(
+            n_micro_batches=n, micro_batch_size=m, memory=self.memory(m), step_seconds=[self.whole_step_seconds(n)]
+        )
 
     def measurements(self) -> Measurements:
         return Measurements(probe=self.probe, whole_step=self.whole_step)
@@ -113,8 +121,9 @@ def test_more_budget_means_fewer_micro_batches() -> None:
     for budget_kib in (300, 400, 600, 900):
         curves = Curves(linear(200 * KIB, 10 * KIB))
         picks.append(
-            search_plan(curves.measurements(), global_batch_size=BATCH, memory_budget_bytes=budget_kib * KIB)
-            .recommended_n
+            search_plan(
+                curves.measurements(), global_batch_size=BATCH, memory_budget_bytes=budget_kib * KIB
+            ).recommended_n
         )
     assert picks == [8, 4, 2, 1]
 
@@ -165,6 +174,5 @@ def test_the_optimizer_step_peak_can_decide_alone() -> None:
 def test_search_refuses_bad_settings(arguments: dict[str, object], message: str) -> None:
     curves = Curves(linear(200 * KIB, 10 * KIB))
     with pytest.raises(ValueError, match=message):
-        search_plan(curves.measurements(), global_batch_size=BATCH, memory_budget_bytes=400 * KIB,
-                    **arguments)  # type: ignore[arg-type]
+        search_plan(curves.measurements(), global_batch_size=BATCH, memory_budget_bytes=400 * KIB, **arguments)  # type: ignore[arg-type]
     assert curves.probed == []  # refused before measuring anything

@@ -68,7 +68,14 @@ def test_benchmarked_implementations_take_the_same_step() -> None:
     for implementation, n in [("native", 1), ("native", 5), ("accumulator", 5), ("checkpoint", 1)]:
         model = _tiny_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        make_train_step(implementation, model, optimizer, split_batch(batch, even_sizes(len(batch[0]), n)), _ce_sum, lambda t: t.shape[0])()
+        make_train_step(
+            implementation,
+            model,
+            optimizer,
+            split_batch(batch, even_sizes(len(batch[0]), n)),
+            _ce_sum,
+            lambda t: t.shape[0],
+        )()
         updated[(implementation, n)] = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert all(p.grad is None for p in model.parameters()), "a step must leave no gradient behind"
     reference = updated[("native", 1)]

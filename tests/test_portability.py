@@ -103,7 +103,9 @@ def _result(probes: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
     assert "error" not in result, result.get("error")
     capability, threads = CONFIGS[name]
     if capability is not None:
-        assert result["capability"].lower() == capability, f"asked for {capability}, torch picked {result['capability']}"
+        assert result["capability"].lower() == capability, (
+            f"asked for {capability}, torch picked {result['capability']}"
+        )
     assert result["threads"] == threads, f"OMP_NUM_THREADS={threads} gave {result['threads']} threads"
     return result
 
@@ -112,8 +114,9 @@ def _result(probes: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
 def test_pinned_verdict_facts_hold_under(probes: dict[str, dict[str, Any]], name: str) -> None:
     result = _result(probes, name)
     pinned = {f"{row['candidate']} | {row['case_name']}": row["facts"] for row in pinned_rows()}
-    differing = {key: (result["facts"].get(key), facts) for key, facts in pinned.items()
-                 if result["facts"].get(key) != facts}
+    differing = {
+        key: (result["facts"].get(key), facts) for key, facts in pinned.items() if result["facts"].get(key) != facts
+    }
     assert not differing, (
         f"{len(differing)} of {len(pinned)} pinned verdicts differ under {name} "
         f"({result['capability']}, {result['threads']} thread(s)); got / pinned:\n"
@@ -139,12 +142,15 @@ def test_the_ci_profile_searches_find_and_shrink_to_the_same_cases_under(
 ) -> None:
     result = _result(probes, name)
     assert all(search["found"] for search in result["ci_searches"].values()), result["ci_searches"]
-    others = [(other, probe) for other, probe in probes.items()
-              if other != name and "ci_searches" in probe and "skip" not in probe]
+    others = [
+        (other, probe)
+        for other, probe in probes.items()
+        if other != name and "ci_searches" in probe and "skip" not in probe
+    ]
     for other, probe in others:
         differing = [bug for bug, search in result["ci_searches"].items() if probe["ci_searches"].get(bug) != search]
         assert not differing, (
             f"the ci searches of {differing} end elsewhere under {name} ({result['capability']}) than under "
-            f"{other} ({probe['capability']}): " + "; ".join(
-                f"{bug}: {result['ci_searches'][bug]} vs {probe['ci_searches'].get(bug)}" for bug in differing)
+            f"{other} ({probe['capability']}): "
+            + "; ".join(f"{bug}: {result['ci_searches'][bug]} vs {probe['ci_searches'].get(bug)}" for bug in differing)
         )

@@ -29,7 +29,10 @@ CLIPPED = STANDARD_CASES["SGD, active clipping 3+5"]
 
 
 #: The zoo's correct real-world loops, by the names these tests use.
-STEPS = {"token_scale": CORRECT_STEPS["scales_by_inverse_item_count"], "float32_clip": CORRECT_STEPS["clips_in_float32"]}
+STEPS = {
+    "token_scale": CORRECT_STEPS["scales_by_inverse_item_count"],
+    "float32_clip": CORRECT_STEPS["clips_in_float32"],
+}
 
 
 @pytest.fixture
@@ -38,7 +41,8 @@ def steps() -> dict[str, object]:
 
 
 def test_a_default_dtype_constant_passes_with_a_note_that_says_what_where_how_large_and_why(
-        steps: dict[str, object]) -> None:
+    steps: dict[str, object],
+) -> None:
     verdict = equiv.check(steps["token_scale"], SGD)  # type: ignore[arg-type]
     assert verdict and verdict.status is Outcome.EQUIVALENT, verdict.message()
     assert verdict.precision is not None and verdict.precision.cause == "default_dtype"
@@ -47,17 +51,23 @@ def test_a_default_dtype_constant_passes_with_a_note_that_says_what_where_how_la
     assert "float32 rounds at 6e-08" in note and "at step" in note
     assert "with the default dtype set to float64 the step matches" in note
     assert "harmless in float32, bfloat16 or float16 training" in note
-    assert verdict.message().startswith("Equivalent to full-batch training (candidate scales_by_inverse_item_count) in float32")
+    assert verdict.message().startswith(
+        "Equivalent to full-batch training (candidate scales_by_inverse_item_count) in float32"
+    )
     verdict.assert_ok()
 
 
-@pytest.mark.parametrize(("train_dtype", "strict", "why"), [
-    (torch.float64, False, "you train in float64"),
-    ("float64", False, "you train in float64"),
-    (None, True, "strict precision was asked for"),
-])
+@pytest.mark.parametrize(
+    ("train_dtype", "strict", "why"),
+    [
+        (torch.float64, False, "you train in float64"),
+        ("float64", False, "you train in float64"),
+        (None, True, "strict precision was asked for"),
+    ],
+)
 def test_it_fails_as_precision_for_float64_training_or_strict(
-        steps: dict[str, object], train_dtype: object, strict: bool, why: str) -> None:
+    steps: dict[str, object], train_dtype: object, strict: bool, why: str
+) -> None:
     verdict = equiv.check(steps["token_scale"], SGD, train_dtype=train_dtype, strict=strict)  # type: ignore[arg-type]
     assert not verdict and verdict.kind is Outcome.PRECISION
     assert f"it fails because {why}" in verdict.message()
@@ -91,15 +101,27 @@ def test_bad_precision_settings_are_refused_by_name(steps: dict[str, object]) ->
 
 
 def test_the_standard_cases_and_the_search_pass_a_correct_real_loop(
-        steps: dict[str, object], capsys: pytest.CaptureFixture[str]) -> None:
+    steps: dict[str, object], capsys: pytest.CaptureFixture[str]
+) -> None:
     verdicts = equiv.check(steps["token_scale"])  # type: ignore[arg-type]
     assert verdicts, verdicts.message()
     assert "Precision note (" in verdicts.summary()
-    result = equiv.verify(steps["token_scale"], SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")),  # type: ignore[arg-type]
-                          max_examples=15, seed=1, replay_in_fresh_process=False)
+    result = equiv.verify(
+        steps["token_scale"],
+        SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")),  # type: ignore[arg-type]
+        max_examples=15,
+        seed=1,
+        replay_in_fresh_process=False,
+    )
     assert result and result.precision_notes > 0 and "with a precision note" in result.message()
-    strict = equiv.verify(steps["token_scale"], SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")),  # type: ignore[arg-type]
-                          max_examples=15, seed=1, replay_in_fresh_process=False, train_dtype="float64")
+    strict = equiv.verify(
+        steps["token_scale"],
+        SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")),  # type: ignore[arg-type]
+        max_examples=15,
+        seed=1,
+        replay_in_fresh_process=False,
+        train_dtype="float64",
+    )
     assert strict.kind is Outcome.PRECISION
     assert "--train-dtype float64" in strict.replay_hint()
     # From the shell: exit 0 for float32 training, 1 for float64.

@@ -43,7 +43,8 @@ def test_the_given_route_finds_the_textbook_bug_and_never_shrinks_to_a_case_it_c
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(steps=STEPS)
-    pytester.makepyfile(test_search='''
+    pytester.makepyfile(
+        test_search="""
 from hypothesis import given
 import equiv, equiv.testing
 from steps import textbook
@@ -51,7 +52,8 @@ from steps import textbook
 @given(equiv.strategies.cases_for(textbook))
 def test_textbook(case):
     equiv.testing.assert_equivalent(textbook, case)
-''')
+"""
+    )
     result = pytester.runpytest_subprocess("--hypothesis-profile", "equiv-ci", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     output = result.stdout.str()
@@ -70,7 +72,8 @@ def test_the_cases_route_discards_cases_the_step_cannot_take_and_finds_the_textb
     # equiv.strategies.cases() also draws clip norms the textbook loop cannot take: each
     # is discarded (not applicable), never a pytest.skip of the whole property ("1 skipped").
     pytester.makepyfile(steps=STEPS)
-    pytester.makepyfile(test_search='''
+    pytester.makepyfile(
+        test_search="""
 from hypothesis import given
 import equiv, equiv.testing
 from steps import textbook
@@ -78,7 +81,8 @@ from steps import textbook
 @given(equiv.strategies.cases())
 def test_textbook(case):
     equiv.testing.assert_equivalent(textbook, case)
-''')
+"""
+    )
     result = pytester.runpytest_subprocess("--hypothesis-profile", "equiv-ci", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     output = result.stdout.str()
@@ -86,8 +90,14 @@ def test_textbook(case):
     assert "max_grad_norm=None" in output.split("Falsifying example")[-1]
 
 
-TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",
-                 optimizer_kwargs={"lr": 0.02}, steps=1)
+TOY = equiv.Case(
+    batch_size=8,
+    micro_batch_sizes=(1, 3, 4),
+    model="scalar_linear",
+    data="toy_2x",
+    optimizer_kwargs={"lr": 0.02},
+    steps=1,
+)
 
 
 def test_a_case_that_does_not_apply_is_discarded_inside_given_and_skipped_outside() -> None:
@@ -121,16 +131,21 @@ def test_the_equiv_case_fixture_runs_every_standard_case_and_skips_those_that_do
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(steps=STEPS)
-    pytester.makepyfile(test_standard='''
+    pytester.makepyfile(
+        test_standard="""
 import equiv.testing
 from steps import weighted
 
 def test_weighted(equiv_case):
     equiv.testing.assert_equivalent(weighted, equiv_case)
-''')
+"""
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", "-v")
-    not_applicable = [name for name, case in STANDARD_CASES.items()
-                      if case.max_grad_norm is not None or case.scheduler is not None or case.loss_scale is not None]
+    not_applicable = [
+        name
+        for name, case in STANDARD_CASES.items()
+        if case.max_grad_norm is not None or case.scheduler is not None or case.loss_scale is not None
+    ]
     # Token-loss cases fail the sample-weighted step: they are the bug it has.
     token = [name for name, case in STANDARD_CASES.items() if case.loss == "token_cross_entropy"]
     outcomes = result.parseoutcomes()
@@ -143,14 +158,17 @@ def test_weighted(equiv_case):
 
 
 def test_the_profiles_ship_in_the_package_and_work_from_any_folder(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_profile='''
+    pytester.makepyfile(
+        test_profile="""
 from hypothesis import settings
 
 def test_loaded():
     assert settings.default.derandomize and settings.default.max_examples == 60
-''')
+"""
+    )
     pytester.runpytest_subprocess("--hypothesis-profile", "equiv-ci", "-p", "no:cacheprovider").assert_outcomes(
-        passed=1)
+        passed=1
+    )
 
 
 def test_check_without_a_case_runs_the_standard_cases() -> None:

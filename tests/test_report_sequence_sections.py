@@ -58,12 +58,15 @@ def test_the_precision_section_states_a_bfloat16_buffer_and_the_checks_sensitivi
     assert row["found"] == "precision (bfloat16 arithmetic)" and row["as expected"] == "yes", rows.to_string()
     # The constant part of the smallest allowance, per dtype judged: 16 x u(float64) and 16 x u(float32).
     assert row["sensitivity (smallest relative difference resolved)"] == (
-        "≥ 1.8e-15 in float64, 9.5e-07 in float32; below one bfloat16 rounding (0.0039): yes")
+        "≥ 1.8e-15 in float64, 9.5e-07 in float32; below one bfloat16 rounding (0.0039): yes"
+    )
     # A distributed search's precision entry is picked up by its expected outcome; others are not.
-    distributed = pd.DataFrame([
-        {"step": "bf16_buffer_ddp", "engine": "DDP", "expected": "precision", "found": "precision"},
-        {"step": "accumulator_step (DDP)", "engine": "DDP", "expected": "nothing", "found": "nothing"},
-    ])
+    distributed = pd.DataFrame(
+        [
+            {"step": "bf16_buffer_ddp", "engine": "DDP", "expected": "precision", "found": "precision"},
+            {"step": "accumulator_step (DDP)", "engine": "DDP", "expected": "nothing", "found": "nothing"},
+        ]
+    )
     section = precision_section(ZooSearchFindings(rows, 30, 0), [distributed])
     assert section.startswith("## Precision of the accumulation buffer") and "ISEEKYAN #149" in section
     assert "| bf16_buffer_ddp" in section and "accumulator_step (DDP)" not in section

@@ -14,8 +14,13 @@ from equiv.checking.distributed_search import DistributedSearchResult
 from equiv.results.verdict import Verdict
 from equiv.zoo.tensor_parallel_bugs import clip_tp_shard_with_local_norm
 
-MLP = equiv.Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,), "activation": "tanh"},
-                 steps=2, max_grad_norm=1e-2)
+MLP = equiv.Case(
+    batch_size=1,
+    micro_batch_sizes=(1,),
+    model_kwargs={"hidden": (8,), "activation": "tanh"},
+    steps=2,
+    max_grad_norm=1e-2,
+)
 #: engine -> a case it runs: tensor parallel with one data rank, FSDP2 over TP with two, DDP / FSDP2 plain.
 CASES = {
     "ddp": DistributedCase.of(MLP, [[1, 2], [3]]),
@@ -40,13 +45,15 @@ def replayed_call(line: str, step: Any, monkeypatch: pytest.MonkeyPatch) -> tupl
 
 def _failing(dcase: DistributedCase, engine: str) -> DistributedVerdict:
     rank = Verdict(case=dcase.case, candidate="clip_tp_shard_with_local_norm", mismatches=())
-    return DistributedVerdict(case=dcase, candidate="clip_tp_shard_with_local_norm",
-                              ranks=(rank,) * dcase.world_size, engine=engine)  # type: ignore[arg-type]
+    return DistributedVerdict(
+        case=dcase, candidate="clip_tp_shard_with_local_norm", ranks=(rank,) * dcase.world_size, engine=engine
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("engine", sorted(CASES))
-def test_a_distributed_verdicts_reproduce_line_calls_the_same_case(engine: str,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_distributed_verdicts_reproduce_line_calls_the_same_case(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dcase = CASES[engine]
     line = reproduce_line(_failing(dcase, engine).message())
     (step, replayed), kwargs = replayed_call(line, clip_tp_shard_with_local_norm, monkeypatch)
@@ -56,16 +63,25 @@ def test_a_distributed_verdicts_reproduce_line_calls_the_same_case(engine: str,
 
 
 @pytest.mark.parametrize("engine", sorted(CASES))
-def test_a_distributed_searchs_reproduce_line_calls_its_counterexample(engine: str,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_distributed_searchs_reproduce_line_calls_its_counterexample(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dcase = CASES[engine]
-    result = DistributedSearchResult(candidate="clip_tp_shard_with_local_norm", engines=(engine,), examples=3,
-                                     seed=0, elapsed_s=1.0, counterexample=dcase, engine=engine,
-                                     verdict=_failing(dcase, engine))
+    result = DistributedSearchResult(
+        candidate="clip_tp_shard_with_local_norm",
+        engines=(engine,),
+        examples=3,
+        seed=0,
+        elapsed_s=1.0,
+        counterexample=dcase,
+        engine=engine,
+        verdict=_failing(dcase, engine),
+    )
     lines = [line for line in result.message().splitlines() if line.startswith("Reproduce: ")]
     assert len(lines) == 1, result.message()  # the search's own, not the verdict's as well
-    (step, replayed), kwargs = replayed_call(lines[0].removeprefix("Reproduce: "), clip_tp_shard_with_local_norm,
-                                             monkeypatch)
+    (step, replayed), kwargs = replayed_call(
+        lines[0].removeprefix("Reproduce: "), clip_tp_shard_with_local_norm, monkeypatch
+    )
     assert step is clip_tp_shard_with_local_norm and replayed == dcase and kwargs["engine"] == engine
 
 

@@ -52,11 +52,17 @@ NOT_RESULTS = {
     "Result": "the protocol itself",
     "RankVerdict": "one rank's part of a WindowAudit in a multi-process run (WindowAudit.ranks), in its JSON",
     "AuditResult": "the result half of Audit (windows, counts, summary, to_dict): equiv.audit returns the Audit, "
-                   "its hooks on top, whose kind is 'audit'",
+    "its hooks on top, whose kind is 'audit'",
 }
 
-TOY = equiv.Case(batch_size=8, micro_batch_sizes=(1, 3, 4), model="scalar_linear", data="toy_2x",
-                 optimizer_kwargs={"lr": 0.02}, steps=1)
+TOY = equiv.Case(
+    batch_size=8,
+    micro_batch_sizes=(1, 3, 4),
+    model="scalar_linear",
+    data="toy_2x",
+    optimizer_kwargs={"lr": 0.02},
+    steps=1,
+)
 
 
 def textbook(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, loss_fn: Any) -> None:
@@ -77,9 +83,22 @@ def verdicts() -> dict[str, Verdict]:
 
 
 def _diff(ok: bool = True) -> TensorDiff:
-    return TensorDiff(step=1, name="0.weight", kind="update", tier="exact", dtype="torch.float64",
-                      max_abs_diff=1e-17 if ok else 0.5, index=(0, 1), max_rel_diff=0.1, rel_index=(0, 1),
-                      allowed=1e-15, explanation="32 x floor", mismatched=0 if ok else 3, numel=8, scale=1.0)
+    return TensorDiff(
+        step=1,
+        name="0.weight",
+        kind="update",
+        tier="exact",
+        dtype="torch.float64",
+        max_abs_diff=1e-17 if ok else 0.5,
+        index=(0, 1),
+        max_rel_diff=0.1,
+        rel_index=(0, 1),
+        allowed=1e-15,
+        explanation="32 x floor",
+        mismatched=0 if ok else 3,
+        numel=8,
+        scale=1.0,
+    )
 
 
 def _results(verdicts: dict[str, Verdict]) -> list[tuple[str, Any]]:
@@ -88,8 +107,9 @@ def _results(verdicts: dict[str, Verdict]) -> list[tuple[str, Any]]:
     dcase = DistributedCase.of(TOY, [[1, 3], [4]])
     dpass = DistributedVerdict(dcase, "step", (passing, passing))
     dfail = DistributedVerdict(dcase, "step", (passing, failing))
-    search: dict[str, Any] = dict(candidate="step", examples=3, seed=0, profile="dev", max_examples=5, blob=None,
-                                  elapsed_s=1.0)
+    search: dict[str, Any] = dict(
+        candidate="step", examples=3, seed=0, profile="dev", max_examples=5, blob=None, elapsed_s=1.0
+    )
     setting = PipelineSetting(schedule="GPipe", scale_grads=False, loss="window_sum")
     window: dict[str, Any] = dict(step=0, micro_batches=2, items=(3, 5), tier="noise")
     return [
@@ -98,20 +118,33 @@ def _results(verdicts: dict[str, Verdict]) -> list[tuple[str, Any]]:
         ("cases failing", CaseVerdicts("step", {"a": passing, "b": failing}, order=("a", "b"))),
         ("cases raised", CaseVerdicts("step", {"a": passing}, {"b": "ValueError: boom"}, ("a", "b"))),
         ("distributed cases", CaseVerdicts("step", {"a": dpass, "b": dfail}, setting="on 2 ranks (ddp)")),
-        ("verify passing", VerifyResult(first_failure_at=None, counterexample=None, verdict=None, error=None,
-                                        **search)),
-        ("verify failing", VerifyResult(first_failure_at=2, counterexample=TOY, verdict=failing, error=None,
-                                        **search)),
-        ("verify raised", VerifyResult(first_failure_at=1, counterexample=TOY, verdict=None,
-                                       error="ValueError: boom\nmore", **search)),
+        (
+            "verify passing",
+            VerifyResult(first_failure_at=None, counterexample=None, verdict=None, error=None, **search),
+        ),
+        ("verify failing", VerifyResult(first_failure_at=2, counterexample=TOY, verdict=failing, error=None, **search)),
+        (
+            "verify raised",
+            VerifyResult(
+                first_failure_at=1, counterexample=TOY, verdict=None, error="ValueError: boom\nmore", **search
+            ),
+        ),
         ("distributed passing", dpass),
         ("distributed failing", dfail),
         ("distributed search passing", DistributedSearchResult("step", ("ddp",), 4, 0, 1.0)),
         ("distributed search failing", DistributedSearchResult("step", ("ddp",), 4, 0, 1.0, dcase, "ddp", dfail)),
-        ("distributed search raised", DistributedSearchResult("step", ("ddp",), 4, 0, 1.0, dcase, "ddp",
-                                                              error="rank 1 raised", fault=Fault.RAISED)),
-        ("distributed search hung", DistributedSearchResult("step", ("ddp",), 4, 0, 1.0, dcase, "ddp",
-                                                            error="rank 0 hung at step 1", fault=Fault.HUNG)),
+        (
+            "distributed search raised",
+            DistributedSearchResult(
+                "step", ("ddp",), 4, 0, 1.0, dcase, "ddp", error="rank 1 raised", fault=Fault.RAISED
+            ),
+        ),
+        (
+            "distributed search hung",
+            DistributedSearchResult(
+                "step", ("ddp",), 4, 0, 1.0, dcase, "ddp", error="rank 0 hung at step 1", fault=Fault.HUNG
+            ),
+        ),
         ("pipeline passing", PipelineVerdict(setting, equiv.Outcome.EQUIVALENT, 0.25, "stage 0 'weight'")),
         ("pipeline failing", PipelineVerdict(setting, equiv.Outcome.NOT_EQUIVALENT, 1e6, "stage 0 'weight'")),
         ("pipeline raised", PipelineVerdict(setting, equiv.Outcome.STEP_ERROR, error="uneven chunks")),
@@ -158,7 +191,9 @@ def test_every_kind_satisfies_the_protocol_and_its_json_the_schema(verdicts: dic
 
 def test_the_lines_start_with_the_outcome_and_say_how_far(verdicts: dict[str, Verdict]) -> None:
     passing, failing = verdicts["passing"].line(), verdicts["failing"].line()
-    assert re.fullmatch(r"equivalent: accumulator_step on Case\(.*\), worst [0-9.e+-]+ of its allowance", passing), passing
+    assert re.fullmatch(r"equivalent: accumulator_step on Case\(.*\), worst [0-9.e+-]+ of its allowance", passing), (
+        passing
+    )
     assert failing.startswith("not equivalent: textbook on Case(") and "of its scale" in failing, failing
     assert verdicts["not_applicable"].line().startswith("not applicable: textbook on Case(")
     assert verdicts["inherent"].line() == f"inherently non-equivalent: step on {TOY!r}: Dropout layer '1' (p=0.5)"
@@ -219,8 +254,11 @@ def _result_like_classes() -> set[str]:
     names = set()
     for path in Path(equiv.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and re.search(
-                    r"(Verdicts?|Results?|Audits?)$", node.name):
+            if (
+                isinstance(node, ast.ClassDef)
+                and not node.name.startswith("_")
+                and re.search(r"(Verdicts?|Results?|Audits?)$", node.name)
+            ):
                 names.add(node.name)
     return names
 
@@ -240,8 +278,11 @@ def _classes(annotation: Any) -> set[type]:
     return {cls for arg in typing.get_args(annotation) for cls in _classes(arg)}
 
 
-@pytest.mark.parametrize("front_door", [equiv.check, equiv.verify, equiv.check_distributed, equiv.verify_distributed,
-                                        equiv.check_pipeline, equiv.audit], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "front_door",
+    [equiv.check, equiv.verify, equiv.check_distributed, equiv.verify_distributed, equiv.check_pipeline, equiv.audit],
+    ids=lambda f: f.__name__,
+)
 def test_every_front_door_returns_a_listed_kind(front_door: Any) -> None:
     returned = _classes(typing.get_type_hints(front_door)["return"])
     assert returned and returned <= set(KINDS), returned

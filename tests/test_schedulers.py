@@ -30,13 +30,15 @@ def lrs(case: Case, steps: int = 3) -> list[float]:
 
 
 @pytest.mark.parametrize("name", DRAWN)
-@pytest.mark.parametrize(("optimizer", "kwargs"), [("SGD", {"lr": 0.1, "momentum": 0.9}), ("Adam", {"lr": 1e-2}),
-                                                   ("Adagrad", {"lr": 1e-2})])
+@pytest.mark.parametrize(
+    ("optimizer", "kwargs"), [("SGD", {"lr": 0.1, "momentum": 0.9}), ("Adam", {"lr": 1e-2}), ("Adagrad", {"lr": 1e-2})]
+)
 def test_every_drawn_scheduler_moves_the_lr_at_each_step_of_a_case(name: str, optimizer: str, kwargs: dict) -> None:
     # A step that steps its scheduler too often, too early or on a skipped
     # window shows only if the lr differs from one step to the next.
-    case = BASE.replace(optimizer=optimizer, optimizer_kwargs=kwargs, scheduler=name,
-                        scheduler_kwargs=eqst.SCHEDULERS[name])
+    case = BASE.replace(
+        optimizer=optimizer, optimizer_kwargs=kwargs, scheduler=name, scheduler_kwargs=eqst.SCHEDULERS[name]
+    )
     seen = lrs(case)
     assert all(a != b for a, b in itertools.pairwise(seen)), (name, seen)
 
@@ -52,11 +54,21 @@ def test_composites_build_their_parts_on_the_case_optimizer() -> None:
 def test_composites_round_trip_through_json_and_accept_tuples_and_classes() -> None:
     import torch
 
-    spelled = BASE.replace(scheduler="sequentiallr", scheduler_kwargs={
-        "schedulers": ((torch.optim.lr_scheduler.LinearLR, {"total_iters": 1}), ("CosineAnnealingLR", {"T_max": 2})),
-        "milestones": [1]})
+    spelled = BASE.replace(
+        scheduler="sequentiallr",
+        scheduler_kwargs={
+            "schedulers": (
+                (torch.optim.lr_scheduler.LinearLR, {"total_iters": 1}),
+                ("CosineAnnealingLR", {"T_max": 2}),
+            ),
+            "milestones": [1],
+        },
+    )
     assert spelled.scheduler == "SequentialLR"
-    assert spelled.scheduler_kwargs["schedulers"] == [["LinearLR", {"total_iters": 1}], ["CosineAnnealingLR", {"T_max": 2}]]
+    assert spelled.scheduler_kwargs["schedulers"] == [
+        ["LinearLR", {"total_iters": 1}],
+        ["CosineAnnealingLR", {"T_max": 2}],
+    ]
     read_back = Case.from_dict(json.loads(json.dumps(spelled.to_dict())))
     assert read_back.scheduler_kwargs == spelled.scheduler_kwargs
     assert lrs(read_back) == lrs(spelled)
@@ -68,11 +80,15 @@ def test_composites_round_trip_through_json_and_accept_tuples_and_classes() -> N
         ({}, "scheduler SequentialLR needs scheduler_kwargs['schedulers']: a non-empty list of [name, kwargs] pairs"),
         ({"schedulers": []}, "needs scheduler_kwargs['schedulers']"),
         ({"schedulers": "LinearLR"}, "got 'LinearLR'"),
-        ({"schedulers": [["LinearLR"]]}, "part 0 of scheduler_kwargs['schedulers'] must be a [name, kwargs] pair, "
-                                         "got ['LinearLR']"),
-        ({"schedulers": [["LinearLR", {}], ["CosineAnealingLR", {}]]},
-         "part 1 names 'CosineAnealingLR'; expected a scheduler class of torch.optim.lr_scheduler other than "
-         "ChainedScheduler or SequentialLR (did you mean 'CosineAnnealingLR'?)"),
+        (
+            {"schedulers": [["LinearLR"]]},
+            "part 0 of scheduler_kwargs['schedulers'] must be a [name, kwargs] pair, got ['LinearLR']",
+        ),
+        (
+            {"schedulers": [["LinearLR", {}], ["CosineAnealingLR", {}]]},
+            "part 1 names 'CosineAnealingLR'; expected a scheduler class of torch.optim.lr_scheduler other than "
+            "ChainedScheduler or SequentialLR (did you mean 'CosineAnnealingLR'?)",
+        ),
         ({"schedulers": [["ChainedScheduler", {"schedulers": []}]]}, "part 0 names 'ChainedScheduler'"),
     ],
     ids=["missing", "empty", "a-string", "no-kwargs", "misspelt", "nested-composite"],

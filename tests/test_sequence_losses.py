@@ -16,8 +16,9 @@ from equiv.zoo.sequence_bugs import PACKED_BUGS, POLICY_BUGS
 def packed_case(loss: str, sizes: tuple[int, ...] = (1, 3), **changes: object) -> equiv.Case:
     model = "policy" if loss.startswith("policy") else "packed_lm"
     kwargs = {"pairs": True} if loss == "packed_dpo" else {}
-    return equiv.Case(batch_size=sum(sizes), micro_batch_sizes=sizes, model=model, model_kwargs=kwargs, loss=loss,
-                      steps=2, **changes)  # type: ignore[arg-type]
+    return equiv.Case(
+        batch_size=sum(sizes), micro_batch_sizes=sizes, model=model, model_kwargs=kwargs, loss=loss, steps=2, **changes
+    )  # type: ignore[arg-type]
 
 
 def test_segments_follow_position_ids() -> None:
@@ -92,8 +93,18 @@ def test_policy_losses_are_trls_documented_objectives() -> None:
     assert torch.allclose(grad, -advantages * mask / mask.sum())
 
 
-@pytest.mark.parametrize("loss", ["packed_token_ce", "packed_sequence_ce", "packed_row_ce", "packed_dpo",
-                                  "policy_grpo", "policy_dapo", "policy_dr_grpo"])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        "packed_token_ce",
+        "packed_sequence_ce",
+        "packed_row_ce",
+        "packed_dpo",
+        "policy_grpo",
+        "policy_dapo",
+        "policy_dr_grpo",
+    ],
+)
 def test_the_reference_accumulator_reproduces_the_full_batch(loss: str) -> None:
     equiv.check(equiv.accumulator_step, packed_case(loss, (1, 2, 3))).assert_ok()
     equiv.check(equiv.accumulator_step, packed_case(loss, optimizer="Adam", optimizer_kwargs={"lr": 1e-2})).assert_ok()
@@ -105,8 +116,15 @@ def test_each_zoo_step_is_found_on_an_uneven_split(name: str) -> None:
     assert equiv.check(step, packed_case(loss)).status == "not_equivalent"
 
 
-@pytest.mark.parametrize("name", ["sequence_means_weighted_by_rows", "token_mean_of_micro_batch_means",
-                                  "token_means_weighted_by_sequences", "selected_count_per_micro_batch"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sequence_means_weighted_by_rows",
+        "token_mean_of_micro_batch_means",
+        "token_means_weighted_by_sequences",
+        "selected_count_per_micro_batch",
+    ],
+)
 def test_accumulation_bugs_are_exact_without_accumulation(name: str) -> None:
     step, loss = {**PACKED_BUGS, **POLICY_BUGS}[name]
     equiv.check(step, packed_case(loss, (4,))).assert_ok()
@@ -126,5 +144,5 @@ def test_steps_refuse_a_loss_they_cannot_read() -> None:
         equiv.check(step, packed_case("packed_sequence_ce"))
     with pytest.raises(equiv.InvalidCase, match="packed losses need packed inputs"):
         equiv.Case(batch_size=2, micro_batch_sizes=(2,), model="token_mlp", loss="packed_token_ce").batches(
-            equiv.Case(batch_size=2, micro_batch_sizes=(2,), model="token_mlp",
-                       loss="packed_token_ce").build_model())
+            equiv.Case(batch_size=2, micro_batch_sizes=(2,), model="token_mlp", loss="packed_token_ce").build_model()
+        )

@@ -15,8 +15,14 @@ from equiv.zoo.aux_loss_bugs import (
     per_token_router_loss_times_tp_cp_tokens,
 )
 
-TOKEN_MOE = Case(batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01},
-                 loss="token_mse_aux", steps=2)
+TOKEN_MOE = Case(
+    batch_size=1,
+    micro_batch_sizes=(1,),
+    model="token_moe",
+    model_kwargs={"z_weight": 0.01},
+    loss="token_mse_aux",
+    steps=2,
+)
 MLP = Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,), "activation": "tanh"})
 TP_ZOO = {name: entry for name, entry in AUX_SEARCH_ZOO.items() if entry.engine == "tp"}
 
@@ -37,8 +43,9 @@ def test_sequence_parallelism_refuses_what_it_cannot_split() -> None:
     with pytest.raises(InvalidCase, match="tensor_parallel=2 splits every sequence's positions"):
         DistributedCase.of(TOKEN_MOE.replace(loss="mse_aux"), [[1]], tensor_parallel=2)
     with pytest.raises(InvalidCase, match="runs sequence-parallel under engine='tp'"):
-        check_distributed(equiv.accumulator_step, DistributedCase.of(TOKEN_MOE, [[1], [1]], tensor_parallel=2),
-                          engine="fsdp2+tp")
+        check_distributed(
+            equiv.accumulator_step, DistributedCase.of(TOKEN_MOE, [[1], [1]], tensor_parallel=2), engine="fsdp2+tp"
+        )
 
 
 def test_the_tp_search_draws_the_moe_as_the_sequence_parallel_token_moe() -> None:
@@ -58,8 +65,7 @@ def test_the_tp_search_draws_the_moe_as_the_sequence_parallel_token_moe() -> Non
 def test_each_tp_router_loss_weighting_gets_its_verdict(name: str) -> None:
     """Under a second each (the first about 5 s: the fork server starts): 2 TP slices of [1, 2]."""
     entry = TP_ZOO[name]
-    verdict = check_distributed(entry.step, DistributedCase.of(TOKEN_MOE, [[1, 2]], tensor_parallel=2),
-                                engine="tp")
+    verdict = check_distributed(entry.step, DistributedCase.of(TOKEN_MOE, [[1, 2]], tensor_parallel=2), engine="tp")
     assert verdict.status is entry.expected, verdict.message()
     assert "sequence parallel (2 TP ranks" in verdict.message()
 
@@ -67,12 +73,14 @@ def test_each_tp_router_loss_weighting_gets_its_verdict(name: str) -> None:
 @pytest.mark.distributed
 def test_the_per_token_path_short_of_the_tp_tokens_is_found_by_the_search_and_shrunk() -> None:
     """About 3 s: Megatron-LM PR #5047 under TP, found and shrunk to one 1-sample micro-batch; its fix passes."""
-    result = verify_distributed(per_token_router_loss_times_local_tokens, engines=("tp",), models=("moe",),
-                                max_examples=10, seed=0)
+    result = verify_distributed(
+        per_token_router_loss_times_local_tokens, engines=("tp",), models=("moe",), max_examples=10, seed=0
+    )
     assert result.found and result.kind is Outcome.NOT_EQUIVALENT and result.engine == "tp", result.message()
     dcase = result.counterexample
     assert dcase is not None and dcase.rank_micro_batch_sizes == ((1,),) and dcase.sequence_slices == 2
     assert "tensor_parallel=2), engine='tp')" in result.message()
-    fixed = verify_distributed(per_token_router_loss_times_tp_cp_tokens, engines=("tp",), models=("moe",),
-                               max_examples=5, seed=0)
+    fixed = verify_distributed(
+        per_token_router_loss_times_tp_cp_tokens, engines=("tp",), models=("moe",), max_examples=5, seed=0
+    )
     assert not fixed.found, fixed.message()

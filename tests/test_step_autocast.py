@@ -34,8 +34,9 @@ def bfloat16_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micr
     optimizer.step()
 
 
-def bfloat16_mean_of_means(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any,
-                           loss_fn: Any) -> None:
+def bfloat16_mean_of_means(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, loss_fn: Any
+) -> None:
     """The textbook bug (each micro-batch's mean divided by their count) under bfloat16 autocast."""
     optimizer.zero_grad()
     for inputs, targets in micro_batches:
@@ -51,8 +52,9 @@ def test_a_correct_autocast_step_passes_every_standard_case() -> None:
     assert len(applicable) == 14
     assert not verdicts.failed and not verdicts.errors, verdicts.message()
     assert all(v.case.autocast == "bfloat16" for v in applicable)
-    assert all(any("torch.autocast(bfloat16): judged in that precision" in note for note in v.notes)
-               for v in applicable)
+    assert all(
+        any("torch.autocast(bfloat16): judged in that precision" in note for note in v.notes) for v in applicable
+    )
     assert "the step's own torch.autocast(bfloat16)" in verdicts.summary()
 
 
@@ -114,7 +116,8 @@ def test_cli_autocast_flag(tmp_path: Any, capsys: pytest.CaptureFixture[str]) ->
         "        with torch.autocast('cpu', dtype=torch.bfloat16):\n"
         "            loss = loss_fn.sum(model(x), t) / total\n"
         "        loss.backward()\n"
-        "    optimizer.step()\n")
+        "    optimizer.step()\n"
+    )
     case = '{"batch_size": 3, "micro_batch_sizes": [1, 2], "optimizer": "Adam", "optimizer_kwargs": {"lr": 0.01}}'
     assert main(["check", f"{step_file}:step", "--case", case, "--autocast", "bfloat16"]) == 0
     assert main(["check", f"{step_file}:step", "--case", case]) == 0
@@ -123,8 +126,9 @@ def test_cli_autocast_flag(tmp_path: Any, capsys: pytest.CaptureFixture[str]) ->
     assert "runs its forward under torch.autocast(bfloat16) itself" in capsys.readouterr().out
 
 
-def forward_set_under_autocast(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any,
-                               loss_fn: Any) -> None:
+def forward_set_under_autocast(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, loss_fn: Any
+) -> None:
     """The autocast entered inside the model's forward, set on the instance (as accelerate's prepare() does)."""
     if "forward" not in model.__dict__:
         model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # type: ignore[method-assign]
@@ -135,8 +139,9 @@ def forward_set_under_autocast(model: torch.nn.Module, optimizer: torch.optim.Op
     optimizer.step()
 
 
-def accelerate_bf16_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any,
-                         loss_fn: Any) -> None:
+def accelerate_bf16_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, loss_fn: Any
+) -> None:
     """accelerate's bfloat16 mixed precision on the CPU: prepare() wraps the model's forward in autocast."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -152,9 +157,11 @@ def accelerate_bf16_step(model: torch.nn.Module, optimizer: torch.optim.Optimize
     prepared_optimizer.step()
 
 
-@pytest.mark.parametrize("step", [forward_set_under_autocast,
-                                  pytest.param(accelerate_bf16_step, marks=pytest.mark.peers("accelerate"))],
-                         ids=["instance", "accelerate"])
+@pytest.mark.parametrize(
+    "step",
+    [forward_set_under_autocast, pytest.param(accelerate_bf16_step, marks=pytest.mark.peers("accelerate"))],
+    ids=["instance", "accelerate"],
+)
 def test_an_autocast_the_models_forward_enters_is_seen_too(step: Any) -> None:
     verdict = equiv.check(step, UNEVEN)
     assert verdict, verdict.message()

@@ -13,47 +13,105 @@ from equiv.judging.inherent import inherent_non_equivalences
 
 INVALID = [
     pytest.param(eqst.micro_batch_splits, (0,), {}, "batch_size must be at least 1 but was 0", id="splits-batch-0"),
-    pytest.param(eqst.micro_batch_splits, (4,), {"min_pieces": 0}, "min_pieces must be at least 1 but was 0",
-                 id="splits-min-pieces-0"),
-    pytest.param(eqst.micro_batch_splits, (4,), {"max_pieces": 5}, "max_pieces=5 is more than batch_size=4",
-                 id="splits-max-pieces-over-batch"),
-    pytest.param(eqst.micro_batch_splits, (4,), {"min_pieces": 3, "max_pieces": 2},
-                 "min_pieces=3 must be at most max_pieces=2", id="splits-min-over-max"),
+    pytest.param(
+        eqst.micro_batch_splits,
+        (4,),
+        {"min_pieces": 0},
+        "min_pieces must be at least 1 but was 0",
+        id="splits-min-pieces-0",
+    ),
+    pytest.param(
+        eqst.micro_batch_splits,
+        (4,),
+        {"max_pieces": 5},
+        "max_pieces=5 is more than batch_size=4",
+        id="splits-max-pieces-over-batch",
+    ),
+    pytest.param(
+        eqst.micro_batch_splits,
+        (4,),
+        {"min_pieces": 3, "max_pieces": 2},
+        "min_pieces=3 must be at most max_pieces=2",
+        id="splits-min-over-max",
+    ),
     pytest.param(eqst.micro_batch_splits, (2.5,), {}, "batch_size must be an int", id="splits-float-batch"),
     pytest.param(eqst.models, (), {"families": ["resnet"]}, "families has unknown ['resnet']", id="models-unknown"),
     pytest.param(eqst.models, (), {"families": []}, "families must name at least one", id="models-empty"),
     pytest.param(eqst.models, (), {"families": "mlp"}, "families must be a sequence of names", id="models-str"),
-    pytest.param(eqst.models, (), {"families": ["gru"], "allow_batchnorm": True}, "none of families",
-                 id="models-batchnorm-without-norm-family"),
+    pytest.param(
+        eqst.models,
+        (),
+        {"families": ["gru"], "allow_batchnorm": True},
+        "none of families",
+        id="models-batchnorm-without-norm-family",
+    ),
     pytest.param(eqst.models, (), {"allow_dropout": 1}, "allow_dropout must be a bool", id="models-dropout-int"),
     pytest.param(eqst.optimizers, (), {"names": ["LBFGS"]}, "names has unknown ['LBFGS']", id="optimizers-lbfgs"),
     pytest.param(eqst.losses, (), {"item_weighted": "yes"}, "item_weighted must be a bool", id="losses-flag"),
     pytest.param(eqst.cases, (), {"min_steps": 1}, "min_steps must be at least 2 but was 1", id="cases-one-step"),
-    pytest.param(eqst.cases, (), {"min_steps": 4, "max_steps": 3}, "min_steps=4 must be at most max_steps=3",
-                 id="cases-steps-order"),
-    pytest.param(eqst.cases, (), {"min_batch_size": 5, "max_batch_size": 4},
-                 "min_batch_size=5 must be at most max_batch_size=4", id="cases-batch-order"),
-    pytest.param(eqst.cases, (), {"min_micro_batches": 5, "max_batch_size": 4},
-                 "min_micro_batches=5 is more than max_batch_size=4", id="cases-pieces-over-batch"),
-    pytest.param(eqst.cases, (), {"max_batch_size": 0}, "max_batch_size must be at least 1 but was 0",
-                 id="cases-batch-0"),
-    pytest.param(eqst.cases, (), {"max_micro_batches": -1}, "max_micro_batches must be at least 1 but was -1",
-                 id="cases-negative-pieces"),
-    pytest.param(eqst.cases, (), {"max_micro_batches": 6, "max_batch_size": 4},
-                 "max_micro_batches=6 is more than max_batch_size=4: every micro-batch needs a sample",
-                 id="cases-max-pieces-over-max-batch"),
-    pytest.param(eqst.cases, (), {"min_micro_batches": 3, "max_micro_batches": 2},
-                 "min_micro_batches=3 must be at most max_micro_batches=2", id="cases-pieces-order"),
+    pytest.param(
+        eqst.cases,
+        (),
+        {"min_steps": 4, "max_steps": 3},
+        "min_steps=4 must be at most max_steps=3",
+        id="cases-steps-order",
+    ),
+    pytest.param(
+        eqst.cases,
+        (),
+        {"min_batch_size": 5, "max_batch_size": 4},
+        "min_batch_size=5 must be at most max_batch_size=4",
+        id="cases-batch-order",
+    ),
+    pytest.param(
+        eqst.cases,
+        (),
+        {"min_micro_batches": 5, "max_batch_size": 4},
+        "min_micro_batches=5 is more than max_batch_size=4",
+        id="cases-pieces-over-batch",
+    ),
+    pytest.param(
+        eqst.cases, (), {"max_batch_size": 0}, "max_batch_size must be at least 1 but was 0", id="cases-batch-0"
+    ),
+    pytest.param(
+        eqst.cases,
+        (),
+        {"max_micro_batches": -1},
+        "max_micro_batches must be at least 1 but was -1",
+        id="cases-negative-pieces",
+    ),
+    pytest.param(
+        eqst.cases,
+        (),
+        {"max_micro_batches": 6, "max_batch_size": 4},
+        "max_micro_batches=6 is more than max_batch_size=4: every micro-batch needs a sample",
+        id="cases-max-pieces-over-max-batch",
+    ),
+    pytest.param(
+        eqst.cases,
+        (),
+        {"min_micro_batches": 3, "max_micro_batches": 2},
+        "min_micro_batches=3 must be at most max_micro_batches=2",
+        id="cases-pieces-order",
+    ),
     pytest.param(eqst.cases, (), {"dtypes": ["float8"]}, "dtypes has unknown ['float8']", id="cases-dtype"),
     pytest.param(eqst.cases, (), {"clipping": ["sometimes"]}, "clipping has unknown", id="cases-clipping"),
-    pytest.param(eqst.cases, (), {"schedulers": ["CosineWarmRestartsX"]}, "schedulers has unknown",
-                 id="cases-scheduler"),
-    pytest.param(eqst.cases, (), {"loss_scaling": ["static"]}, "loss_scaling has unknown ['static']",
-                 id="cases-loss-scaling"),
-    pytest.param(eqst.cases, (), {"loss_names": ["token_cross_entropy"], "families": ["mlp"]},
-                 "needs a model family among", id="cases-token-loss-without-token-model"),
-    pytest.param(eqst.cases, (), {"optimizer_names": []}, "optimizer_names must name at least one",
-                 id="cases-no-optimizer"),
+    pytest.param(
+        eqst.cases, (), {"schedulers": ["CosineWarmRestartsX"]}, "schedulers has unknown", id="cases-scheduler"
+    ),
+    pytest.param(
+        eqst.cases, (), {"loss_scaling": ["static"]}, "loss_scaling has unknown ['static']", id="cases-loss-scaling"
+    ),
+    pytest.param(
+        eqst.cases,
+        (),
+        {"loss_names": ["token_cross_entropy"], "families": ["mlp"]},
+        "needs a model family among",
+        id="cases-token-loss-without-token-model",
+    ),
+    pytest.param(
+        eqst.cases, (), {"optimizer_names": []}, "optimizer_names must name at least one", id="cases-no-optimizer"
+    ),
 ]
 
 
@@ -83,8 +141,9 @@ NO_DATABASE = settings(database=None, derandomize=False)
 @pytest.mark.parametrize("seed", range(8))
 def test_micro_batch_splits_shrink_to_few_small_pieces(seed: int) -> None:
     start = Random(seed)
-    uneven = find(eqst.micro_batch_splits(12, min_pieces=2), lambda s: len(set(s)) > 1, settings=NO_DATABASE,
-                  random=start)
+    uneven = find(
+        eqst.micro_batch_splits(12, min_pieces=2), lambda s: len(set(s)) > 1, settings=NO_DATABASE, random=start
+    )
     assert sorted(uneven) == [1, 11]
     two = find(eqst.micro_batch_splits(12), lambda s: len(s) >= 2, settings=NO_DATABASE, random=start)
     assert sorted(two) == [1, 11]
@@ -109,16 +168,21 @@ def test_a_case_met_with_many_micro_batches_shrinks_to_two_uneven_pieces(seed: i
         met_many.append(tuple(sizes))
         return True
 
-    shrunk = find(eqst.cases(families=["mlp"], optimizer_names=["SGD"]), fails, settings=NO_DATABASE,
-                  random=Random(seed))
+    shrunk = find(
+        eqst.cases(families=["mlp"], optimizer_names=["SGD"]), fails, settings=NO_DATABASE, random=Random(seed)
+    )
     assert len(met_many[0]) > eqst.FEW_MICRO_BATCHES
     assert shrunk.micro_batch_sizes == (1, 2), f"first met {met_many[0]}"
 
 
 @pytest.mark.slow
 def test_the_fewest_micro_batches_past_eight_is_what_a_search_shrinks_to() -> None:
-    many = find(eqst.cases(), lambda c: len(c.micro_batch_sizes) > eqst.FEW_MICRO_BATCHES, settings=NO_DATABASE,
-                random=Random(0))
+    many = find(
+        eqst.cases(),
+        lambda c: len(c.micro_batch_sizes) > eqst.FEW_MICRO_BATCHES,
+        settings=NO_DATABASE,
+        random=Random(0),
+    )
     assert len(many.micro_batch_sizes) == eqst.FEW_MICRO_BATCHES + 1
     assert many.batch_size == eqst.FEW_MICRO_BATCHES + 1  # one sample each
 
@@ -186,8 +250,9 @@ def test_every_drawn_optimizer_is_accepted_by_torch(spec: tuple[str, dict]) -> N
     name, kwargs = spec
     # A matrix-only optimizer (Muon) is drawn with a bias-free MLP; on biases it is a clear InvalidCase.
     model_kwargs = {"bias": False} if name in eqst.MATRIX_ONLY_OPTIMIZERS else {}
-    case = equiv.Case(batch_size=2, micro_batch_sizes=(1, 1), optimizer=name, optimizer_kwargs=kwargs,
-                      model_kwargs=model_kwargs)
+    case = equiv.Case(
+        batch_size=2, micro_batch_sizes=(1, 1), optimizer=name, optimizer_kwargs=kwargs, model_kwargs=model_kwargs
+    )
     case.build_optimizer(case.build_model().module)
     if model_kwargs:
         with pytest.raises(equiv.InvalidCase, match=name):

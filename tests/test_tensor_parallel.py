@@ -26,8 +26,9 @@ SPLITS = {"tp": [[1, 2]], "fsdp2+tp": [[1, 2], [2, 1]]}
 @pytest.mark.parametrize("name", sorted(TP_ZOO))
 def test_tp_zoo_step_comes_to_what_it_must(engine: str, name: str) -> None:
     entry = TP_ZOO[name]
-    verdict = check_distributed(entry.step, DistributedCase.of(CLIPPED, SPLITS[engine], tensor_parallel=2),
-                                engine=engine)
+    verdict = check_distributed(
+        entry.step, DistributedCase.of(CLIPPED, SPLITS[engine], tensor_parallel=2), engine=engine
+    )
     assert verdict.status is entry.expected, verdict.message()
     assert verdict.engine == engine and verdict.case.world_size == 2 * len(SPLITS[engine])
 
@@ -35,8 +36,9 @@ def test_tp_zoo_step_comes_to_what_it_must(engine: str, name: str) -> None:
 @pytest.mark.distributed
 def test_accumulator_clips_exactly_under_fsdp2_tp_with_uneven_data_shards() -> None:
     # The item count is summed over the data ranks only (the TP ranks of one data rank see the same items).
-    dcase = DistributedCase.of(CLIPPED.replace(optimizer="Adam", optimizer_kwargs={"lr": 1e-2}), [[1, 3], [2, 1]],
-                               tensor_parallel=2)
+    dcase = DistributedCase.of(
+        CLIPPED.replace(optimizer="Adam", optimizer_kwargs={"lr": 1e-2}), [[1, 3], [2, 1]], tensor_parallel=2
+    )
     verdict = check_distributed(equiv.accumulator_step, dcase, engine="fsdp2+tp")
     verdict.assert_ok()
     assert "FSDP2 over tensor parallel (2 x 2 mesh)" in verdict.message()
@@ -45,8 +47,9 @@ def test_accumulator_clips_exactly_under_fsdp2_tp_with_uneven_data_shards() -> N
 
 @pytest.mark.distributed
 def test_search_finds_the_local_shard_norm_under_tp() -> None:
-    result = verify_distributed(clip_tp_shard_with_local_norm, engines=("tp",), models=("mlp",), max_examples=10,
-                                seed=0)
+    result = verify_distributed(
+        clip_tp_shard_with_local_norm, engines=("tp",), models=("mlp",), max_examples=10, seed=0
+    )
     assert result.found and result.kind is Outcome.NOT_EQUIVALENT, result.message()
     assert result.counterexample is not None and result.counterexample.tensor_parallel == 2
     assert result.counterexample.case.max_grad_norm is not None  # clipping is what it gets wrong
@@ -55,15 +58,17 @@ def test_search_finds_the_local_shard_norm_under_tp() -> None:
 
 def test_tensor_parallel_split_must_fit_the_engine() -> None:
     with pytest.raises(equiv.InvalidCase, match="engine='tp' runs one data rank"):
-        check_distributed(equiv.accumulator_step, DistributedCase.of(CLIPPED, [[1], [1]], tensor_parallel=2),
-                          engine="tp")
+        check_distributed(
+            equiv.accumulator_step, DistributedCase.of(CLIPPED, [[1], [1]], tensor_parallel=2), engine="tp"
+        )
     with pytest.raises(equiv.InvalidCase, match=r"needs DistributedCase\.of"):
         check_distributed(equiv.accumulator_step, DistributedCase.of(CLIPPED, [[1]]), engine="tp")
     with pytest.raises(equiv.InvalidCase, match=r"tensor_parallel=2 needs engine 'tp' or 'fsdp2\+tp'"):
         check_distributed(equiv.accumulator_step, DistributedCase.of(CLIPPED, [[1], [1]], tensor_parallel=2))
     with pytest.raises(equiv.InvalidCase, match="needs at least 2 data ranks"):
-        check_distributed(equiv.accumulator_step, DistributedCase.of(CLIPPED, [[1]], tensor_parallel=2),
-                          engine="fsdp2+tp")
+        check_distributed(
+            equiv.accumulator_step, DistributedCase.of(CLIPPED, [[1]], tensor_parallel=2), engine="fsdp2+tp"
+        )
     with pytest.raises(equiv.InvalidCase, match="tensor_parallel must be a positive int"):
         DistributedCase.of(CLIPPED, [[1]], tensor_parallel=0)
     with pytest.raises(ValueError, match="models must be a subset of"):
@@ -92,7 +97,8 @@ def test_distributed_case_with_tensor_parallel_round_trips_its_repr() -> None:
 @pytest.mark.distributed
 def test_reference_accumulator_passes_drawn_splits_under_both_tp_engines() -> None:
     # Drawn: data ranks with their own micro-batch sizes (uneven under FSDP2 + TP), SGD or Adam, clipped or not.
-    result = verify_distributed(equiv.accumulator_step, engines=("tp", "fsdp2+tp"), models=("mlp",), max_examples=6,
-                                seed=0)
+    result = verify_distributed(
+        equiv.accumulator_step, engines=("tp", "fsdp2+tp"), models=("mlp",), max_examples=6, seed=0
+    )
     assert not result.found, result.message()
     assert result.examples == 6

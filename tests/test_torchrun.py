@@ -45,7 +45,11 @@ def _torchrun(*args: str, cwd: Path, timeout: float = 180) -> subprocess.Complet
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)  # never inherited from an outer launcher
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
 
@@ -61,8 +65,15 @@ def test_torchrun_checks_a_correct_step_and_a_per_rank_mean_from_the_shell(tmp_p
     verdicts = json.loads((tmp_path / "good.json").read_text())["cases"]
     assert [v["status"] for v in verdicts] == ["equivalent"] * 5
     # transformers #34242: each rank's own mean, averaged by DDP; the split holds 3 and 3 + 1 samples.
-    bad = _torchrun(*standalone, "equiv.zoo.distributed_bugs:local_mean_per_rank", "--split", "1,2;1,3",
-                    "--json", str(tmp_path / "bad.json"), cwd=tmp_path)
+    bad = _torchrun(
+        *standalone,
+        "equiv.zoo.distributed_bugs:local_mean_per_rank",
+        "--split",
+        "1,2;1,3",
+        "--json",
+        str(tmp_path / "bad.json"),
+        cwd=tmp_path,
+    )
     assert bad.returncode != 0, bad.stdout  # torchrun's own code: a rank exited non-zero
     assert "FAIL  --split" in bad.stdout and "Not equivalent to full-batch training" in bad.stdout, bad.stdout
     assert "micro-batches per rank [[1, 2], [1, 3]]" in bad.stdout
@@ -79,8 +90,7 @@ def test_a_rank_that_raises_or_dies_under_torchrun_is_named(tmp_path: Path) -> N
     assert "boom on rank 1" in raised.stdout
     assert "exitcode  : 3" in raised.stderr, raised.stderr  # 3: the step raised, no verdict
     died = _torchrun(*standalone, "steps.py:dies_on_rank_1", "--split", "1,2;3", "--timeout", "30", cwd=tmp_path)
-    assert "a rank exited without reporting" in died.stderr and "rank 1: exact tier, step 0" in died.stderr, (
-        died.stderr)
+    assert "a rank exited without reporting" in died.stderr and "rank 1: exact tier, step 0" in died.stderr, died.stderr
     assert "exitcode  : 7" in died.stderr  # torchrun names the rank that died and how
 
 
@@ -89,19 +99,51 @@ def test_two_machines_are_two_torchrun_commands_meeting_at_one_rendezvous(tmp_pa
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "equiv-test", "-m", "equiv",
-               "check-distributed", "equiv.zoo.distributed_bugs:RAGGED_TOKEN_STEPS", "--split", "1;2")
+    command = (
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "equiv-test",
+        "-m",
+        "equiv",
+        "check-distributed",
+        "equiv.zoo.distributed_bugs:RAGGED_TOKEN_STEPS",
+        "--split",
+        "1;2",
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *command],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=180) for node in nodes]
     # The target is a dict, not a step: every rank refuses it before any work, on both machines.
     assert all(node.returncode != 0 for node in nodes)
     assert any("is a dict, not a callable step" in err for _, err in outputs), outputs
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command[:-3],
-                               "equiv:accumulator_step", "--split", "1;2"], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *command[:-3], "equiv:accumulator_step", "--split", "1;2"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs
     # Rank 0 (on whichever machine the rendezvous made it) prints the verdict; the other prints nothing.
@@ -111,8 +153,16 @@ def test_two_machines_are_two_torchrun_commands_meeting_at_one_rendezvous(tmp_pa
 
 def test_torchrun_environment_is_read_or_refused_by_name() -> None:
     assert TorchrunEnv.read({}) is None
-    env = TorchrunEnv.read({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "node0",
-                            "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    env = TorchrunEnv.read(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "29500",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+    )
     assert env is not None and (env.rank, env.world_size, env.local_rank, env.agent_store) == (1, 2, 1, True)
     with pytest.raises(ValueError, match="MASTER_ADDR, MASTER_PORT not set: start the command with torchrun"):
         TorchrunEnv.read({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
@@ -121,7 +171,8 @@ def test_torchrun_environment_is_read_or_refused_by_name() -> None:
 
 
 def test_without_torchrun_the_ranks_are_spawned_and_a_split_must_match_them(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from equiv.cli import main
 

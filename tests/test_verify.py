@@ -12,7 +12,7 @@ from equiv.checking.verify import verify
 from equiv.cli import main
 from equiv.zoo.bugs import mean_of_means
 
-STEPS = '''
+STEPS = """
 from equiv import accumulator_step as good
 from equiv.zoo.bugs import mean_of_means as bad
 
@@ -39,7 +39,7 @@ def float32_weights(model, optimizer, micro_batches, loss_fn):
     for x, y in micro_batches:
         (loss_fn(model(x), y) * (torch.tensor(len(y)) / total)).backward()
     optimizer.step()
-'''
+"""
 
 #: Few examples, one small family: these test the plumbing, not the search.
 FAST = ["--max-examples", "15", "--seed", "1", "--families", "mlp", "--optimizers", "SGD,Adam"]
@@ -106,8 +106,7 @@ def test_verify_reports_a_candidate_that_raises_with_its_own_exit_code(steps_fil
         pytest.param("no_such_module_xyz:step", [], "could not import 'no_such_module_xyz'", id="bad-import"),
         pytest.param("{file}:missing", [], "has no attribute 'missing'", id="missing-function"),
         pytest.param("{file}:good", ["--families", "resnet"], "families has unknown ['resnet']", id="bad-family"),
-        pytest.param("{file}:good", ["--profile", "nightly"], "unknown Hypothesis profile 'nightly'",
-                     id="bad-profile"),
+        pytest.param("{file}:good", ["--profile", "nightly"], "unknown Hypothesis profile 'nightly'", id="bad-profile"),
     ],
 )
 def test_verify_exits_2_on_usage_errors(steps_file, capsys, target, extra, message) -> None:
@@ -127,7 +126,9 @@ def test_verify_api_is_deterministic_for_a_seed() -> None:
 
 
 def test_verify_counts_inherent_cases_instead_of_failing_them() -> None:
-    result = verify(equiv.accumulator_step, SearchSpace(families=("mlp",), allow_inherent=True), max_examples=20, seed=0)
+    result = verify(
+        equiv.accumulator_step, SearchSpace(families=("mlp",), allow_inherent=True), max_examples=20, seed=0
+    )
     assert result
     assert result.inherent_cases > 0
     assert any("BatchNorm" in reason or "Dropout" in reason for reason in result.inherent_reasons)
@@ -188,7 +189,8 @@ def test_a_step_that_keeps_state_across_calls_is_told_so_with_a_replay_that_repr
 
 
 def test_a_float32_computation_inside_the_float64_run_is_a_precision_finding_for_float64_training(
-        steps_file: Path) -> None:
+    steps_file: Path,
+) -> None:
     from equiv.judging.contract import load_candidate
 
     step = load_candidate(f"{steps_file}:float32_weights")
@@ -208,8 +210,14 @@ def test_a_mathematical_difference_below_float32_rounding_is_a_note_not_blamed_o
     # An unscaled sum under Adam with active clipping: the clip normalises the sum away but for its
     # epsilon, a difference float32 training cannot see (the float32 tier matched).  It stays in
     # float64 with the default dtype set to float64, so it is not blamed on a default-dtype tensor.
-    case = equiv.Case(batch_size=4, micro_batch_sizes=(2, 2), model_kwargs={"hidden": (8,)}, optimizer="Adam",
-                      optimizer_kwargs={"lr": 1e-2}, max_grad_norm=1e-3)
+    case = equiv.Case(
+        batch_size=4,
+        micro_batch_sizes=(2, 2),
+        model_kwargs={"hidden": (8,)},
+        optimizer="Adam",
+        optimizer_kwargs={"lr": 1e-2},
+        max_grad_norm=1e-3,
+    )
     verdict = equiv.check(unscaled_sum, case)
     assert verdict.status == "equivalent" and verdict.precision is not None
     assert verdict.precision.cause == "float32_sized"
@@ -230,11 +238,20 @@ def test_a_blob_that_does_not_reproduce_is_a_usage_error_without_a_traceback(
 
 
 def test_a_valid_blob_of_another_step_does_not_reproduce(steps_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    found = verify(mean_of_means, SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")), max_examples=15, seed=1,
-                   replay_in_fresh_process=False)
+    found = verify(
+        mean_of_means,
+        SearchSpace(families=("mlp",), optimizers=("SGD", "Adam")),
+        max_examples=15,
+        seed=1,
+        replay_in_fresh_process=False,
+    )
     assert found.blob is not None
-    assert main(["verify", f"{steps_file}:good", "--reproduce", found.blob, "--families", "mlp",
-                 "--optimizers", "SGD,Adam"]) == 2
+    assert (
+        main(
+            ["verify", f"{steps_file}:good", "--reproduce", found.blob, "--families", "mlp", "--optimizers", "SGD,Adam"]
+        )
+        == 2
+    )
     assert "DidNotReproduce" in capsys.readouterr().err
 
 
@@ -255,8 +272,27 @@ def test_torch_warnings_are_shown_once_per_search() -> None:
 
 def test_the_search_bounds_come_from_the_command_line(steps_file: Path, tmp_path: Path) -> None:
     report = tmp_path / "result.json"
-    assert main(["verify", f"{steps_file}:good", "--max-examples", "10", "--seed", "3", "--families", "mlp",
-                 "--max-batch-size", "6", "--max-micro-batches", "3", "--json", str(report)]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                f"{steps_file}:good",
+                "--max-examples",
+                "10",
+                "--seed",
+                "3",
+                "--families",
+                "mlp",
+                "--max-batch-size",
+                "6",
+                "--max-micro-batches",
+                "3",
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     search = json.loads(report.read_text())["search"]
     assert (search["max_batch_size"], search["max_micro_batches"]) == (6, 3)
 
@@ -267,8 +303,10 @@ def test_the_search_bounds_come_from_the_command_line(steps_file: Path, tmp_path
         # Refused by argparse, naming the flag (exit 2 as SystemExit); the bound check below by the search.
         (["--max-micro-batches", "0"], "argument --max-micro-batches: expected a whole number >= 1, got 0"),
         (["--max-batch-size", "-3"], "argument --max-batch-size: expected a whole number >= 1, got -3"),
-        (["--max-batch-size", "4", "--max-micro-batches", "6"],
-         "max_micro_batches=6 is more than max_batch_size=4: every micro-batch needs a sample"),
+        (
+            ["--max-batch-size", "4", "--max-micro-batches", "6"],
+            "max_micro_batches=6 is more than max_batch_size=4: every micro-batch needs a sample",
+        ),
     ],
     ids=["zero", "negative", "more-pieces-than-samples"],
 )
@@ -297,8 +335,15 @@ def test_a_search_space_is_its_own_flags_and_json() -> None:
 
     from equiv.cli import build_parser
 
-    space = SearchSpace(families=("mlp", "gru"), optimizers=("AdamW",), losses=("token_cross_entropy",),
-                        item_weighted=True, allow_inherent=True, max_batch_size=9, max_micro_batches=4)
+    space = SearchSpace(
+        families=("mlp", "gru"),
+        optimizers=("AdamW",),
+        losses=("token_cross_entropy",),
+        item_weighted=True,
+        allow_inherent=True,
+        max_batch_size=9,
+        max_micro_batches=4,
+    )
     flags = " ".join(space.flags()).split()
     args = build_parser().parse_args(["verify", "x.py:step", *flags])
     assert SearchSpace(**{item.name: getattr(args, item.name) for item in fields(SearchSpace)}) == space

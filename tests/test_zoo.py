@@ -54,21 +54,38 @@ ALSO_EXACT = [
     pytest.param("eight_slot_buffer", case(**EIGHT, **CLIPPED, **SCHEDULED), id="eight-slots-clipped-scheduled"),
     pytest.param("clips_first_group_only", case(param_groups="head_lr"), id="groups-without-clipping"),
     pytest.param("clips_first_group_only", case(**TOKENS, **CLIPPED), id="one-group-token-loss"),
-    pytest.param("zero_grads_for_frozen", case(**EIGHT, **TOKENS, optimizer="Adam", optimizer_kwargs={"lr": 1e-2}),
-                 id="nothing-frozen-adam-token-loss"),
+    pytest.param(
+        "zero_grads_for_frozen",
+        case(**EIGHT, **TOKENS, optimizer="Adam", optimizer_kwargs={"lr": 1e-2}),
+        id="nothing-frozen-adam-token-loss",
+    ),
     # SGD momentum without decay: a zero gradient leaves a zero momentum buffer
     # and the weights where they were, so here frozen zeros are harmless.
-    pytest.param("zero_grads_for_frozen", case(frozen_layers=1, optimizer_kwargs={"lr": 0.1, "momentum": 0.9}),
-                 id="frozen-sgd-momentum-no-decay"),
-    pytest.param("decay_per_micro_batch", case(optimizer="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}),
-                 id="decoupled-decay-left-to-the-optimizer"),
+    pytest.param(
+        "zero_grads_for_frozen",
+        case(frozen_layers=1, optimizer_kwargs={"lr": 0.1, "momentum": 0.9}),
+        id="frozen-sgd-momentum-no-decay",
+    ),
+    pytest.param(
+        "decay_per_micro_batch",
+        case(optimizer="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}),
+        id="decoupled-decay-left-to-the-optimizer",
+    ),
     pytest.param("decay_per_micro_batch", case(**EIGHT, **SCHEDULED), id="no-decay-many-pieces"),
-    pytest.param("clips_only_trained_groups", case(param_groups="no_decay", **CLIPPED),
-                 id="every-group-trains-clipped"),
+    pytest.param(
+        "clips_only_trained_groups", case(param_groups="no_decay", **CLIPPED), id="every-group-trains-clipped"
+    ),
     pytest.param("no_grad_through_frozen", case(frozen_layers=-1, **CLIPPED), id="frozen-base-trainable-head"),
-    pytest.param("decay_per_micro_batch", case(micro_batch_sizes=(6,), optimizer="Adam", param_groups="no_decay",
-                                               optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}),
-                 id="one-piece-adam-two-groups"),
+    pytest.param(
+        "decay_per_micro_batch",
+        case(
+            micro_batch_sizes=(6,),
+            optimizer="Adam",
+            param_groups="no_decay",
+            optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
+        ),
+        id="one-piece-adam-two-groups",
+    ),
 ]
 
 
@@ -89,16 +106,27 @@ def test_blind_spot_bug_is_exact_without_its_setting(name: str, good: equiv.Case
 @pytest.mark.parametrize(
     ("name", "bad"),
     [
-        pytest.param("eight_slot_buffer", case(batch_size=32, micro_batch_sizes=(1,) * 32, optimizer="Adam",
-                                               optimizer_kwargs={"lr": 1e-2}), id="eight-slots-32-pieces-adam"),
-        pytest.param("clips_first_group_only", case(param_groups="head_lr", optimizer="AdamW",
-                                                    optimizer_kwargs={"lr": 1e-2}, **CLIPPED),
-                     id="head-lr-adamw"),
+        pytest.param(
+            "eight_slot_buffer",
+            case(batch_size=32, micro_batch_sizes=(1,) * 32, optimizer="Adam", optimizer_kwargs={"lr": 1e-2}),
+            id="eight-slots-32-pieces-adam",
+        ),
+        pytest.param(
+            "clips_first_group_only",
+            case(param_groups="head_lr", optimizer="AdamW", optimizer_kwargs={"lr": 1e-2}, **CLIPPED),
+            id="head-lr-adamw",
+        ),
         # Adam without decay: the all-zero gradient still starts state (step, moments) for frozen weights.
-        pytest.param("zero_grads_for_frozen", case(frozen_layers=1, optimizer="Adam", optimizer_kwargs={"lr": 1e-2}),
-                     id="frozen-adam-state"),
-        pytest.param("decay_per_micro_batch", case(optimizer="Adam", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.01}),
-                     id="adam-coupled-decay"),
+        pytest.param(
+            "zero_grads_for_frozen",
+            case(frozen_layers=1, optimizer="Adam", optimizer_kwargs={"lr": 1e-2}),
+            id="frozen-adam-state",
+        ),
+        pytest.param(
+            "decay_per_micro_batch",
+            case(optimizer="Adam", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.01}),
+            id="adam-coupled-decay",
+        ),
     ],
 )
 def test_blind_spot_bug_is_caught_in_other_settings_with_its_feature(name: str, bad: equiv.Case) -> None:
@@ -123,7 +151,9 @@ def test_every_step_in_the_zoo_module_is_registered_under_its_name() -> None:
     steps = {
         name: value
         for name, value in vars(bugs).items()
-        if inspect.isfunction(value) and value.__module__ == bugs.__name__ and not name.startswith("_")
+        if inspect.isfunction(value)
+        and value.__module__ == bugs.__name__
+        and not name.startswith("_")
         and list(inspect.signature(value).parameters)[:4] == ["model", "optimizer", "micro_batches", "loss_fn"]
     }
     assert steps == {**BUGS, **STATE_ACROSS_CALLS_BUGS}

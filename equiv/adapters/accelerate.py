@@ -89,15 +89,25 @@ class AccelerateStep:
         self._run = PerRun()
         self._prepared: tuple[Accelerator, Any, Any] | None = None
 
-    def _start_run(self, model: nn.Module, optimizer: torch.optim.Optimizer, window: int) -> tuple[Accelerator, Any, Any]:
-        plugin = GradientAccumulationPlugin(num_steps=self.gradient_accumulation_steps or window,
-                                            sync_with_dataloader=self.sync_with_dataloader)
+    def _start_run(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, window: int
+    ) -> tuple[Accelerator, Any, Any]:
+        plugin = GradientAccumulationPlugin(
+            num_steps=self.gradient_accumulation_steps or window, sync_with_dataloader=self.sync_with_dataloader
+        )
         accelerator = _fresh_accelerator(model, plugin)
         prepared_model, prepared_optimizer = accelerator.prepare(model, optimizer)
         return accelerator, prepared_model, prepared_optimizer
 
-    def _train(self, accelerator: Accelerator, model: Any, optimizer: Any, dataloader: Any,
-               loss_fn: Callable[..., Tensor], max_grad_norm: float | None) -> None:
+    def _train(
+        self,
+        accelerator: Accelerator,
+        model: Any,
+        optimizer: Any,
+        dataloader: Any,
+        loss_fn: Callable[..., Tensor],
+        max_grad_norm: float | None,
+    ) -> None:
         for inputs, targets in dataloader:
             with accelerator.accumulate(model):
                 loss = loss_fn(model(inputs), targets)
@@ -107,17 +117,32 @@ class AccelerateStep:
                 optimizer.step()
                 optimizer.zero_grad()
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                 loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+    def __call__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Callable[..., Tensor],
+        *,
+        max_grad_norm: float | None = None,
+    ) -> None:
         if self._run.is_new(model):
             self._prepared = self._start_run(model, optimizer, len(micro_batches))
         assert self._prepared is not None
         accelerator, prepared_model, prepared_optimizer = self._prepared
-        self._train(accelerator, prepared_model, prepared_optimizer, _loader(accelerator, micro_batches),
-                    loss_fn, max_grad_norm)
+        self._train(
+            accelerator, prepared_model, prepared_optimizer, _loader(accelerator, micro_batches), loss_fn, max_grad_norm
+        )
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                   loss_fn: Loss, *, epochs: int) -> None:
+    def run_epochs(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Loss,
+        *,
+        epochs: int,
+    ) -> None:
         """One prepared DataLoader over ``micro_batches``, iterated ``epochs`` times."""
         accelerator, prepared_model, prepared_optimizer = self._start_run(model, optimizer, len(micro_batches))
         dataloader = _loader(accelerator, micro_batches)
@@ -125,8 +150,11 @@ class AccelerateStep:
             self._train(accelerator, prepared_model, prepared_optimizer, dataloader, loss_fn, None)
 
     def __repr__(self) -> str:
-        return describe("AccelerateStep", gradient_accumulation_steps=self.gradient_accumulation_steps,
-                        sync_with_dataloader=None if self.sync_with_dataloader else False)
+        return describe(
+            "AccelerateStep",
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            sync_with_dataloader=None if self.sync_with_dataloader else False,
+        )
 
 
 class AccelerateVariableSizeStep:
@@ -145,15 +173,23 @@ class AccelerateVariableSizeStep:
         self._run = PerRun()
         self._prepared: tuple[Accelerator, Any, Any] | None = None
 
-    def _start_run(self, model: nn.Module, optimizer: torch.optim.Optimizer, window: int) -> tuple[Accelerator, Any, Any]:
+    def _start_run(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, window: int
+    ) -> tuple[Accelerator, Any, Any]:
         plugin = GradientAccumulationPlugin(num_steps=self.gradient_accumulation_steps or window)
         accelerator = _fresh_accelerator(model, plugin)
         prepared_model, prepared_optimizer = accelerator.prepare(model, optimizer)
         return accelerator, prepared_model, prepared_optimizer
 
     @staticmethod
-    def _update(accelerator: Accelerator, model: Any, optimizer: Any, batch_samples: MicroBatches, loss_fn: Loss,
-                max_grad_norm: float | None) -> None:
+    def _update(
+        accelerator: Accelerator,
+        model: Any,
+        optimizer: Any,
+        batch_samples: MicroBatches,
+        loss_fn: Loss,
+        max_grad_norm: float | None,
+    ) -> None:
         """One update step of the recipe over the pre-loaded ``batch_samples``."""
         local_num_items_in_batch = sum(torch.as_tensor(loss_fn.count(targets)) for _, targets in batch_samples)
         num_items_in_batch = accelerator.gather(local_num_items_in_batch).sum().item()
@@ -166,16 +202,30 @@ class AccelerateVariableSizeStep:
         optimizer.step()
         optimizer.zero_grad()
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                 loss_fn: Loss, *, max_grad_norm: float | None = None) -> None:
+    def __call__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Loss,
+        *,
+        max_grad_norm: float | None = None,
+    ) -> None:
         if self._run.is_new(model):
             self._prepared = self._start_run(model, optimizer, len(micro_batches))
         assert self._prepared is not None
         accelerator, prepared_model, prepared_optimizer = self._prepared
         self._update(accelerator, prepared_model, prepared_optimizer, micro_batches, loss_fn, max_grad_norm)
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                   loss_fn: Loss, *, epochs: int) -> None:
+    def run_epochs(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Loss,
+        *,
+        epochs: int,
+    ) -> None:
         """The recipe's epoch loop: ``total_gradient_updates`` windows of N
         batches from one iterator, the last one ``remainder`` batches long."""
         accelerator, prepared_model, prepared_optimizer = self._start_run(model, optimizer, len(micro_batches))

@@ -59,8 +59,17 @@ class LightningStep:
             raise ValueError(f"accumulate_grad_batches must be a positive int or None, got {accumulate_grad_batches!r}")
         self.accumulate_grad_batches = accumulate_grad_batches
 
-    def _fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-             loss_fn: Callable[..., Tensor], *, n: int, epochs: int, max_grad_norm: float | None) -> None:
+    def _fit(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Callable[..., Tensor],
+        *,
+        n: int,
+        epochs: int,
+        max_grad_norm: float | None,
+    ) -> None:
         dtype = next(model.parameters()).dtype
         logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
         logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -83,16 +92,44 @@ class LightningStep:
             batches: DataLoader[Any] = DataLoader(micro_batches, batch_size=None)  # type: ignore[arg-type]  # a list is a map-style dataset
             trainer.fit(_Wrapped(model, optimizer, loss_fn), train_dataloaders=batches)
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                 loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
-        self._fit(model, optimizer, micro_batches, loss_fn, n=self.accumulate_grad_batches or len(micro_batches),
-                  epochs=1, max_grad_norm=max_grad_norm)
+    def __call__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Callable[..., Tensor],
+        *,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        self._fit(
+            model,
+            optimizer,
+            micro_batches,
+            loss_fn,
+            n=self.accumulate_grad_batches or len(micro_batches),
+            epochs=1,
+            max_grad_norm=max_grad_norm,
+        )
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                   loss_fn: Callable[..., Tensor], *, epochs: int) -> None:
+    def run_epochs(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Callable[..., Tensor],
+        *,
+        epochs: int,
+    ) -> None:
         """One ``Trainer(max_epochs=epochs).fit`` over ``micro_batches``."""
-        self._fit(model, optimizer, micro_batches, loss_fn, n=self.accumulate_grad_batches or len(micro_batches),
-                  epochs=epochs, max_grad_norm=None)
+        self._fit(
+            model,
+            optimizer,
+            micro_batches,
+            loss_fn,
+            n=self.accumulate_grad_batches or len(micro_batches),
+            epochs=epochs,
+            max_grad_norm=None,
+        )
 
     def __repr__(self) -> str:
         return describe("LightningStep", accumulate_grad_batches=self.accumulate_grad_batches)

@@ -13,8 +13,14 @@ from equiv.losses import item_count, loss_sum_and_count
 __all__ = ["textbook_step", "torchtitan_step"]
 
 
-def textbook_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def textbook_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """nanoGPT's ``train.py`` loop: ``loss = loss / gradient_accumulation_steps``,
     backward per micro-batch, clip once, step, ``zero_grad(set_to_none=True)``.
     Exact for equal micro-batches of a sample mean; a mean of means otherwise.
@@ -36,8 +42,14 @@ def textbook_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batc
     optimizer.zero_grad(set_to_none=True)
 
 
-def torchtitan_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                    loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def torchtitan_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """equiv's own loop written in torchtitan's style (it calls equiv's
     ``item_count`` / ``loss_sum_and_count``, not torchtitan's code): count the
     window's valid items first (torchtitan's ``global_valid_tokens``), then each
@@ -59,4 +71,3 @@ def torchtitan_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_ba
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
-

@@ -78,19 +78,37 @@ class _PortedLoop:
     def _epoch_start(self) -> None:
         """What the tutorial's loop resets when an epoch starts (nothing by default)."""
 
-    def _mini_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor],
-                    loss_fn: Callable[..., Tensor], steps: int) -> None:
+    def _mini_batch(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: tuple[Tensor, Tensor],
+        loss_fn: Callable[..., Tensor],
+        steps: int,
+    ) -> None:
         raise NotImplementedError
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                 loss_fn: Callable[..., Tensor]) -> None:
+    def __call__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Callable[..., Tensor],
+    ) -> None:
         if self._run.is_new(model):
             self._start(model)
         for batch in micro_batches:
             self._mini_batch(model, optimizer, batch, loss_fn, self._configured_steps() or len(micro_batches))
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                   loss_fn: Callable[..., Tensor], *, epochs: int) -> None:
+    def run_epochs(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Callable[..., Tensor],
+        *,
+        epochs: int,
+    ) -> None:
         """The tutorial's loop over ``epochs`` passes of ``micro_batches``."""
         self._start(model)
         for _ in range(epochs):
@@ -133,8 +151,14 @@ class MindSporeGradientAccumulation(_PortedLoop):
         self._k = 0
         self._grad_sum = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
 
-    def _mini_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor],
-                    loss_fn: Callable[..., Tensor], mini_steps: int) -> None:
+    def _mini_batch(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: tuple[Tensor, Tensor],
+        loss_fn: Callable[..., Tensor],
+        mini_steps: int,
+    ) -> None:
         inputs, targets = batch
         grads = _gradients(model, loss_fn(model(inputs), targets))
         torch._foreach_add_(self._grad_sum, grads)  # _cumulative_gard: AssignAdd(grad_sum, grad)
@@ -176,8 +200,14 @@ class MindSporeAccumulator(_PortedLoop):
         self._counter = 1
         self._inner_grads = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
 
-    def _mini_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor],
-                    loss_fn: Callable[..., Tensor], accumulate_step: int) -> None:
+    def _mini_batch(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: tuple[Tensor, Tensor],
+        loss_fn: Callable[..., Tensor],
+        accumulate_step: int,
+    ) -> None:
         inputs, targets = batch
         loss = loss_fn(model(inputs), targets) / accumulate_step  # "loss除以累加步数"
         torch._foreach_add_(self._inner_grads, _gradients(model, loss))
@@ -270,13 +300,26 @@ class MindSporeAccuStepsWithLossScale(_PortedLoop):
         self._accu_grads = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
         self._accu_overflow = False
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                 loss_fn: Callable[..., Tensor], *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    def __call__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Callable[..., Tensor],
+        *,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         self._scaler = grad_scaler
         super().__call__(model, optimizer, micro_batches, loss_fn)
 
-    def _mini_batch(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor, Tensor],
-                    loss_fn: Callable[..., Tensor], steps: int) -> None:
+    def _mini_batch(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: tuple[Tensor, Tensor],
+        loss_fn: Callable[..., Tensor],
+        steps: int,
+    ) -> None:
         inputs, targets = batch
         loss = loss_fn(model(inputs), targets)
         # sens = scaling_sens_filled: the gradient of the loss times the current scale (read each micro-step).
@@ -287,7 +330,9 @@ class MindSporeAccuStepsWithLossScale(_PortedLoop):
             self._accu_overflow = overflow
         else:  # update graph
             self._accu_overflow = False
-            window = list(torch._foreach_add(self._accu_grads, grads))  # _MirrorMiniStepOperator: assign_add, all_reduce
+            window = list(
+                torch._foreach_add(self._accu_grads, grads)
+            )  # _MirrorMiniStepOperator: assign_add, all_reduce
             torch._foreach_zero_(self._accu_grads)  # reset_accu_grads, whether or not the window overflowed
             self._update(optimizer, model, window, overflow)
         self._k += 1
@@ -364,20 +409,29 @@ class MindSporeGradAccumulation:
     def __init__(self, micro_size: int | None = None) -> None:
         self.micro_size = _positive_or_none("micro_size", micro_size)
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                 loss_fn: Callable[..., Tensor], *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    def __call__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Callable[..., Tensor],
+        *,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         micro_size = self.micro_size or len(micro_batches)
         # The dataset's mini-batch: GradAccumulation sees the whole batch and cuts it itself.
         inputs = torch.cat([x for x, _ in micro_batches])
         targets = torch.cat([t for _, t in micro_batches])
         rows = inputs.shape[0]
         if rows % micro_size != 0:
-            raise UnsupportedWindow(f"For micro batch initialization, the 0th dimension shape of input({rows}) "
-                                    f"must be divided by micro size({micro_size})")
+            raise UnsupportedWindow(
+                f"For micro batch initialization, the 0th dimension shape of input({rows}) "
+                f"must be divided by micro size({micro_size})"
+            )
         width = rows // micro_size
         ret: Tensor | None = None
         for i in range(micro_size):
-            output = loss_fn(model(inputs[width * i:width * (i + 1)]), targets[width * i:width * (i + 1)])
+            output = loss_fn(model(inputs[width * i : width * (i + 1)]), targets[width * i : width * (i + 1)])
             ret = output if ret is None else ret + output  # self.add_list[i](ret, output)
         assert ret is not None
         if grad_scaler is None:

@@ -38,9 +38,19 @@ def tiny_causal_lm(seed: int = 0) -> nn.Module:
     """A one-layer Llama with 16-wide hidden states, built from a config, in float64."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model: nn.Module = LlamaForCausalLM(config)
     return model.double()
@@ -76,8 +86,11 @@ def token_micro_batches(real_lengths: list[list[int]], *, seq_len: int = 8, seed
 
 class _Examples(torch.utils.data.Dataset[dict[str, Tensor]]):
     def __init__(self, micro_batches: list[dict[str, Tensor]]) -> None:
-        self.rows = [{key: value[row] for key, value in batch.items()}
-                     for batch in micro_batches for row in range(len(batch["input_ids"]))]
+        self.rows = [
+            {key: value[row] for key, value in batch.items()}
+            for batch in micro_batches
+            for row in range(len(batch["input_ids"]))
+        ]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -96,8 +109,9 @@ class TrainerRun:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.max_grad_norm = max_grad_norm
 
-    def train(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, Tensor]], *,
-              epochs: int) -> None:
+    def train(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, Tensor]], *, epochs: int
+    ) -> None:
         from transformers import Trainer, TrainingArguments
         from transformers.utils import logging as transformers_logging
 
@@ -112,17 +126,28 @@ class TrainerRun:
 
         sizes = {len(batch["input_ids"]) for batch in micro_batches}
         if len(sizes) != 1:
-            raise ValueError(f"the Trainer batches the dataset itself: micro-batches must hold equal numbers of sequences, got {sorted(sizes)}")
+            raise ValueError(
+                f"the Trainer batches the dataset itself: micro-batches must hold equal numbers of sequences, got {sorted(sizes)}"
+            )
         with tempfile.TemporaryDirectory() as output_dir:
             args = TrainingArguments(
-                output_dir=output_dir, per_device_train_batch_size=sizes.pop(),
-                gradient_accumulation_steps=self.gradient_accumulation_steps, num_train_epochs=epochs,
-                max_grad_norm=self.max_grad_norm, use_cpu=True, report_to="none", save_strategy="no",
-                logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
+                output_dir=output_dir,
+                per_device_train_batch_size=sizes.pop(),
+                gradient_accumulation_steps=self.gradient_accumulation_steps,
+                num_train_epochs=epochs,
+                max_grad_norm=self.max_grad_norm,
+                use_cpu=True,
+                report_to="none",
+                save_strategy="no",
+                logging_strategy="no",
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+                remove_unused_columns=False,
             )
             constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-            trainer = SequentialTrainer(model=model, args=args, train_dataset=examples,
-                                        optimizers=(optimizer, constant))
+            trainer = SequentialTrainer(
+                model=model, args=args, train_dataset=examples, optimizers=(optimizer, constant)
+            )
             # The Trainer prints its closing metrics; the run's result is in the model.
             with contextlib.redirect_stdout(io.StringIO()):
                 trainer.train()

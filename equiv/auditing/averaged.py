@@ -67,11 +67,15 @@ class ExponentialAverage:
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
-            raise TypeError(f"ExponentialAverage.module must be the averaged copy of the model (an nn.Module), "
-                            f"got {type(self.module).__name__}")
+            raise TypeError(
+                f"ExponentialAverage.module must be the averaged copy of the model (an nn.Module), "
+                f"got {type(self.module).__name__}"
+            )
         if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0 <= self.decay < 1:
-            raise ValueError(f"ExponentialAverage.decay must be a number in [0, 1) (the weight kept of the average "
-                             f"at each update), got {self.decay!r}")
+            raise ValueError(
+                f"ExponentialAverage.decay must be a number in [0, 1) (the weight kept of the average "
+                f"at each update), got {self.decay!r}"
+            )
 
 
 #: The weights of the model at a window's start, as the replay rebuilds them: (dtype) -> a model in that dtype.
@@ -89,20 +93,26 @@ class AveragedWeights:
         #: the averaged tensor names, and the model's parameter each follows (by name for an EMA)
         if isinstance(averaged, AveragedModel):
             if averaged.use_buffers:
-                raise ValueError("equiv.audit checks an AveragedModel that averages parameters only "
-                                 "(use_buffers=False): with use_buffers=True its buffers are averaged too, which "
-                                 "the replay of the model's weights does not rebuild")
+                raise ValueError(
+                    "equiv.audit checks an AveragedModel that averages parameters only "
+                    "(use_buffers=False): with use_buffers=True its buffers are averaged too, which "
+                    "the replay of the model's weights does not rebuild"
+                )
             names = [name for name, _ in averaged.named_parameters()]
             if len(names) != len(own):
-                raise ValueError(f"the AveragedModel averages {len(names)} parameter tensors but the audited model "
-                                 f"has {len(own)}: build it from the model the audit watches")
+                raise ValueError(
+                    f"the AveragedModel averages {len(names)} parameter tensors but the audited model "
+                    f"has {len(own)}: build it from the model the audit watches"
+                )
         else:
             names = [name for name, _ in averaged.module.named_parameters()]
             missing = sorted(set(own) - set(names))
             if missing or len(names) != len(own):
-                raise ValueError(f"the ExponentialAverage's module must have the model's parameters, by name (a "
-                                 f"copy.deepcopy of the model): missing {missing[:3]}, it has {len(names)} "
-                                 f"parameter tensors, the model {len(own)}")
+                raise ValueError(
+                    f"the ExponentialAverage's module must have the model's parameters, by name (a "
+                    f"copy.deepcopy of the model): missing {missing[:3]}, it has {len(names)} "
+                    f"parameter tensors, the model {len(own)}"
+                )
         self.names = names
         #: a copy to replay the rule on, made before the run moves it (an AveragedModel's own update)
         self._template = copy.deepcopy(averaged) if isinstance(averaged, AveragedModel) else None
@@ -159,14 +169,18 @@ class AveragedWeights:
         after = "after optimizer.step(), once per optimizer step (not per micro-batch)"
         if isinstance(self.averaged, AveragedModel):
             moves = int(self.averaged.n_averaged) - int(start["n_averaged"])
-            return (f"the AveragedModel was updated {moves} time{'s' if moves != 1 else ''} in this window "
-                    f"(n_averaged {int(start['n_averaged'])} -> {int(self.averaged.n_averaged)}), where one "
-                    f"optimizer step means one update: call update_parameters {after}")
+            return (
+                f"the AveragedModel was updated {moves} time{'s' if moves != 1 else ''} in this window "
+                f"(n_averaged {int(start['n_averaged'])} -> {int(self.averaged.n_averaged)}), where one "
+                f"optimizer step means one update: call update_parameters {after}"
+            )
         decay = self.averaged.decay
         own = dict(weights.named_parameters())
         pull = sum(float(((own[n].detach() - start[n].double()) ** 2).sum()) for n in self.names)
-        moved = sum(float(((p.detach().double() - start[n].double()) * (own[n].detach() - start[n].double())).sum())
-                    for n, p in self.module.named_parameters())
+        moved = sum(
+            float(((p.detach().double() - start[n].double()) * (own[n].detach() - start[n].double())).sum())
+            for n, p in self.module.named_parameters()
+        )
         share = moved / pull if pull > 0 else math.nan
         if 0 < share < 1 and decay > 0:
             estimate = f"moved as {math.log(1 - share) / math.log(decay):.3g} updates would, "
@@ -188,9 +202,11 @@ def averaged_weights(averaged: AveragedModel | ExponentialAverage | None, model:
     if averaged is None:
         return None
     if not isinstance(averaged, (AveragedModel, ExponentialAverage)):
-        raise TypeError(f"averaged must be a torch.optim.swa_utils.AveragedModel or an "
-                        f"equiv.ExponentialAverage(ema_model, decay=...) for a hand-written EMA, got "
-                        f"{type(averaged).__name__}")
+        raise TypeError(
+            f"averaged must be a torch.optim.swa_utils.AveragedModel or an "
+            f"equiv.ExponentialAverage(ema_model, decay=...) for a hand-written EMA, got "
+            f"{type(averaged).__name__}"
+        )
     return AveragedWeights(averaged, model)
 
 

@@ -46,27 +46,38 @@ class WindowJudge:
     #: the windows judged, by their micro-batch count (the run's usual window: the commonest)
     sizes: Counter[int] = field(default_factory=Counter)
 
-    def judge(self, window: WindowRecord, step: int, *, hyperparameters: tuple[dict[str, Any], ...],
-              position: str | None) -> WindowAudit:
+    def judge(
+        self, window: WindowRecord, step: int, *, hyperparameters: tuple[dict[str, Any], ...], position: str | None
+    ) -> WindowAudit:
         """The verdict on the step the run just took at the end of ``window`` (read before the run goes on)."""
         if not window.calls:
             raise RuntimeError(
                 f"optimizer step {step} of the audit saw no training-mode forward call of the audited model since "
                 "the step before: is the model the audit watches the one the loop calls (not a copy of it), and in train mode "
                 "with gradients enabled? (calls through model(...), model.forward(...), torch.compile and Accelerate "
-                "are all recorded)")
+                "are all recorded)"
+            )
         targets_of = self.targets_of(window, step)
         self.sizes[len(window.calls)] += 1
         usual = self.sizes.most_common(1)[0][0]
         recorded = window.recorded(step, hyperparameters)
         settings = self.settings
-        replay = WindowReplay(template=self.template, model=self.model, optimizer=self.optimizer, loss=settings.loss,
-                              output_of=settings.output, targets_of=targets_of, call_model=settings.call_model,
-                              max_grad_norm=settings.max_grad_norm, max_grad_value=settings.max_grad_value,
-                              ranks=self.ranks)
+        replay = WindowReplay(
+            template=self.template,
+            model=self.model,
+            optimizer=self.optimizer,
+            loss=settings.loss,
+            output_of=settings.output,
+            targets_of=targets_of,
+            call_model=settings.call_model,
+            max_grad_norm=settings.max_grad_norm,
+            max_grad_value=settings.max_grad_value,
+            ranks=self.ranks,
+        )
         verdict = judge_window(recorded, replay, usual_micro_batches=usual)
-        verdict = dataclasses.replace(verdict, position=position,
-                                      hint=clipping_hint(settings, window) if verdict.mismatches else verdict.hint)
+        verdict = dataclasses.replace(
+            verdict, position=position, hint=clipping_hint(settings, window) if verdict.mismatches else verdict.hint
+        )
         schedule, note = schedule_verdict(window.schedule)
         if schedule is not None or note is not None:
             verdict = dataclasses.replace(verdict, schedule=schedule, note=note)
@@ -79,8 +90,9 @@ class WindowJudge:
         assert self.averaged is not None
         template = self.template
         rows, moved = self.averaged.judge(start, lambda dtype: model_at(template, recorded, dtype))
-        worst = max([*rows, *([verdict.worst] if verdict.worst is not None else [])], key=lambda row: row.ratio,
-                    default=None)
+        worst = max(
+            [*rows, *([verdict.worst] if verdict.worst is not None else [])], key=lambda row: row.ratio, default=None
+        )
         failing = tuple(row for row in rows if not row.ok)
         hint = "; ".join(part for part in (verdict.hint, moved) if part) or None
         return dataclasses.replace(verdict, mismatches=(*verdict.mismatches, *failing), worst=worst, hint=hint)
@@ -94,19 +106,29 @@ class WindowJudge:
         if named is None:
             names = {id(param): name for name, param in self.model.named_parameters()}
             named = first_not_finite(
-                ((f"{names.get(id(param), '?')}'s {key}", value) for param, values in self.optimizer.state.items()
-                 for key, value in values.items() if isinstance(value, Tensor)), "optimizer state", step=step)
+                (
+                    (f"{names.get(id(param), '?')}'s {key}", value)
+                    for param, values in self.optimizer.state.items()
+                    for key, value in values.items()
+                    if isinstance(value, Tensor)
+                ),
+                "optimizer state",
+                step=step,
+            )
         if named is not None:
             return dataclasses.replace(verdict, not_finite=named)
         rows = [*verdict.mismatches, *([verdict.worst] if verdict.worst is not None else [])]
-        full_batch = next((row for row in rows if row.nan_count or row.inf_count or not math.isfinite(row.allowed)),
-                          None)
+        full_batch = next(
+            (row for row in rows if row.nan_count or row.inf_count or not math.isfinite(row.allowed)), None
+        )
         if full_batch is None:
             return verdict
         where = f", first at index {full_batch.first_not_finite}" if full_batch.first_not_finite else ""
-        text = (f"{full_batch.label} of the full-batch step is not finite{where}, while the run's step "
-                f"(step {step}) is: the window's own data makes the loss over its {sum(verdict.items)} items not finite "
-                "(NaN or inf inputs or targets, or no item to count); not judged")
+        text = (
+            f"{full_batch.label} of the full-batch step is not finite{where}, while the run's step "
+            f"(step {step}) is: the window's own data makes the loss over its {sum(verdict.items)} items not finite "
+            "(NaN or inf inputs or targets, or no item to count); not judged"
+        )
         return dataclasses.replace(verdict, not_finite=text, full_batch_not_finite=True, mismatches=())
 
     def targets_of(self, window: WindowRecord, step: int) -> Callable[[Call], Tensor]:
@@ -117,7 +139,12 @@ class WindowJudge:
         outputs = window.outputs
         # The loop's functional loss calls fill in where the forward calls carry no targets that fit
         # (model(x), a diffusion model's timestep): a forward's own labels= stay what they were.
-        if not seen and functional and self.settings.targets is default_targets and not _defaults_fit(self.settings.loss, calls, outputs):
+        if (
+            not seen
+            and functional
+            and self.settings.targets is default_targets
+            and not _defaults_fit(self.settings.loss, calls, outputs)
+        ):
             names = sorted(f"F.{function.__name__}" for function in self.functional)
             seen = _functional_pairing(functional, calls, step, names)
             received = f"the target the loop's {' / '.join(names)} received"
@@ -126,7 +153,8 @@ class WindowJudge:
                 f"optimizer step {step} of the audit: the criterion (or wrapped loss) was called {len(seen)} times for "
                 f"{len(calls)} forward call{'s' if len(calls) != 1 else ''} of the model in the window; the audit pairs "
                 "one loss call with each forward call. Pass targets=lambda call: ... instead, or record each "
-                "micro-batch with Audit.record (record_forward=False)")
+                "micro-batch with Audit.record (record_forward=False)"
+            )
         targets_of = self.settings.targets
         where = "targets=" if targets_of is not default_targets else ""
         if seen:
@@ -157,8 +185,9 @@ def clipping_hint(settings: AuditSettings, window: WindowRecord) -> str | None:
         values = sorted(set(limits))
         calls = f"{len(limits)} {name} call{'s' if len(limits) != 1 else ''} in the window"
         if len(values) == 1:
-            hints.append(f"the run {did}{values[0]:g} ({calls}) and the audit was not told: audit with "
-                         f"{setting}={values[0]:g}")
+            hints.append(
+                f"the run {did}{values[0]:g} ({calls}) and the audit was not told: audit with {setting}={values[0]:g}"
+            )
         else:
             hints.append(f"the run {did}{', '.join(f'{v:g}' for v in values)} ({calls}); the audit was not told")
     return "; ".join(hints) or None
@@ -172,7 +201,8 @@ def _functional_pairing(functional: list[Tensor], calls: list[Call], step: int, 
         f"optimizer step {step} of the audit: the loop called {' / '.join(names)} {len(functional)} time"
         f"{'s' if len(functional) != 1 else ''} with gradients for {len(calls)} forward call"
         f"{'s' if len(calls) != 1 else ''} of the model in the window; the audit pairs one loss call with each "
-        "forward call: call the training loss through audit.wrap(loss_fn), or pass targets=lambda call: ...")
+        "forward call: call the training loss through audit.wrap(loss_fn), or pass targets=lambda call: ..."
+    )
 
 
 def _defaults_fit(loss: Any, calls: list[Call], outputs: list[OutputSpec | None]) -> bool:

@@ -62,21 +62,33 @@ def audited_optimizer(optimizer: Any) -> torch.optim.Optimizer:
         chain.append(inner)
         if _is_torch_optimizer(inner):
             wrappers = " in ".join(_wrapper_name(wrapper) for wrapper in reversed(chain[:-1]))
-            warnings.warn(f"equiv audit: auditing the {type(inner).__name__} inside the {wrappers} given (its "
-                          "steps are the optimizer steps; a wrapper's step() that skips it, as Accelerate's does "
-                          "during accumulation micro-steps, is not one)", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"equiv audit: auditing the {type(inner).__name__} inside the {wrappers} given (its "
+                "steps are the optimizer steps; a wrapper's step() that skips it, as Accelerate's does "
+                "during accumulation micro-steps, is not one)",
+                UserWarning,
+                stacklevel=4,
+            )
             return inner
     found = type(optimizer).__name__
     inside = f" (its .optimizer chain ends at a {type(chain[-1]).__name__})" if len(chain) > 1 else ""
-    raise TypeError(f"optimizer must be a torch.optim.Optimizer, or a wrapper holding one as .optimizer "
-                    f"(Accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer), got a {found}{inside}")
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer, or a wrapper holding one as .optimizer "
+        f"(Accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer), got a {found}{inside}"
+    )
 
 
 def _wrapper_name(wrapper: Any) -> str:
     """A wrapper's class as its library names it: ``LightningOptimizer`` for the ``LightningSGD`` it
     makes itself (the first class of its MRO that is not an optimizer), else its own class."""
-    return next((kind.__name__ for kind in type(wrapper).__mro__
-                 if kind is not object and not issubclass(kind, torch.optim.Optimizer)), type(wrapper).__name__)
+    return next(
+        (
+            kind.__name__
+            for kind in type(wrapper).__mro__
+            if kind is not object and not issubclass(kind, torch.optim.Optimizer)
+        ),
+        type(wrapper).__name__,
+    )
 
 
 def _refuse_a_scheduler(value: Any) -> None:
@@ -86,8 +98,10 @@ def _refuse_a_scheduler(value: Any) -> None:
 
     inner = getattr(value, "scheduler", None)  # Accelerate's AcceleratedScheduler wraps one
     if isinstance(value, (LRScheduler, ReduceLROnPlateau)) or isinstance(inner, (LRScheduler, ReduceLROnPlateau)):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got a {type(value).__name__}, a learning-rate "
-                        "scheduler: pass the optimizer it schedules (the audit follows the scheduler itself)")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got a {type(value).__name__}, a learning-rate "
+            "scheduler: pass the optimizer it schedules (the audit follows the scheduler itself)"
+        )
 
 
 def closure_required(optimizer: torch.optim.Optimizer) -> str | None:
@@ -101,4 +115,5 @@ def closure_required(optimizer: torch.optim.Optimizer) -> str | None:
         return None
     return UNSUPPORTED_OPTIMIZERS.get(type(optimizer).__name__) or (
         "its step(closure) needs a closure that re-evaluates the loss inside the step, not one update from the "
-        "accumulated gradient")
+        "accumulated gradient"
+    )

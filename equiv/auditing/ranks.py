@@ -114,11 +114,12 @@ class Ranks:
         offset = 0
         for param in params:
             numel = param.numel()
-            param.grad = flat[offset:offset + numel].view_as(param).clone()
+            param.grad = flat[offset : offset + numel].view_as(param).clone()
             offset += numel
 
-    def sharded_replica(self, template: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor],
-                        dtype: torch.dtype) -> nn.Module:
+    def sharded_replica(
+        self, template: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], dtype: torch.dtype
+    ) -> nn.Module:
         """A copy of an FSDP2 run's model in ``dtype``, sharded as the run shards it (its units,
         on the audit's own group; the run's mixed precision in a working-dtype copy, none in
         float64), holding this rank's shards of ``params`` and the ``buffers``: built on the meta
@@ -207,7 +208,8 @@ class Ranks:
                 f"optimizer step {self.step} and they did not come ({type(error).__name__}: "
                 f"{str(error).splitlines()[0] if str(error) else ''}): every rank must enter the audit and take the "
                 f"same optimizer steps; did a rank hang, stop stepping, or raise? (waits up to {timeout_s():g} s: "
-                "EQUIV_AUDIT_RANK_TIMEOUT_S)") from error
+                "EQUIV_AUDIT_RANK_TIMEOUT_S)"
+            ) from error
 
     def _device(self) -> torch.device:
         import torch.distributed as dist
@@ -237,11 +239,14 @@ def plain_copy(model: nn.Module) -> nn.Module:
     # For the copy only: each FSDP module's own class back (FSDP2 swaps in a subclass refusing deepcopy),
     # its hooks off; its state shared with the copy (process groups do not copy), then dropped from it.
     saved: list[tuple[nn.Module, type, dict[int, Any], dict[int, Any]]] = [
-        (module, type(module), dict(module._forward_pre_hooks), dict(module._forward_hooks)) for module in fsdp]
+        (module, type(module), dict(module._forward_pre_hooks), dict(module._forward_hooks)) for module in fsdp
+    ]
     shared = {id(value): value for module in fsdp for key, value in vars(module).items() if key.startswith(_STATE_KEY)}
-    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                requires_grad=p.requires_grad)
-                            for p in model.parameters() if isinstance(p, DTensor)}
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+        if isinstance(p, DTensor)
+    }
     memo.update(shared)
     try:
         for module, kind, _, _ in saved:
@@ -267,8 +272,9 @@ _STATE_KEY = "__composable_api_state_key"
 _FSDP_MARKS = ("_fsdp_use_orig_params", "_is_fsdp_managed_module")
 
 
-def sharding_refusal(name: str, placements: tuple[Any, ...], mesh_shape: tuple[int, ...], world: int, *,
-                     by_fsdp: bool) -> str:
+def sharding_refusal(
+    name: str, placements: tuple[Any, ...], mesh_shape: tuple[int, ...], world: int, *, by_fsdp: bool
+) -> str:
     """Why the audit refuses a model whose parameter ``name`` is a DTensor placed ``placements`` on a
     mesh of ``mesh_shape`` (of ``world`` ranks), and what the user can do, in one message: HSDP (FSDP2
     on a 2-D mesh, replicated over one dimension and sharded over the other), tensor parallelism
@@ -276,22 +282,30 @@ def sharding_refusal(name: str, placements: tuple[Any, ...], mesh_shape: tuple[i
     from torch.distributed.tensor import Replicate, Shard
 
     where = f"parameter '{name}' is a DTensor placed {placements} on a mesh of shape {mesh_shape}"
-    supported = ("equiv.audit replays DDP (or gradients reduced by the loop) and FSDP2 sharding the model over "
-                 "every rank on one mesh dimension")
+    supported = (
+        "equiv.audit replays DDP (or gradients reduced by the loop) and FSDP2 sharding the model over "
+        "every rank on one mesh dimension"
+    )
     replicated = any(isinstance(placement, Replicate) for placement in placements)
     if by_fsdp and len(mesh_shape) == 2 and replicated and any(isinstance(p, Shard) for p in placements):
-        return (f"{supported}; this model is HSDP (FSDP2 on a 2-D mesh, replicated over one dimension and sharded "
-                f"over the other: {where}), which the audit does not support yet. Audit the same loop with "
-                "fully_shard over a 1-D mesh of every rank (or under DDP): the accumulation and the loss are the "
-                "same code; or check the step with equiv.check_distributed(engine='fsdp2')")
+        return (
+            f"{supported}; this model is HSDP (FSDP2 on a 2-D mesh, replicated over one dimension and sharded "
+            f"over the other: {where}), which the audit does not support yet. Audit the same loop with "
+            "fully_shard over a 1-D mesh of every rank (or under DDP): the accumulation and the loss are the "
+            "same code; or check the step with equiv.check_distributed(engine='fsdp2')"
+        )
     if by_fsdp and len(mesh_shape) == 1:
-        return (f"{supported}; this model is FSDP2 on a mesh of {mesh_shape[0]} of the {world} ranks ({where}), "
-                "which the audit does not support yet. Audit the same loop with fully_shard over every rank (or "
-                "under DDP), or check the step with equiv.check_distributed(engine='fsdp2')")
-    return (f"{supported}; this model's {where} (tensor parallelism: the ranks of a tensor-parallel group share "
-            "their micro-batches and each holds a slice of the weights), which its replay does not rebuild. Check "
-            "the step with equiv.check_distributed (engine='tp' or 'fsdp2+tp'), or audit a DDP or FSDP2 run of the "
-            "same loop")
+        return (
+            f"{supported}; this model is FSDP2 on a mesh of {mesh_shape[0]} of the {world} ranks ({where}), "
+            "which the audit does not support yet. Audit the same loop with fully_shard over every rank (or "
+            "under DDP), or check the step with equiv.check_distributed(engine='fsdp2')"
+        )
+    return (
+        f"{supported}; this model's {where} (tensor parallelism: the ranks of a tensor-parallel group share "
+        "their micro-batches and each holds a slice of the weights), which its replay does not rebuild. Check "
+        "the step with equiv.check_distributed (engine='tp' or 'fsdp2+tp'), or audit a DDP or FSDP2 run of the "
+        "same loop"
+    )
 
 
 def unwrapped(model: Any) -> Any:
@@ -327,17 +341,24 @@ def ranks_of_run(model: nn.Module) -> Ranks | None:
     world = dist.get_world_size()
     sharded = {name: param for name, param in model.named_parameters() if isinstance(param, DTensor)}
     by_fsdp = any(isinstance(module, FSDPModule) for module in model.modules())
-    unlike = [name for name, param in sharded.items()
-              if param.device_mesh.ndim != 1 or param.device_mesh.size() != world
-              or len(param.placements) != 1 or not isinstance(param.placements[0], Shard)]
+    unlike = [
+        name
+        for name, param in sharded.items()
+        if param.device_mesh.ndim != 1
+        or param.device_mesh.size() != world
+        or len(param.placements) != 1
+        or not isinstance(param.placements[0], Shard)
+    ]
     if sharded and (unlike or not by_fsdp):
         name = (unlike or list(sharded))[0]
         param = sharded[name]
-        raise RuntimeError(sharding_refusal(name, tuple(param.placements), tuple(param.device_mesh.shape), world,
-                                            by_fsdp=by_fsdp))
+        raise RuntimeError(
+            sharding_refusal(name, tuple(param.placements), tuple(param.device_mesh.shape), world, by_fsdp=by_fsdp)
+        )
     group = dist.new_group(backend=dist.get_backend(), timeout=datetime.timedelta(seconds=timeout_s()))
-    units = tuple((name, getattr(module._get_fsdp_state(), "_mp_policy", None))
-                  for name, module in sorted(model.named_modules(), key=lambda item: -item[0].count(".")
-                                             if item[0] else 1)
-                  if isinstance(module, FSDPModule))
+    units = tuple(
+        (name, getattr(module._get_fsdp_state(), "_mp_policy", None))
+        for name, module in sorted(model.named_modules(), key=lambda item: -item[0].count(".") if item[0] else 1)
+        if isinstance(module, FSDPModule)
+    )
     return Ranks(rank=dist.get_rank(), world_size=world, group=group, sharded=bool(sharded), units=units)

@@ -35,8 +35,20 @@ from equiv.auditing.schedules import Advance
 from equiv.judging.autocast import autocast_of
 from equiv.losses import FUNCTIONAL, MSE, CrossEntropy, NextTokenCrossEntropy, TokenCrossEntropy
 
-__all__ = ["CLIPS", "ClipWatch", "FunctionalLossMode", "Replaying", "WatchedForward", "Watcher", "WindowRecord",
-           "detached", "first_not_finite", "functional_losses", "loss_target", "pop_mode"]
+__all__ = [
+    "CLIPS",
+    "ClipWatch",
+    "FunctionalLossMode",
+    "Replaying",
+    "WatchedForward",
+    "Watcher",
+    "WindowRecord",
+    "detached",
+    "first_not_finite",
+    "functional_losses",
+    "loss_target",
+    "pop_mode",
+]
 
 #: What a recorded forward call's output hands the loss: its shape and dtype (None: not read).
 OutputSpec = tuple[tuple[int, ...], torch.dtype]
@@ -62,8 +74,9 @@ class Watcher(Protocol):
 
     def _saw_output(self, output: Any) -> None: ...
 
-    def _saw_functional(self, function: Callable[..., Tensor], args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> None: ...
+    def _saw_functional(
+        self, function: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None: ...
 
     def _clipped(self, name: str, parameters: list[Tensor], limit: float) -> None: ...
 
@@ -99,8 +112,9 @@ class WindowRecord:
     averaged: dict[str, Tensor] | None = None
 
     @classmethod
-    def begin(cls, model: nn.Module, optimizer: torch.optim.Optimizer, averaged: AveragedWeights | None,
-              steps: int) -> WindowRecord:
+    def begin(
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer, averaged: AveragedWeights | None, steps: int
+    ) -> WindowRecord:
         """What a window starts from, copied: the weights, the optimizer's state, the average's."""
         return cls(
             params={name: p.detach().clone() for name, p in model.named_parameters()},
@@ -108,13 +122,20 @@ class WindowRecord:
             # an FSDP2 rank's state is DTensors: its own shards kept (its replica steps them)
             optimizer=copy.deepcopy(local_state(optimizer.state_dict())),
             # after a step, its update of the average is yet to come
-            averaged=averaged.capture() if averaged is not None and steps else None)
+            averaged=averaged.capture() if averaged is not None and steps else None,
+        )
 
     def recorded(self, step: int, hyperparameters: tuple[dict[str, Any], ...]) -> RecordedWindow:
         """The window as the replay takes it."""
-        return RecordedWindow(step=step, start_params=self.params, start_buffers=self.buffers,
-                              start_optimizer=self.optimizer, calls=tuple(self.calls),
-                              hyperparameters=hyperparameters, autocast=tuple(self.autocast))
+        return RecordedWindow(
+            step=step,
+            start_params=self.params,
+            start_buffers=self.buffers,
+            start_optimizer=self.optimizer,
+            calls=tuple(self.calls),
+            hyperparameters=hyperparameters,
+            autocast=tuple(self.autocast),
+        )
 
 
 def detached(value: Any) -> Any:
@@ -125,7 +146,6 @@ def detached(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: detached(item) for key, item in value.items()}
     return value
-
 
 
 def local_state(state: Any) -> Any:
@@ -165,14 +185,20 @@ def loss_target(args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> Ten
             return kwargs[keyword]
     if len(args) >= 2 and isinstance(args[1], Tensor):
         return args[1]
-    raise ValueError(f"the audit takes {what}'s target as its second positional argument or its target= keyword, "
-                     f"got {len(args)} positional arguments and keywords {sorted(kwargs)}")
+    raise ValueError(
+        f"the audit takes {what}'s target as its second positional argument or its target= keyword, "
+        f"got {len(args)} positional arguments and keywords {sorted(kwargs)}"
+    )
 
 
 def functional_losses(loss: Any) -> frozenset[Callable[..., Tensor]]:
     """The ``torch.nn.functional`` losses whose calls compute ``loss`` (a shipped cross-entropy or MSE), else none."""
-    kinds = {MSE: "mse", CrossEntropy: "cross_entropy", TokenCrossEntropy: "cross_entropy",
-             NextTokenCrossEntropy: "cross_entropy"}
+    kinds = {
+        MSE: "mse",
+        CrossEntropy: "cross_entropy",
+        TokenCrossEntropy: "cross_entropy",
+        NextTokenCrossEntropy: "cross_entropy",
+    }
     kind = kinds.get(type(loss))
     return frozenset(function for function, mapped in FUNCTIONAL.items() if kind is not None and mapped == kind)
 
@@ -198,8 +224,9 @@ class FunctionalLossMode(TorchFunctionMode):
         super().__init__()
         self.audit, self.inert = watcher, False
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if not self.inert and func in self.audit._functional:
             _see_functional_eagerly(self.audit, func, args, kwargs)
@@ -207,8 +234,9 @@ class FunctionalLossMode(TorchFunctionMode):
 
 
 @torch.compiler.disable  # type: ignore[misc,unused-ignore]
-def _see_functional_eagerly(watcher: Watcher, func: Callable[..., Tensor], args: tuple[Any, ...],
-                            kwargs: dict[str, Any]) -> None:
+def _see_functional_eagerly(
+    watcher: Watcher, func: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     watcher._saw_functional(func, args, kwargs)
 
 
@@ -254,8 +282,11 @@ class WatchedForward:
         recorded = _record_eagerly(self.audit, args, kwargs)
         # A forward someone set on the instance before the audit (Accelerate's mixed precision) may enter an
         # autocast inside it: the call's autocast is read again at the first submodule call within.
-        inside = (_probe_autocast_eagerly(self.audit)
-                  if recorded and self.previous is not None and self.module is self.audit.model else None)
+        inside = (
+            _probe_autocast_eagerly(self.audit)
+            if recorded and self.previous is not None and self.module is self.audit.model
+            else None
+        )
         self.audit._depth += 1
         try:
             output = self.inner(*args, **kwargs)
@@ -286,6 +317,7 @@ def _record_eagerly(watcher: Watcher, args: tuple[Any, ...], kwargs: dict[str, A
 def _probe_autocast_eagerly(watcher: Watcher) -> RemovableHandle:
     """A global forward pre-hook, once: the autocast in force at the first submodule call inside the
     model's forward replaces the one read when its call was recorded."""
+
     def probe(module: nn.Module, args: Any) -> None:
         handle.remove()
         window = watcher._window
@@ -303,8 +335,10 @@ def _see_output_eagerly(watcher: Watcher, output: Any) -> None:
 
 #: torch's clip functions the audit watches: the keyword of the limit, the audit's setting that
 #: replays it, and what a run does with it, in words.
-CLIPS = {"clip_grad_norm_": ("max_norm", "max_grad_norm", "clipped its gradients to "),
-          "clip_grad_value_": ("clip_value", "max_grad_value", "clamped its gradients to ±")}
+CLIPS = {
+    "clip_grad_norm_": ("max_norm", "max_grad_norm", "clipped its gradients to "),
+    "clip_grad_value_": ("clip_value", "max_grad_value", "clamped its gradients to ±"),
+}
 
 
 class ClipWatch:

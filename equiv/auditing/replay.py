@@ -43,8 +43,17 @@ from equiv.judging.runs import Snapshot, snapshot_of, state_snapshot
 from equiv.results.audit import AuditFailure, RankVerdict, WindowAudit  # the result's; named here as before
 from equiv.results.verdict import Tier
 
-__all__ = ["AuditFailure", "Autocast", "Call", "RecordedWindow", "WindowAudit", "WindowReplay", "inherent_advice",
-           "judge_window", "model_at"]
+__all__ = [
+    "AuditFailure",
+    "Autocast",
+    "Call",
+    "RecordedWindow",
+    "WindowAudit",
+    "WindowReplay",
+    "inherent_advice",
+    "judge_window",
+    "model_at",
+]
 
 #: One call of the model's forward: (positional arguments, keyword arguments), detached copies.
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -116,10 +125,17 @@ class WindowReplay:
 
         def replay(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
             order = range(len(window.calls))
-            replica = (self.ranks.sharded_replica(self.template, window.start_params, window.start_buffers, dtype)
-                       if self.ranks is not None and self.ranks.sharded else model_at(self.template, window, dtype))
-            self._full_batch_gradient(replica, window, order=order[::-1] if rounding.order == "reversed" else order,
-                                      after_backward=rounding.after_backward)
+            replica = (
+                self.ranks.sharded_replica(self.template, window.start_params, window.start_buffers, dtype)
+                if self.ranks is not None and self.ranks.sharded
+                else model_at(self.template, window, dtype)
+            )
+            self._full_batch_gradient(
+                replica,
+                window,
+                order=order[::-1] if rounding.order == "reversed" else order,
+                after_backward=rounding.after_backward,
+            )
             stepped = self._held(replica)
             optimizer = self._optimizer(window, stepped)
             optimizer.step()
@@ -145,8 +161,13 @@ class WindowReplay:
         window-start state and the hyperparameters the run stepped with."""
         by_identity = {id(param): name for name, param in self.model.named_parameters()}
         optimizer = self.optimizer
-        groups = [{**{k: v for k, v in group.items() if k != "params"},
-                   "params": [held[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [held[by_identity[id(p)]] for p in group["params"]],
+            }
+            for group in optimizer.param_groups
+        ]
         # The constructor's own keywords only (defaults may hold derived ones, e.g.
         # AdamW's decoupled_weight_decay); every group carries its hyperparameters anyway.
         accepted = inspect.signature(type(optimizer)).parameters
@@ -156,8 +177,9 @@ class WindowReplay:
             group.update(hyper)
         return replica
 
-    def _full_batch_gradient(self, model: nn.Module, window: RecordedWindow, *, order: Sequence[int],
-                             after_backward: bool) -> None:
+    def _full_batch_gradient(
+        self, model: nn.Module, window: RecordedWindow, *, order: Sequence[int], after_backward: bool
+    ) -> None:
         """The full-batch gradient of the window's micro-batches as one batch: the sum of item
         losses over the window (every rank's, in a multi-process run) divided by its item count
         (each micro-batch back-propagated on its own: the same gradient, in bounded memory),
@@ -171,11 +193,13 @@ class WindowReplay:
         if self.ranks is not None:  # every rank's items: the global count
             total = self.ranks.sum_items(total)
             scale = float(self.ranks.world_size) if self.ranks.sharded else 1.0
-        counting = self.ranks.counting_fsdp() if self.ranks is not None and self.ranks.sharded \
-            else contextlib.nullcontext()
+        counting = (
+            self.ranks.counting_fsdp() if self.ranks is not None and self.ranks.sharded else contextlib.nullcontext()
+        )
         with counting:
-            self._backward_each(model, window, targets, order=order, total=total, scale=scale,
-                                after_backward=after_backward)
+            self._backward_each(
+                model, window, targets, order=order, total=total, scale=scale, after_backward=after_backward
+            )
         if self.ranks is not None and not self.ranks.sharded:  # every rank's micro-batches, by the audit's all-reduce
             self.ranks.sum_gradients(model)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -186,8 +210,17 @@ class WindowReplay:
         if self.max_grad_value is not None:
             torch.nn.utils.clip_grad_value_(model.parameters(), self.max_grad_value, foreach=True)
 
-    def _backward_each(self, model: nn.Module, window: RecordedWindow, targets: list[Tensor], *,
-                       order: Sequence[int], total: float, scale: float, after_backward: bool) -> None:
+    def _backward_each(
+        self,
+        model: nn.Module,
+        window: RecordedWindow,
+        targets: list[Tensor],
+        *,
+        order: Sequence[int],
+        total: float,
+        scale: float,
+        after_backward: bool,
+    ) -> None:
         """Each micro-batch forward and back on its own, in ``order``, its summed loss divided by the
         window's item count (or not, ``after_backward``), times ``scale``."""
         dtype = next(model.parameters()).dtype
@@ -195,8 +228,11 @@ class WindowReplay:
             mixed = window.autocast[position] if position < len(window.autocast) else None
             # The run's mixed precision replayed in the working dtype's runs (the floors then hold its rounding);
             # never in the float64 truth, which is the mathematics itself (autocast does not lower float64 anyway).
-            context = (torch.autocast(device_type=mixed[0], dtype=mixed[1])
-                       if mixed is not None and dtype != torch.float64 else contextlib.nullcontext())
+            context = (
+                torch.autocast(device_type=mixed[0], dtype=mixed[1])
+                if mixed is not None and dtype != torch.float64
+                else contextlib.nullcontext()
+            )
             with context:
                 output = self.output_of(self.call_model(model, _cast(window.calls[position], dtype)))
             if output.dtype in (torch.float16, torch.bfloat16):
@@ -210,7 +246,8 @@ class WindowReplay:
                     f"the targets (a tensor of shape {tuple(targets[position].shape)}) do not fit the loss: "
                     f"{self.loss!r} on what call_model / output returned (shape {tuple(output.shape)}) raised "
                     f"{type(error).__name__}: {str(error).rstrip('.')}. Pass the call_model=, output= and targets= "
-                    "that hand the loss the model's output and its targets") from error
+                    "that hand the loss the model's output and its targets"
+                ) from error
             (summed if after_backward else summed / total).backward()
 
 
@@ -241,15 +278,20 @@ _ROUNDINGS = (IN_ORDER, Rounding("reversed"), Rounding(after_backward=True))
 
 def _start(window: RecordedWindow) -> Snapshot:
     """The window's start as this rank holds it (its shards, in a sharded run)."""
-    return Snapshot(params={name: local(tensor) for name, tensor in window.start_params.items()},
-                    buffers=window.start_buffers, optimizer_state={})
+    return Snapshot(
+        params={name: local(tensor) for name, tensor in window.start_params.items()},
+        buffers=window.start_buffers,
+        optimizer_state={},
+    )
 
 
 def _floating_buffers(model: nn.Module) -> dict[str, Tensor]:
     return {name: buffer.detach() for name, buffer in model.named_buffers() if buffer.is_floating_point()}
 
 
-def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_batches: int | None = None) -> WindowAudit:
+def judge_window(
+    window: RecordedWindow, replay: WindowReplay, *, usual_micro_batches: int | None = None
+) -> WindowAudit:
     """The verdict on the step the user's model and optimizer (``replay``'s) just took
     (their tensors read as they are now: call this before the run goes on).
 
@@ -268,9 +310,17 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
     items = tuple(int(replay.loss.count(replay.targets_of(call))) for call in window.calls)
     reasons = tuple(inherent_non_equivalences(replay.model))
     if reasons:  # a replay would draw other dropout masks, or normalise by other statistics
-        return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier, mismatches=(),
-                           worst=None, usual_micro_batches=usual_micro_batches, inherent=reasons,
-                           hint=inherent_advice(replay.model))
+        return WindowAudit(
+            step=window.step,
+            micro_batches=len(window.calls),
+            items=items,
+            tier=tier,
+            mismatches=(),
+            worst=None,
+            usual_micro_batches=usual_micro_batches,
+            inherent=reasons,
+            hint=inherent_advice(replay.model),
+        )
     # The engine's floor plan over three roundings of the same mathematics: in order, in reverse,
     # normalised after backward, run only while the verdict depends on them (Judge.judge_tier, as a
     # check's): a window within half the roundoff term alone replays the float64 truth only.  Its worst
@@ -293,22 +343,36 @@ def judge_window(window: RecordedWindow, replay: WindowReplay, *, usual_micro_ba
     ranks: tuple[RankVerdict, ...] = ()
     if replay.ranks is not None:
         furthest = max(mismatches, key=lambda row: row.relative_error, default=None)
-        ranks = replay.ranks.gather(RankVerdict(
-            rank=replay.ranks.rank, equivalent=not mismatches,
-            furthest=None if furthest is None else furthest.label,
-            relative_error=0.0 if furthest is None else furthest.relative_error,
-            worst_ratio=0.0 if worst is None else worst.ratio))
+        ranks = replay.ranks.gather(
+            RankVerdict(
+                rank=replay.ranks.rank,
+                equivalent=not mismatches,
+                furthest=None if furthest is None else furthest.label,
+                relative_error=0.0 if furthest is None else furthest.relative_error,
+                worst_ratio=0.0 if worst is None else worst.ratio,
+            )
+        )
         ranks = tuple(dataclasses.replace(rank, mine=rank.rank == replay.ranks.rank) for rank in ranks)
-    return WindowAudit(step=window.step, micro_batches=len(window.calls), items=items, tier=tier,
-                       mismatches=mismatches, worst=worst, usual_micro_batches=usual_micro_batches, ranks=ranks)
+    return WindowAudit(
+        step=window.step,
+        micro_batches=len(window.calls),
+        items=items,
+        tier=tier,
+        mismatches=mismatches,
+        worst=worst,
+        usual_micro_batches=usual_micro_batches,
+        ranks=ranks,
+    )
 
 
 def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
     """The user's state after its step, its own tensors lent (read at once): what this rank holds."""
     snapshot = snapshot_of(model, optimizer, copy_tensors=False)
-    return Snapshot(params={name: local(t) for name, t in snapshot.params.items()},
-                    buffers={name: local(t) for name, t in snapshot.buffers.items()},
-                    optimizer_state={name: local(t) for name, t in snapshot.optimizer_state.items()})
+    return Snapshot(
+        params={name: local(t) for name, t in snapshot.params.items()},
+        buffers={name: local(t) for name, t in snapshot.buffers.items()},
+        optimizer_state={name: local(t) for name, t in snapshot.optimizer_state.items()},
+    )
 
 
 def inherent_advice(model: nn.Module) -> str:
@@ -321,16 +385,24 @@ def inherent_advice(model: nn.Module) -> str:
 
     modules = list(model.modules())
     advice = []
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) or
-           (isinstance(m, nn.MultiheadAttention) and m.dropout > 0) for m in modules):
-        advice.append("turn dropout off for the audited run, which model.train() does not undo: "
-                      "for m in model.modules(): if isinstance(m, torch.nn.Dropout): m.p = 0.0 "
-                      "(a MultiheadAttention's m.dropout = 0.0; a transformers model: its config's dropout "
-                      "fields at 0.0), then audit it")
+    if any(
+        isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
+        for m in modules
+    ):
+        advice.append(
+            "turn dropout off for the audited run, which model.train() does not undo: "
+            "for m in model.modules(): if isinstance(m, torch.nn.Dropout): m.p = 0.0 "
+            "(a MultiheadAttention's m.dropout = 0.0; a transformers model: its config's dropout "
+            "fields at 0.0), then audit it"
+        )
     if any(isinstance(m, _BatchNorm) for m in modules):
-        advice.append("audit a run with its BatchNorm layers using running statistics (each m.eval() again "
-                      "after every model.train()), or with a per-sample norm (GroupNorm, LayerNorm)")
+        advice.append(
+            "audit a run with its BatchNorm layers using running statistics (each m.eval() again "
+            "after every model.train()), or with a per-sample norm (GroupNorm, LayerNorm)"
+        )
     if len(advice) < 1:
         advice.append("audit a run without the layers named (or with their batch-wise part turned off)")
-    return "to audit this run: " + "; ".join(advice) + " (model.eval() would record nothing: the audit " \
+    return (
+        "to audit this run: " + "; ".join(advice) + " (model.eval() would record nothing: the audit "
         "records training-mode calls)"
+    )

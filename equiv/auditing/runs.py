@@ -95,8 +95,15 @@ def windows(loader: DataLoader[tuple[Tensor, Tensor]], n: int) -> Iterator[list[
         yield window
 
 
-def nanogpt_loop(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader[tuple[Tensor, Tensor]],
-                 n: int, *, normalise_by_window_tokens: bool = False, scale: float = 1.0) -> list[float]:
+def nanogpt_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader[tuple[Tensor, Tensor]],
+    n: int,
+    *,
+    normalise_by_window_tokens: bool = False,
+    scale: float = 1.0,
+) -> list[float]:
     """nanoGPT's accumulation (each micro-batch's token mean / N), or the window's
     token count as the normaliser; ``scale`` multiplies the loss back-propagated,
     not the one logged.  Returns the logged losses (the loss curve)."""
@@ -116,8 +123,11 @@ def nanogpt_loop(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Dat
 def tiny_lm_and_optimizer(optimizer: str = "AdamW") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = TinyLM()
-    opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "AdamW"
-                                  else torch.optim.SGD(model.parameters(), lr=0.5))
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if optimizer == "AdamW"
+        else torch.optim.SGD(model.parameters(), lr=0.5)
+    )
     return model, opt
 
 
@@ -125,8 +135,9 @@ def nanogpt_run(*, normalise_by_window_tokens: bool) -> Audit:
     """nanoGPT's loop (or the window-token normaliser) over REAL_LENGTHS, N = 2, audited."""
     model, optimizer = tiny_lm_and_optimizer()
     with audit(model, optimizer, loss=TOKENS) as watched:
-        nanogpt_loop(model, optimizer, token_loader(REAL_LENGTHS), 2,
-                     normalise_by_window_tokens=normalise_by_window_tokens)
+        nanogpt_loop(
+            model, optimizer, token_loader(REAL_LENGTHS), 2, normalise_by_window_tokens=normalise_by_window_tokens
+        )
     return watched
 
 
@@ -154,8 +165,13 @@ def scaled_loss_run() -> tuple[Audit, list[float], list[float]]:
 TRAINER_LENGTHS = [[8, 8], [8, 8], [7, 2], [3, 2], [5, 5], [5, 5], [8, 6], [2, 1]]
 
 
-def trainer_run(*, loss_kwargs: bool, gradient_accumulation_steps: int = 2, max_grad_norm: float | None = 0.0,
-                lengths: list[list[int]] = TRAINER_LENGTHS) -> Audit:
+def trainer_run(
+    *,
+    loss_kwargs: bool,
+    gradient_accumulation_steps: int = 2,
+    max_grad_norm: float | None = 0.0,
+    lengths: list[list[int]] = TRAINER_LENGTHS,
+) -> Audit:
     """The transformers Trainer (gradient_accumulation_steps=2, in order, no clipping unless
     ``max_grad_norm`` says: None leaves TrainingArguments' default, 1.0) on a one-layer Llama
     from a config, float32, with the audit's callback as the README writes it."""
@@ -179,12 +195,27 @@ def trainer_run(*, loss_kwargs: bool, gradient_accumulation_steps: int = 2, max_
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with tempfile.TemporaryDirectory() as output_dir:
         clipping: dict[str, Any] = {} if max_grad_norm is None else {"max_grad_norm": max_grad_norm}
-        args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2,
-                                 gradient_accumulation_steps=gradient_accumulation_steps, num_train_epochs=1,
-                                 use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
-                                 disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False, **clipping)
-        trainer = InOrder(model=model, args=args, train_dataset=rows, callbacks=[callback],
-                          optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)))
+        args = TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            num_train_epochs=1,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            remove_unused_columns=False,
+            **clipping,
+        )
+        trainer = InOrder(
+            model=model,
+            args=args,
+            train_dataset=rows,
+            callbacks=[callback],
+            optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)),
+        )
         with contextlib.redirect_stdout(io.StringIO()):
             trainer.train()
     assert callback.audit is not None
@@ -193,8 +224,9 @@ def trainer_run(*, loss_kwargs: bool, gradient_accumulation_steps: int = 2, max_
 
 def classification_batches(count: int) -> list[tuple[Tensor, Tensor]]:
     generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(4, 3, generator=generator), torch.randint(0, 2, (4,), generator=generator))
-            for _ in range(count)]
+    return [
+        (torch.randn(4, 3, generator=generator), torch.randint(0, 2, (4,), generator=generator)) for _ in range(count)
+    ]
 
 
 def lightning_tail_run(precision: str = "32-true", **trainer_settings: Any) -> Audit:
@@ -220,10 +252,18 @@ def lightning_tail_run(precision: str = "32-true", **trainer_settings: Any) -> A
 
     torch.manual_seed(0)
     callback = lightning_callback(loss=CrossEntropy())
-    trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=3, accelerator="cpu", logger=False,
-                         precision=precision,  # type: ignore[arg-type,unused-ignore]  # Lightning's Literal of names
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback], **trainer_settings)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accumulate_grad_batches=3,
+        accelerator="cpu",
+        logger=False,
+        precision=precision,  # type: ignore[arg-type,unused-ignore]  # Lightning's Literal of names
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        **trainer_settings,
+    )
     trainer.fit(Classifier(), DataLoader(classification_batches(7), batch_size=None))  # type: ignore[arg-type]
     assert callback.audit is not None
     return callback.audit  # type: ignore[no-any-return,unused-ignore]
@@ -251,8 +291,11 @@ def accelerate_tail_run() -> Audit:
     model = TakesTargets()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     accelerator = Accelerator(gradient_accumulation_steps=3, cpu=True)
-    model, optimizer, loader = accelerator.prepare(model, optimizer,
-                                                   DataLoader(classification_batches(7), batch_size=None))  # type: ignore[arg-type]
+    model, optimizer, loader = accelerator.prepare(
+        model,
+        optimizer,
+        DataLoader(classification_batches(7), batch_size=None),  # type: ignore[arg-type]
+    )
     with audit(model, torch_optimizer(optimizer), loss=CrossEntropy()) as watched:
         for inputs, targets in loader:
             with accelerator.accumulate(model):
@@ -279,32 +322,57 @@ AUDIT_RUNS: dict[str, AuditRun] = {
     "nanoGPT's loop, loss / N": AuditRun(
         lambda: nanogpt_run(normalise_by_window_tokens=False),
         "each micro-batch's token mean / N over padded sequences (micro-batches of 2, N = 2)",
-        "transformers PR #34191 (fixed a mean of token means in the Trainer)", (),
-        "tests/test_audit.py::test_nanogpts_loss_over_n_is_flagged_exactly_on_windows_whose_token_counts_differ"),
+        "transformers PR #34191 (fixed a mean of token means in the Trainer)",
+        (),
+        "tests/test_audit.py::test_nanogpts_loss_over_n_is_flagged_exactly_on_windows_whose_token_counts_differ",
+    ),
     "the same loop, / window tokens": AuditRun(
         lambda: nanogpt_run(normalise_by_window_tokens=True),
-        "each micro-batch's summed loss / the window's real-token count", "-", (),
-        "tests/test_audit.py::test_the_same_loop_normalising_by_the_windows_tokens_is_clean"),
+        "each micro-batch's summed loss / the window's real-token count",
+        "-",
+        (),
+        "tests/test_audit.py::test_the_same_loop_normalising_by_the_windows_tokens_is_clean",
+    ),
     "a plain loop's short tail": AuditRun(
-        tail_run, "7 micro-batches, N = 3, every window divided by 3", "Lightning #19987", (),
-        "tests/test_audit.py::test_a_short_tail_window_divided_by_n_is_flagged_and_named"),
+        tail_run,
+        "7 micro-batches, N = 3, every window divided by 3",
+        "Lightning #19987",
+        (),
+        "tests/test_audit.py::test_a_short_tail_window_divided_by_n_is_flagged_and_named",
+    ),
     "loss scaled by N before backward": AuditRun(
-        lambda: scaled_loss_run()[0], "the window-token loss x 2 back-propagated (the logged loss is right)",
-        "trl #6024 (normaliser scaled by the accumulation steps)", (),
-        "tests/test_audit.py::test_a_users_own_bug_hidden_by_the_loss_curve_is_found"),
+        lambda: scaled_loss_run()[0],
+        "the window-token loss x 2 back-propagated (the logged loss is right)",
+        "trl #6024 (normaliser scaled by the accumulation steps)",
+        (),
+        "tests/test_audit.py::test_a_users_own_bug_hidden_by_the_loss_curve_is_found",
+    ),
     "transformers Trainer, forward(**kwargs)": AuditRun(
-        lambda: trainer_run(loss_kwargs=True), "gradient_accumulation_steps=2, num_items_in_batch reaches the model",
-        "-", ("transformers", "accelerate"),
-        "tests/test_audit_peers.py::test_the_trainer_on_a_model_taking_kwargs_is_clean"),
+        lambda: trainer_run(loss_kwargs=True),
+        "gradient_accumulation_steps=2, num_items_in_batch reaches the model",
+        "-",
+        ("transformers", "accelerate"),
+        "tests/test_audit_peers.py::test_the_trainer_on_a_model_taking_kwargs_is_clean",
+    ),
     "transformers Trainer, forward without **kwargs": AuditRun(
-        lambda: trainer_run(loss_kwargs=False), "the same model behind a forward(input_ids, attention_mask, labels)",
-        "transformers #37766", ("transformers", "accelerate"),
-        "tests/test_audit_peers.py::test_the_trainer_on_a_model_without_kwargs_is_flagged_where_token_counts_differ"),
+        lambda: trainer_run(loss_kwargs=False),
+        "the same model behind a forward(input_ids, attention_mask, labels)",
+        "transformers #37766",
+        ("transformers", "accelerate"),
+        "tests/test_audit_peers.py::test_the_trainer_on_a_model_without_kwargs_is_flagged_where_token_counts_differ",
+    ),
     "Lightning, accumulate_grad_batches=3": AuditRun(
-        lightning_tail_run, "Trainer.fit over 7 batches", "Lightning #19987", ("pytorch_lightning",),
-        "tests/test_audit_peers.py::test_lightning_divides_the_epochs_short_tail_window_by_n_and_the_audit_flags_it"),
+        lightning_tail_run,
+        "Trainer.fit over 7 batches",
+        "Lightning #19987",
+        ("pytorch_lightning",),
+        "tests/test_audit_peers.py::test_lightning_divides_the_epochs_short_tail_window_by_n_and_the_audit_flags_it",
+    ),
     "Accelerate accumulate(), 3 steps": AuditRun(
-        accelerate_tail_run, "the documented loop over 7 batches", "accelerate #1847 (end of the DataLoader)",
+        accelerate_tail_run,
+        "the documented loop over 7 batches",
+        "accelerate #1847 (end of the DataLoader)",
         ("accelerate",),
-        "tests/test_audit_peers.py::test_accelerates_accumulate_divides_the_short_tail_by_n_and_the_audit_flags_it"),
+        "tests/test_audit_peers.py::test_accelerates_accumulate_divides_the_short_tail_by_n_and_the_audit_flags_it",
+    ),
 }

@@ -66,6 +66,7 @@ class Advance:
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], ...]:
     """Every param group's settings but its parameters, tensors as plain numbers (comparable)."""
+
     def plain(value: Any) -> Any:
         if isinstance(value, Tensor):
             return tuple(value.detach().flatten().tolist())
@@ -73,8 +74,9 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], 
             return tuple(plain(item) for item in value)
         return value
 
-    return tuple({key: plain(value) for key, value in group.items() if key != "params"}
-                 for group in optimizer.param_groups)
+    return tuple(
+        {key: plain(value) for key, value in group.items() if key != "params"} for group in optimizer.param_groups
+    )
 
 
 def _optimizers_of(scheduler: Any) -> list[Any]:
@@ -111,8 +113,11 @@ class ScheduleWatch:
         """The scheduler classes that define their own ``step``: torch's, and Accelerate's when imported."""
         from torch.optim import lr_scheduler
 
-        found = [kind for kind in vars(lr_scheduler).values()
-                 if isinstance(kind, type) and issubclass(kind, lr_scheduler.LRScheduler) and "step" in vars(kind)]
+        found = [
+            kind
+            for kind in vars(lr_scheduler).values()
+            if isinstance(kind, type) and issubclass(kind, lr_scheduler.LRScheduler) and "step" in vars(kind)
+        ]
         accelerate = sys.modules.get("accelerate.scheduler")
         wrapper = getattr(accelerate, "AcceleratedScheduler", None)
         if isinstance(wrapper, type) and "step" in vars(wrapper):
@@ -146,8 +151,11 @@ class ScheduleWatch:
             if cls.depth:  # inside another scheduler's step: one advance of that one, counted there
                 cls.stepped += advances
                 return original(scheduler, *args, **kwargs)
-            watching = [audit for audit in cls.audits
-                        if any(optimizer is audit.optimizer for optimizer in _optimizers_of(scheduler))]
+            watching = [
+                audit
+                for audit in cls.audits
+                if any(optimizer is audit.optimizer for optimizer in _optimizers_of(scheduler))
+            ]
             before = [_hyperparameters(audit.optimizer) for audit in watching]
             cls.depth, cls.stepped = 1, int(advances)
             try:
@@ -166,16 +174,22 @@ class ScheduleWatch:
 def _named(scheduler: Any) -> str:
     """A scheduler by its class; a wrapper's (Accelerate's) with the scheduler inside it."""
     inner = getattr(scheduler, "scheduler", None)
-    return f"{type(inner).__name__} (in an {type(scheduler).__name__})" if inner is not None else \
-        type(scheduler).__name__
+    return (
+        f"{type(inner).__name__} (in an {type(scheduler).__name__})" if inner is not None else type(scheduler).__name__
+    )
 
 
 def _learning_rates(advances: list[Advance]) -> str:
     """The first param group's learning rate through the window's advances: ``0.001 -> 0.0008 -> 0.0006``."""
-    rates = [advances[0].before[0].get("lr") if advances[0].before else None,
-             *(advance.after[0].get("lr") if advance.after else None for advance in advances)]
-    shown = [f"{rate[0] if isinstance(rate, tuple) and len(rate) == 1 else rate:.4g}"
-             for rate in rates if isinstance(rate, (int, float)) or (isinstance(rate, tuple) and len(rate) == 1)]
+    rates = [
+        advances[0].before[0].get("lr") if advances[0].before else None,
+        *(advance.after[0].get("lr") if advance.after else None for advance in advances),
+    ]
+    shown = [
+        f"{rate[0] if isinstance(rate, tuple) and len(rate) == 1 else rate:.4g}"
+        for rate in rates
+        if isinstance(rate, (int, float)) or (isinstance(rate, tuple) and len(rate) == 1)
+    ]
     return " -> ".join(shown)
 
 
@@ -186,13 +200,19 @@ def schedule_verdict(advances: list[Advance]) -> tuple[str | None, str | None]:
     names = sorted({advance.scheduler for advance in advances})
     who = "the LR scheduler " + " and ".join(names)
     times = f"stepped {len(advances)} times in this window"
-    fix = "the full-batch run steps it once per optimizer step: call scheduler.step() after optimizer.step(), " \
-          "not per micro-batch"
+    fix = (
+        "the full-batch run steps it once per optimizer step: call scheduler.step() after optimizer.step(), "
+        "not per micro-batch"
+    )
     if any(advance.changed for advance in advances[1:]):
         rates = _learning_rates(advances)
         through = f": the learning rate went {rates}" if rates.count("->") >= 1 else ""
-        return (f"{who} {times}{through}, so this step took a learning rate (or another scheduled hyperparameter) "
-                f"that the full-batch run's step does not; {fix}"), None
-    return None, (f"{who} {times} without changing the optimizer's hyperparameters, so this step is the full-batch "
-                  f"one, but the schedule advances {len(advances)} times per optimizer step and will run that much "
-                  f"too fast wherever it changes; {fix}")
+        return (
+            f"{who} {times}{through}, so this step took a learning rate (or another scheduled hyperparameter) "
+            f"that the full-batch run's step does not; {fix}"
+        ), None
+    return None, (
+        f"{who} {times} without changing the optimizer's hyperparameters, so this step is the full-batch "
+        f"one, but the schedule advances {len(advances)} times per optimizer step and will run that much "
+        f"too fast wherever it changes; {fix}"
+    )

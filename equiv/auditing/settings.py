@@ -40,14 +40,19 @@ def default_targets(call: Call) -> Tensor:
         f"second positional tensor; got {len(args)} positional arguments and keywords {sorted(kwargs)}). For a "
         "loop that computes loss = criterion(model(x), y), hand the audit criterion=<that nn.Module loss>, or call "
         "the loss function through audit.wrap(loss_fn); else pass targets=lambda call: ... mapping (args, kwargs) "
-        "to the targets tensor")
+        "to the targets tensor"
+    )
 
 
 def _where_targets_were_found(call: Call) -> str:
     """Where :func:`default_targets` took a call's targets from, in words."""
     kwargs = call[1]
     keyword = next((k for k in TARGET_KEYWORDS if isinstance(kwargs.get(k), Tensor)), None)
-    return f"the {keyword}= keyword of the model's call" if keyword else "the second positional argument of the model's call"
+    return (
+        f"the {keyword}= keyword of the model's call"
+        if keyword
+        else "the second positional argument of the model's call"
+    )
 
 
 def default_call(model: nn.Module, call: Call) -> Any:
@@ -65,8 +70,10 @@ def default_output(output: Any) -> Tensor:
         return output[0]
     if isinstance(output, Tensor):
         return output
-    raise ValueError(f"the audit cannot take a tensor from the model's output of type {type(output).__name__}: "
-                     "pass output=lambda out: ...")
+    raise ValueError(
+        f"the audit cannot take a tensor from the model's output of type {type(output).__name__}: "
+        "pass output=lambda out: ..."
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,12 +100,16 @@ class AuditSettings:
     def __post_init__(self) -> None:
         criterion = self.criterion
         if criterion is not None and not isinstance(criterion, nn.Module):
-            raise TypeError(f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
-                            f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns")
+            raise TypeError(
+                f"criterion must be a torch.nn.Module the loop calls as criterion(output, target), got "
+                f"{criterion!r}: for a loss function, call the one audit.wrap(loss_fn) returns"
+            )
         loss = _loss_with_criterion(self.loss, criterion)
         if not (hasattr(loss, "sum") and hasattr(loss, "count")):
-            raise TypeError(f"loss must offer sum(output, targets) and count(targets) (an equiv.Loss such as "
-                            f"equiv.NextTokenCrossEntropy()), got {loss!r}")
+            raise TypeError(
+                f"loss must offer sum(output, targets) and count(targets) (an equiv.Loss such as "
+                f"equiv.NextTokenCrossEntropy()), got {loss!r}"
+            )
         every = self.every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (audit one window in every), got {every!r}")
@@ -125,11 +136,15 @@ def _loss_with_criterion(loss: Any, criterion: nn.Module | None) -> Any:
     options = options_of_criterion(criterion) if criterion is not None else None
     if loss is None:
         if criterion is None:
-            raise TypeError("equiv.audit needs loss= (an equiv.Loss such as equiv.CrossEntropy()) or criterion= (the "
-                            "nn.Module loss the loop calls, whose loss the audit derives)")
+            raise TypeError(
+                "equiv.audit needs loss= (an equiv.Loss such as equiv.CrossEntropy()) or criterion= (the "
+                "nn.Module loss the loop calls, whose loss the audit derives)"
+            )
         if options is None:
-            raise ValueError(f"criterion={type(criterion).__name__}() is not one of torch's losses the audit can read; "
-                             "pass loss=<an equiv.Loss offering sum(output, targets) and count(targets)>")
+            raise ValueError(
+                f"criterion={type(criterion).__name__}() is not one of torch's losses the audit can read; "
+                "pass loss=<an equiv.Loss offering sum(output, targets) and count(targets)>"
+            )
         return loss_of(options)
     if options is not None:
         agree(loss, options, "criterion=")
@@ -144,4 +159,5 @@ def agree(loss: Any, options: LossOptions, whose: str) -> None:
         raise ValueError(
             f"loss={loss!r} and {written} disagree ({differ}): the audit would judge the run by another objective "
             "than the one it trains; pass the loss= that matches (equiv.CrossEntropy / TokenCrossEntropy take "
-            "weight=, ignore_index=, label_smoothing=), or, with criterion=, leave loss= out to derive it")
+            "weight=, ignore_index=, label_smoothing=), or, with criterion=, leave loss= out to derive it"
+        )

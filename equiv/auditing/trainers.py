@@ -50,22 +50,32 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return seen
 
 
-def _start(model: nn.Module | None, optimizer: Any, settings: dict[str, Any], read: tuple[dict[str, Any], dict[str, Any]],
-           source: str, say: Callable[[str], None] | None) -> Audit:
+def _start(
+    model: nn.Module | None,
+    optimizer: Any,
+    settings: dict[str, Any],
+    read: tuple[dict[str, Any], dict[str, Any]],
+    source: str,
+    say: Callable[[str], None] | None,
+) -> Audit:
     """The audit of a trainer's run, told what ``read`` took from the trainer's own settings (the
     settings shown, and the audit's keywords they give; the callback's ``settings`` win), the line
     saying so kept in ``audit.read`` and handed to ``say``."""
     if model is None or optimizer is None:
-        raise RuntimeError("the trainer began training without handing its model and optimizer to callbacks: "
-                           f"got model={type(model).__name__}, optimizer={type(optimizer).__name__}")
+        raise RuntimeError(
+            "the trainer began training without handing its model and optimizer to callbacks: "
+            f"got model={type(model).__name__}, optimizer={type(optimizer).__name__}"
+        )
     shown, told = read
     started = audit(model, torch_optimizer(optimizer), **{**told, **settings})
     replayed = [f"{key}={value}" for key, value in told.items() if value is not None and key not in shown]
     overridden = [f"{key}={settings[key]}" for key in told if key in settings]
-    started.read = (f"equiv audit: read from {source}: "
-                    + ", ".join(f"{key}={value}{_meaning(key, value)}" for key, value in shown.items())
-                    + (f"; replayed with {', '.join(replayed)}" if replayed else "")
-                    + (f"; the callback's own {', '.join(overridden)} used instead" if overridden else ""))
+    started.read = (
+        f"equiv audit: read from {source}: "
+        + ", ".join(f"{key}={value}{_meaning(key, value)}" for key, value in shown.items())
+        + (f"; replayed with {', '.join(replayed)}" if replayed else "")
+        + (f"; the callback's own {', '.join(overridden)} used instead" if overridden else "")
+    )
     if say is not None:
         say(started.read)
     return started.__enter__()
@@ -76,8 +86,10 @@ def _meaning(key: str, value: Any) -> str:
     if key in ("max_grad_norm", "gradient_clip_val") and clip_setting(key, value) is None:
         return " (no clipping)"
     if key == "model_accepts_loss_kwargs" and value is False:
-        return (" (the Trainer divides each micro-batch's mean loss by gradient_accumulation_steps: a window of "
-                "unequal token counts is not its full-batch step, transformers #37766)")
+        return (
+            " (the Trainer divides each micro-batch's mean loss by gradient_accumulation_steps: a window of "
+            "unequal token counts is not its full-batch step, transformers #37766)"
+        )
     if key == "label_smoothing_factor":
         return " (the Trainer's loss is label-smoothed: loss= must name the same objective)"
     return ""
@@ -107,10 +119,18 @@ def transformers_callback(*, say: Callable[[str], None] | None = print, **settin
         def __init__(self) -> None:
             self.audit: Audit | None = None
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
-                           optimizer: Any = None, **kwargs: Any) -> None:
-            self.audit = _start(model, optimizer, settings, _read_training_arguments(args, model),
-                                "TrainingArguments", say)
+        def on_train_begin(
+            self,
+            args: Any,
+            state: Any,
+            control: Any,
+            model: nn.Module | None = None,
+            optimizer: Any = None,
+            **kwargs: Any,
+        ) -> None:
+            self.audit = _start(
+                model, optimizer, settings, _read_training_arguments(args, model), "TrainingArguments", say
+            )
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.audit is not None:  # the epoch as a fraction (the Trainer's own count)
@@ -130,8 +150,10 @@ def _read_training_arguments(args: Any, model: nn.Module | None) -> tuple[dict[s
     divides each micro-batch's mean loss by the accumulation steps, transformers #37766)."""
     norm = getattr(args, "max_grad_norm", None)
     shown = {
-        "max_grad_norm": norm, "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", 1),
-        "bf16": bool(getattr(args, "bf16", False)), "fp16": bool(getattr(args, "fp16", False)),
+        "max_grad_norm": norm,
+        "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", 1),
+        "bf16": bool(getattr(args, "bf16", False)),
+        "fp16": bool(getattr(args, "fp16", False)),
         "model_accepts_loss_kwargs": _accepts_loss_kwargs(model),
     }
     if getattr(args, "label_smoothing_factor", 0):
@@ -185,8 +207,9 @@ def lightning_callback(*, say: Callable[[str], None] | None = print, **settings:
         def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
             if len(trainer.optimizers) != 1:
                 raise ValueError(f"the audit follows one optimizer, the Trainer has {len(trainer.optimizers)}")
-            self.audit = _start(pl_module, trainer.optimizers[0], settings, _read_lightning(trainer, pl_module),
-                                "pl.Trainer", say)
+            self.audit = _start(
+                pl_module, trainer.optimizers[0], settings, _read_lightning(trainer, pl_module), "pl.Trainer", say
+            )
 
         def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
             if self.audit is not None:
@@ -202,6 +225,7 @@ def lightning_callback(*, say: Callable[[str], None] | None = print, **settings:
 
     return _LightningAudit()
 
+
 def _read_lightning(trainer: Any, module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's clipping (applied once per optimizer step, under automatic optimization), its
     accumulation (each ``training_step``'s loss divided by ``accumulate_grad_batches``) and precision."""
@@ -214,10 +238,14 @@ def _read_lightning(trainer: Any, module: nn.Module) -> tuple[dict[str, Any], di
     if clip is not None and not getattr(module, "automatic_optimization", True):
         clip = None  # under manual optimization the Trainer's clip settings are not applied by it
     return {
-        "gradient_clip_val": value, "gradient_clip_algorithm": algorithm,
+        "gradient_clip_val": value,
+        "gradient_clip_algorithm": algorithm,
         "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", 1),
         "precision": getattr(trainer, "precision", None),
-    }, {"max_grad_norm": clip if algorithm == "norm" else None, "max_grad_value": clip if algorithm == "value" else None}
+    }, {
+        "max_grad_norm": clip if algorithm == "norm" else None,
+        "max_grad_value": clip if algorithm == "value" else None,
+    }
 
 
 #: Lightning's mixed-precision settings and the autocast dtype each trains its forward in.
@@ -244,6 +272,8 @@ def _lightning_targets(call: Call) -> Tensor:
     """The ``y`` of a training batch ``(x, y)``."""
     batch = call[0][0]
     if not (isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], Tensor)):
-        raise ValueError(f"the audit takes a Lightning batch as (inputs, targets), got {type(batch).__name__}: pass "
-                         "call_model=lambda module, call: ... and targets=lambda call: ... (the batch is call[0][0])")
+        raise ValueError(
+            f"the audit takes a Lightning batch as (inputs, targets), got {type(batch).__name__}: pass "
+            "call_model=lambda module, call: ... and targets=lambda call: ... (the batch is call[0][0])"
+        )
     return batch[1]

@@ -116,14 +116,20 @@ class Audit(AuditResult):
         optimizer = audited_optimizer(optimizer)  # the torch optimizer inside Accelerate's / Lightning's wrapper
         refused = closure_required(optimizer)
         if refused is not None:
-            raise ValueError(f"equiv.audit does not support optimizer {type(optimizer).__name__}: {refused}, so there "
-                             "is no full-batch step to compare with (equiv check refuses it too)")
+            raise ValueError(
+                f"equiv.audit does not support optimizer {type(optimizer).__name__}: {refused}, so there "
+                "is no full-batch step to compare with (equiv check refuses it too)"
+            )
         _refuse_a_foreign_optimizer(model, optimizer)
         #: the averaged copy of the weights the run keeps (an EMA, SWA), checked once per audited window
         self.averaged = averaged_weights(settings.averaged, model)
         self.model, self.optimizer = model, optimizer
         #: the objective judged by, and the clips the replay applies once per window (None: none)
-        self.loss, self.max_grad_norm, self.max_grad_value = settings.loss, settings.max_grad_norm, settings.max_grad_value
+        self.loss, self.max_grad_norm, self.max_grad_value = (
+            settings.loss,
+            settings.max_grad_norm,
+            settings.max_grad_value,
+        )
         #: where the run is, as a trainer's callback (or the loop) sets it: "epoch 1, batch 6";
         #: each audited window keeps the value it had when its step was taken
         self.position: str | None = None
@@ -164,13 +170,21 @@ class Audit(AuditResult):
     def __enter__(self) -> Audit:
         self.ranks = ranks_of_run(self.model)
         if self.averaged is not None and self.ranks is not None and self.ranks.sharded:
-            raise ValueError("equiv.audit checks an averaged model (averaged=) in one process or under DDP; under "
-                             "FSDP2 its replay would need the whole model on a rank: audit without averaged=, or "
-                             "check the average in a DDP or single-process run of the same loop")
+            raise ValueError(
+                "equiv.audit checks an averaged model (averaged=) in one process or under DDP; under "
+                "FSDP2 its replay would need the whole model on a rank: audit without averaged=, or "
+                "check the average in a DDP or single-process run of the same loop"
+            )
         template = plain_copy(self.model)  # before our hooks are on it; an FSDP2 model's whole
-        self._judging = WindowJudge(settings=self.settings, template=template, model=self.model,
-                                    optimizer=self.optimizer, ranks=self.ranks, averaged=self.averaged,
-                                    functional=self._functional)
+        self._judging = WindowJudge(
+            settings=self.settings,
+            template=template,
+            model=self.model,
+            optimizer=self.optimizer,
+            ranks=self.ranks,
+            averaged=self.averaged,
+            functional=self._functional,
+        )
         self._handles = [
             self.optimizer.register_step_pre_hook(self._on_step_begin),
             self.optimizer.register_step_post_hook(self._on_step_end),
@@ -311,10 +325,15 @@ class Audit(AuditResult):
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # A fused optimizer stepped by a GradScaler is handed the scaler's found_inf and skips inside.
         found_inf = getattr(optimizer, "found_inf", None)
-        self._skips_inside = (self._in_scaler_step and getattr(optimizer, "_step_supports_amp_scaling", False)
-                              and isinstance(found_inf, Tensor) and bool(found_inf.item()))
-        self._hyper = tuple({key: value for key, value in group.items() if key != "params"}
-                            for group in optimizer.param_groups)
+        self._skips_inside = (
+            self._in_scaler_step
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and isinstance(found_inf, Tensor)
+            and bool(found_inf.item())
+        )
+        self._hyper = tuple(
+            {key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups
+        )
         # A step called with a closure (SGD.step(closure)) runs it inside the step: the forward calls it makes
         # join the window (recorded as any others), and the gradient the step takes is read after it.
         self._closure_step = bool(args and args[0] is not None) or kwargs.get("closure") is not None
@@ -326,7 +345,9 @@ class Audit(AuditResult):
         names = {id(param): name for name, param in self.model.named_parameters()}
         return first_not_finite(
             ((names.get(id(p), "?"), p.grad) for group in optimizer.param_groups for p in group["params"]),
-            "gradient", step=self.steps)
+            "gradient",
+            step=self.steps,
+        )
 
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._skips_inside:  # no update: GradScaler.step's wrapper counts it skipped, as a skipped call
@@ -376,7 +397,8 @@ def _refuse_a_foreign_optimizer(model: nn.Module, optimizer: torch.optim.Optimiz
             f"the optimizer holds {len(foreign)} parameter tensor{'s' if len(foreign) != 1 else ''} that "
             f"{'are' if len(foreign) != 1 else 'is'} not the model's parameters (first: shape "
             f"{tuple(foreign[0].shape)}; the model, a {type(model).__name__}, has {len(own)} parameter tensors): "
-            "build the optimizer from model.parameters() of the model the audit watches")
+            "build the optimizer from model.parameters() of the model the audit watches"
+        )
 
 
 def _compiled_from(model: Any) -> Any:
@@ -388,8 +410,9 @@ def _compiled_from(model: Any) -> Any:
 _Options = ParamSpec("_Options")
 
 
-def _keywords_of(settings: Callable[_Options, AuditSettings]) -> Callable[
-        [Callable[..., Audit]], Callable[Concatenate[nn.Module, Any, _Options], Audit]]:
+def _keywords_of(
+    settings: Callable[_Options, AuditSettings],
+) -> Callable[[Callable[..., Audit]], Callable[Concatenate[nn.Module, Any, _Options], Audit]]:
     """``audit``'s keywords are the fields of ``settings``, written once there: checked by mypy at
     every call (through the dataclass's ``__init__``) and shown by ``help`` / ``inspect.signature``."""
 
@@ -397,7 +420,8 @@ def _keywords_of(settings: Callable[_Options, AuditSettings]) -> Callable[
         positional = list(inspect.signature(front_door).parameters.values())[:2]
         keywords = list(inspect.signature(settings).parameters.values())
         front_door.__signature__ = inspect.signature(front_door).replace(  # type: ignore[attr-defined]
-            parameters=[*positional, *keywords])
+            parameters=[*positional, *keywords]
+        )
         return front_door
 
     return typed

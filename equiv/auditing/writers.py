@@ -58,9 +58,13 @@ def jsonl_writer(path: str | Path, *, then: OnWindow | None = None) -> OnWindow:
     return on_window
 
 
-def tensorboard_writer(writer: ScalarWriter, *, tag: str = "equiv/audit",
-                       global_step: Callable[[WindowAudit], int] | None = None,
-                       then: OnWindow | None = None) -> OnWindow:
+def tensorboard_writer(
+    writer: ScalarWriter,
+    *,
+    tag: str = "equiv/audit",
+    global_step: Callable[[WindowAudit], int] | None = None,
+    then: OnWindow | None = None,
+) -> OnWindow:
     """An ``on_window`` that writes each audited window beside the run's own curves:
 
     * ``<tag>/worst_ratio``: the worst tensor's greatest difference over its allowance
@@ -83,8 +87,10 @@ def tensorboard_writer(writer: ScalarWriter, *, tag: str = "equiv/audit",
         The callback, for ``equiv.audit(..., on_window=...)``.
     """
     if not (callable(getattr(writer, "add_scalar", None)) and callable(getattr(writer, "add_text", None))):
-        raise TypeError(f"writer must have add_scalar and add_text (a torch.utils.tensorboard.SummaryWriter), "
-                        f"got {type(writer).__name__}")
+        raise TypeError(
+            f"writer must have add_scalar and add_text (a torch.utils.tensorboard.SummaryWriter), "
+            f"got {type(writer).__name__}"
+        )
 
     def on_window(window: WindowAudit) -> None:
         step = window.step if global_step is None else global_step(window)

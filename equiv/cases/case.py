@@ -83,7 +83,7 @@ COMPOSITE_SCHEDULERS: tuple[str, ...] = ("ChainedScheduler", "SequentialLR")
 #: (refused when the case is made, not from inside the first run).
 UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
     "LBFGS": "its step(closure) re-evaluates the loss several times per step, not one update from the "
-             "accumulated gradient",
+    "accumulated gradient",
     "SparseAdam": "it takes sparse gradients only (nn.Embedding(sparse=True)); the cases' models make dense ones",
 }
 
@@ -175,7 +175,9 @@ class Case:
             object.__setattr__(self, name, dict(getattr(self, name)))
         self._accept_torch_spellings()
         self._normalise_scheduler_parts()
-        if isinstance(self.loss, str) and ":" in self.loss:  # a user's loss class (a replay line), built with no arguments
+        if (
+            isinstance(self.loss, str) and ":" in self.loss
+        ):  # a user's loss class (a replay line), built with no arguments
             try:
                 object.__setattr__(self, "loss", resolve(self.loss)())
             except (ValueError, TypeError) as exc:
@@ -191,17 +193,28 @@ class Case:
             if isinstance(value, torch.dtype):
                 object.__setattr__(self, name, str(value).removeprefix("torch."))
         namespaces: tuple[tuple[str, Any, str], ...] = (
-            ("optimizer", torch.optim, "torch.optim"), ("scheduler", torch.optim.lr_scheduler, "torch.optim.lr_scheduler"))
+            ("optimizer", torch.optim, "torch.optim"),
+            ("scheduler", torch.optim.lr_scheduler, "torch.optim.lr_scheduler"),
+        )
         for name, namespace, label in namespaces:
             given: Any = getattr(self, name)
             if inspect.isclass(given):
                 class_name = given.__name__
                 if getattr(namespace, class_name, None) is not given:
-                    raise InvalidCase(f"{name} {given.__module__}.{given.__qualname__} is not a class of {label}; "
-                                      "a case names one of those")
+                    raise InvalidCase(
+                        f"{name} {given.__module__}.{given.__qualname__} is not a class of {label}; "
+                        "a case names one of those"
+                    )
                 object.__setattr__(self, name, class_name)
-        choices = {"dtype": DTYPES, "autocast": ("float16", "bfloat16"), "optimizer": [*_optimizer_names(), *UNSUPPORTED_OPTIMIZERS],
-                   "scheduler": _scheduler_names(), "loss": LOSSES, "model": MODELS, "param_groups": PARAM_GROUPS}
+        choices = {
+            "dtype": DTYPES,
+            "autocast": ("float16", "bfloat16"),
+            "optimizer": [*_optimizer_names(), *UNSUPPORTED_OPTIMIZERS],
+            "scheduler": _scheduler_names(),
+            "loss": LOSSES,
+            "model": MODELS,
+            "param_groups": PARAM_GROUPS,
+        }
         for name, names in choices.items():
             spelled = getattr(self, name)
             if isinstance(spelled, str) and ":" not in spelled and spelled not in names:
@@ -218,18 +231,24 @@ class Case:
             return
         parts = self.scheduler_kwargs.get("schedulers")
         if isinstance(parts, (str, bytes)) or not isinstance(parts, (list, tuple)) or not parts:
-            raise InvalidCase(f"scheduler {self.scheduler} needs scheduler_kwargs['schedulers']: a non-empty list of "
-                              f"[name, kwargs] pairs (e.g. [['LinearLR', {{'total_iters': 2}}]]), got {parts!r}")
+            raise InvalidCase(
+                f"scheduler {self.scheduler} needs scheduler_kwargs['schedulers']: a non-empty list of "
+                f"[name, kwargs] pairs (e.g. [['LinearLR', {{'total_iters': 2}}]]), got {parts!r}"
+            )
         normalised = []
         for index, part in enumerate(parts):
             if not (isinstance(part, (list, tuple)) and len(part) == 2 and isinstance(part[1], Mapping)):
-                raise InvalidCase(f"scheduler {self.scheduler}: part {index} of scheduler_kwargs['schedulers'] must "
-                                  f"be a [name, kwargs] pair, got {part!r}")
+                raise InvalidCase(
+                    f"scheduler {self.scheduler}: part {index} of scheduler_kwargs['schedulers'] must "
+                    f"be a [name, kwargs] pair, got {part!r}"
+                )
             name = part[0].__name__ if inspect.isclass(part[0]) else part[0]
             if name in COMPOSITE_SCHEDULERS or not (isinstance(name, str) and name in _scheduler_names()):
-                raise InvalidCase(f"scheduler {self.scheduler}: part {index} names {name!r}; expected a scheduler "
-                                  f"class of torch.optim.lr_scheduler other than {' or '.join(COMPOSITE_SCHEDULERS)}"
-                                  f"{_did_you_mean(name, _scheduler_names())}")
+                raise InvalidCase(
+                    f"scheduler {self.scheduler}: part {index} names {name!r}; expected a scheduler "
+                    f"class of torch.optim.lr_scheduler other than {' or '.join(COMPOSITE_SCHEDULERS)}"
+                    f"{_did_you_mean(name, _scheduler_names())}"
+                )
             normalised.append([name, dict(part[1])])
         # scheduler_kwargs is this case's own dict (copied in __post_init__).
         object.__setattr__(self, "scheduler_kwargs", {**self.scheduler_kwargs, "schedulers": normalised})
@@ -247,16 +266,20 @@ class Case:
                     f"(micro_batch_sizes={sizes})"
                 )
         if sum(sizes) != self.batch_size:
-            raise InvalidCase(
-                f"micro_batch_sizes {sizes} add up to {sum(sizes)}, but batch_size is {self.batch_size}"
-            )
+            raise InvalidCase(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, but batch_size is {self.batch_size}")
         frozen = self.frozen_layers
         valid_int = isinstance(frozen, int) and not isinstance(frozen, bool)
-        valid_tuple = (isinstance(frozen, tuple) and len(frozen) > 0 and len(set(frozen)) == len(frozen)
-                       and all(isinstance(i, int) and not isinstance(i, bool) for i in frozen))
+        valid_tuple = (
+            isinstance(frozen, tuple)
+            and len(frozen) > 0
+            and len(set(frozen)) == len(frozen)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in frozen)
+        )
         if not (valid_int or valid_tuple):
-            raise InvalidCase(f"frozen_layers must be an int (k: the first k layers, -k: all but the last k) or a "
-                              f"non-empty tuple of distinct layer indices, got {frozen!r}")
+            raise InvalidCase(
+                f"frozen_layers must be an int (k: the first k layers, -k: all but the last k) or a "
+                f"non-empty tuple of distinct layer indices, got {frozen!r}"
+            )
         if self.param_groups is not None and self.param_groups not in PARAM_GROUPS:
             raise InvalidCase(
                 f"unknown param_groups {self.param_groups!r}; expected None or one of {sorted(PARAM_GROUPS)}"
@@ -269,32 +292,45 @@ class Case:
             raise InvalidCase(f"loss_scale must be positive or None, got {self.loss_scale!r}")
         if self.overflow_at is not None:
             if self.loss_scale is None:
-                raise InvalidCase(f"overflow_at={self.overflow_at} needs loss_scale: without loss scaling an "
-                                  "overflow is a non-finite loss, not a window to skip")
+                raise InvalidCase(
+                    f"overflow_at={self.overflow_at} needs loss_scale: without loss scaling an "
+                    "overflow is a non-finite loss, not a window to skip"
+                )
             step, sample = self.overflow_at
             if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
-                raise InvalidCase(f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
-                                  f"x samples 0..{self.batch_size - 1}")
+                raise InvalidCase(
+                    f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
+                    f"x samples 0..{self.batch_size - 1}"
+                )
         self._validate_empty_samples()
         if self.scale_growth_interval is not None:
             interval = self.scale_growth_interval
             if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-                raise InvalidCase(f"scale_growth_interval must be a positive int (clean windows before the scale "
-                                  f"doubles) or None, got {interval!r}")
+                raise InvalidCase(
+                    f"scale_growth_interval must be a positive int (clean windows before the scale "
+                    f"doubles) or None, got {interval!r}"
+                )
             if self.loss_scale is None:
-                raise InvalidCase(f"scale_growth_interval={interval} needs loss_scale: without loss scaling there "
-                                  "is no scale to grow")
+                raise InvalidCase(
+                    f"scale_growth_interval={interval} needs loss_scale: without loss scaling there is no scale to grow"
+                )
         if self.autocast is not None and self.autocast not in ("float16", "bfloat16"):
             raise InvalidCase(f"autocast must be 'float16', 'bfloat16' or None, got {self.autocast!r}")
         if self.dtype not in DTYPES:
-            raise InvalidCase(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}"
-                              f"{_did_you_mean(self.dtype, DTYPES)}")
+            raise InvalidCase(
+                f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}{_did_you_mean(self.dtype, DTYPES)}"
+            )
         if isinstance(self.loss, str):
             if self.loss not in LOSSES:
-                raise InvalidCase(f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)} or a loss object"
-                                  f"{_did_you_mean(self.loss, LOSSES)}")
-        elif not (callable(self.loss) and callable(getattr(self.loss, "sum", None))
-                  and callable(getattr(self.loss, "count", None))):
+                raise InvalidCase(
+                    f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)} or a loss object"
+                    f"{_did_you_mean(self.loss, LOSSES)}"
+                )
+        elif not (
+            callable(self.loss)
+            and callable(getattr(self.loss, "sum", None))
+            and callable(getattr(self.loss, "count", None))
+        ):
             raise InvalidCase(
                 f"loss {self.loss!r} does not follow the sum + count protocol; expected a name in {sorted(LOSSES)} "
                 "or an object with sum(output, targets), count(targets) and __call__(output, targets) (the mean)"
@@ -305,14 +341,20 @@ class Case:
             raise InvalidCase(f"data 'toy_2x' needs model 'scalar_linear', got {self.model!r}")
         optimizer_class = getattr(torch.optim, self.optimizer, None)
         if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise InvalidCase(f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim"
-                              f"{_did_you_mean(self.optimizer, _optimizer_names())}")
+            raise InvalidCase(
+                f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim"
+                f"{_did_you_mean(self.optimizer, _optimizer_names())}"
+            )
         if self.optimizer in UNSUPPORTED_OPTIMIZERS:
-            raise InvalidCase(f"optimizer {self.optimizer!r} is not supported: {UNSUPPORTED_OPTIMIZERS[self.optimizer]}; "
-                              f"supported: {', '.join(sorted(_optimizer_names()))}")
+            raise InvalidCase(
+                f"optimizer {self.optimizer!r} is not supported: {UNSUPPORTED_OPTIMIZERS[self.optimizer]}; "
+                f"supported: {', '.join(sorted(_optimizer_names()))}"
+            )
         if self.scheduler is not None and not inspect.isclass(getattr(torch.optim.lr_scheduler, self.scheduler, None)):
-            raise InvalidCase(f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler"
-                              f"{_did_you_mean(self.scheduler, _scheduler_names())}")
+            raise InvalidCase(
+                f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler"
+                f"{_did_you_mean(self.scheduler, _scheduler_names())}"
+            )
         check_device(self.device)
         _check_optimizer_kwargs(optimizer_class, self.optimizer, self.optimizer_kwargs)
 
@@ -320,25 +362,32 @@ class Case:
         empty = self.empty_samples
         if not empty:
             return
-        if (len(set(empty)) != len(empty)
-                or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.batch_size for i in empty)):
-            raise InvalidCase(f"empty_samples must be distinct sample indices in 0..{self.batch_size - 1}, "
-                              f"got {empty!r}")
+        if len(set(empty)) != len(empty) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.batch_size for i in empty
+        ):
+            raise InvalidCase(
+                f"empty_samples must be distinct sample indices in 0..{self.batch_size - 1}, got {empty!r}"
+            )
         if self.loss != "token_cross_entropy" or self.data != "random":
-            raise InvalidCase(f"empty_samples={empty!r} pads every token of those samples: it needs "
-                              f"loss='token_cross_entropy' with data='random', got loss={self.loss!r}, "
-                              f"data={_reference(self.data)!r}")
+            raise InvalidCase(
+                f"empty_samples={empty!r} pads every token of those samples: it needs "
+                f"loss='token_cross_entropy' with data='random', got loss={self.loss!r}, "
+                f"data={_reference(self.data)!r}"
+            )
         if len(empty) == self.batch_size:
-            raise InvalidCase(f"empty_samples={empty!r} leaves no real token in the batch of {self.batch_size}: "
-                              "the full-batch mean would divide by zero")
+            raise InvalidCase(
+                f"empty_samples={empty!r} leaves no real token in the batch of {self.batch_size}: "
+                "the full-batch mean would divide by zero"
+            )
 
     # ----------------------------------------------------------- serialising
     def __repr__(self) -> str:
         """Only the fields that differ from the defaults: short, and still
         exactly the case (paste it to reproduce; a user's own model, loss or
         data shows as its import path, or says it cannot be imported)."""
-        defaults = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
-                    for f in fields(Case)}
+        defaults = {
+            f.name: (f.default_factory() if f.default_factory is not MISSING else f.default) for f in fields(Case)
+        }
         # A user's model, loss or data as its import path (to_dict); the other fields as they are.
         as_strings = self.to_dict()
         shown = [
@@ -432,12 +481,16 @@ class Case:
         if isinstance(frozen, tuple):
             outside = [i for i in frozen if not -count <= i < count]
             if outside:
-                raise InvalidCase(f"frozen_layers={frozen} names layer(s) {outside} of model "
-                                  f"{_reference(self.model)!r}, which has {count} layers with parameters")
+                raise InvalidCase(
+                    f"frozen_layers={frozen} names layer(s) {outside} of model "
+                    f"{_reference(self.model)!r}, which has {count} layers with parameters"
+                )
             indices = sorted({i % count for i in frozen})
         elif frozen < 0 and -frozen >= count:
-            raise InvalidCase(f"frozen_layers={frozen} (all but the last {-frozen}) freezes nothing in model "
-                              f"{_reference(self.model)!r}, which has {count} layers with parameters")
+            raise InvalidCase(
+                f"frozen_layers={frozen} (all but the last {-frozen}) freezes nothing in model "
+                f"{_reference(self.model)!r}, which has {count} layers with parameters"
+            )
         else:
             indices = list(range(frozen)) if frozen >= 0 else list(range(count + frozen))
         if len(set(indices) & set(range(count))) >= count:
@@ -478,20 +531,26 @@ class Case:
         factory = resolve(self.data) if isinstance(self.data, str) else self.data
         batch = factory(step, self.batch_size, generator)
         if not (isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch)):
-            raise InvalidCase(f"data {_reference(self.data)!r} returned {type(batch).__name__} at step {step}; "
-                              "expected a tuple (inputs, targets) of tensors")
+            raise InvalidCase(
+                f"data {_reference(self.data)!r} returned {type(batch).__name__} at step {step}; "
+                "expected a tuple (inputs, targets) of tensors"
+            )
         inputs, targets = batch
         for label, tensor in (("inputs", inputs), ("targets", targets)):
             if tensor.dim() == 0 or tensor.shape[0] != self.batch_size:
-                raise InvalidCase(f"data {_reference(self.data)!r} returned {label} of shape {tuple(tensor.shape)} "
-                                  f"at step {step}; expected batch_size={self.batch_size} samples along dim 0")
+                raise InvalidCase(
+                    f"data {_reference(self.data)!r} returned {label} of shape {tuple(tensor.shape)} "
+                    f"at step {step}; expected batch_size={self.batch_size} samples along dim 0"
+                )
         return inputs.detach().cpu(), targets.detach().cpu()
 
     def _targets(self, output_shape: tuple[int, ...], generator: torch.Generator, inputs: Tensor) -> Tensor:
         batch = self.batch_size
         if not isinstance(self.loss, str):
-            raise InvalidCase(f"random targets are drawn for a built-in loss ({sorted(LOSSES)}); with your own "
-                              f"loss {self.loss!r} pass data=your_batches as well")
+            raise InvalidCase(
+                f"random targets are drawn for a built-in loss ({sorted(LOSSES)}); with your own "
+                f"loss {self.loss!r} pass data=your_batches as well"
+            )
         drawn_by_loss = getattr(LOSSES[self.loss], "draw_targets", None)
         if drawn_by_loss is not None:  # packed and policy losses: targets that follow the inputs' layout
             try:
@@ -534,7 +593,9 @@ class Case:
         try:
             optimizer: torch.optim.Optimizer = optimizer_class(params, **self.optimizer_kwargs)
         except (TypeError, ValueError) as exc:
-            raise InvalidCase(f"optimizer {self.optimizer}(**{dict(self.optimizer_kwargs)!r}) rejected: {exc}") from None
+            raise InvalidCase(
+                f"optimizer {self.optimizer}(**{dict(self.optimizer_kwargs)!r}) rejected: {exc}"
+            ) from None
         return optimizer
 
     def _param_groups(self, module: nn.Module, optimizer_class: type) -> list[nn.Parameter] | list[dict[str, Any]]:
@@ -551,12 +612,14 @@ class Case:
             groups = [{"params": [p for _, p in named if p.dim() >= 2]}, no_decay]
         else:  # "head_lr", "parked": groups by learning rate
             if "lr" not in accepts:
-                raise InvalidCase(f"param_groups {self.param_groups!r} needs an optimizer with an lr; "
-                                  f"{self.optimizer} has none")
+                raise InvalidCase(
+                    f"param_groups {self.param_groups!r} needs an optimizer with an lr; {self.optimizer} has none"
+                )
             lr = self.optimizer_kwargs.get("lr", accepts["lr"].default)
             if not isinstance(lr, (int, float)) or isinstance(lr, bool):
-                raise InvalidCase(f"param_groups {self.param_groups!r} needs a numeric lr for {self.optimizer}, "
-                                  f"got {lr!r}")
+                raise InvalidCase(
+                    f"param_groups {self.param_groups!r} needs a numeric lr for {self.optimizer}, got {lr!r}"
+                )
             # A layer is the module owning a parameter (its name minus the last part):
             # the head owns the last parameter, the first layer the first.
             owner_at = -1 if self.param_groups == "head_lr" else 0
@@ -580,8 +643,9 @@ class Case:
         if self.loss_scale is None:
             return None
         # None: torch's own default interval.
-        growth: dict[str, Any] = {} if self.scale_growth_interval is None else {
-            "growth_interval": self.scale_growth_interval}
+        growth: dict[str, Any] = (
+            {} if self.scale_growth_interval is None else {"growth_interval": self.scale_growth_interval}
+        )
         return torch.amp.GradScaler(torch.device(self.device).type, init_scale=self.loss_scale, **growth)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any | None:
@@ -605,19 +669,27 @@ def _build_scheduler(name: str, kwargs: Mapping[str, Any], optimizer: torch.opti
 @functools.cache
 def _optimizer_names() -> list[str]:
     """The ``torch.optim`` classes a case can name (every optimizer but :data:`UNSUPPORTED_OPTIMIZERS`)."""
-    return [name for name, value in vars(torch.optim).items()
-            if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer
-            and name not in UNSUPPORTED_OPTIMIZERS]
+    return [
+        name
+        for name, value in vars(torch.optim).items()
+        if inspect.isclass(value)
+        and issubclass(value, torch.optim.Optimizer)
+        and value is not torch.optim.Optimizer
+        and name not in UNSUPPORTED_OPTIMIZERS
+    ]
 
 
 @functools.cache
 def _scheduler_names() -> list[str]:
-    return [name for name, value in vars(torch.optim.lr_scheduler).items()
-            if inspect.isclass(value) and not name.startswith("_")]
+    return [
+        name
+        for name, value in vars(torch.optim.lr_scheduler).items()
+        if inspect.isclass(value) and not name.startswith("_")
+    ]
 
 
 def _did_you_mean(value: Any, names: Iterable[str]) -> str:
-    """" (did you mean 'AdamW'?)" for a near miss among ``names``, else ""."""
+    """ " (did you mean 'AdamW'?)" for a near miss among ``names``, else ""."""
     if not isinstance(value, str):
         return ""
     by_lower = {name.lower(): name for name in names}
@@ -660,6 +732,7 @@ def _check_optimizer_kwargs(optimizer_class: Any, name: str, kwargs: Mapping[str
     """Reject bad optimizer keywords when the case is made (``lr=-1``, a misspelt name),
     not inside the first run: built once on a dummy 2-D parameter.  An optimizer that
     cannot be built on one even with its defaults is left to the run."""
+
     def build(**options: Any) -> None:
         optimizer_class([torch.zeros(2, 2, requires_grad=True)], **options)
 
@@ -678,8 +751,10 @@ def _check_target(field_name: str, value: Any, names: Any) -> None:
     if callable(value):
         return
     if not isinstance(value, str):
-        raise InvalidCase(f"{field_name} must be a name in {sorted(names)}, a callable or an import path "
-                          f"'module:attribute', got {type(value).__name__}: {value!r}")
+        raise InvalidCase(
+            f"{field_name} must be a name in {sorted(names)}, a callable or an import path "
+            f"'module:attribute', got {type(value).__name__}: {value!r}"
+        )
     if ":" in value:
         try:
             target = resolve(value)
@@ -689,8 +764,10 @@ def _check_target(field_name: str, value: Any, names: Any) -> None:
             raise InvalidCase(f"{field_name} {value!r} imports {type(target).__name__}, which is not callable")
         return
     if value not in names:
-        raise InvalidCase(f"unknown {field_name} {value!r}; expected one of {sorted(names)}, "
-                          f"a callable or an import path 'module:attribute'{_did_you_mean(value, names)}")
+        raise InvalidCase(
+            f"unknown {field_name} {value!r}; expected one of {sorted(names)}, "
+            f"a callable or an import path 'module:attribute'{_did_you_mean(value, names)}"
+        )
 
 
 def _reference(value: Any) -> str:

@@ -43,15 +43,24 @@ class DistributedCase:
     context_parallel: int = 1
 
     @classmethod
-    def of(cls, base: Case, rank_micro_batch_sizes: Sequence[Sequence[int]], *,
-           tensor_parallel: int = 1, context_parallel: int = 1) -> DistributedCase:
+    def of(
+        cls,
+        base: Case,
+        rank_micro_batch_sizes: Sequence[Sequence[int]],
+        *,
+        tensor_parallel: int = 1,
+        context_parallel: int = 1,
+    ) -> DistributedCase:
         for name, value in (("tensor_parallel", tensor_parallel), ("context_parallel", context_parallel)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidCase(f"{name} must be a positive int (ranks per {name.replace('_', '-')} group), "
-                                  f"got {value!r}")
+                raise InvalidCase(
+                    f"{name} must be a positive int (ranks per {name.replace('_', '-')} group), got {value!r}"
+                )
         if tensor_parallel > 1 and context_parallel > 1:
-            raise InvalidCase(f"tensor_parallel={tensor_parallel} and context_parallel={context_parallel}: "
-                              "a case splits its ranks one way, not both")
+            raise InvalidCase(
+                f"tensor_parallel={tensor_parallel} and context_parallel={context_parallel}: "
+                "a case splits its ranks one way, not both"
+            )
         ranks = tuple(tuple(sizes) for sizes in rank_micro_batch_sizes)
         if not ranks:
             raise InvalidCase("rank_micro_batch_sizes needs at least one rank, got ()")
@@ -67,8 +76,9 @@ class DistributedCase:
             _check_context_parallel_case(case, context_parallel)
         elif tensor_parallel > 1 and case.model in POSITIONWISE_MODELS:  # sequence parallel
             _check_context_parallel_case(case, tensor_parallel, "tensor_parallel")
-        return cls(case=case, rank_micro_batch_sizes=ranks, tensor_parallel=tensor_parallel,
-                   context_parallel=context_parallel)
+        return cls(
+            case=case, rank_micro_batch_sizes=ranks, tensor_parallel=tensor_parallel, context_parallel=context_parallel
+        )
 
     @property
     def data_ranks(self) -> int:
@@ -114,8 +124,10 @@ class DistributedCase:
         return self.rank_micro_batch_sizes[self.data_rank(rank)]
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"case": self.case.to_dict(),
-                               "rank_micro_batch_sizes": [list(s) for s in self.rank_micro_batch_sizes]}
+        out: dict[str, Any] = {
+            "case": self.case.to_dict(),
+            "rank_micro_batch_sizes": [list(s) for s in self.rank_micro_batch_sizes],
+        }
         for name in ("tensor_parallel", "context_parallel"):
             if getattr(self, name) != 1:
                 out[name] = getattr(self, name)
@@ -151,10 +163,14 @@ def _check_context_parallel_case(case: Case, context_parallel: int, name: str = 
     """A case context (or sequence) parallelism can split: a position-wise token
     model and a token loss, its sequence length a multiple of the group (``name``)."""
     if case.model not in POSITIONWISE_MODELS or case.loss != POSITIONWISE_LOSSES[case.model]:
-        raise InvalidCase(f"{name}={context_parallel} splits every sequence's positions over ranks: it needs "
-                          f"a position-wise token model {list(POSITIONWISE_MODELS)} (no attention across the slices) "
-                          f"with its loss {POSITIONWISE_LOSSES}, got model={case.model!r}, loss={case.loss!r}")
+        raise InvalidCase(
+            f"{name}={context_parallel} splits every sequence's positions over ranks: it needs "
+            f"a position-wise token model {list(POSITIONWISE_MODELS)} (no attention across the slices) "
+            f"with its loss {POSITIONWISE_LOSSES}, got model={case.model!r}, loss={case.loss!r}"
+        )
     seq_len = _sequence_length(case)
     if seq_len % context_parallel:
-        raise InvalidCase(f"{name}={context_parallel} needs a sequence length divisible by it, got "
-                          f"seq_len={seq_len} (model_kwargs={dict(case.model_kwargs)!r})")
+        raise InvalidCase(
+            f"{name}={context_parallel} needs a sequence length divisible by it, got "
+            f"seq_len={seq_len} (model_kwargs={dict(case.model_kwargs)!r})"
+        )

@@ -241,9 +241,18 @@ def conv1d(
     the flattened features; ``norm`` is "none", "group" (GroupNorm with
     ``groups``) or "batch" (BatchNorm1d, inherently non-equivalent)."""
     module = _conv_stack(
-        nn.Conv1d, nn.BatchNorm1d, nn.Dropout1d, in_channels=in_channels, channels=tuple(channels),
-        kernel_size=kernel_size, activation=activation, norm=norm, groups=groups, dropout=dropout,
-        spatial_numel=length, out_features=out_features,
+        nn.Conv1d,
+        nn.BatchNorm1d,
+        nn.Dropout1d,
+        in_channels=in_channels,
+        channels=tuple(channels),
+        kernel_size=kernel_size,
+        activation=activation,
+        norm=norm,
+        groups=groups,
+        dropout=dropout,
+        spatial_numel=length,
+        out_features=out_features,
     )
     return ModelBundle(module, _normal_inputs(in_channels, length), (out_features,))
 
@@ -264,9 +273,18 @@ def conv2d(
     """Conv2d layers on ``size`` x ``size`` images (same padding) then a
     linear head; ``norm`` as for ``conv1d`` (BatchNorm2d for "batch")."""
     module = _conv_stack(
-        nn.Conv2d, nn.BatchNorm2d, nn.Dropout2d, in_channels=in_channels, channels=tuple(channels),
-        kernel_size=kernel_size, activation=activation, norm=norm, groups=groups, dropout=dropout,
-        spatial_numel=size * size, out_features=out_features,
+        nn.Conv2d,
+        nn.BatchNorm2d,
+        nn.Dropout2d,
+        in_channels=in_channels,
+        channels=tuple(channels),
+        kernel_size=kernel_size,
+        activation=activation,
+        norm=norm,
+        groups=groups,
+        dropout=dropout,
+        spatial_numel=size * size,
+        out_features=out_features,
     )
     return ModelBundle(module, _normal_inputs(in_channels, size, size), (out_features,))
 
@@ -274,8 +292,9 @@ def conv2d(
 class _Recurrent(nn.Module):
     """A GRU or LSTM over the sequence; the last step's hidden state feeds a linear head."""
 
-    def __init__(self, cell: type[nn.Module], in_features: int, hidden: int, layers: int,
-                 out_features: int, dropout: float) -> None:
+    def __init__(
+        self, cell: type[nn.Module], in_features: int, hidden: int, layers: int, out_features: int, dropout: float
+    ) -> None:
         super().__init__()
         self.rnn = cell(in_features, hidden, num_layers=layers, batch_first=True)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -286,22 +305,37 @@ class _Recurrent(nn.Module):
         return self.head(self.dropout(output[:, -1]))
 
 
-def _recurrent(cell: type[nn.Module], in_features: int, seq_len: int, hidden: int, layers: int,
-               out_features: int, dropout: float) -> ModelBundle:
+def _recurrent(
+    cell: type[nn.Module], in_features: int, seq_len: int, hidden: int, layers: int, out_features: int, dropout: float
+) -> ModelBundle:
     module = _Recurrent(cell, in_features, hidden, layers, out_features, dropout)
     return ModelBundle(module, _normal_inputs(seq_len, in_features), (out_features,))
 
 
 @register_model("gru")
-def gru(*, in_features: int = 3, seq_len: int = 4, hidden: int = 6, layers: int = 1,
-        out_features: int = 3, dropout: float = 0.0) -> ModelBundle:
+def gru(
+    *,
+    in_features: int = 3,
+    seq_len: int = 4,
+    hidden: int = 6,
+    layers: int = 1,
+    out_features: int = 3,
+    dropout: float = 0.0,
+) -> ModelBundle:
     """A GRU over ``seq_len`` steps of ``in_features``; a linear head on the last hidden state."""
     return _recurrent(nn.GRU, in_features, seq_len, hidden, layers, out_features, dropout)
 
 
 @register_model("lstm")
-def lstm(*, in_features: int = 3, seq_len: int = 4, hidden: int = 6, layers: int = 1,
-         out_features: int = 3, dropout: float = 0.0) -> ModelBundle:
+def lstm(
+    *,
+    in_features: int = 3,
+    seq_len: int = 4,
+    hidden: int = 6,
+    layers: int = 1,
+    out_features: int = 3,
+    dropout: float = 0.0,
+) -> ModelBundle:
     """An LSTM over ``seq_len`` steps of ``in_features``; a linear head on the last hidden state."""
     return _recurrent(nn.LSTM, in_features, seq_len, hidden, layers, out_features, dropout)
 
@@ -311,8 +345,7 @@ class _Attention(nn.Module):
     residual); "tokens" head: logits per position, "pooled" head: mean over
     positions -> ``out_features``."""
 
-    def __init__(self, vocab_size: int, width: int, heads: int, head: str, out_features: int,
-                 dropout: float) -> None:
+    def __init__(self, vocab_size: int, width: int, heads: int, head: str, out_features: int, dropout: float) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, width)
         self.norm = nn.LayerNorm(width)
@@ -333,8 +366,16 @@ class _Attention(nn.Module):
 
 
 @register_model("attention")
-def attention(*, vocab_size: int = 7, seq_len: int = 4, width: int = 8, heads: int = 2,
-              head: str = "pooled", out_features: int = 3, dropout: float = 0.0) -> ModelBundle:
+def attention(
+    *,
+    vocab_size: int = 7,
+    seq_len: int = 4,
+    width: int = 8,
+    heads: int = 2,
+    head: str = "pooled",
+    out_features: int = 3,
+    dropout: float = 0.0,
+) -> ModelBundle:
     """Token embedding then one self-attention block (LayerNorm +
     ``nn.MultiheadAttention``).  ``head`` "pooled": a (``out_features``,)
     output per sample (for MSE / cross-entropy); "tokens": (seq_len,
@@ -375,15 +416,18 @@ class CausalLM(nn.Module):
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
         self.head = nn.Linear(width, vocab_size)
-        self.register_buffer("causal_mask", torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), 1), persistent=False)
+        self.register_buffer(
+            "causal_mask", torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), 1), persistent=False
+        )
 
     def forward(self, tokens: Tensor) -> Tensor:
         length = tokens.shape[1]
         hidden = self.embed(tokens) + self.position[:length]
         normed = self.norm1(hidden)
         causal_mask: Tensor = self.causal_mask  # type: ignore[assignment]  # a registered buffer
-        attended, _ = self.attention(normed, normed, normed, attn_mask=causal_mask[:length, :length],
-                                     need_weights=False)
+        attended, _ = self.attention(
+            normed, normed, normed, attn_mask=causal_mask[:length, :length], need_weights=False
+        )
         hidden = hidden + attended
         hidden = hidden + self.mlp(self.norm2(hidden))
         logits: Tensor = self.head(hidden)

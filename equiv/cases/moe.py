@@ -100,8 +100,17 @@ class MoEModel(nn.Module):
     the aux loss times ``aux_weight`` (plus the router z-loss times ``z_weight``)
     rides along as the last output column."""
 
-    def __init__(self, in_features: int, width: int, experts: int, top_k: int, out_features: int,
-                 balance: str, aux_weight: float, z_weight: float = 0.0) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        width: int,
+        experts: int,
+        top_k: int,
+        out_features: int,
+        balance: str,
+        aux_weight: float,
+        z_weight: float = 0.0,
+    ) -> None:
         super().__init__()
         self.project = nn.Linear(in_features, width)
         self.moe = MoELayer(width, experts, top_k, balance)
@@ -120,9 +129,18 @@ class MoEModel(nn.Module):
 
 
 @register_model("moe")
-def moe(*, in_features: int = 3, seq_len: int = 4, width: int = 4, experts: int = 4, top_k: int = 2,
-        out_features: int = 2, balance: str = "sequence", aux_weight: float = 0.1,
-        z_weight: float = 0.0) -> ModelBundle:
+def moe(
+    *,
+    in_features: int = 3,
+    seq_len: int = 4,
+    width: int = 4,
+    experts: int = 4,
+    top_k: int = 2,
+    out_features: int = 2,
+    balance: str = "sequence",
+    aux_weight: float = 0.1,
+    z_weight: float = 0.0,
+) -> ModelBundle:
     """A one-layer top-k MoE on (seq_len, in_features) inputs; use it with
     ``loss="mse_aux"``.  ``balance`` "sequence" (equivalent under accumulation)
     or "batch" (inherently not: see the module docstring); ``z_weight`` > 0 adds
@@ -140,8 +158,16 @@ class TokenMoEModel(nn.Module):
     ``(batch, seq, out_features + 2)``, the last two columns each token's weighted
     share of its sequence's load-balancing loss and router z-loss."""
 
-    def __init__(self, in_features: int, width: int, experts: int, top_k: int, out_features: int,
-                 aux_weight: float, z_weight: float) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        width: int,
+        experts: int,
+        top_k: int,
+        out_features: int,
+        aux_weight: float,
+        z_weight: float,
+    ) -> None:
         super().__init__()
         self.project = nn.Linear(in_features, width)
         self.moe = MoELayer(width, experts, top_k, "sequence")
@@ -168,8 +194,17 @@ class TokenMoEModel(nn.Module):
 
 
 @register_model("token_moe")
-def token_moe(*, in_features: int = 3, seq_len: int = 4, width: int = 4, experts: int = 4, top_k: int = 2,
-              out_features: int = 2, aux_weight: float = 0.1, z_weight: float = 0.01) -> ModelBundle:
+def token_moe(
+    *,
+    in_features: int = 3,
+    seq_len: int = 4,
+    width: int = 4,
+    experts: int = 4,
+    top_k: int = 2,
+    out_features: int = 2,
+    aux_weight: float = 0.1,
+    z_weight: float = 0.01,
+) -> ModelBundle:
     """A one-layer top-k MoE with an output at every position of (seq_len, in_features)
     inputs; use it with ``loss="token_mse_aux"``.  Its sequence-wise balance loss and
     router z-loss ride along per token (module docstring), so context parallelism can

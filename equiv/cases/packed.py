@@ -31,8 +31,10 @@ def draw_packing(batch_size: int, seq_len: int, generator: torch.Generator, *, p
     """Position ids (batch, seq_len) of rows packed with random-length sequences (``-1``: padding)."""
     unit = 2 * _SHORTEST if pairs else _SHORTEST
     if seq_len < unit:
-        raise ValueError(f"packed rows of seq_len={seq_len} cannot hold a {'pair of sequences' if pairs else 'sequence'} "
-                         f"(at least {unit} tokens)")
+        raise ValueError(
+            f"packed rows of seq_len={seq_len} cannot hold a {'pair of sequences' if pairs else 'sequence'} "
+            f"(at least {unit} tokens)"
+        )
     rows = torch.full((batch_size, seq_len), -1, dtype=torch.long)
     for row in range(batch_size):
         at = 0
@@ -44,7 +46,7 @@ def draw_packing(batch_size: int, seq_len: int, generator: torch.Generator, *, p
             for member in range(2 if pairs else 1):
                 most = room - (_SHORTEST if pairs and member == 0 else 0)
                 length = int(torch.randint(_SHORTEST, max(most, _SHORTEST) + 1, (), generator=generator))
-                rows[row, at:at + length] = torch.arange(length)
+                rows[row, at : at + length] = torch.arange(length)
                 at, room = at + length, room - length
     return rows
 

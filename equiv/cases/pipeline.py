@@ -25,7 +25,12 @@ SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B")
 #: Schedules with several stages per rank; the V-shaped ones place rank r's
 #: stages at r and 2W - 1 - r, the looped ones at r, r + W, ...
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = (
-    "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
 SCHEDULES: tuple[str, ...] = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
 V_SHAPED_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
 #: "mean": each chunk's mean loss (what a model's loss returns); "window_sum": each
@@ -80,5 +85,6 @@ class PipelineSetting:
         extra = ", ragged real items" if self.padding else ", no padding"
         extra += f", {self.calls_per_step} calls per step" if self.calls_per_step > 1 else ""
         extra += ", grads cleared between calls" if self.clear_between_calls else ""
-        return (f"{self.schedule}, scale_grads={self.scale_grads}, loss={self.loss}, chunks {list(self.chunk_sizes)}"
-                f"{extra}")
+        return (
+            f"{self.schedule}, scale_grads={self.scale_grads}, loss={self.loss}, chunks {list(self.chunk_sizes)}{extra}"
+        )

@@ -76,8 +76,19 @@ _SEQUENCE_FAMILIES: tuple[str, ...] = ("packed_lm", "policy")
 #: Every deterministic first-order ``torch.optim`` optimizer the two tiers can
 #: judge, simplest first (see :func:`optimizers` for the ones left out and why).
 OPTIMIZERS: tuple[str, ...] = (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
-    "ASGD", "Adafactor", "Rprop", "Muon",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "ASGD",
+    "Adafactor",
+    "Rprop",
+    "Muon",
 )
 #: Optimizers that take 2-D weights only (Muon orthogonalises each weight matrix):
 #: drawn with a bias-free, norm-free MLP, every parameter a matrix.
@@ -113,8 +124,14 @@ def _count_table(low: int, top: int) -> tuple[int, ...]:
     then every count clamped into the bounds (so the table stays sorted and
     its weights stay put when the bounds cut it)."""
     span = DEFAULT_MAX_MICRO_BATCHES - (FEW_MICRO_BATCHES + 1)
-    many = [FEW_MICRO_BATCHES + 1 + round((n - FEW_MICRO_BATCHES - 1) * (top - FEW_MICRO_BATCHES - 1) / span)
-            for n in _MANY_COUNTS] if top > FEW_MICRO_BATCHES else []
+    many = (
+        [
+            FEW_MICRO_BATCHES + 1 + round((n - FEW_MICRO_BATCHES - 1) * (top - FEW_MICRO_BATCHES - 1) / span)
+            for n in _MANY_COUNTS
+        ]
+        if top > FEW_MICRO_BATCHES
+        else []
+    )
     return tuple(min(max(n, low), top) for n in (*_FEW_COUNTS, *many))
 
 
@@ -144,10 +161,13 @@ SCHEDULERS: dict[str | None, dict[str, Any]] = {
     "LinearLR": {"start_factor": 0.25, "total_iters": 3},
     "CosineAnnealingLR": {"T_max": 3, "eta_min": 0.0},
     "CosineAnnealingWarmRestarts": {"T_0": 2},
-    "ChainedScheduler": {"schedulers": [["LinearLR", {"start_factor": 0.25, "total_iters": 2}],
-                                        ["ExponentialLR", {"gamma": 0.7}]]},
-    "SequentialLR": {"schedulers": [["LinearLR", {"start_factor": 0.25, "total_iters": 1}],
-                                    ["CosineAnnealingLR", {"T_max": 2}]], "milestones": [1]},
+    "ChainedScheduler": {
+        "schedulers": [["LinearLR", {"start_factor": 0.25, "total_iters": 2}], ["ExponentialLR", {"gamma": 0.7}]]
+    },
+    "SequentialLR": {
+        "schedulers": [["LinearLR", {"start_factor": 0.25, "total_iters": 1}], ["CosineAnnealingLR", {"T_max": 2}]],
+        "milestones": [1],
+    },
 }
 
 #: Dynamic loss scaling regimes (torch.amp.GradScaler), for steps that take a
@@ -250,8 +270,9 @@ def _dropout(allow_dropout: bool) -> st.SearchStrategy[float]:
     return st.sampled_from([0.0, 0.25, 0.5]) if allow_dropout else st.just(0.0)
 
 
-def _family_kwargs(family: str, *, tokens: bool, allow_batchnorm: bool, allow_dropout: bool,
-                   tiny: bool = False) -> st.SearchStrategy[dict[str, Any]]:
+def _family_kwargs(
+    family: str, *, tokens: bool, allow_batchnorm: bool, allow_dropout: bool, tiny: bool = False
+) -> st.SearchStrategy[dict[str, Any]]:
     """``tiny``: the smallest shapes only (one hidden layer, short sequences),
     for cases with many micro-batches, where every forward pass is paid N times."""
     strategy = _full_family_kwargs(family, tokens=tokens, allow_batchnorm=allow_batchnorm, allow_dropout=allow_dropout)
@@ -277,46 +298,56 @@ def _tiny(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _full_family_kwargs(family: str, *, tokens: bool, allow_batchnorm: bool,
-                        allow_dropout: bool) -> st.SearchStrategy[dict[str, Any]]:
+def _full_family_kwargs(
+    family: str, *, tokens: bool, allow_batchnorm: bool, allow_dropout: bool
+) -> st.SearchStrategy[dict[str, Any]]:
     batch = ["batch"] if allow_batchnorm else []
     if family == "mlp":
-        return st.fixed_dictionaries({
-            "hidden": st.lists(st.sampled_from([4, 8, 16]), min_size=1, max_size=2).map(tuple),
-            "activation": _activations(),
-            "norm": st.sampled_from(["none", "layer", *batch]),
-            "dropout": _dropout(allow_dropout),
-        })
+        return st.fixed_dictionaries(
+            {
+                "hidden": st.lists(st.sampled_from([4, 8, 16]), min_size=1, max_size=2).map(tuple),
+                "activation": _activations(),
+                "norm": st.sampled_from(["none", "layer", *batch]),
+                "dropout": _dropout(allow_dropout),
+            }
+        )
     if family in ("conv1d", "conv2d"):
-        return st.fixed_dictionaries({
-            "channels": st.lists(st.sampled_from([2, 4]), min_size=1, max_size=2).map(tuple),
-            "kernel_size": st.sampled_from([3, 1]),
-            "activation": _activations(),
-            "norm": st.sampled_from(["none", "group", *batch]),
-            "dropout": _dropout(allow_dropout),
-        })
+        return st.fixed_dictionaries(
+            {
+                "channels": st.lists(st.sampled_from([2, 4]), min_size=1, max_size=2).map(tuple),
+                "kernel_size": st.sampled_from([3, 1]),
+                "activation": _activations(),
+                "norm": st.sampled_from(["none", "group", *batch]),
+                "dropout": _dropout(allow_dropout),
+            }
+        )
     if family in ("gru", "lstm"):
-        return st.fixed_dictionaries({
-            "seq_len": st.integers(1, 4),
-            "hidden": st.sampled_from([4, 6]),
-            "layers": st.integers(1, 2),
-            "dropout": _dropout(allow_dropout),
-        })
+        return st.fixed_dictionaries(
+            {
+                "seq_len": st.integers(1, 4),
+                "hidden": st.sampled_from([4, 6]),
+                "layers": st.integers(1, 2),
+                "dropout": _dropout(allow_dropout),
+            }
+        )
     if family == "attention":
-        return st.fixed_dictionaries({
-            # At least 2 positions: with one, softmax is constant and the query
-            # and key projections get an exactly-zero gradient (only rounding
-            # noise, which adaptive optimizers amplify into a false mismatch).
-            "seq_len": st.integers(2, 4),
-            "heads": st.sampled_from([1, 2]),
-            "head": st.just("tokens" if tokens else "pooled"),
-            "dropout": _dropout(allow_dropout),
-        })
+        return st.fixed_dictionaries(
+            {
+                # At least 2 positions: with one, softmax is constant and the query
+                # and key projections get an exactly-zero gradient (only rounding
+                # noise, which adaptive optimizers amplify into a false mismatch).
+                "seq_len": st.integers(2, 4),
+                "heads": st.sampled_from([1, 2]),
+                "head": st.just("tokens" if tokens else "pooled"),
+                "dropout": _dropout(allow_dropout),
+            }
+        )
     if family == "token_mlp":
         return st.fixed_dictionaries({"width": st.sampled_from([4, 8]), "seq_len": st.integers(1, 6)})
     if family == "packed_lm":  # at least 4 positions: room for a chosen/rejected pair (pairs set by the loss)
-        return st.fixed_dictionaries({"width": st.sampled_from([4, 8]), "seq_len": st.integers(4, 8),
-                                      "pairs": st.just(False)})
+        return st.fixed_dictionaries(
+            {"width": st.sampled_from([4, 8]), "seq_len": st.integers(4, 8), "pairs": st.just(False)}
+        )
     if family == "policy":
         return st.fixed_dictionaries({"width": st.sampled_from([4, 8]), "seq_len": st.integers(1, 6)})
     raise InvalidArgument(f"no strategy for model family {family!r}")  # pragma: no cover
@@ -349,21 +380,30 @@ def models(
     _check_flag("allow_batchnorm", allow_batchnorm)
     _check_flag("allow_dropout", allow_dropout)
     known = TOKEN_FAMILIES + _SEQUENCE_FAMILIES if tokens else MODEL_FAMILIES
-    chosen = (TOKEN_FAMILIES if tokens else MODEL_FAMILIES) if families is None else _check_names(
-        "families", families, known)
+    chosen = (
+        (TOKEN_FAMILIES if tokens else MODEL_FAMILIES)
+        if families is None
+        else _check_names("families", families, known)
+    )
     if allow_batchnorm and not any(f in ("mlp", "conv1d", "conv2d") for f in chosen):
         raise InvalidArgument(f"allow_batchnorm=True, but none of families={list(chosen)} has BatchNorm")
-    return st.one_of([
-        st.tuples(st.just(family), _family_kwargs(
-            family, tokens=tokens, allow_batchnorm=allow_batchnorm, allow_dropout=allow_dropout, tiny=tiny))
-        for family in chosen
-    ])
+    return st.one_of(
+        [
+            st.tuples(
+                st.just(family),
+                _family_kwargs(
+                    family, tokens=tokens, allow_batchnorm=allow_batchnorm, allow_dropout=allow_dropout, tiny=tiny
+                ),
+            )
+            for family in chosen
+        ]
+    )
 
 
 # -------------------------------------------------------------- optimizers
 def _log_uniform(low: float, high: float) -> st.SearchStrategy[float]:
     """Floats spread evenly in log space, rounded to 2 significant digits (readable)."""
-    return st.floats(math.log10(low), math.log10(high)).map(lambda e: float(f"{10 ** e:.2g}"))
+    return st.floats(math.log10(low), math.log10(high)).map(lambda e: float(f"{10**e:.2g}"))
 
 
 # eps from the default up to 1: a large eps breaks Adam's invariance to the
@@ -394,56 +434,114 @@ def _optimizer_kwargs(name: str) -> st.SearchStrategy[dict[str, Any]]:
     lr_adaptive = _log_uniform(1e-4, 1e-1)
     table: dict[str, Callable[[], st.SearchStrategy[dict[str, Any]]]] = {
         "SGD": _sgd,
-        "Adam": lambda: st.fixed_dictionaries({
-            "lr": lr_adaptive, "betas": _BETAS, "eps": _EPS, "weight_decay": _WEIGHT_DECAY, "amsgrad": st.booleans(),
-        }),
-        "AdamW": lambda: st.fixed_dictionaries({
-            "lr": lr_adaptive, "betas": _BETAS, "eps": _EPS, "weight_decay": _WEIGHT_DECAY, "amsgrad": st.booleans(),
-        }),
-        "Adamax": lambda: st.fixed_dictionaries({
-            "lr": lr_adaptive, "betas": _BETAS, "eps": _EPS, "weight_decay": _WEIGHT_DECAY,
-        }),
-        "NAdam": lambda: st.fixed_dictionaries({
-            "lr": lr_adaptive, "eps": _EPS, "weight_decay": _WEIGHT_DECAY,
-            "momentum_decay": st.sampled_from([4e-3, 0.1]), "decoupled_weight_decay": st.booleans(),
-        }),
-        "RAdam": lambda: st.fixed_dictionaries({
-            "lr": lr_adaptive, "eps": _EPS, "weight_decay": _WEIGHT_DECAY, "decoupled_weight_decay": st.booleans(),
-        }),
-        "RMSprop": lambda: st.fixed_dictionaries({
-            "lr": lr_adaptive, "alpha": st.sampled_from([0.99, 0.5]), "eps": _EPS,
-            "momentum": st.sampled_from([0.0, 0.9]), "centered": st.booleans(), "weight_decay": _WEIGHT_DECAY,
-        }),
-        "Adagrad": lambda: st.fixed_dictionaries({
-            "lr": _log_uniform(1e-3, 0.3), "lr_decay": st.sampled_from([0.0, 0.1]), "eps": _EPS,
-            "initial_accumulator_value": st.sampled_from([0.0, 0.1]), "weight_decay": _WEIGHT_DECAY,
-        }),
-        "Adadelta": lambda: st.fixed_dictionaries({
-            "lr": _log_uniform(0.1, 1.0), "rho": st.sampled_from([0.9, 0.5]), "eps": st.sampled_from([1e-6, 1e-3, 0.1]),
-            "weight_decay": _WEIGHT_DECAY,
-        }),
+        "Adam": lambda: st.fixed_dictionaries(
+            {
+                "lr": lr_adaptive,
+                "betas": _BETAS,
+                "eps": _EPS,
+                "weight_decay": _WEIGHT_DECAY,
+                "amsgrad": st.booleans(),
+            }
+        ),
+        "AdamW": lambda: st.fixed_dictionaries(
+            {
+                "lr": lr_adaptive,
+                "betas": _BETAS,
+                "eps": _EPS,
+                "weight_decay": _WEIGHT_DECAY,
+                "amsgrad": st.booleans(),
+            }
+        ),
+        "Adamax": lambda: st.fixed_dictionaries(
+            {
+                "lr": lr_adaptive,
+                "betas": _BETAS,
+                "eps": _EPS,
+                "weight_decay": _WEIGHT_DECAY,
+            }
+        ),
+        "NAdam": lambda: st.fixed_dictionaries(
+            {
+                "lr": lr_adaptive,
+                "eps": _EPS,
+                "weight_decay": _WEIGHT_DECAY,
+                "momentum_decay": st.sampled_from([4e-3, 0.1]),
+                "decoupled_weight_decay": st.booleans(),
+            }
+        ),
+        "RAdam": lambda: st.fixed_dictionaries(
+            {
+                "lr": lr_adaptive,
+                "eps": _EPS,
+                "weight_decay": _WEIGHT_DECAY,
+                "decoupled_weight_decay": st.booleans(),
+            }
+        ),
+        "RMSprop": lambda: st.fixed_dictionaries(
+            {
+                "lr": lr_adaptive,
+                "alpha": st.sampled_from([0.99, 0.5]),
+                "eps": _EPS,
+                "momentum": st.sampled_from([0.0, 0.9]),
+                "centered": st.booleans(),
+                "weight_decay": _WEIGHT_DECAY,
+            }
+        ),
+        "Adagrad": lambda: st.fixed_dictionaries(
+            {
+                "lr": _log_uniform(1e-3, 0.3),
+                "lr_decay": st.sampled_from([0.0, 0.1]),
+                "eps": _EPS,
+                "initial_accumulator_value": st.sampled_from([0.0, 0.1]),
+                "weight_decay": _WEIGHT_DECAY,
+            }
+        ),
+        "Adadelta": lambda: st.fixed_dictionaries(
+            {
+                "lr": _log_uniform(0.1, 1.0),
+                "rho": st.sampled_from([0.9, 0.5]),
+                "eps": st.sampled_from([1e-6, 1e-3, 0.1]),
+                "weight_decay": _WEIGHT_DECAY,
+            }
+        ),
         # t0=1: the running average "ax" starts at the first step, so it is
         # compared too (the default t0 of 1e6 never starts it).
-        "ASGD": lambda: st.fixed_dictionaries({
-            "lr": _log_uniform(1e-3, 0.3), "lambd": st.sampled_from([1e-4, 1e-2]), "alpha": st.sampled_from([0.75, 0.5]),
-            "t0": st.sampled_from([1e6, 1.0]), "weight_decay": _WEIGHT_DECAY,
-        }),
+        "ASGD": lambda: st.fixed_dictionaries(
+            {
+                "lr": _log_uniform(1e-3, 0.3),
+                "lambd": st.sampled_from([1e-4, 1e-2]),
+                "alpha": st.sampled_from([0.75, 0.5]),
+                "t0": st.sampled_from([1e6, 1.0]),
+                "weight_decay": _WEIGHT_DECAY,
+            }
+        ),
         # Factored second moments for tensors of 2+ dims; eps1 None: the dtype's eps.
-        "Adafactor": lambda: st.fixed_dictionaries({
-            "lr": _log_uniform(1e-3, 1e-1), "beta2_decay": st.sampled_from([-0.8, -0.5]),
-            "eps": st.sampled_from([(None, 1e-3), (1e-3, 1e-3)]), "d": st.sampled_from([1.0, 2.0]),
-            "weight_decay": _WEIGHT_DECAY,
-        }),
-        "Rprop": lambda: st.fixed_dictionaries({
-            "lr": _log_uniform(1e-4, 1e-1), "etas": st.sampled_from([(0.5, 1.2), (0.3, 1.5)]),
-            "step_sizes": st.sampled_from([(1e-6, 50.0), (1e-4, 1.0)]),
-        }),
+        "Adafactor": lambda: st.fixed_dictionaries(
+            {
+                "lr": _log_uniform(1e-3, 1e-1),
+                "beta2_decay": st.sampled_from([-0.8, -0.5]),
+                "eps": st.sampled_from([(None, 1e-3), (1e-3, 1e-3)]),
+                "d": st.sampled_from([1.0, 2.0]),
+                "weight_decay": _WEIGHT_DECAY,
+            }
+        ),
+        "Rprop": lambda: st.fixed_dictionaries(
+            {
+                "lr": _log_uniform(1e-4, 1e-1),
+                "etas": st.sampled_from([(0.5, 1.2), (0.3, 1.5)]),
+                "step_sizes": st.sampled_from([(1e-6, 50.0), (1e-4, 1.0)]),
+            }
+        ),
         # Nesterov or not, the RMS-matching lr adjustment or the default, decoupled decay.
-        "Muon": lambda: st.fixed_dictionaries({
-            "lr": _log_uniform(1e-3, 1e-1), "momentum": st.sampled_from([0.95, 0.0]), "nesterov": st.booleans(),
-            "weight_decay": st.sampled_from([0.0, 0.1]),
-            "adjust_lr_fn": st.sampled_from([None, "match_rms_adamw"]),
-        }),
+        "Muon": lambda: st.fixed_dictionaries(
+            {
+                "lr": _log_uniform(1e-3, 1e-1),
+                "momentum": st.sampled_from([0.95, 0.0]),
+                "nesterov": st.booleans(),
+                "weight_decay": st.sampled_from([0.0, 0.1]),
+                "adjust_lr_fn": st.sampled_from([None, "match_rms_adamw"]),
+            }
+        ),
     }
     return table[name]()
 
@@ -497,16 +595,29 @@ def losses(*, item_weighted: bool = False) -> st.SearchStrategy[str]:
 
 # ------------------------------------------------------------------- cases
 def cases(
-    *, min_batch_size: int = 1, max_batch_size: int | None = None, min_micro_batches: int = 1,
-    max_micro_batches: int | None = None, families: Sequence[str] | None = None,
-    optimizer_names: Sequence[str] | None = None, loss_names: Sequence[str] | None = None,
-    item_weighted: bool = False, allow_batchnorm: bool = False, allow_dropout: bool = False,
-    min_steps: int = 2, max_steps: int = 3, clipping: Sequence[str] = CLIPPING,
-    schedulers: Sequence[str | None] = (None,), loss_scaling: Sequence[str] = ("none",),
-    param_groups: Sequence[str | None] = (None, *PARAM_GROUPS), frozen_layers: Sequence[int | tuple[int, ...]] = FROZEN_LAYERS,
+    *,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    min_micro_batches: int = 1,
+    max_micro_batches: int | None = None,
+    families: Sequence[str] | None = None,
+    optimizer_names: Sequence[str] | None = None,
+    loss_names: Sequence[str] | None = None,
+    item_weighted: bool = False,
+    allow_batchnorm: bool = False,
+    allow_dropout: bool = False,
+    min_steps: int = 2,
+    max_steps: int = 3,
+    clipping: Sequence[str] = CLIPPING,
+    schedulers: Sequence[str | None] = (None,),
+    loss_scaling: Sequence[str] = ("none",),
+    param_groups: Sequence[str | None] = (None, *PARAM_GROUPS),
+    frozen_layers: Sequence[int | tuple[int, ...]] = FROZEN_LAYERS,
     # Not bfloat16 by default: Adam's first update, lr * sign(g), of a near-zero g is bfloat16 noise, so a
     # correct step can differ by a whole lr from the full batch (1.33 x allowed; reported).  Ask for it.
-    dtypes: Sequence[str] = ("float32", "float64"), devices: Sequence[str] = ("cpu",), max_seed: int = 2**16,
+    dtypes: Sequence[str] = ("float32", "float64"),
+    devices: Sequence[str] = ("cpu",),
+    max_seed: int = 2**16,
 ) -> st.SearchStrategy[Case]:
     """Return a strategy for :class:`~equiv.cases.case.Case` objects composed from
     :func:`micro_batch_splits`, :func:`models`, :func:`optimizers` and
@@ -620,10 +731,14 @@ class _CasePlan:
         for flag in ("item_weighted", "allow_batchnorm", "allow_dropout"):
             _check_flag(flag, getattr(bounds, flag))
         loss_pool = SAMPLE_LOSSES + (ITEM_WEIGHTED_LOSSES if bounds.item_weighted else ())
-        losses = loss_pool if bounds.loss_names is None else _check_names(
-            "loss_names", bounds.loss_names, tuple(LOSSES))
-        optimizer_names = OPTIMIZERS if bounds.optimizer_names is None else _check_names(
-            "optimizer_names", bounds.optimizer_names, OPTIMIZERS)
+        losses = (
+            loss_pool if bounds.loss_names is None else _check_names("loss_names", bounds.loss_names, tuple(LOSSES))
+        )
+        optimizer_names = (
+            OPTIMIZERS
+            if bounds.optimizer_names is None
+            else _check_names("optimizer_names", bounds.optimizer_names, OPTIMIZERS)
+        )
         clipping = _check_names("clipping", bounds.clipping, CLIPPING)
         schedulers = _check_names("schedulers", bounds.schedulers, tuple(SCHEDULERS))
         # In LOSS_SCALING's order whatever the order given, so "none" is what a case shrinks to.
@@ -640,15 +755,26 @@ class _CasePlan:
         else:
             top_count, extra_samples = min(max_micro_batches, bounds.max_batch_size), bounds.max_batch_size - low_batch
         return cls(
-            low_batch=low_batch, max_batch_size=bounds.max_batch_size, extra_samples=extra_samples,
-            counts=st.sampled_from(_count_table(bounds.min_micro_batches, top_count)), clipping=clipping,
-            losses=losses, models=models, frozen=frozen, optimizers=optimizers(names=optimizer_names),
+            low_batch=low_batch,
+            max_batch_size=bounds.max_batch_size,
+            extra_samples=extra_samples,
+            counts=st.sampled_from(_count_table(bounds.min_micro_batches, top_count)),
+            clipping=clipping,
+            losses=losses,
+            models=models,
+            frozen=frozen,
+            optimizers=optimizers(names=optimizer_names),
             # One group (None) first, so it is what a case shrinks to; each recipe as
             # often (three in four cases have two groups by default: a search meets
             # groups with active clipping in about one case in four).
             groups=st.sampled_from(sorted(groups, key=lambda g: g is not None)),
-            schedulers=schedulers, min_steps=bounds.min_steps, max_steps=bounds.max_steps, dtypes=dtypes,
-            devices=list(bounds.devices), max_seed=bounds.max_seed, scaling=scaling,
+            schedulers=schedulers,
+            min_steps=bounds.min_steps,
+            max_steps=bounds.max_steps,
+            dtypes=dtypes,
+            devices=list(bounds.devices),
+            max_seed=bounds.max_seed,
+            scaling=scaling,
         )
 
 
@@ -691,8 +817,9 @@ def _frozen_layers(frozen_layers: Sequence[int | tuple[int, ...]]) -> st.SearchS
     # Every family has 2 layers or more, so each choice leaves one to train.
     if isinstance(frozen_layers, Sequence) and any(isinstance(choice, bool) for choice in frozen_layers):
         raise InvalidArgument(f"frozen_layers must list choices among {list(FROZEN_LAYERS)} but was {frozen_layers!r}")
-    chosen = [choice for choice in FROZEN_LAYERS
-              if choice in _check_names("frozen_layers", frozen_layers, FROZEN_LAYERS)]
+    chosen = [
+        choice for choice in FROZEN_LAYERS if choice in _check_names("frozen_layers", frozen_layers, FROZEN_LAYERS)
+    ]
     placements = [choice for choice in chosen if choice != 0]
     nothing: list[int | tuple[int, ...]] = [0] * len(placements)
     return st.sampled_from(nothing + placements if 0 in chosen else chosen)
@@ -710,8 +837,9 @@ def _model_strategies(bounds: _CaseBounds, losses: tuple[str, ...]) -> dict[tupl
         if loss in SEQUENCE_LOSS_FAMILIES:  # the loss's own families (a families filter may not leave them out)
             own = SEQUENCE_LOSS_FAMILIES[loss]
             if families is not None and not set(own) & set(families):
-                raise InvalidArgument(f"loss {loss!r} needs a model family among {list(own)}, "
-                                      f"but families={list(families)}")
+                raise InvalidArgument(
+                    f"loss {loss!r} needs a model family among {list(own)}, but families={list(families)}"
+                )
             for tiny in (False, True):
                 drawn = models(families=own, tokens=True, tiny=tiny)
                 # DPO's rows pack chosen/rejected pairs: a function of the loss, not a drawn choice.
@@ -727,7 +855,8 @@ def _model_strategies(bounds: _CaseBounds, losses: tuple[str, ...]) -> dict[tupl
         batchnorm = bounds.allow_batchnorm and any(f in ("mlp", "conv1d", "conv2d") for f in pool)
         for tiny in (False, True):
             strategies[loss, tiny] = models(
-                families=pool, tokens=tokens, allow_batchnorm=batchnorm, allow_dropout=bounds.allow_dropout, tiny=tiny)
+                families=pool, tokens=tokens, allow_batchnorm=batchnorm, allow_dropout=bounds.allow_dropout, tiny=tiny
+            )
     return strategies
 
 
@@ -783,10 +912,23 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
     # (one value per channel): such a micro-batch is no case at all.
     assume(not (model == "mlp" and model_kwargs.get("norm") == "batch" and min(sizes) < 2))
     return Case(
-        batch_size=batch_size, micro_batch_sizes=sizes, model=model, model_kwargs=model_kwargs,
-        frozen_layers=frozen, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, param_groups=groups,
-        loss=loss, steps=steps, max_grad_norm=max_grad_norm, scheduler=scheduler,
-        scheduler_kwargs=dict(SCHEDULERS[scheduler]), **scaled, dtype=dtype, device=device, seed=seed,
+        batch_size=batch_size,
+        micro_batch_sizes=sizes,
+        model=model,
+        model_kwargs=model_kwargs,
+        frozen_layers=frozen,
+        optimizer=optimizer,
+        optimizer_kwargs=optimizer_kwargs,
+        param_groups=groups,
+        loss=loss,
+        steps=steps,
+        max_grad_norm=max_grad_norm,
+        scheduler=scheduler,
+        scheduler_kwargs=dict(SCHEDULERS[scheduler]),
+        **scaled,
+        dtype=dtype,
+        device=device,
+        seed=seed,
     )
 
 
@@ -800,8 +942,9 @@ def _draw_clip_norm(draw: st.DrawFn, clipping: tuple[str, ...]) -> float | None:
     return {"none": None, "inactive": 1e6}[clip]
 
 
-def _draw_loss_scaling(draw: st.DrawFn, scaling: list[str], *, model: str, steps: int,
-                       batch_size: int) -> dict[str, Any]:
+def _draw_loss_scaling(
+    draw: st.DrawFn, scaling: list[str], *, model: str, steps: int, batch_size: int
+) -> dict[str, Any]:
     """The loss-scaling fields of a drawn regime (none: no field)."""
     regime = draw(st.sampled_from(scaling))
     scaled: dict[str, Any] = {}

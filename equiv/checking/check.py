@@ -46,22 +46,40 @@ __all__ = ["check", "check_cases"]
 
 @overload
 def check(
-    candidate: Candidate, case: Case, *, tiers: Sequence[Tier] = TIERS, timeout: float | None = DEFAULT_TIMEOUT_S,
-    train_dtype: torch.dtype | str | None = None, strict: bool = False, details: bool = True,
+    candidate: Candidate,
+    case: Case,
+    *,
+    tiers: Sequence[Tier] = TIERS,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
+    details: bool = True,
     threads: int | None = None,
 ) -> Verdict: ...
 @overload
 def check(
-    candidate: Candidate, case: None = None, *, tiers: Sequence[Tier] = TIERS,
-    timeout: float | None = DEFAULT_TIMEOUT_S, train_dtype: torch.dtype | str | None = None, strict: bool = False,
-    details: bool = True, threads: int | None = None,
+    candidate: Candidate,
+    case: None = None,
+    *,
+    tiers: Sequence[Tier] = TIERS,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
+    details: bool = True,
+    threads: int | None = None,
 ) -> CaseVerdicts: ...
 
 
 def check(
-    candidate: Candidate, case: Case | None = None, *, tiers: Sequence[Tier] = TIERS,
-    timeout: float | None = DEFAULT_TIMEOUT_S, train_dtype: torch.dtype | str | None = None, strict: bool = False,
-    details: bool = True, threads: int | None = None,
+    candidate: Candidate,
+    case: Case | None = None,
+    *,
+    tiers: Sequence[Tier] = TIERS,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
+    details: bool = True,
+    threads: int | None = None,
 ) -> Verdict | CaseVerdicts:
     """Compare ``candidate`` with one full-batch step per optimizer step of ``case``.
 
@@ -108,19 +126,34 @@ def check(
         return precision_fails_because(train_dtype, strict, sized)
 
     if case is None:
-        return check_cases(candidate, STANDARD_CASES, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
-                           strict=strict, details=details, threads=threads)
+        return check_cases(
+            candidate,
+            STANDARD_CASES,
+            tiers=tiers,
+            timeout=timeout,
+            train_dtype=train_dtype,
+            strict=strict,
+            details=details,
+            threads=threads,
+        )
     try:
         with running_threads(chosen_threads(threads, [case] if isinstance(case, Case) else [])), deadline(timeout):
             return _check(bind(candidate), case, tiers, fails_because, details)
     except CheckTimeout as exc:  # not inside the candidate (that is a CandidateTimeout): in equiv's own runs
-        raise CheckTimeout(exc.seconds, f"the check of {case!r} took over its limit of {exc.seconds:g} s in "
-                                         "equiv's own runs (the full-batch reference and its floors): give a "
-                                         "longer timeout for a case this large") from None
+        raise CheckTimeout(
+            exc.seconds,
+            f"the check of {case!r} took over its limit of {exc.seconds:g} s in "
+            "equiv's own runs (the full-batch reference and its floors): give a "
+            "longer timeout for a case this large",
+        ) from None
 
 
 def _check(
-    candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_because: FailsBecause, details: bool = True,
+    candidate: BoundCandidate,
+    case: Case,
+    tiers: Sequence[Tier],
+    fails_because: FailsBecause,
+    details: bool = True,
 ) -> Verdict:
     if not isinstance(case, Case):
         raise TypeError(f"case must be an equiv.Case, got {type(case).__name__}: {case!r}")
@@ -135,16 +168,24 @@ def _check(
         return _judged(candidate, case, tiers, fails_because, details, watch_autocast=True)
     except _StepAutocast as seen:
         if case.autocast is not None:  # the case's autocast is not the one the step enters itself
-            return Verdict(case=case, candidate=name, mismatches=(), not_applicable=(
-                f"{name} runs its forward under torch.autocast({seen.dtype}) itself, the case under "
-                f"autocast={case.autocast!r}: give the case autocast={seen.dtype!r}, or None to judge the step in "
-                "its own precision",))
+            return Verdict(
+                case=case,
+                candidate=name,
+                mismatches=(),
+                not_applicable=(
+                    f"{name} runs its forward under torch.autocast({seen.dtype}) itself, the case under "
+                    f"autocast={case.autocast!r}: give the case autocast={seen.dtype!r}, or None to judge the step in "
+                    "its own precision",
+                ),
+            )
         # Judged as Case(autocast=...) is: the full-batch reference and its floors under the same
         # autocast, so the allowance is that precision's (float64 runs are never lowered: the truth stays exact).
         in_its_precision = dataclasses.replace(case, autocast=seen.dtype)
         verdict = _judged(candidate, in_its_precision, tiers, fails_because, details, watch_autocast=False)
-        note = (f"the step ran its forward under torch.autocast({seen.dtype}): judged in that precision, as "
-                f"Case(autocast={seen.dtype!r}) is")
+        note = (
+            f"the step ran its forward under torch.autocast({seen.dtype}): judged in that precision, as "
+            f"Case(autocast={seen.dtype!r}) is"
+        )
         return dataclasses.replace(verdict, notes=(note, *verdict.notes))
 
 
@@ -157,8 +198,9 @@ class _StepAutocast(Exception):
         self.dtype = dtype
 
 
-def _autocast_watched(candidate: BoundCandidate, run_of: Callable[[BoundCandidate], CandidateRun],
-                      case: Case) -> CandidateRun:
+def _autocast_watched(
+    candidate: BoundCandidate, run_of: Callable[[BoundCandidate], CandidateRun], case: Case
+) -> CandidateRun:
     """The candidate's run, reading (as the audit does per forward, :func:`~equiv.judging.autocast.autocast_of`) the
     ``torch.autocast`` in force where the step calls its model: after a run that entered one
     other than the case's, :class:`_StepAutocast` (raised once the run has ended, so no step of
@@ -202,8 +244,13 @@ def _autocast_watched(candidate: BoundCandidate, run_of: Callable[[BoundCandidat
 
 
 def _judged(
-    candidate: BoundCandidate, case: Case, tiers: Sequence[Tier], fails_because: FailsBecause, details: bool,
-    *, watch_autocast: bool,
+    candidate: BoundCandidate,
+    case: Case,
+    tiers: Sequence[Tier],
+    fails_because: FailsBecause,
+    details: bool,
+    *,
+    watch_autocast: bool,
 ) -> Verdict:
     """The verdict of an applicable case; ``watch_autocast``: its first candidate run raises
     :class:`_StepAutocast` if the step runs its forward under an autocast the case does not."""
@@ -225,6 +272,7 @@ def _judged(
     for tier in sorted(references.tiers, key=lambda name: name != "noise"):
         if tier == "exact" and any(not row.ok for row in by_tier.get("noise", ())):
             references.with_floors([tier])
+
         def run_of(step: BoundCandidate, tier: Tier = tier) -> CandidateRun:
             return references.candidate_run(tier, case, step, notes=notes[tier])
 
@@ -256,8 +304,13 @@ def _failure_kind(candidate: BoundCandidate, case: Case, verdict: Verdict) -> Fa
 def _own_autocast(cases: Mapping[str, Case], verdicts: Mapping[str, Verdict]) -> str:
     """Said after the count when the step ran under its own ``torch.autocast`` (each such
     case judged in that precision, with a note): "" when none did."""
-    dtypes = sorted({v.case.autocast for name, v in verdicts.items()
-                     if v.case.autocast is not None and v.case.autocast != cases[name].autocast})
+    dtypes = sorted(
+        {
+            v.case.autocast
+            for name, v in verdicts.items()
+            if v.case.autocast is not None and v.case.autocast != cases[name].autocast
+        }
+    )
     if not dtypes:
         return ""
     return f"(judged under the step's own torch.autocast({', '.join(dtypes)}))"
@@ -279,7 +332,11 @@ _LARGEST_SAFE_SCALE = 2.0**40
 
 
 def _precision_finding(
-    references: ReferenceRuns, case: Case, candidate: BoundCandidate, verdict: Verdict, fails_because: FailsBecause,
+    references: ReferenceRuns,
+    case: Case,
+    candidate: BoundCandidate,
+    verdict: Verdict,
+    fails_because: FailsBecause,
 ) -> PrecisionFinding | None:
     """:func:`precision_finding` for one process: the re-run is the candidate's
     own, in this process, with torch's default dtype set to float64 or its
@@ -318,8 +375,16 @@ def check_cases(
     order: list[str] = []
 
     def so_far() -> CaseVerdicts:
-        return CaseVerdicts(candidate.name, dict(verdicts), dict(errors), tuple(order), dict(tracebacks),
-                            faults=dict(faults), not_run=dict(not_run), setting=_own_autocast(cases, verdicts))
+        return CaseVerdicts(
+            candidate.name,
+            dict(verdicts),
+            dict(errors),
+            tuple(order),
+            dict(tracebacks),
+            faults=dict(faults),
+            not_run=dict(not_run),
+            setting=_own_autocast(cases, verdicts),
+        )
 
     count = chosen_threads(threads, cases.values())
     hung: str | None = None
@@ -330,8 +395,16 @@ def check_cases(
             else:
                 try:
                     # The count chosen for all, passed on: each case's check need not choose again.
-                    verdicts[name] = check(candidate, case, tiers=tiers, timeout=timeout, train_dtype=train_dtype,
-                                           strict=strict, details=details, threads=count)
+                    verdicts[name] = check(
+                        candidate,
+                        case,
+                        tiers=tiers,
+                        timeout=timeout,
+                        train_dtype=train_dtype,
+                        strict=strict,
+                        details=details,
+                        threads=count,
+                    )
                 except CandidateError as exc:
                     errors[name] = str(exc)
                     faults[name] = Fault.HUNG if isinstance(exc, CandidateTimeout) else Fault.RAISED

@@ -95,6 +95,7 @@ __all__ = [
 #: :data:`equiv.distributed.engines.ENGINES`, which says how it wraps the model).
 ENGINES: tuple[str, ...] = STEP_ENGINES
 
+
 @dataclass(frozen=True, slots=True)
 class RankTier:
     """What one rank sends back for one tier: its trajectory and what it counted."""
@@ -123,8 +124,12 @@ def _gathered(snapshots: list[Snapshot]) -> list[Snapshot]:
     collective: every rank runs this in the same order), so their names and
     shapes are the single-process ones."""
     return [
-        dataclasses.replace(s, params=full_tensors(s.params), buffers=full_tensors(s.buffers),
-                            optimizer_state=full_tensors(s.optimizer_state))
+        dataclasses.replace(
+            s,
+            params=full_tensors(s.params),
+            buffers=full_tensors(s.buffers),
+            optimizer_state=full_tensors(s.optimizer_state),
+        )
         for s in snapshots
     ]
 
@@ -181,9 +186,14 @@ class _CheckTask:
                 own.start_step()
 
             snapshots = run_candidate(
-                self.dcase.case, self.candidate, getattr(torch, dtype_name), wrap_model=wrap,
-                batch_slice=self.dcase.rank_slice(rank), micro_batch_sizes=self.dcase.rank_micro_batches(rank),
-                on_step=on_step, default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
+                self.dcase.case,
+                self.candidate,
+                getattr(torch, dtype_name),
+                wrap_model=wrap,
+                batch_slice=self.dcase.rank_slice(rank),
+                micro_batch_sizes=self.dcase.rank_micro_batches(rank),
+                on_step=on_step,
+                default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
                 promote_low_precision=self.promote_low_precision,
                 # A rank is a process of its own: os._exit there is a rank that died, as the launcher says.
                 catch_os_exit=False,
@@ -191,8 +201,9 @@ class _CheckTask:
             own.stop()
             mark(f"the end of the {tier} tier's steps")
             progress(f"{tier} tier: gathering the snapshots")
-            results[tier] = RankTier(_gathered(snapshots), tuple(counter.calls), tuple(counter.bytes), wrapping.units,
-                                     tuple(own.calls))
+            results[tier] = RankTier(
+                _gathered(snapshots), tuple(counter.calls), tuple(counter.bytes), wrapping.units, tuple(own.calls)
+            )
         return results
 
 
@@ -200,12 +211,16 @@ def _check_split(dcase: DistributedCase, engine: str) -> None:
     """The split must fit the engine: a tensor- (context-) parallel engine needs T >= 2
     (C >= 2) ranks per group, any other T = 1 (C = 1); and what the engine's record refuses."""
     record = engine_named(engine)
-    for group, size, keyword in (("tensor", dcase.tensor_parallel, "tensor_parallel=T"),
-                                 ("context", dcase.context_parallel, "context_parallel=C")):
+    for group, size, keyword in (
+        ("tensor", dcase.tensor_parallel, "tensor_parallel=T"),
+        ("context", dcase.context_parallel, "context_parallel=C"),
+    ):
         name = keyword.split("=")[0]
         if record.group == group and size < 2:
-            raise InvalidCase(f"engine={engine!r} needs DistributedCase.of(..., {keyword}) with {keyword[-1]} >= 2 "
-                              f"ranks per {group}-parallel group, got {name}={size}")
+            raise InvalidCase(
+                f"engine={engine!r} needs DistributedCase.of(..., {keyword}) with {keyword[-1]} >= 2 "
+                f"ranks per {group}-parallel group, got {name}={size}"
+            )
         if record.group != group and size != 1:
             engines = " or ".join(repr(n) for n, e in ENGINE_RECORDS.items() if e.group == group)
             raise InvalidCase(f"{name}={size} needs engine {engines}, got engine={engine!r}")
@@ -219,9 +234,16 @@ def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
 
 
 def check_distributed(
-    candidate: Candidate, dcase: DistributedCase, *, tiers: Sequence[Tier] = TIERS, timeout_s: float = 120.0,
-    engine: str = DEFAULT_ENGINE, mp_policy: MixedPrecisionPolicy | None = None, train_dtype: torch.dtype | str | None = None,
-    strict: bool = False, launcher: Launcher = run_on_ranks,
+    candidate: Candidate,
+    dcase: DistributedCase,
+    *,
+    tiers: Sequence[Tier] = TIERS,
+    timeout_s: float = 120.0,
+    engine: str = DEFAULT_ENGINE,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
+    launcher: Launcher = run_on_ranks,
 ) -> DistributedVerdict:
     """Run ``candidate`` on ``dcase.world_size`` local processes and compare
     every rank with the single-process full-batch step.
@@ -298,19 +320,25 @@ def check_distributed(
     reasons = bound.not_applicable_reasons(dcase.case)
     if reasons:  # nothing to run: every rank says why the case does not apply
         verdict = Verdict(case=dcase.case, candidate=bound.name, mismatches=(), not_applicable=reasons)
-        return DistributedVerdict(case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size,
-                                  engine=engine, mp_policy=mp_policy)
-    if (launcher is run_on_ranks and dcase.case.device.startswith("cuda")
-            and torch.cuda.device_count() < dcase.world_size):
-        raise ValueError(f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, "
-                         f"{torch.cuda.device_count()} visible")
+        return DistributedVerdict(
+            case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size, engine=engine, mp_policy=mp_policy
+        )
+    if (
+        launcher is run_on_ranks
+        and dcase.case.device.startswith("cuda")
+        and torch.cuda.device_count() < dcase.world_size
+    ):
+        raise ValueError(
+            f"{dcase.world_size} ranks on {dcase.case.device!r} need as many GPUs, {torch.cuda.device_count()} visible"
+        )
     references = ReferenceRuns.of(dcase.case, tiers)
     ranks = _Ranks(sent, bound.name, dcase, engine, timeout_s, launcher, references)
     return ranks.verdict(mp_policy, fails_because)
 
 
-def _check_arguments(dcase: DistributedCase, engine: str, mp_policy: MixedPrecisionPolicy | None,
-                     timeout_s: float) -> None:
+def _check_arguments(
+    dcase: DistributedCase, engine: str, mp_policy: MixedPrecisionPolicy | None, timeout_s: float
+) -> None:
     """Refuse what no rank could run, before any starts."""
     if not isinstance(dcase, DistributedCase):
         raise TypeError(f"dcase must be an equiv.DistributedCase, got {type(dcase).__name__}")
@@ -349,8 +377,10 @@ def _sendable(candidate: Candidate, name: str) -> Any:
 
 
 #: How the ranks run a step again for :func:`~equiv.judging.judge.precision_finding`, in words.
-_RERUNS = {"default_dtype": "with torch's default dtype set to float64",
-           "low_precision": "with the step's bfloat16 and float16 lifted to each tier's dtype"}
+_RERUNS = {
+    "default_dtype": "with torch's default dtype set to float64",
+    "low_precision": "with the step's bfloat16 and float16 lifted to each tier's dtype",
+}
 
 
 @dataclass(frozen=True)
@@ -372,8 +402,9 @@ class _Ranks:
     def tier_dtypes(self) -> list[tuple[str, str]]:
         return [(tier, str(self.references.dtype(tier)).removeprefix("torch.")) for tier in self.references.tiers]
 
-    def launch(self, tiers: Collection[Tier], policy: MixedPrecisionPolicy | None,
-               rerun: str | None = None) -> list[RankResult]:
+    def launch(
+        self, tiers: Collection[Tier], policy: MixedPrecisionPolicy | None, rerun: str | None = None
+    ) -> list[RankResult]:
         """Run ``tiers`` on the ranks: what each rank returned, in rank order.  ``rerun``: how
         :func:`~equiv.judging.judge.precision_finding` asks the step to run again, one of
         :data:`_RERUNS` (torch's default dtype set to float64, or the step's own bfloat16
@@ -381,26 +412,40 @@ class _Ranks:
         if rerun is not None and rerun not in _RERUNS:
             raise ValueError(f"rerun must be one of {sorted(_RERUNS)} or None, got {rerun!r}")
         dcase, engine = self.dcase, self.engine
-        task = _CheckTask(self.sent, dcase, [(t, d) for t, d in self.tier_dtypes if t in tiers],
-                          engine_named(engine).apply, policy,
-                          default_dtype="float64" if rerun == "default_dtype" else None,
-                          promote_low_precision=rerun == "low_precision")
-        extra = "" if engine == DEFAULT_ENGINE else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
+        task = _CheckTask(
+            self.sent,
+            dcase,
+            [(t, d) for t, d in self.tier_dtypes if t in tiers],
+            engine_named(engine).apply,
+            policy,
+            default_dtype="float64" if rerun == "default_dtype" else None,
+            promote_low_precision=rerun == "low_precision",
+        )
+        extra = (
+            "" if engine == DEFAULT_ENGINE else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
+        )
         extra += "" if rerun is None else f", {_RERUNS[rerun]}"
         # Under FSDP2 on CUDA the snapshots' shards are gathered where they live
         # (NCCL) and copied to the CPU; the CPU backend serves any CPU tensor.
         fsdp_on_cuda = engine_named(engine).shards_parameters and dcase.case.device.startswith("cuda")
         return self.launcher(
-            task, dcase.world_size, device=dcase.case.device, backend="cpu:gloo,cuda:nccl" if fsdp_on_cuda else None,
-            timeout_s=self.timeout_s, describe=f"candidate {self.name}, case {dcase!r}{extra}", match_collectives=True,
+            task,
+            dcase.world_size,
+            device=dcase.case.device,
+            backend="cpu:gloo,cuda:nccl" if fsdp_on_cuda else None,
+            timeout_s=self.timeout_s,
+            describe=f"candidate {self.name}, case {dcase!r}{extra}",
+            match_collectives=True,
         )
 
     def verdict(self, mp_policy: MixedPrecisionPolicy | None, fails_because: FailsBecause) -> DistributedVerdict:
         """Every tier on the ranks, each rank's verdict, precision told apart (as :func:`check_distributed` says)."""
         references, name = self.references, self.name
         per_rank = self.launch(references.tiers, mp_policy)
-        verdicts = [references.verdict(name, {tier: results[tier].snapshots for tier in references.tiers})
-                    for results in per_rank]
+        verdicts = [
+            references.verdict(name, {tier: results[tier].snapshots for tier in references.tiers})
+            for results in per_rank
+        ]
 
         def rerun_on_the_ranks(failing: Sequence[Tier], how: str) -> list[TensorDiff] | None:
             if how == "low_precision" and _lowers_precision(mp_policy):
@@ -415,14 +460,22 @@ class _Ranks:
         if finding is not None:
             verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
         precision_note = None
-        if not all(verdicts) and finding is None and _lowers_precision(mp_policy) and not any(v.inherent for v in verdicts):
+        if (
+            not all(verdicts)
+            and finding is None
+            and _lowers_precision(mp_policy)
+            and not any(v.inherent for v in verdicts)
+        ):
             precision_note = self._policy_note(verdicts, mp_policy)
         tiers = references.tiers
         return DistributedVerdict(
-            case=self.dcase, candidate=name, ranks=tuple(verdicts), engine=self.engine,
-            comm={tier: tuple(r[tier].comm for r in per_rank)
-                  for tier in tiers},
-            fsdp_units=max(r[tier].units for r in per_rank for tier in tiers), mp_policy=mp_policy,
+            case=self.dcase,
+            candidate=name,
+            ranks=tuple(verdicts),
+            engine=self.engine,
+            comm={tier: tuple(r[tier].comm for r in per_rank) for tier in tiers},
+            fsdp_units=max(r[tier].units for r in per_rank for tier in tiers),
+            mp_policy=mp_policy,
             precision_note=precision_note,
             step_collectives={tier: tuple(r[tier].own_calls for r in per_rank) for tier in tiers},
         )
@@ -435,8 +488,10 @@ class _Ranks:
         failing = {d.tier for v in verdicts for d in v.mismatches}
         rerun = self.launch(failing, None)
         if all(self.references.verdict(self.name, {t: r[t].snapshots for t in failing}) for r in rerun):
-            return (f"the same step with no MixedPrecisionPolicy matches, so the difference is the policy's "
-                    f"{_policy_dtypes(mp_policy)}")
+            return (
+                f"the same step with no MixedPrecisionPolicy matches, so the difference is the policy's "
+                f"{_policy_dtypes(mp_policy)}"
+            )
         return None
 
 

@@ -38,8 +38,14 @@ class RankFault:
 
 
 def check_distributed_case(
-    candidate: Candidate, dcase: DistributedCase, *, engine: str = DEFAULT_ENGINE, timeout_s: float = 120.0,
-    train_dtype: torch.dtype | str | None = None, strict: bool = False, launcher: Launcher = run_on_ranks,
+    candidate: Candidate,
+    dcase: DistributedCase,
+    *,
+    engine: str = DEFAULT_ENGINE,
+    timeout_s: float = 120.0,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
+    launcher: Launcher = run_on_ranks,
 ) -> DistributedVerdict | RankFault:
     """:func:`~equiv.checking.distributed.check_distributed` on one case, a rank fault returned, not raised.
 
@@ -55,8 +61,15 @@ def check_distributed_case(
         As :func:`~equiv.checking.distributed.check_distributed` does for what no rank could run.
     """
     try:
-        return check_distributed(candidate, dcase, engine=engine, timeout_s=timeout_s, train_dtype=train_dtype,
-                                 strict=strict, launcher=launcher)
+        return check_distributed(
+            candidate,
+            dcase,
+            engine=engine,
+            timeout_s=timeout_s,
+            train_dtype=train_dtype,
+            strict=strict,
+            launcher=launcher,
+        )
     except DistributedCheckError as exc:
         return RankFault(str(exc), exc.fault, exc)
 
@@ -76,7 +89,11 @@ class CaseLoop:
 
 
 def check_distributed_cases(
-    candidate: Candidate, cases: Mapping[str, DistributedCase], name: str, loop: CaseLoop | None = None, *,
+    candidate: Candidate,
+    cases: Mapping[str, DistributedCase],
+    name: str,
+    loop: CaseLoop | None = None,
+    *,
     starting: Callable[[int, str, DistributedCase], None] | None = None,
     shown: Callable[[str], None] | None = None,
 ) -> CaseVerdicts[DistributedVerdict]:
@@ -107,14 +124,28 @@ def check_distributed_cases(
     setting = f"on {next(iter(cases.values())).world_size} ranks ({loop.engine})"
 
     def so_far() -> CaseVerdicts[DistributedVerdict]:
-        return CaseVerdicts(name, dict(verdicts), dict(errors), tuple(order), setting=setting,
-                            faults=dict(faults), not_run=dict(not_run))
+        return CaseVerdicts(
+            name,
+            dict(verdicts),
+            dict(errors),
+            tuple(order),
+            setting=setting,
+            faults=dict(faults),
+            not_run=dict(not_run),
+        )
 
     for index, (case_name, dcase) in enumerate(cases.items(), start=1):
         if starting is not None:
             starting(index, case_name, dcase)
-        outcome = check_distributed_case(candidate, dcase, engine=loop.engine, timeout_s=loop.timeout_s,
-                                         train_dtype=loop.train_dtype, strict=loop.strict, launcher=loop.launcher)
+        outcome = check_distributed_case(
+            candidate,
+            dcase,
+            engine=loop.engine,
+            timeout_s=loop.timeout_s,
+            train_dtype=loop.train_dtype,
+            strict=loop.strict,
+            launcher=loop.launcher,
+        )
         if isinstance(outcome, RankFault):
             errors[case_name], faults[case_name] = outcome.error, outcome.fault
         else:
@@ -139,7 +170,11 @@ def _not_run(case_name: str, hung: bool, timeout_s: float) -> tuple[str, str]:
     After a hang each case would wait out the timeout again (as equiv check skips them); under
     torchrun a fault may leave a rank mid-collective: its process group cannot be trusted again."""
     if hung:
-        return (f"the step hung on {case_name!r}",
-                f"the step hung on {case_name!r}, and each would wait {timeout_s:g} s as long")
-    return (f"after the fault on {case_name!r} the ranks' process group may be left mid-collective",
-            "after a fault the ranks' process group may be left mid-collective")
+        return (
+            f"the step hung on {case_name!r}",
+            f"the step hung on {case_name!r}, and each would wait {timeout_s:g} s as long",
+        )
+    return (
+        f"after the fault on {case_name!r} the ranks' process group may be left mid-collective",
+        "after a fault the ranks' process group may be left mid-collective",
+    )

@@ -40,8 +40,17 @@ from equiv.judging.judge import precision_fails_because
 from equiv.outcomes import Fault, Outcome
 from equiv.results.protocol import SearchBase
 
-__all__ = ["DATA_PARALLEL_ENGINES", "ENGINES", "MODELS", "DistributedSearchResult", "DistributedSearchSpace", "UnequalCountsFault",
-           "distributed_cases", "standard_distributed_cases", "verify_distributed"]
+__all__ = [
+    "DATA_PARALLEL_ENGINES",
+    "ENGINES",
+    "MODELS",
+    "DistributedSearchResult",
+    "DistributedSearchSpace",
+    "UnequalCountsFault",
+    "distributed_cases",
+    "standard_distributed_cases",
+    "verify_distributed",
+]
 
 # The engines a search may draw are :data:`ENGINES` (see :func:`~equiv.checking.distributed.check_distributed`);
 # which models each draws, with how many data ranks and ranks per group, is its record's
@@ -61,8 +70,9 @@ MODELS = tuple(_BASES)
 #: it differs: the MoE with an output at every position (``model="token_moe"``, ``loss="token_mse_aux"``),
 #: the same router losses per sequence.
 _SEQUENCE_BASES: dict[str, Case] = {
-    "moe": Case(batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01},
-                loss="token_mse_aux"),
+    "moe": Case(
+        batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01}, loss="token_mse_aux"
+    ),
 }
 _OPTIMIZERS = {"SGD": {"lr": 0.05}, "Adam": {"lr": 1e-2}}
 #: An active clip norm for these models' gradients (drawn only for a step that takes max_grad_norm).
@@ -71,8 +81,14 @@ _CLIP_NORM = 0.05
 
 @st.composite
 def distributed_cases(
-    draw: st.DrawFn, *, max_world_size: int = 3, max_micro_batches: int = 3, max_micro_batch_size: int = 4,
-    clipping: bool = False, models: Sequence[str] = MODELS, engine: str = DEFAULT_ENGINE,
+    draw: st.DrawFn,
+    *,
+    max_world_size: int = 3,
+    max_micro_batches: int = 3,
+    max_micro_batch_size: int = 4,
+    clipping: bool = False,
+    models: Sequence[str] = MODELS,
+    engine: str = DEFAULT_ENGINE,
     equal_micro_batch_counts: bool = False,
 ) -> DistributedCase:
     """Distributed cases: 2 to ``max_world_size`` ranks, each with 1 to
@@ -99,8 +115,9 @@ def distributed_cases(
     tensor_parallel = record.search_group_ranks if record.group == "tensor" else 1
     context_parallel = record.search_group_ranks if record.group == "context" else 1
     low, fixed = record.search_data_ranks  # data ranks: a fixed count is not drawn
-    world_size = fixed if fixed is not None else draw(
-        st.integers(low, max(low, max_world_size // record.search_group_ranks)))
+    world_size = (
+        fixed if fixed is not None else draw(st.integers(low, max(low, max_world_size // record.search_group_ranks)))
+    )
     if record.shards_parameters or equal_micro_batch_counts:
         count = draw(st.integers(1, max_micro_batches))
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=count, max_size=count)
@@ -160,16 +177,21 @@ def standard_distributed_cases(world_size: int, engine: str = DEFAULT_ENGINE) ->
     }
     if not ENGINE_RECORDS[engine].shards_parameters:  # FSDP2 all-gathers per forward: equal counts only
         cases["uneven micro-batch counts, Adam"] = DistributedCase.of(
-            adam, [[2] * (rank + 1) for rank in range(world_size)])
+            adam, [[2] * (rank + 1) for rank in range(world_size)]
+        )
     cases["clipped (max_grad_norm), Adam"] = DistributedCase.of(adam.replace(max_grad_norm=_CLIP_NORM), sizes)
     return cases
 
 
-def _check_bounds(max_world_size: int, max_micro_batches: int, max_micro_batch_size: int,
-                  models: Sequence[str]) -> None:
+def _check_bounds(
+    max_world_size: int, max_micro_batches: int, max_micro_batch_size: int, models: Sequence[str]
+) -> None:
     """Refuse bounds no case can be drawn from, naming the value."""
-    for name, value, low in (("max_world_size", max_world_size, 2), ("max_micro_batches", max_micro_batches, 1),
-                             ("max_micro_batch_size", max_micro_batch_size, 1)):
+    for name, value, low in (
+        ("max_world_size", max_world_size, 2),
+        ("max_micro_batches", max_micro_batches, 1),
+        ("max_micro_batch_size", max_micro_batch_size, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
     unknown = [model for model in models if model not in MODELS]
@@ -196,18 +218,25 @@ class UnequalCountsFault:
 
     def describe(self) -> str:
         """One paragraph: which split, hang or mismatch, why, what to do, and the ranks' first line."""
-        split = "; ".join(f"rank {rank}: {list(sizes)}" for rank, sizes in
-                          enumerate(self.counterexample.rank_micro_batch_sizes))
+        split = "; ".join(
+            f"rank {rank}: {list(sizes)}" for rank, sizes in enumerate(self.counterexample.rank_micro_batch_sizes)
+        )
         what = "hang" if self.fault is Fault.HUNG else "mismatch their collectives"
         first = next((line.strip() for line in self.error.splitlines() if line.strip()), "")
-        return (f"Also: ranks holding different numbers of micro-batches {what} under this step ({split}; engine "
-                f"{self.engine}): its collectives depend on its micro-batch count (a gradient sync per micro-batch). "
-                f"Sync once per window (DDP's no_sync() around all but the last backward) or give every rank as "
-                f"many micro-batches. The ranks said: {first}")
+        return (
+            f"Also: ranks holding different numbers of micro-batches {what} under this step ({split}; engine "
+            f"{self.engine}): its collectives depend on its micro-batch count (a gradient sync per micro-batch). "
+            f"Sync once per window (DDP's no_sync() around all but the last backward) or give every rank as "
+            f"many micro-batches. The ranks said: {first}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"counterexample": self.counterexample.to_dict(), "engine": self.engine, "error": self.error,
-                "fault": self.fault.value}
+        return {
+            "counterexample": self.counterexample.to_dict(),
+            "engine": self.engine,
+            "error": self.error,
+            "fault": self.fault.value,
+        }
 
 
 @dataclass(frozen=True)
@@ -262,39 +291,59 @@ class DistributedSearchResult(SearchBase):
     def _fields(self) -> dict[str, Any]:
         found = self.counterexample
         return {
-            "candidate": self.candidate, "engines": list(self.engines), "examples": self.examples, "seed": self.seed,
-            "elapsed_s": self.elapsed_s, "found": self.found, "outcome": (self.kind or self.status).value,
-            "engine": self.engine, "counterexample": None if found is None else found.to_dict(),
-            "verdict": None if self.verdict is None else self.verdict.to_dict(), "error": self.error,
-            "precision_notes": self.precision_notes, "fault": None if self.fault is None else self.fault.value,
+            "candidate": self.candidate,
+            "engines": list(self.engines),
+            "examples": self.examples,
+            "seed": self.seed,
+            "elapsed_s": self.elapsed_s,
+            "found": self.found,
+            "outcome": (self.kind or self.status).value,
+            "engine": self.engine,
+            "counterexample": None if found is None else found.to_dict(),
+            "verdict": None if self.verdict is None else self.verdict.to_dict(),
+            "error": self.error,
+            "precision_notes": self.precision_notes,
+            "fault": None if self.fault is None else self.fault.value,
             "also": None if self.also is None else self.also.to_dict(),
             "equal_counts_examples": self.equal_counts_examples,
         }
 
     def message(self) -> str:
-        head = (f"equiv verify-distributed: {self.candidate}, {self.examples} distributed case(s) "
-                f"({', '.join(self.engines)}), seed {self.seed}, {self.elapsed_s:.1f} s")
+        head = (
+            f"equiv verify-distributed: {self.candidate}, {self.examples} distributed case(s) "
+            f"({', '.join(self.engines)}), seed {self.seed}, {self.elapsed_s:.1f} s"
+        )
         if not self.found:
             notes = f"; {self.precision_notes} with a precision note" if self.precision_notes else ""
             return f"{head}: no counterexample{notes}."
         assert self.counterexample is not None
-        split = "; ".join(f"rank {rank}: {list(sizes)}" for rank, sizes in
-                          enumerate(self.counterexample.rank_micro_batch_sizes))
-        lines = [f"{head}: counterexample, shrunk to {self.counterexample.world_size} ranks ({split}), "
-                 f"engine {self.engine}:", ""]
+        split = "; ".join(
+            f"rank {rank}: {list(sizes)}" for rank, sizes in enumerate(self.counterexample.rank_micro_batch_sizes)
+        )
+        lines = [
+            f"{head}: counterexample, shrunk to {self.counterexample.world_size} ranks ({split}), "
+            f"engine {self.engine}:",
+            "",
+        ]
         shown = self.error if self.error is not None else self.verdict.message() if self.verdict is not None else ""
         # One Reproduce line, the search's own (the verdict's says the same without the engine it ran under).
         lines.append("\n".join(line for line in shown.splitlines() if not line.startswith("Reproduce:")))
         # The keywords that make a failing precision finding fail again (the same on every rank).
         ranks = self.verdict.ranks if self.verdict is not None else ()
         flags = next((v._precision_flags() for v in ranks if v.precision is not None), "")
-        lines += ["", f"Reproduce: equiv.check_distributed({self.candidate}, {self.counterexample.source('equiv.')}, "
-                      f"engine={self.engine!r}{flags})"]
+        lines += [
+            "",
+            f"Reproduce: equiv.check_distributed({self.candidate}, {self.counterexample.source('equiv.')}, "
+            f"engine={self.engine!r}{flags})",
+        ]
         if self.also is not None:
             lines += ["", self.also.describe()]
         elif self.equal_counts_examples is not None:
-            lines += ["", f"With every rank holding as many micro-batches: no counterexample in "
-                          f"{self.equal_counts_examples} case(s)."]
+            lines += [
+                "",
+                f"With every rank holding as many micro-batches: no counterexample in "
+                f"{self.equal_counts_examples} case(s).",
+            ]
         return "\n".join(lines)
 
 
@@ -337,27 +386,40 @@ class DistributedSearchSpace:
         _check_bounds(self.max_world_size, self.max_micro_batches, self.max_micro_batch_size, self.models)
         for engine, record in ENGINE_RECORDS.items():
             drawable = record.search_models
-            if record.group == "tensor" and drawable is not None and engine in self.engines \
-                    and not set(self.models) <= set(drawable):
-                raise ValueError(f"engine {engine!r} shards nn.Linear pairs (and runs the MoE sequence-parallel "
-                                 f"under 'tp' alone): models must be a subset of {drawable} with it, got "
-                                 f"{self.models!r}")
+            if (
+                record.group == "tensor"
+                and drawable is not None
+                and engine in self.engines
+                and not set(self.models) <= set(drawable)
+            ):
+                raise ValueError(
+                    f"engine {engine!r} shards nn.Linear pairs (and runs the MoE sequence-parallel "
+                    f"under 'tp' alone): models must be a subset of {drawable} with it, got "
+                    f"{self.models!r}"
+                )
         context = {name: record for name, record in ENGINE_RECORDS.items() if record.group == "context"}
         for record in context.values():
             drawable = record.search_models or MODELS
             if any(model not in drawable for model in self.models) and any(e in context for e in self.engines):
                 names = " and ".join(repr(name) for name in context)
-                raise ValueError(f"engines {names} split every sequence's positions over ranks: models must "
-                                 f"be a subset of {drawable} with them, got {self.models!r}")
+                raise ValueError(
+                    f"engines {names} split every sequence's positions over ranks: models must "
+                    f"be a subset of {drawable} with them, got {self.models!r}"
+                )
 
     def strategy(self, *, clipping: bool) -> st.SearchStrategy[tuple[DistributedCase, str]]:
         """(a case, the engine it runs on): an engine drawn first, then a case for it;
         an active clip norm drawn only with ``clipping``."""
+
         def on(engine: str) -> st.SearchStrategy[tuple[DistributedCase, str]]:
             return distributed_cases(
-                max_world_size=self.max_world_size, max_micro_batches=self.max_micro_batches,
-                max_micro_batch_size=self.max_micro_batch_size, clipping=clipping, models=self.models,
-                engine=engine, equal_micro_batch_counts=self.equal_micro_batch_counts,
+                max_world_size=self.max_world_size,
+                max_micro_batches=self.max_micro_batches,
+                max_micro_batch_size=self.max_micro_batch_size,
+                clipping=clipping,
+                models=self.models,
+                engine=engine,
+                equal_micro_batch_counts=self.equal_micro_batch_counts,
             ).map(lambda dcase: (dcase, engine))
 
         return st.sampled_from(tuple(self.engines)).flatmap(on)
@@ -424,8 +486,9 @@ def verify_distributed(
 
     def judge(drawn: tuple[DistributedCase, str]) -> Failure[DistributedVerdict] | Discard | None:
         dcase, engine = drawn
-        verdict = check_distributed_case(candidate, dcase, engine=engine, timeout_s=timeout_s,
-                                         train_dtype=train_dtype, strict=strict)
+        verdict = check_distributed_case(
+            candidate, dcase, engine=engine, timeout_s=timeout_s, train_dtype=train_dtype, strict=strict
+        )
         if isinstance(verdict, RankFault):
             return Failure(error=verdict.error, fault=verdict.fault, cause=verdict.cause)
         if verdict.status is Outcome.NOT_APPLICABLE:
@@ -451,8 +514,12 @@ def verify_distributed(
                 progress(examples + done, time.perf_counter() - started)
 
         equal = dataclasses.replace(space, equal_micro_batch_counts=True)
-        again = run_search(equal.strategy(clipping=clipping), judge,
-                           SearchRun(max_examples=max_examples, seed=seed, progress=more), name=bound.name)
+        again = run_search(
+            equal.strategy(clipping=clipping),
+            judge,
+            SearchRun(max_examples=max_examples, seed=seed, progress=more),
+            name=bound.name,
+        )
         examples += again.examples
         equal_counts_examples = again.examples
         if again.found:
@@ -460,16 +527,25 @@ def verify_distributed(
     dcase, engine = outcome.example if outcome.example is not None else (None, None)
     failure = outcome.failure
     return DistributedSearchResult(
-        candidate=bound.name, engines=tuple(space.engines), examples=examples, seed=seed,
-        elapsed_s=time.perf_counter() - started, counterexample=dcase, engine=engine,
-        verdict=None if failure is None else failure.verdict, error=None if failure is None else failure.error,
-        precision_notes=precision_notes[0], fault=None if failure is None else failure.fault,
-        also=also, equal_counts_examples=equal_counts_examples,
+        candidate=bound.name,
+        engines=tuple(space.engines),
+        examples=examples,
+        seed=seed,
+        elapsed_s=time.perf_counter() - started,
+        counterexample=dcase,
+        engine=engine,
+        verdict=None if failure is None else failure.verdict,
+        error=None if failure is None else failure.error,
+        precision_notes=precision_notes[0],
+        fault=None if failure is None else failure.fault,
+        also=also,
+        equal_counts_examples=equal_counts_examples,
     )
 
 
-def _unequal_counts_fault(example: tuple[DistributedCase, str] | None,
-                          failure: Failure[DistributedVerdict] | None) -> UnequalCountsFault | None:
+def _unequal_counts_fault(
+    example: tuple[DistributedCase, str] | None, failure: Failure[DistributedVerdict] | None
+) -> UnequalCountsFault | None:
     """The finding, when ranks holding different numbers of micro-batches hung or
     mismatched their collectives (None for any other finding, or none)."""
     if example is None or failure is None or failure.fault not in _COLLECTIVE_FAULTS or failure.error is None:

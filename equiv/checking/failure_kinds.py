@@ -73,15 +73,19 @@ class Classification:
         if self.gap is None:
             return FailureKind.unclassified(
                 "the float64 run matches the full batch: the difference is the working dtype's rounding past its "
-                "floor (e.g. gradients accumulated in a lower precision), not a known kind of failure")
+                "floor (e.g. gradients accumulated in a lower precision), not a known kind of failure"
+            )
         tried = ", ".join(kind.name for kind in (*self.tried, WINDOW_BOUNDARY))
         own = f"; {self.own_clipping}" if self.own_clipping is not None else ""
         return FailureKind.unclassified(f"none of the known kinds ({tried}) reproduces this step's updates{own}")
 
 
 def _trajectories(case: Case, candidate: Callable[..., Any]) -> Trajectories:
-    return Trajectories(run_candidate(case, candidate, torch.float64),
-                        run_candidate(case, candidate, case.working_dtype), case.working_dtype)
+    return Trajectories(
+        run_candidate(case, candidate, torch.float64),
+        run_candidate(case, candidate, case.working_dtype),
+        case.working_dtype,
+    )
 
 
 def _own_clip_default(candidate: Callable[..., Any]) -> float | None:
@@ -100,11 +104,13 @@ def _own_clip_default(candidate: Callable[..., Any]) -> float | None:
 def _default_clipping(limit: float) -> Kind:
     """The step's own default clip norm at work where the case asks for no clipping (the contract
     passes ``max_grad_norm`` only for a case that clips): correctly weighted otherwise."""
-    return Kind("clipping by the step's default",
-                exact_weights,
-                f"the step clips to its own default max_grad_norm={limit!r} where the case does not clip (equiv passes max_grad_norm only to a case that clips, as a loop without clipping passes none): the "
-                "full-batch step without clipping differs; give max_grad_norm a default of None, or check with "
-                f"a case that clips (Case(max_grad_norm={limit!r}))")
+    return Kind(
+        "clipping by the step's default",
+        exact_weights,
+        f"the step clips to its own default max_grad_norm={limit!r} where the case does not clip (equiv passes max_grad_norm only to a case that clips, as a loop without clipping passes none): the "
+        "full-batch step without clipping differs; give max_grad_norm a default of None, or check with "
+        f"a case that clips (Case(max_grad_norm={limit!r}))",
+    )
 
 
 def _own_clipping(limit: float) -> str:
@@ -115,8 +121,14 @@ def _clipped_at(limit: float, order: str) -> Callable[..., None]:
     """The full batch's weights, clipped once at ``limit`` whatever the case passes: a step clipping by its own default."""
     weighted = weighted_step(exact_weights, None, order)
 
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, loss_fn: Any, *,
-             grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    def step(
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: Any,
+        loss_fn: Any,
+        *,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         weighted(model, optimizer, micro_batches, loss_fn, max_grad_norm=limit, grad_scaler=grad_scaler)
 
     return step
@@ -127,8 +139,9 @@ _SUSPECTS: dict[tuple[str, str, int | None, float | None], References] = {}
 _SUSPECTS_KEPT = 64
 
 
-def _suspect_references(case: Case, kind: Kind, configured_n: int | None,
-                        own_limit: float | None = None) -> References | None:
+def _suspect_references(
+    case: Case, kind: Kind, configured_n: int | None, own_limit: float | None = None
+) -> References | None:
     """The references of one kind of failure on ``case`` (None when the suspect
     cannot take the case: per-micro-batch clipping under loss scaling).  ``own_limit``:
     the kind is a step clipping by its own default, to that norm.  Kept
@@ -158,8 +171,9 @@ def _suspect_references(case: Case, kind: Kind, configured_n: int | None,
     return references
 
 
-def classify(candidate: Callable[..., Any], case: Case, verdict: Verdict, *,
-             configured_n: int | None = None) -> Classification:
+def classify(
+    candidate: Callable[..., Any], case: Case, verdict: Verdict, *, configured_n: int | None = None
+) -> Classification:
     """The kind of failure of ``candidate`` on ``case``, whose verdict is ``verdict``.
 
     Args:

@@ -61,6 +61,7 @@ __all__ = [
     "settings_grid",
 ]
 
+
 @dataclass(frozen=True, slots=True)
 class PipelineRank:
     """What one rank of a pipeline check sends back: its stages' worst parameter."""
@@ -96,8 +97,10 @@ class PipelineVerdict(ResultBase):
     def message(self) -> str:
         if self.error is not None:
             return f"{self.setting.describe()}: could not run on these ranks: {self.error}"
-        return (f"{self.setting.describe()}: {outcome_words(self.status)} (worst parameter {self.worst_ratio:.3g} "
-                f"x allowed: {self.worst_where})")
+        return (
+            f"{self.setting.describe()}: {outcome_words(self.status)} (worst parameter {self.worst_ratio:.3g} "
+            f"x allowed: {self.worst_where})"
+        )
 
     def line(self) -> str:
         """One line: the outcome, the setting, and the worst parameter against its allowance."""
@@ -107,9 +110,14 @@ class PipelineVerdict(ResultBase):
         return headed(self.status, f"{self.setting.describe()}, worst {self.worst_ratio:.3g} of its allowance")
 
     def _fields(self) -> dict[str, Any]:
-        return {"setting": asdict(self.setting), "description": self.setting.describe(), "worst_ratio": self.worst_ratio,
-                "worst_where": self.worst_where, "error": self.error,
-                "fault": None if self.fault is None else self.fault.value}
+        return {
+            "setting": asdict(self.setting),
+            "description": self.setting.describe(),
+            "worst_ratio": self.worst_ratio,
+            "worst_where": self.worst_where,
+            "error": self.error,
+            "fault": None if self.fault is None else self.fault.value,
+        }
 
 
 _WIDTH = 4
@@ -121,7 +129,8 @@ def _layers(count: int) -> list[nn.Module]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         blocks: list[nn.Module] = [
-            nn.Sequential(nn.Linear(_FEATURES if i == 0 else _WIDTH, _WIDTH), nn.Tanh()) for i in range(count - 1)]
+            nn.Sequential(nn.Linear(_FEATURES if i == 0 else _WIDTH, _WIDTH), nn.Tanh()) for i in range(count - 1)
+        ]
         blocks.append(nn.Linear(_WIDTH, _FEATURES))
     return [block.double() for block in blocks]
 
@@ -198,8 +207,9 @@ def _full_batch_source(setting: PipelineSetting, stages: int, indices: list[int]
 def _worst(rows: list[TensorDiff]) -> tuple[float, str]:
     """The greatest difference / allowed over a rank's rows, and where (which step, stage and tensor)."""
     row = max(rows, key=lambda r: r.ratio)
-    return row.ratio, (f"step {row.step}, '{row.name}', off by {row.max_abs_diff:.3g}, allowed {row.allowed:.3g} "
-                       f"= {row.explanation}")
+    return row.ratio, (
+        f"step {row.step}, '{row.name}', off by {row.max_abs_diff:.3g}, allowed {row.allowed:.3g} = {row.explanation}"
+    )
 
 
 def _stage_indices(setting: PipelineSetting, rank: int) -> list[int]:
@@ -222,8 +232,9 @@ class _PipelineTask:
         stages = setting.ranks * setting.stages_per_rank
         blocks = _layers(stages)
         indices = _stage_indices(setting, rank)
-        pipeline_stages = [PipelineStage(blocks[i], i, stages, torch.device("cpu"), group=dist.group.WORLD)
-                           for i in indices]
+        pipeline_stages = [
+            PipelineStage(blocks[i], i, stages, torch.device("cpu"), group=dist.group.WORLD) for i in indices
+        ]
         params = [p for i in indices for p in blocks[i].parameters()]
         optimizer = torch.optim.SGD(params, lr=_LR)
         window_items = [sum(_real_items(y) for _, y in calls) for calls in _batches(setting)]
@@ -235,11 +246,20 @@ class _PipelineTask:
             return _squared_error_sum(output, target) / window_items[current["step"]]
 
         schedule_class = getattr(pipelining, f"Schedule{setting.schedule}")
-        schedule = schedule_class(pipeline_stages if setting.stages_per_rank > 1 else pipeline_stages[0],
-                                  setting.n_microbatches, loss_fn=loss_fn, scale_grads=setting.scale_grads)
+        schedule = schedule_class(
+            pipeline_stages if setting.stages_per_rank > 1 else pipeline_stages[0],
+            setting.n_microbatches,
+            loss_fn=loss_fn,
+            scale_grads=setting.scale_grads,
+        )
         first, last = 0 in indices, stages - 1 in indices
-        judge = Judge(_full_batch_source(setting, stages, indices), working=torch.float64, tiers=("exact",),
-                      roundings=_ROUNDINGS, steps=setting.steps).with_floors()
+        judge = Judge(
+            _full_batch_source(setting, stages, indices),
+            working=torch.float64,
+            tiers=("exact",),
+            roundings=_ROUNDINGS,
+            steps=setting.steps,
+        ).with_floors()
         comparer = judge.comparer("exact")
         comparer.add(0, _stage_snapshot(blocks, indices))
         for step, calls in enumerate(_batches(setting)):
@@ -263,8 +283,9 @@ class _PipelineTask:
         return PipelineRank(worst, where)
 
 
-def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
-                   launcher: Launcher = run_on_ranks) -> PipelineVerdict:
+def check_pipeline(
+    setting: PipelineSetting, *, timeout_s: float = 60.0, launcher: Launcher = run_on_ranks
+) -> PipelineVerdict:
     """Run ``setting`` on ``setting.ranks`` spawned gloo ranks and judge every stage's
     parameters after every step against the single-process full-batch steps.
 
@@ -290,8 +311,9 @@ def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     try:
-        results = launcher(_PipelineTask(setting), setting.ranks, timeout_s=timeout_s,
-                           describe=f"pipeline {setting.describe()}")
+        results = launcher(
+            _PipelineTask(setting), setting.ranks, timeout_s=timeout_s, describe=f"pipeline {setting.describe()}"
+        )
     except DistributedCheckError as exc:
         # As check_distributed's ranks fail: the launcher's report and its Fault, kept as data.
         return PipelineVerdict(setting, Outcome.STEP_ERROR, error=str(exc), fault=exc.fault)
@@ -302,6 +324,9 @@ def check_pipeline(setting: PipelineSetting, *, timeout_s: float = 60.0,
 
 def settings_grid(schedules: Sequence[str] = SCHEDULES) -> list[PipelineSetting]:
     """Every schedule with each ``scale_grads`` x loss setting, on uneven chunks."""
-    return [PipelineSetting(schedule=schedule, scale_grads=scale, loss=loss)
-            for schedule in schedules for scale in (True, False) for loss in LOSS_MODES]
-
+    return [
+        PipelineSetting(schedule=schedule, scale_grads=scale, loss=loss)
+        for schedule in schedules
+        for scale in (True, False)
+        for loss in LOSS_MODES
+    ]

@@ -112,8 +112,14 @@ class SearchRun:
         """The Hypothesis settings of this run: no deadline, no database, one bug, every health check off."""
         base = self.base if self.base is not None else settings()  # settings(): the loaded profile
         return settings(
-            base, max_examples=self.max_examples, deadline=None, database=None, derandomize=self.derandomize,
-            print_blob=self.print_blob, report_multiple_bugs=False, phases=list(self.phases),
+            base,
+            max_examples=self.max_examples,
+            deadline=None,
+            database=None,
+            derandomize=self.derandomize,
+            print_blob=self.print_blob,
+            report_multiple_bugs=False,
+            phases=list(self.phases),
             suppress_health_check=list(HealthCheck),
         )
 
@@ -164,8 +170,9 @@ class _Stop(BaseException):
         self.found = found
 
 
-def run_search(strategy: SearchStrategy[T], judge: Callable[[T], Judged[V]], run: SearchRun, *,
-               name: str = "the step") -> SearchOutcome[T, V]:
+def run_search(
+    strategy: SearchStrategy[T], judge: Callable[[T], Judged[V]], run: SearchRun, *, name: str = "the step"
+) -> SearchOutcome[T, V]:
     """Search ``strategy`` for an example ``judge`` fails, as ``run`` says, and
     shrink it (see the module's docstring).  ``name`` names what was searched
     in the error of a ``reproduce`` blob that does not replay.  An exception
@@ -201,14 +208,20 @@ def run_search(strategy: SearchStrategy[T], judge: Callable[[T], Judged[V]], run
 
     found, flaky, blob = _run(search_once, strategy, run, name)
     return SearchOutcome(
-        examples=counts["examples"], first_failure_at=first_failure_at[0] if first_failure_at else None,
-        example=None if found is None else found.example, failure=None if found is None else found.failure,
-        flaky=flaky, blob=blob, started=started, judging_s=judging[0],
+        examples=counts["examples"],
+        first_failure_at=first_failure_at[0] if first_failure_at else None,
+        example=None if found is None else found.example,
+        failure=None if found is None else found.failure,
+        flaky=flaky,
+        blob=blob,
+        started=started,
+        judging_s=judging[0],
     )
 
 
-def _run(search_once: Callable[[Any], None], strategy: SearchStrategy[Any], run: SearchRun,
-         name: str) -> tuple[_Found | None, bool, str | None]:
+def _run(
+    search_once: Callable[[Any], None], strategy: SearchStrategy[Any], run: SearchRun, name: str
+) -> tuple[_Found | None, bool, str | None]:
     """Run the search: (the finding or None, flaky?, the reproduction blob)."""
     test = given(strategy)(search_once)
     if run.reproduce is not None:

@@ -142,8 +142,9 @@ def cases_for(candidate: Candidate | BoundCandidate, **kwargs: Any) -> SearchStr
     return eqst.cases(**kwargs)
 
 
-def _default_or_refuse(bound: BoundCandidate, kwargs: dict[str, Any], option: str, keyword: str,
-                       every: Sequence[Any], only_off: tuple[Any]) -> None:
+def _default_or_refuse(
+    bound: BoundCandidate, kwargs: dict[str, Any], option: str, keyword: str, every: Sequence[Any], only_off: tuple[Any]
+) -> None:
     """``kwargs[option]`` defaults to ``every`` choice for a step that takes ``keyword``
     (all but "off" for a step that requires it: a case without it cannot call the step);
     for one that does not, only the "off" choice is drawn and anything else is refused."""
@@ -152,5 +153,7 @@ def _default_or_refuse(bound: BoundCandidate, kwargs: dict[str, Any], option: st
     elif bound.takes(keyword):
         kwargs.setdefault(option, every)
     elif set(kwargs.setdefault(option, only_off)) != set(only_off):
-        raise InvalidArgument(f"{option} must be {only_off!r} for {bound.name}, which takes no {keyword}, "
-                              f"but was {tuple(kwargs[option])!r}")
+        raise InvalidArgument(
+            f"{option} must be {only_off!r} for {bound.name}, which takes no {keyword}, "
+            f"but was {tuple(kwargs[option])!r}"
+        )

@@ -125,17 +125,23 @@ class VerifyResult(SearchBase):
         lines = []
         alone_reproduces = not self.state_across_calls
         precision = (f" --train-dtype {self.train_dtype}" if self.train_dtype else "") + (
-            " --strict-precision" if self.strict else "")
+            " --strict-precision" if self.strict else ""
+        )
         if self.counterexample is not None and alone_reproduces:
             case_json = json.dumps(self.counterexample.to_dict(), sort_keys=True)
             lines.append(f"  this case:   equiv check {target} --case '{case_json}'{precision}")
         how = f"--seed {self.seed}" if self.seed is not None else f"--profile {self.profile}"
-        lines.append(f"  this search: equiv verify {target} {how} --max-examples {self.max_examples}"
-                     + "".join(f" {flag}" for flag in self.search.flags()) + precision)
+        lines.append(
+            f"  this search: equiv verify {target} {how} --max-examples {self.max_examples}"
+            + "".join(f" {flag}" for flag in self.search.flags())
+            + precision
+        )
         if self.blob is not None and alone_reproduces:
             # The search's own flags ride along, so a replayed draw prints the same "this search" line.
-            lines.append(f"  shrunk draw: equiv verify {target} --reproduce {self.blob} {how} "
-                         f"--max-examples {self.max_examples}" + "".join(f" {flag}" for flag in self.search.flags()) + precision)
+            lines.append(
+                f"  shrunk draw: equiv verify {target} --reproduce {self.blob} {how} "
+                f"--max-examples {self.max_examples}" + "".join(f" {flag}" for flag in self.search.flags()) + precision
+            )
         return "\n".join(lines)
 
     @property
@@ -144,30 +150,40 @@ class VerifyResult(SearchBase):
 
     def message(self, target: str = "MODULE:FUNC") -> str:
         outside = 1 - self.checking_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        timing = (f"{self.examples} checks in {self.elapsed_s:.1f} s, {1000 * self.seconds_per_case:.0f} ms per case, "
-                  f"{100 * outside:.0f}% outside the checks")
+        timing = (
+            f"{self.examples} checks in {self.elapsed_s:.1f} s, {1000 * self.seconds_per_case:.0f} ms per case, "
+            f"{100 * outside:.0f}% outside the checks"
+        )
         if not self.found:
             text = f"no counterexample in {self.examples} cases ({timing}; candidate {self.candidate})"
             if self.precision_notes:
-                text += (f"\n{self.precision_notes} of them with a precision note (passing unless you train in "
-                         f"float64: --train-dtype float64 or --strict-precision), e.g.: {self.precision_note}")
+                text += (
+                    f"\n{self.precision_notes} of them with a precision note (passing unless you train in "
+                    f"float64: --train-dtype float64 or --strict-precision), e.g.: {self.precision_note}"
+                )
             if self.inherent_cases:
                 text += f"\n{self.inherent_cases} case(s) inherently non-equivalent, skipped:"
                 text += "".join(f"\n  - {reason}" for reason in self.inherent_reasons)
             return text
         assert self.counterexample is not None
         if self.kind is Outcome.PRECISION:
-            head = (f"precision finding after {self.first_failure_at} case(s) (no mathematical mismatch found; "
-                    f"not shrunk):\n  {self.counterexample!r}")
+            head = (
+                f"precision finding after {self.first_failure_at} case(s) (no mathematical mismatch found; "
+                f"not shrunk):\n  {self.counterexample!r}"
+            )
         else:
             head = f"counterexample after {self.first_failure_at} case(s), shrunk to:\n  {self.counterexample!r}"
         if self.state_across_calls:
-            head += ("\nfails only after earlier calls: your step keeps state across calls (a module-level cache, "
-                     "hooks never removed, a counter). The shrunk case alone passes in a fresh process; the search "
-                     "below reproduces the sequence of calls that breaks it.")
+            head += (
+                "\nfails only after earlier calls: your step keeps state across calls (a module-level cache, "
+                "hooks never removed, a counter). The shrunk case alone passes in a fresh process; the search "
+                "below reproduces the sequence of calls that breaks it."
+            )
         if self.flaky:
-            head += ("\n(flaky: the same case passed when replayed, so the candidate is not deterministic; "
-                     "it may use unseeded randomness or state kept across calls)")
+            head += (
+                "\n(flaky: the same case passed when replayed, so the candidate is not deterministic; "
+                "it may use unseeded randomness or state kept across calls)"
+            )
         if self.error is not None:
             body = f"The candidate raised: {self.error}"
         else:
@@ -211,10 +227,19 @@ DERANDOMIZED_SEED = 0
 
 
 def verify(
-    candidate: Candidate | BoundCandidate, space: SearchSpace | None = None, *, max_examples: int | None = None,
-    seed: int | None = None, profile: str | None = None, reproduce: str | None = None,
-    progress: Progress | None = None, replay_in_fresh_process: bool = True, timeout: float | None = DEFAULT_TIMEOUT_S,
-    train_dtype: torch.dtype | str | None = None, strict: bool = False, threads: int | None = None,
+    candidate: Candidate | BoundCandidate,
+    space: SearchSpace | None = None,
+    *,
+    max_examples: int | None = None,
+    seed: int | None = None,
+    profile: str | None = None,
+    reproduce: str | None = None,
+    progress: Progress | None = None,
+    replay_in_fresh_process: bool = True,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    train_dtype: torch.dtype | str | None = None,
+    strict: bool = False,
+    threads: int | None = None,
 ) -> VerifyResult:
     """Search for a case where ``candidate`` is not the full-batch step.
 
@@ -274,19 +299,32 @@ def verify(
     if case is not None and not outcome.flaky and not outcome.hung and replay_in_fresh_process:
         state_across_calls, fresh_replay = _replay_alone(candidate, case)
     return VerifyResult(
-        candidate=candidate.name, examples=outcome.examples, first_failure_at=first_failure_at,
-        counterexample=case, verdict=None if failure is None else failure.verdict, seed=run.seed,
-        error=None if failure is None else failure.error, error_traceback=None if failure is None else failure.traceback,
+        candidate=candidate.name,
+        examples=outcome.examples,
+        first_failure_at=first_failure_at,
+        counterexample=case,
+        verdict=None if failure is None else failure.verdict,
+        seed=run.seed,
+        error=None if failure is None else failure.error,
+        error_traceback=None if failure is None else failure.traceback,
         profile=profile or getattr(settings, "_current_profile", None) or "default",
-        max_examples=run.max_examples, blob=outcome.blob if outcome.blob is not None or case is None else reproduce,
-        elapsed_s=elapsed_s, checking_s=outcome.judging_s, flaky=outcome.flaky,
-        state_across_calls=state_across_calls, fresh_replay=fresh_replay, search=space, **judge.passing(),
-        train_dtype=None if train_dtype is None else str(train_dtype).removeprefix("torch."), strict=strict,
+        max_examples=run.max_examples,
+        blob=outcome.blob if outcome.blob is not None or case is None else reproduce,
+        elapsed_s=elapsed_s,
+        checking_s=outcome.judging_s,
+        flaky=outcome.flaky,
+        state_across_calls=state_across_calls,
+        fresh_replay=fresh_replay,
+        search=space,
+        **judge.passing(),
+        train_dtype=None if train_dtype is None else str(train_dtype).removeprefix("torch."),
+        strict=strict,
     )
 
 
-def _search_run(profile: str | None, max_examples: int | None, seed: int | None, reproduce: str | None,
-                progress: Progress | None) -> SearchRun:
+def _search_run(
+    profile: str | None, max_examples: int | None, seed: int | None, reproduce: str | None, progress: Progress | None
+) -> SearchRun:
     """The search's settings: the profile's (default: the loaded one), with a seed
     always (drawn and reported when none is given), no "explain" phase."""
     base = profile_settings(profile) if profile is not None else settings()  # settings(): the loaded profile
@@ -296,14 +334,20 @@ def _search_run(profile: str | None, max_examples: int | None, seed: int | None,
         # other cases in every report and pinned search.
         seed = DERANDOMIZED_SEED if base.derandomize else random.SystemRandom().randrange(2**32)
     return SearchRun(
-        base=base, max_examples=base.max_examples if max_examples is None else max_examples, seed=seed,
-        derandomize=base.derandomize and seed is None, reproduce=reproduce, print_blob=True, progress=progress,
+        base=base,
+        max_examples=base.max_examples if max_examples is None else max_examples,
+        seed=seed,
+        derandomize=base.derandomize and seed is None,
+        reproduce=reproduce,
+        print_blob=True,
+        progress=progress,
         # No "explain" phase: it reruns the shrunk case dozens of times to say
         # which draws matter, which the verdict already says (and costs more
         # than the whole search).
         phases=tuple(p for p in base.phases if p is not Phase.explain),
         # The draws depend on the seed alone, not on what the process imported.
-        local_constants=False, warn_once=True,
+        local_constants=False,
+        warn_once=True,
     )
 
 
@@ -362,9 +406,14 @@ class _Judge:
     def passing(self) -> dict[str, Any]:
         """What the cases that did not fail showed (the result's fields of that name)."""
         notes = self.precision_notes
-        return {"inherent_cases": self.inherent_cases, "inherent_reasons": tuple(self.inherent_reasons),
-                "worst_ratio": self.worst_ratio, "equivalent_cases": self.equivalent_cases,
-                "precision_notes": len(notes), "precision_note": notes[0] if notes else None}
+        return {
+            "inherent_cases": self.inherent_cases,
+            "inherent_reasons": tuple(self.inherent_reasons),
+            "worst_ratio": self.worst_ratio,
+            "equivalent_cases": self.equivalent_cases,
+            "precision_notes": len(notes),
+            "precision_note": notes[0] if notes else None,
+        }
 
     def finding(self, outcome: SearchOutcome[Case, Verdict]) -> tuple[Case | None, Failure[Verdict] | None, int | None]:
         """(the case found, its failure, at which case it was first met): the

@@ -125,8 +125,11 @@ class ShardAwareStorageCounter(StorageCounter):
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline and (
             set(self._bytes_by_storage) - before  # temporaries made inside, still alive
-            or any(now > then for t, held in zip(tensors, holders, strict=True)
-                   for now, then in zip(_holders(t), held, strict=True))
+            or any(
+                now > then
+                for t, held in zip(tensors, holders, strict=True)
+                for now, then in zip(_holders(t), held, strict=True)
+            )
         ):
             time.sleep(1e-4)
 
@@ -145,7 +148,11 @@ class ShardAwareStorageCounter(StorageCounter):
 
 
 def _measure_memory(
-    accumulate: Callable[[], None], update: Callable[[], None], roots: list[Tensor], device: torch.device, *,
+    accumulate: Callable[[], None],
+    update: Callable[[], None],
+    roots: list[Tensor],
+    device: torch.device,
+    *,
     counts: Sequence[CollectiveCounts],
 ) -> StepMemory:
     """:func:`~equiv.cost.memory.measure_step_memory` with the shard-aware
@@ -197,8 +204,9 @@ class FsdpCostSweep:
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown or not self.policies:
             raise ValueError(f"policies must be a non-empty subset of {POLICIES}, got {self.policies!r}")
-        if not self.micro_batches or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
-                                         for n in self.micro_batches):
+        if not self.micro_batches or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.micro_batches
+        ):
             raise ValueError(f"micro_batches must be positive ints, got {self.micro_batches!r}")
         if isinstance(self.timed_steps, bool) or not isinstance(self.timed_steps, int) or self.timed_steps < 1:
             raise ValueError(f"timed_steps must be a positive int, got {self.timed_steps!r}")
@@ -209,7 +217,7 @@ class FsdpCostSweep:
         inputs, targets = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(0))
         shard = even_sizes(workload.global_batch_size, world_size)
         start = sum(shard[:rank])
-        batch = (inputs[start:start + shard[rank]].to(device), targets[start:start + shard[rank]].to(device))
+        batch = (inputs[start : start + shard[rank]].to(device), targets[start : start + shard[rank]].to(device))
         rows = []
         for policy in self.policies:
             for n in self.micro_batches:
@@ -217,8 +225,9 @@ class FsdpCostSweep:
                 rows.append(self._measure(rank, world_size, policy, n, batch, device))
         return rows
 
-    def _measure(self, rank: int, world_size: int, policy: str, n: int, batch: tuple[Tensor, Tensor],
-                 device: torch.device) -> FsdpCostRow:
+    def _measure(
+        self, rank: int, world_size: int, policy: str, n: int, batch: tuple[Tensor, Tensor], device: torch.device
+    ) -> FsdpCostRow:
         workload = WORKLOADS[self.workload]
         model = build_workload_model(workload, seed=0, device=device)
         units = shard_block_net(model, world_size, device)
@@ -259,8 +268,14 @@ class FsdpCostSweep:
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - begin)
         return FsdpCostRow(
-            policy=policy, micro_batches=n, rank=rank, world_size=world_size,
-            reduce_scatters=counted[0], reduce_scatter_bytes=counted[1],
-            all_gathers=counted[2], all_gather_bytes=counted[3],
-            memory=memory, step_seconds=statistics.median(seconds),
+            policy=policy,
+            micro_batches=n,
+            rank=rank,
+            world_size=world_size,
+            reduce_scatters=counted[0],
+            reduce_scatter_bytes=counted[1],
+            all_gathers=counted[2],
+            all_gather_bytes=counted[3],
+            memory=memory,
+            step_seconds=statistics.median(seconds),
         )

@@ -360,8 +360,11 @@ def _probe_phase(
         # not the margin below it): a probe measures exactly what the line can
         # only guess, and a micro-batch there is the fastest that may fit.
         largest_fitting = max(m for m, p in probed.items() if p.memory.peak_bytes <= budget.budget_bytes)
-        borderline = [m for m in sizes if m not in probed and m > largest_fitting
-                      and memory_model.peak_bytes(m) <= budget.budget_bytes]
+        borderline = [
+            m
+            for m in sizes
+            if m not in probed and m > largest_fitting and memory_model.peak_bytes(m) <= budget.budget_bytes
+        ]
         if borderline:
             probe(borderline[-1])
         elif unprobed:
@@ -407,8 +410,11 @@ def _confirm_phase(
     predicted_fit = [n for n in candidates if budget.fits(size_of[n], probed, memory_model) or n in confirmed]
     for _ in range(_NEIGHBOUR_STEPS):
         position = predicted_fit.index(best)
-        neighbours = [predicted_fit[i] for i in (position - 1, position + 1)
-                      if 0 <= i < len(predicted_fit) and predicted_fit[i] not in confirmed]
+        neighbours = [
+            predicted_fit[i]
+            for i in (position - 1, position + 1)
+            if 0 <= i < len(predicted_fit) and predicted_fit[i] not in confirmed
+        ]
         if not neighbours:
             break
         for n in neighbours:

@@ -197,7 +197,9 @@ def prepare_step(model: nn.Module, batch: Batch, n_micro_batches: int, options: 
     optimizer = options.optimizer_factory(model.parameters())
     inputs, targets = batch[0].to(device), batch[1].to(device)
     micro_batches = split_batch((inputs, targets), even_sizes(int(inputs.shape[0]), n_micro_batches))
-    step = make_train_step(options.implementation, model, optimizer, micro_batches, options.loss_sum, options.count_items)
+    step = make_train_step(
+        options.implementation, model, optimizer, micro_batches, options.loss_sum, options.count_items
+    )
     step()
     synchronize(device)
     return PreparedStep(step, model, optimizer, micro_batches, device)
@@ -212,7 +214,9 @@ def prepare_workload_step(
     batch = workload.make_batch(workload.global_batch_size, torch.Generator().manual_seed(seed))
     model = build_workload_model(workload, seed=seed)
     options = StepOptions(
-        loss_sum=workload.loss_sum, count_items=workload.count_items, implementation=implementation,
+        loss_sum=workload.loss_sum,
+        count_items=workload.count_items,
+        implementation=implementation,
         device=torch.device(device),
     )
     return prepare_step(model, batch, n_micro_batches, options)
@@ -231,8 +235,9 @@ class StepMeasurement:
         return statistics.median(self.step_seconds)
 
 
-def measure_step(model: nn.Module, batch: Batch, n_micro_batches: int, options: StepOptions, *,
-                 repeats: int = 3) -> StepMeasurement:
+def measure_step(
+    model: nn.Module, batch: Batch, n_micro_batches: int, options: StepOptions, *, repeats: int = 3
+) -> StepMeasurement:
     """Peak memory and step times of ``model`` (a copy: the caller's weights
     are not touched) over ``batch`` cut into ``n_micro_batches``."""
     prepared = prepare_step(copy.deepcopy(model), batch, n_micro_batches, options)

@@ -160,4 +160,3 @@ def build_workload_model(workload: Workload, *, seed: int = 0, device: torch.dev
         torch.manual_seed(seed)
         model = workload.build()
     return model.to(device)
-

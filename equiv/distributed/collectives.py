@@ -39,9 +39,22 @@ __all__ = ["COLLECTIVES", "CollectiveCounts", "CountingAllGather", "CountingRedu
 #: The ``torch.distributed`` functions a log records (those a training step,
 #: DDP's comm hooks and FSDP2's default collectives call), where torch has them.
 COLLECTIVES: tuple[str, ...] = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_to_all",
-    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "scatter",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "scatter",
 )
 
 #: How deep this thread is inside a counted gradient sync: a ``torch.distributed``

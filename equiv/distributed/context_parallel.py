@@ -41,8 +41,16 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["POSITIONWISE_LOSSES", "POSITIONWISE_MODELS", "ContextParallelLayout", "clear_layout", "install_layout", "layout",
-           "position_slice", "sequence_group"]
+__all__ = [
+    "POSITIONWISE_LOSSES",
+    "POSITIONWISE_MODELS",
+    "ContextParallelLayout",
+    "clear_layout",
+    "install_layout",
+    "layout",
+    "position_slice",
+    "sequence_group",
+]
 
 #: Registered model families whose output at each position depends on that
 #: position's input only (embedding -> per-token MLP -> logits; the token-level
@@ -64,8 +72,10 @@ def position_slice(seq_len: int, context_parallel: int, index: int) -> slice:
         The positions the rank holds.
     """
     if seq_len % context_parallel:
-        raise ValueError(f"context parallelism over {context_parallel} ranks needs a sequence length divisible by "
-                         f"{context_parallel}, got seq_len={seq_len}")
+        raise ValueError(
+            f"context parallelism over {context_parallel} ranks needs a sequence length divisible by "
+            f"{context_parallel}, got seq_len={seq_len}"
+        )
     if not 0 <= index < context_parallel:
         raise ValueError(f"index must be in 0..{context_parallel - 1}, got {index}")
     width = seq_len // context_parallel
@@ -103,14 +113,17 @@ def install_layout(context_parallel: int) -> ContextParallelLayout:
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if context_parallel < 1 or world % context_parallel:
-        raise ValueError(f"a world of {world} ranks cannot be split into context-parallel groups of "
-                         f"{context_parallel}")
+        raise ValueError(f"a world of {world} ranks cannot be split into context-parallel groups of {context_parallel}")
     data_groups = [dist.new_group(list(range(index, world, context_parallel))) for index in range(context_parallel)]
-    context_groups = [dist.new_group(list(range(start, start + context_parallel)))
-                      for start in range(0, world, context_parallel)]
-    installed = ContextParallelLayout(size=context_parallel, index=rank % context_parallel,
-                                      data_parallel_group=data_groups[rank % context_parallel],
-                                      context_parallel_group=context_groups[rank // context_parallel])
+    context_groups = [
+        dist.new_group(list(range(start, start + context_parallel))) for start in range(0, world, context_parallel)
+    ]
+    installed = ContextParallelLayout(
+        size=context_parallel,
+        index=rank % context_parallel,
+        data_parallel_group=data_groups[rank % context_parallel],
+        context_parallel_group=context_groups[rank // context_parallel],
+    )
     _LAYOUT[:] = [installed]
     return installed
 
@@ -125,9 +138,11 @@ def layout() -> ContextParallelLayout:
         RuntimeError: no context-parallel engine runs on this rank.
     """
     if not _LAYOUT:
-        raise RuntimeError("no context-parallel layout on this rank: the step runs under engine 'cp' or 'fsdp2+cp' "
-                           "(equiv.check_distributed(..., engine='cp')), or sequence-parallel under 'tp' (a "
-                           "position-wise model)")
+        raise RuntimeError(
+            "no context-parallel layout on this rank: the step runs under engine 'cp' or 'fsdp2+cp' "
+            "(equiv.check_distributed(..., engine='cp')), or sequence-parallel under 'tp' (a "
+            "position-wise model)"
+        )
     return _LAYOUT[0]
 
 

@@ -37,8 +37,20 @@ from equiv.distributed.matching import watch_ddp
 from equiv.distributed.sharding import fsdp_modules, fully_shard_layers, sum_where_premul_sum_is_missing
 from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
 
-__all__ = ["DATA_PARALLEL_ENGINES", "DEFAULT_ENGINE", "ENGINES", "STEP_ENGINES", "Apply", "Engine", "Split", "Wrapping",
-           "apply_ddp", "apply_fsdp", "apply_tp", "engine_named"]
+__all__ = [
+    "DATA_PARALLEL_ENGINES",
+    "DEFAULT_ENGINE",
+    "ENGINES",
+    "STEP_ENGINES",
+    "Apply",
+    "Engine",
+    "Split",
+    "Wrapping",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_tp",
+    "engine_named",
+]
 
 
 class Split(Protocol):
@@ -118,8 +130,11 @@ def apply_fsdp(model: nn.Module, wrapping: Wrapping) -> nn.Module:
     """FSDP2's ``fully_shard`` per layer and at the root, over the data dimension of
     :func:`apply_tp`'s mesh if it ran first, else over every rank (data x context);
     its reduce-scatters counted."""
-    mesh = (wrapping.tp_mesh["dp"] if wrapping.tp_mesh is not None
-            else init_device_mesh(wrapping.device_type, (wrapping.split.world_size,)))
+    mesh = (
+        wrapping.tp_mesh["dp"]
+        if wrapping.tp_mesh is not None
+        else init_device_mesh(wrapping.device_type, (wrapping.split.world_size,))
+    )
     wrapping.units = fully_shard_layers(model, mesh, wrapping.mp_policy)
     # A correct step may ask for a reduce op the CPU backend lacks (PREMUL_SUM).
     sum_where_premul_sum_is_missing(model, mesh)
@@ -164,27 +179,35 @@ class Engine:
 
 def _tp_refuse(split: Split, model: Any) -> str | None:
     if split.data_ranks != 1:
-        return ("engine='tp' runs one data rank (every TP rank sees the same micro-batches), got "
-                f"{split.data_ranks} data ranks {[list(s) for s in split.rank_micro_batch_sizes]}; use engine='fsdp2+tp' to shard the data as well")
+        return (
+            "engine='tp' runs one data rank (every TP rank sees the same micro-batches), got "
+            f"{split.data_ranks} data ranks {[list(s) for s in split.rank_micro_batch_sizes]}; use engine='fsdp2+tp' to shard the data as well"
+        )
     return None
 
 
 def _fsdp2_tp_refuse(split: Split, model: Any) -> str | None:
     if split.sequence_slices > 1:
-        return (f"engine='fsdp2+tp' shards nn.Linear pairs; model={model!r} is split by "
-                "positions, which runs sequence-parallel under engine='tp' (one data rank) or under "
-                "engine='fsdp2+cp' with several")
+        return (
+            f"engine='fsdp2+tp' shards nn.Linear pairs; model={model!r} is split by "
+            "positions, which runs sequence-parallel under engine='tp' (one data rank) or under "
+            "engine='fsdp2+cp' with several"
+        )
     if split.data_ranks < 2:
-        return (f"engine='fsdp2+tp' needs at least 2 data ranks for FSDP2 to shard over, got {split.data_ranks}; "
-                "use engine='tp' for one")
+        return (
+            f"engine='fsdp2+tp' needs at least 2 data ranks for FSDP2 to shard over, got {split.data_ranks}; "
+            "use engine='tp' for one"
+        )
     return None
 
 
 def _tp_describe(split: Split) -> str:
     if split.sequence_slices == 1:
         return f"tensor parallel ({split.tensor_parallel} ranks, parallelize_module)"
-    return (f"sequence parallel ({split.tensor_parallel} TP ranks, each a slice of every sequence, "
-            "DistributedDataParallel over them)")
+    return (
+        f"sequence parallel ({split.tensor_parallel} TP ranks, each a slice of every sequence, "
+        "DistributedDataParallel over them)"
+    )
 
 
 def _pipeline_describe(split: Split) -> str:
@@ -192,28 +215,70 @@ def _pipeline_describe(split: Split) -> str:
 
 
 #: Every engine, by name, in the order they are listed to users.
-ENGINES: Mapping[str, Engine] = {engine.name: engine for engine in (
-    Engine("ddp", lambda split: "DistributedDataParallel", (apply_ddp,), "all-reduce"),
-    Engine("fsdp2", lambda split: "FSDP2 (fully_shard)", (apply_fsdp,), "reduce-scatter", shards_parameters=True),
-    Engine("tp", _tp_describe, (apply_tp,), "none", group="tensor", splits_sequences=True, refuse=_tp_refuse,
-           # the MLP (its nn.Linear pairs sharded), and "moe" as the token-level MoE run sequence-parallel
-           search_models=("mlp", "moe"), search_data_ranks=(1, 1), search_group_ranks=2),
-    Engine("fsdp2+tp", lambda split: f"FSDP2 over tensor parallel ({split.data_ranks} x {split.tensor_parallel} mesh)",
-           (apply_tp, apply_fsdp), "reduce-scatter", shards_parameters=True, group="tensor", refuse=_fsdp2_tp_refuse,
-           # the tensor-parallel plan shards nn.Linear pairs (not the token model's embedding)
-           search_models=("mlp",), search_data_ranks=(2, None), search_group_ranks=2),
-    Engine("cp", lambda split: f"context parallel ({split.data_ranks} data x {split.context_parallel} sequence "
-                               "slices, DistributedDataParallel over all)",
-           (apply_ddp,), "all-reduce", group="context", splits_sequences=True,
-           # position-wise models: the token model, and "moe" as the token-level MoE
-           search_models=("tokens", "moe"), search_data_ranks=(1, None), search_group_ranks=2),
-    Engine("fsdp2+cp", lambda split: f"context parallel ({split.data_ranks} data x {split.context_parallel} "
-                                     "sequence slices, FSDP2 over all)",
-           (apply_fsdp,), "reduce-scatter", shards_parameters=True, group="context", splits_sequences=True,
-           search_models=("tokens", "moe"), search_data_ranks=(1, None), search_group_ranks=2),
-    # Stages on ranks, activations sent between them: equiv.checking.pipeline runs torch's schedules itself.
-    Engine("pipeline", _pipeline_describe, (), "none", runs_steps=False),
-)}
+ENGINES: Mapping[str, Engine] = {
+    engine.name: engine
+    for engine in (
+        Engine("ddp", lambda split: "DistributedDataParallel", (apply_ddp,), "all-reduce"),
+        Engine("fsdp2", lambda split: "FSDP2 (fully_shard)", (apply_fsdp,), "reduce-scatter", shards_parameters=True),
+        Engine(
+            "tp",
+            _tp_describe,
+            (apply_tp,),
+            "none",
+            group="tensor",
+            splits_sequences=True,
+            refuse=_tp_refuse,
+            # the MLP (its nn.Linear pairs sharded), and "moe" as the token-level MoE run sequence-parallel
+            search_models=("mlp", "moe"),
+            search_data_ranks=(1, 1),
+            search_group_ranks=2,
+        ),
+        Engine(
+            "fsdp2+tp",
+            lambda split: f"FSDP2 over tensor parallel ({split.data_ranks} x {split.tensor_parallel} mesh)",
+            (apply_tp, apply_fsdp),
+            "reduce-scatter",
+            shards_parameters=True,
+            group="tensor",
+            refuse=_fsdp2_tp_refuse,
+            # the tensor-parallel plan shards nn.Linear pairs (not the token model's embedding)
+            search_models=("mlp",),
+            search_data_ranks=(2, None),
+            search_group_ranks=2,
+        ),
+        Engine(
+            "cp",
+            lambda split: (
+                f"context parallel ({split.data_ranks} data x {split.context_parallel} sequence "
+                "slices, DistributedDataParallel over all)"
+            ),
+            (apply_ddp,),
+            "all-reduce",
+            group="context",
+            splits_sequences=True,
+            # position-wise models: the token model, and "moe" as the token-level MoE
+            search_models=("tokens", "moe"),
+            search_data_ranks=(1, None),
+            search_group_ranks=2,
+        ),
+        Engine(
+            "fsdp2+cp",
+            lambda split: (
+                f"context parallel ({split.data_ranks} data x {split.context_parallel} sequence slices, FSDP2 over all)"
+            ),
+            (apply_fsdp,),
+            "reduce-scatter",
+            shards_parameters=True,
+            group="context",
+            splits_sequences=True,
+            search_models=("tokens", "moe"),
+            search_data_ranks=(1, None),
+            search_group_ranks=2,
+        ),
+        # Stages on ranks, activations sent between them: equiv.checking.pipeline runs torch's schedules itself.
+        Engine("pipeline", _pipeline_describe, (), "none", runs_steps=False),
+    )
+}
 #: The engines :func:`equiv.check_distributed` runs a step under (and a search may draw).
 STEP_ENGINES: tuple[str, ...] = tuple(name for name, engine in ENGINES.items() if engine.runs_steps)
 #: The step engines whose ranks each hold whole samples and whole weights' gradients to sync (no

@@ -33,8 +33,18 @@ import torch.multiprocessing as mp
 from equiv.distributed.matching import CollectiveLog
 from equiv.outcomes import Fault
 
-__all__ = ["DistributedCheckError", "Launcher", "RankOutcome", "RankState", "RankTask", "UnguardedMainError",
-           "fault_of", "fault_report", "run_on_ranks", "run_rank_task"]
+__all__ = [
+    "DistributedCheckError",
+    "Launcher",
+    "RankOutcome",
+    "RankState",
+    "RankTask",
+    "UnguardedMainError",
+    "fault_of",
+    "fault_report",
+    "run_on_ranks",
+    "run_rank_task",
+]
 
 #: Seconds a rank that already failed gives the others to report before all are stopped.
 _GRACE_S = 3.0
@@ -83,8 +93,9 @@ def _unguarded_main(describe: str) -> UnguardedMainError:
     return UnguardedMainError(
         f"{describe or 'the check'}: the ranks never started, because each one imports {main} again (a spawned "
         "process does) and its module-level code calls equiv again there: put that call under "
-        "`if __name__ == \"__main__\":` (https://docs.python.org/3/library/multiprocessing.html"
-        "#the-spawn-and-forkserver-start-methods)")
+        '`if __name__ == "__main__":` (https://docs.python.org/3/library/multiprocessing.html'
+        "#the-spawn-and-forkserver-start-methods)"
+    )
 
 
 class RankTask(Protocol):
@@ -104,11 +115,16 @@ class Launcher(Protocol):
     (the ranks torchrun started, this process rank 0)."""
 
     def __call__(
-        self, task: RankTask, world_size: int, *, device: str = "cpu", backend: str | None = None,
-        timeout_s: float = 120.0, describe: str = "", match_collectives: bool = False,
+        self,
+        task: RankTask,
+        world_size: int,
+        *,
+        device: str = "cpu",
+        backend: str | None = None,
+        timeout_s: float = 120.0,
+        describe: str = "",
+        match_collectives: bool = False,
     ) -> list[Any]: ...
-
-
 
 
 @dataclass
@@ -124,7 +140,11 @@ class RankOutcome:
 
 
 def run_rank_task(
-    task: RankTask, rank: int, world_size: int, progress: Callable[[str], None], where: Callable[[], str],
+    task: RankTask,
+    rank: int,
+    world_size: int,
+    progress: Callable[[str], None],
+    where: Callable[[], str],
     collective_store: dist.Store | None = None,
 ) -> RankOutcome:
     """Run ``task`` on this rank, in an initialised process group; with a
@@ -142,15 +162,22 @@ def run_rank_task(
             log.end_of_task()
         return RankOutcome(result=result)
     except BaseException:
-        return RankOutcome(error=traceback.format_exc(), mismatch=None if log is None else log.mismatch,
-                           raised_at=time.time())
+        return RankOutcome(
+            error=traceback.format_exc(), mismatch=None if log is None else log.mismatch, raised_at=time.time()
+        )
     finally:
         if log is not None:
             log.uninstall()
 
 
 def _rank_main(
-    rank: int, task: RankTask, world_size: int, device_type: str, backend: str, workdir: str, timeout_s: float,
+    rank: int,
+    task: RankTask,
+    world_size: int,
+    device_type: str,
+    backend: str,
+    workdir: str,
+    timeout_s: float,
     match_collectives: bool = False,
 ) -> None:
     """One spawned rank: join the group, run ``task``, save what it returns
@@ -163,7 +190,10 @@ def _rank_main(
         if device_type == "cuda":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"file://{out / 'store'}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         progress.write_text("ready")
@@ -271,8 +301,8 @@ def run_on_ranks(
         out = Path(workdir)
         processes = [
             context.Process(
-                target=_rank_main, args=(rank, task, world_size, device_type, backend, workdir, timeout_s,
-                                         match_collectives),
+                target=_rank_main,
+                args=(rank, task, world_size, device_type, backend, workdir, timeout_s, match_collectives),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -299,13 +329,19 @@ def run_on_ranks(
                     first_failure = time.monotonic()
                 grace_over = first_failure is not None and time.monotonic() - first_failure > _GRACE_S
                 # A collective mismatch is the root cause: the peers are left waiting, no grace needed.
-                grace_over = grace_over or (failed and any((out / f"rank{r}.mismatch").exists()
-                                                           for r in range(len(processes))))
+                grace_over = grace_over or (
+                    failed and any((out / f"rank{r}.mismatch").exists() for r in range(len(processes)))
+                )
                 if (failed and all(code is not None for code in codes)) or grace_over:
                     raise _fault(out, processes, describe)
                 if time.monotonic() > deadline:
-                    raise _fault(out, processes, describe, hung=f"the distributed check did not finish within "
-                                 f"{timeout_s:g} s{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: ")
+                    raise _fault(
+                        out,
+                        processes,
+                        describe,
+                        hung=f"the distributed check did not finish within "
+                        f"{timeout_s:g} s{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: ",
+                    )
                 time.sleep(0.05)
             return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
         finally:
@@ -347,7 +383,8 @@ def _waited_on(states: list[RankState], hung: bool) -> bool:
     peer gave up waiting for it in a collective (its backend's timeout, which the process
     group's timeout, the check's own, can fire a moment before the launcher's deadline)."""
     return any(state.running for state in states) and (
-        hung or any(state.error is not None and _TIMED_OUT.search(state.error) is not None for state in states))
+        hung or any(state.error is not None and _TIMED_OUT.search(state.error) is not None for state in states)
+    )
 
 
 def fault_report(states: list[RankState], describe: str, hung: bool = False) -> str:
@@ -365,8 +402,16 @@ def fault_report(states: list[RankState], describe: str, hung: bool = False) -> 
     # almost always left waiting for it in a collective until the backend's own timeout
     # (the process group's timeout is the check's), so the hung rank is named first.
     waited_on = _waited_on(states, hung)
-    order = sorted(states, key=lambda s: (s.running != waited_on, s.error is None and s.death is None,
-                                          s.error is None, s.raised_at, s.rank))
+    order = sorted(
+        states,
+        key=lambda s: (
+            s.running != waited_on,
+            s.error is None and s.death is None,
+            s.error is None,
+            s.raised_at,
+            s.rank,
+        ),
+    )
     for state in order:
         if state.error is not None and waited_on and _TIMED_OUT.search(state.error):
             lines.append(f"rank {state.rank} was waiting in a collective ({state.progress}) and timed out there")
@@ -407,11 +452,15 @@ def _rank_states(out: Path, processes: list[Any]) -> list[RankState]:
     for rank, process in enumerate(processes):
         error, mismatch, progress = (out / f"rank{rank}.{name}" for name in ("error", "mismatch", "progress"))
         code = _exit_code(out, rank, process)
-        states.append(RankState(
-            rank=rank, progress=progress.read_text() if progress.exists() else "not started",
-            error=error.read_text() if error.exists() else None,
-            raised_at=error.stat().st_mtime if error.exists() else 0.0,
-            mismatch=mismatch.read_text() if mismatch.exists() else None,
-            running=code is None, death=_describe_exit(code) if code not in (None, 0) else None,
-        ))
+        states.append(
+            RankState(
+                rank=rank,
+                progress=progress.read_text() if progress.exists() else "not started",
+                error=error.read_text() if error.exists() else None,
+                raised_at=error.stat().st_mtime if error.exists() else 0.0,
+                mismatch=mismatch.read_text() if mismatch.exists() else None,
+                running=code is None,
+                death=_describe_exit(code) if code not in (None, 0) else None,
+            )
+        )
     return states

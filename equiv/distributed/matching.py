@@ -217,9 +217,14 @@ def watch_ddp(ddp: DistributedDataParallel, synced: Callable[[], bool]) -> None:
     def pre_forward(*inputs: Any, **kwargs: Any) -> Any:
         log = _installed
         if log is not None:
-            rebuilds = (torch.is_grad_enabled() and not ddp._has_rebuilt_buckets and synced()
-                        and (ddp.static_graph or not ddp.find_unused_parameters)
-                        and not ddp._use_python_reducer and not ddp._delay_all_reduce_all_params)
+            rebuilds = (
+                torch.is_grad_enabled()
+                and not ddp._has_rebuilt_buckets
+                and synced()
+                and (ddp.static_graph or not ddp.find_unused_parameters)
+                and not ddp._use_python_reducer
+                and not ddp._delay_all_reduce_all_params
+            )
             if rebuilds:
                 log.record(DDP_BUCKET_REBUILD)  # named as made after the forward before this one
             log.forwards += 1

@@ -29,8 +29,10 @@ def _shard_units(module: nn.Module) -> Iterator[nn.Module]:
     (MultiheadAttention uses ``out_proj.weight`` directly)."""
     with_params = [c for c in module.children() if next(c.parameters(), None) is not None]
     for child in with_params:
-        wrapper = len(with_params) == 1 and next(child.parameters(recurse=False), None) is None and any(
-            next(g.parameters(), None) is not None for g in child.children()
+        wrapper = (
+            len(with_params) == 1
+            and next(child.parameters(recurse=False), None) is None
+            and any(next(g.parameters(), None) is not None for g in child.children())
         )
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or wrapper:
             yield from _shard_units(child)
@@ -55,7 +57,6 @@ def fully_shard_layers(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPreci
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return units
-
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

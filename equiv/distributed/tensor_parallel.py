@@ -37,17 +37,21 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     if others:
         raise ValueError(f"the tensor-parallel plan shards nn.Linear layers only; model has parameters in {others}")
     if not owners or len(owners) % 2:
-        raise ValueError(f"the tensor-parallel plan pairs nn.Linear layers (column-wise, then row-wise); model has "
-                         f"{len(owners)} ({[name for name, _ in owners]}): use an even number, e.g. mlp with one "
-                         "hidden layer")
+        raise ValueError(
+            f"the tensor-parallel plan pairs nn.Linear layers (column-wise, then row-wise); model has "
+            f"{len(owners)} ({[name for name, _ in owners]}): use an even number, e.g. mlp with one "
+            "hidden layer"
+        )
     names = [name for name, _ in leaves]
     plan: dict[str, ParallelStyle] = {}
     for (first, _), (second, _) in zip(owners[::2], owners[1::2], strict=True):
-        between = [module for name, module in leaves[names.index(first) + 1:names.index(second)]]
+        between = [module for name, module in leaves[names.index(first) + 1 : names.index(second)]]
         if not all(isinstance(module, ELEMENTWISE) for module in between):
-            raise ValueError(f"between the column-wise {first!r} and the row-wise {second!r} the plan allows only "
-                             f"element-wise layers {[t.__name__ for t in ELEMENTWISE]}, got "
-                             f"{[type(m).__name__ for m in between]}")
+            raise ValueError(
+                f"between the column-wise {first!r} and the row-wise {second!r} the plan allows only "
+                f"element-wise layers {[t.__name__ for t in ELEMENTWISE]}, got "
+                f"{[type(m).__name__ for m in between]}"
+            )
         plan[first], plan[second] = ColwiseParallel(), RowwiseParallel()
     return plan
 

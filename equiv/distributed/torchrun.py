@@ -102,8 +102,12 @@ class TorchrunEnv:
         if not 0 <= rank < world_size:
             raise ValueError(f"RANK must be in [0, WORLD_SIZE={world_size}), got {rank}")
         return cls(
-            rank=rank, world_size=world_size, local_rank=local_rank, master_addr=environ["MASTER_ADDR"],
-            master_port=port, agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            master_addr=environ["MASTER_ADDR"],
+            master_port=port,
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             run_key=f"{environ.get('TORCHELASTIC_RUN_ID', 'none')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
         )
 
@@ -141,8 +145,12 @@ class TorchrunRanks:
         # Under torchrun the agent hosts the store; started by hand, rank 0 hosts it.
         hosts = self.env.rank == 0 and not self.env.agent_store
         store = dist.TCPStore(
-            self.env.master_addr, self.env.master_port, world_size=self.env.world_size if hosts else None,
-            is_master=hosts, timeout=timedelta(seconds=_STARTUP_S), wait_for_workers=False,
+            self.env.master_addr,
+            self.env.master_port,
+            world_size=self.env.world_size if hosts else None,
+            is_master=hosts,
+            timeout=timedelta(seconds=_STARTUP_S),
+            wait_for_workers=False,
         )
         return dist.PrefixStore(self._prefix, store)
 
@@ -184,34 +192,46 @@ class TorchrunRanks:
                 torch.cuda.set_device(self.env.local_rank)  # per thread: each task's thread sets it
             if self._group is None:
                 dist.init_process_group(
-                    backend, store=dist.PrefixStore("group", store), rank=rank, world_size=self.env.world_size,
+                    backend,
+                    store=dist.PrefixStore("group", store),
+                    rank=rank,
+                    world_size=self.env.world_size,
                     timeout=timedelta(seconds=command["timeout_s"] + _STARTUP_S),
                 )
                 self._group = (device_type, backend)
             elif self._group != (device_type, backend):
-                raise ValueError(f"the ranks joined a {self._group[1]} group on {self._group[0]}; this task "
-                                 f"needs {backend} on {device_type}")
+                raise ValueError(
+                    f"the ranks joined a {self._group[1]} group on {self._group[0]}; this task "
+                    f"needs {backend} on {device_type}"
+                )
             store.set(f"{key}ready/{rank}", "1")
             progress("ready")
             collectives = dist.PrefixStore(f"{key}collectives", store) if command["match_collectives"] else None
-            outcome = run_rank_task(command["task"], rank, self.env.world_size, progress, lambda: where[0],
-                                    collectives)
+            outcome = run_rank_task(command["task"], rank, self.env.world_size, progress, lambda: where[0], collectives)
         except BaseException as exc:
             outcome = RankOutcome(error=f"{type(exc).__name__}: {exc}", raised_at=time.time())
             store.set(f"{key}ready/{rank}", "1")
         store.set(f"{key}outcome/{rank}", _dumps(outcome))
 
     def _start_share(self, launch: int, command: dict[str, Any]) -> threading.Thread:
-        thread = threading.Thread(target=self._run_share, args=(launch, command), daemon=True,
-                                  name=f"equiv-rank{self.env.rank}-task{launch}")
+        thread = threading.Thread(
+            target=self._run_share, args=(launch, command), daemon=True, name=f"equiv-rank{self.env.rank}-task{launch}"
+        )
         thread.start()
         self._worker = thread
         return thread
 
     # ------------------------------------------------------------ rank 0
     def run(
-        self, task: RankTask, world_size: int, *, device: str = "cpu", backend: str | None = None,
-        timeout_s: float = 120.0, describe: str = "", match_collectives: bool = False,
+        self,
+        task: RankTask,
+        world_size: int,
+        *,
+        device: str = "cpu",
+        backend: str | None = None,
+        timeout_s: float = 120.0,
+        describe: str = "",
+        match_collectives: bool = False,
     ) -> list[Any]:
         """Rank 0: run ``task`` on every rank torchrun started and return what
         each returned, in rank order (a
@@ -226,7 +246,10 @@ class TorchrunRanks:
             )
         device_type = torch.device(device).type
         command = {
-            "task": task, "device_type": device_type, "timeout_s": timeout_s, "match_collectives": match_collectives,
+            "task": task,
+            "device_type": device_type,
+            "timeout_s": timeout_s,
+            "match_collectives": match_collectives,
             "backend": backend or ("nccl" if device_type == "cuda" else "gloo"),
         }
         launch = self._launches
@@ -260,8 +283,10 @@ class TorchrunRanks:
                 states = self._states(launch, outcomes)
                 report = fault_report(states, describe, hung=hung and not failed)
                 if hung and not failed:
-                    report = (f"the distributed check did not finish within {timeout_s:g} s"
-                              f"{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: {report}")
+                    report = (
+                        f"the distributed check did not finish within {timeout_s:g} s"
+                        f"{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: {report}"
+                    )
                 raise DistributedCheckError(report, fault_of(states, hung=hung and not failed))
             time.sleep(_POLL_S)
 
@@ -271,12 +296,16 @@ class TorchrunRanks:
             progress_key = f"{launch}/progress/{r}"
             progress = self._store.get(progress_key).decode() if self._has(progress_key) else "not started"
             outcome = outcomes.get(r)
-            states.append(RankState(
-                rank=r, progress=progress, running=outcome is None,
-                error=None if outcome is None else outcome.error,
-                raised_at=0.0 if outcome is None or outcome.raised_at is None else outcome.raised_at,
-                mismatch=None if outcome is None else outcome.mismatch,
-            ))
+            states.append(
+                RankState(
+                    rank=r,
+                    progress=progress,
+                    running=outcome is None,
+                    error=None if outcome is None else outcome.error,
+                    raised_at=0.0 if outcome is None or outcome.raised_at is None else outcome.raised_at,
+                    mismatch=None if outcome is None else outcome.mismatch,
+                )
+            )
         return states
 
     def end(self, code: int) -> None:
@@ -299,8 +328,12 @@ class TorchrunRanks:
             where = "; ".join(f"rank {s.rank}: {s.progress}" for s in self._states(max(self._launches - 1, 0), {}))
         except Exception:  # the store went with the agent
             where = "unknown (the rendezvous store is gone)"
-        print(f"equiv: torchrun is stopping the ranks: a rank exited without reporting (it died or was killed). "
-              f"Where each rank was: {where}", file=sys.stderr, flush=True)
+        print(
+            f"equiv: torchrun is stopping the ranks: a rank exited without reporting (it died or was killed). "
+            f"Where each rank was: {where}",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(3)
 
     # ------------------------------------------------------- ranks > 0

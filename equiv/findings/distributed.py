@@ -32,8 +32,14 @@ __all__ = ["fsdp2_cost_table", "fsdp2_verdict_table", "measure_distributed", "me
 
 log = logging.getLogger(__name__)
 
-_BASE = Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (16, 16)}, optimizer="AdamW",
-             optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1}, steps=2)
+_BASE = Case(
+    batch_size=1,
+    micro_batch_sizes=(1,),
+    model_kwargs={"hidden": (16, 16)},
+    optimizer="AdamW",
+    optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1},
+    steps=2,
+)
 #: Uneven shards: rank 0 holds 6 samples in 3 micro-batches, rank 1 holds 3 in 3.
 _UNEVEN = [[1, 2, 3], [1, 1, 1]]
 #: FSDP2: the same micro-batch count on every rank (each forward all-gathers),
@@ -52,30 +58,36 @@ def measure_distributed() -> DistributedFindings:
         verdict = check_distributed(candidate, DistributedCase.of(_BASE, _UNEVEN))
         log.info("distributed: %s", name)
         first = next((v.first_mismatch for v in verdict.ranks if v.first_mismatch), None)
-        rows.append({
-            "candidate": name,
-            "verdict": outcome_words(verdict.status),
-            "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
-            "all-reduces per step": ", ".join(map(str, sorted(verdict.allreduces_per_step()))),
-            "first divergence": "-" if first is None else Divergence.of(first).describe(),
-            "reproduces": _reproduces(verdict.kind, upstream_report(candidate)),
-        })
+        rows.append(
+            {
+                "candidate": name,
+                "verdict": outcome_words(verdict.status),
+                "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
+                "all-reduces per step": ", ".join(map(str, sorted(verdict.allreduces_per_step()))),
+                "first divergence": "-" if first is None else Divergence.of(first).describe(),
+                "reproduces": _reproduces(verdict.kind, upstream_report(candidate)),
+            }
+        )
     verdicts = pd.DataFrame(rows)
 
     sweep = []
     for per_rank in (1, 2, 4, 8):
         shards = [[1] * per_rank, [1] * per_rank]
-        for name, candidate in (("accumulator_step", accumulator_step),
-                                ("no_sync_missing", DISTRIBUTED_BUGS["no_sync_missing"])):
+        for name, candidate in (
+            ("accumulator_step", accumulator_step),
+            ("no_sync_missing", DISTRIBUTED_BUGS["no_sync_missing"]),
+        ):
             verdict = check_distributed(candidate, DistributedCase.of(_BASE.replace(steps=1), shards), tiers=("exact",))
             log.info("all-reduce sweep: N=%d %s", per_rank, name)
-            sweep.append({
-                "N per rank": per_rank,
-                "candidate": name,
-                "equivalent": "yes" if verdict else "no",
-                "all-reduces per step": max(verdict.allreduces_per_step()),
-                "bytes per step per rank": verdict.bytes_per_step(),
-            })
+            sweep.append(
+                {
+                    "N per rank": per_rank,
+                    "candidate": name,
+                    "equivalent": "yes" if verdict else "no",
+                    "all-reduces per step": max(verdict.allreduces_per_step()),
+                    "bytes per step per rank": verdict.bytes_per_step(),
+                }
+            )
     communication = pd.DataFrame(sweep).sort_values(["candidate", "N per rank"], kind="stable")
 
     scaled = _BASE.replace(batch_size=6, micro_batch_sizes=[1, 2, 3], steps=3, loss_scale=2.0**10)
@@ -83,17 +95,24 @@ def measure_distributed() -> DistributedFindings:
     for sample, where in ((0, "first micro-batch"), (2, "second micro-batch"), (5, "last micro-batch")):
         for name, candidate in (("accumulator_step", accumulator_step), *LOSS_SCALE_BUGS.items()):
             single = check(candidate, scaled.replace(overflow_at=[1, sample]))
-            loss_rows.append({
-                "overflow in": f"{where} (sample {sample}) of step 1",
-                "candidate": name,
-                "verdict": outcome_words(single.status),
-                "worst exact / allowed": ratio_band(single.worst["exact"].ratio),
-            })
+            loss_rows.append(
+                {
+                    "overflow in": f"{where} (sample {sample}) of step 1",
+                    "candidate": name,
+                    "verdict": outcome_words(single.status),
+                    "worst exact / allowed": ratio_band(single.worst["exact"].ratio),
+                }
+            )
     loss_scale = pd.DataFrame(loss_rows)
 
     return DistributedFindings(
-        shards=_UNEVEN, case=repr(DistributedCase.of(_BASE, _UNEVEN)), verdicts=verdicts, communication=communication,
-        fsdp2=measure_fsdp2(), loss_scale_case=repr(scaled), loss_scale=loss_scale,
+        shards=_UNEVEN,
+        case=repr(DistributedCase.of(_BASE, _UNEVEN)),
+        verdicts=verdicts,
+        communication=communication,
+        fsdp2=measure_fsdp2(),
+        loss_scale_case=repr(scaled),
+        loss_scale=loss_scale,
     )
 
 
@@ -172,7 +191,8 @@ def fsdp2_cost_table(per_rank: Sequence[Sequence[FsdpCostRow]], *, with_times: b
             "all-gather MiB / step": _per_rank([r.all_gather_bytes / _MIB for r in rows], "{:.2f}".format),
             "fwd/bwd peak MiB": _per_rank([r.memory.forward_backward_peak_bytes / _MIB for r in rows], "{:.2f}".format),
             "optimizer-step peak MiB": _per_rank(
-                [r.memory.optimizer_step_peak_bytes / _MIB for r in rows], "{:.2f}".format),
+                [r.memory.optimizer_step_peak_bytes / _MIB for r in rows], "{:.2f}".format
+            ),
         }
         if with_times:
             record["step ms"] = _per_rank([r.step_seconds * 1e3 for r in rows], "{:.0f}".format)
@@ -180,8 +200,9 @@ def fsdp2_cost_table(per_rank: Sequence[Sequence[FsdpCostRow]], *, with_times: b
     return pd.DataFrame(out)
 
 
-def measure_fsdp2(*, world_sizes: Sequence[int] = (2, 3), sweep: FsdpCostSweep | None = None,
-                  with_times: bool = False) -> Fsdp2Findings:
+def measure_fsdp2(
+    *, world_sizes: Sequence[int] = (2, 3), sweep: FsdpCostSweep | None = None, with_times: bool = False
+) -> Fsdp2Findings:
     """FSDP2's verdicts (reference at each of ``world_sizes``, the zoo at W=2)
     and, measured in one run of two ranks, communication and per-rank peak
     memory against N for both sync policies.  Step times are measured too but
@@ -194,6 +215,10 @@ def measure_fsdp2(*, world_sizes: Sequence[int] = (2, 3), sweep: FsdpCostSweep |
     costs = fsdp2_cost_table(per_rank, with_times=with_times)
     workload = WORKLOADS[sweep.workload]
     return Fsdp2Findings(
-        verdicts=verdicts, costs=costs, shards=_FSDP2_UNEVEN, case=repr(_FSDP2_BASE),
-        workload_description=workload.description, workload_global_batch_size=workload.global_batch_size,
+        verdicts=verdicts,
+        costs=costs,
+        shards=_FSDP2_UNEVEN,
+        case=repr(_FSDP2_BASE),
+        workload_description=workload.description,
+        workload_global_batch_size=workload.global_batch_size,
     )

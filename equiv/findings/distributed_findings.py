@@ -40,16 +40,28 @@ from equiv.zoo.aux_loss_bugs import AUX_SEARCH_ZOO
 from equiv.zoo.context_parallel_bugs import CP_SEARCH_ZOO
 from equiv.zoo.distributed_bugs import SEARCH_ZOO, SearchEntry
 
-__all__ = ["CP_MAX_WORLD_SIZE", "measure_aux_loss_search", "measure_context_parallel_search",
-           "measure_distributed_search", "search_zoo_rows", "torchrun_table"]
+__all__ = [
+    "CP_MAX_WORLD_SIZE",
+    "measure_aux_loss_search",
+    "measure_context_parallel_search",
+    "measure_distributed_search",
+    "search_zoo_rows",
+    "torchrun_table",
+]
 
 log = logging.getLogger(__name__)
 
 _SEED = 0
 _EXAMPLES = 25
 #: The steps run under torchrun (SEARCH_ZOO names): the reference and bugs of each kind.
-_TORCHRUN = ("accumulator_step (DDP)", "local_mean_per_rank", "local_token_mean_per_rank", "global_item_count",
-             "accumulator_step (FSDP2)", "clip_shard_with_local_norm")
+_TORCHRUN = (
+    "accumulator_step (DDP)",
+    "local_mean_per_rank",
+    "local_token_mean_per_rank",
+    "global_item_count",
+    "accumulator_step (FSDP2)",
+    "clip_shard_with_local_norm",
+)
 
 
 def _found(kind: Outcome | None) -> str:
@@ -74,8 +86,14 @@ def search_zoo_rows(zoo: Mapping[str, SearchEntry], *, max_world_size: int = 3) 
     """
     rows = []
     for name, entry in zoo.items():
-        result = verify_distributed(entry.step, engines=(entry.engine,), models=entry.models,
-                                    max_examples=_EXAMPLES, seed=_SEED, max_world_size=max_world_size)
+        result = verify_distributed(
+            entry.step,
+            engines=(entry.engine,),
+            models=entry.models,
+            max_examples=_EXAMPLES,
+            seed=_SEED,
+            max_world_size=max_world_size,
+        )
         log.info("distributed search: %s: %s", name, result.kind)
         expected = None if entry.expected is Outcome.EQUIVALENT else entry.expected
         found = result.counterexample
@@ -83,20 +101,28 @@ def search_zoo_rows(zoo: Mapping[str, SearchEntry], *, max_world_size: int = 3) 
         # collectives (shrunk like one); not a hang (the search stops at it, unshrunk).
         named = result.fault is Fault.COLLECTIVE_MISMATCH
         shown = found is not None and (result.kind is not Outcome.STEP_ERROR or named)
-        split = "-" if not shown else "; ".join(
-            str(list(sizes)) for sizes in found.rank_micro_batch_sizes  # type: ignore[union-attr]
-        ) + _split_notes(found)  # type: ignore[arg-type]
-        rows.append({
-            "step": name,
-            "engine": entry.engine.upper(),
-            "models drawn": ", ".join(entry.models),
-            "what": entry.what,
-            "expected": _found(expected),
-            "found": _found(result.kind),
-            "as expected": "yes" if result.kind == expected else "NO",
-            "shrunk split (samples per micro-batch, per rank)": split,
-            "upstream": _upstream(entry) if entry.expected is not Outcome.EQUIVALENT else (entry.upstream or "-"),
-        })
+        split = (
+            "-"
+            if not shown
+            else "; ".join(
+                str(list(sizes))
+                for sizes in found.rank_micro_batch_sizes  # type: ignore[union-attr]
+            )
+            + _split_notes(found)  # type: ignore[arg-type]
+        )
+        rows.append(
+            {
+                "step": name,
+                "engine": entry.engine.upper(),
+                "models drawn": ", ".join(entry.models),
+                "what": entry.what,
+                "expected": _found(expected),
+                "found": _found(result.kind),
+                "as expected": "yes" if result.kind == expected else "NO",
+                "shrunk split (samples per micro-batch, per rank)": split,
+                "upstream": _upstream(entry) if entry.expected is not Outcome.EQUIVALENT else (entry.upstream or "-"),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -123,8 +149,12 @@ CP_MAX_WORLD_SIZE = 4
 
 def measure_context_parallel_search() -> DistributedSearchFindings:
     """Every step of :data:`~equiv.zoo.context_parallel_bugs.CP_SEARCH_ZOO` searched under its CP engine."""
-    return DistributedSearchFindings(table=search_zoo_rows(CP_SEARCH_ZOO, max_world_size=CP_MAX_WORLD_SIZE),
-                                     examples=_EXAMPLES, seed=_SEED, max_world_size=CP_MAX_WORLD_SIZE)
+    return DistributedSearchFindings(
+        table=search_zoo_rows(CP_SEARCH_ZOO, max_world_size=CP_MAX_WORLD_SIZE),
+        examples=_EXAMPLES,
+        seed=_SEED,
+        max_world_size=CP_MAX_WORLD_SIZE,
+    )
 
 
 def measure_aux_loss_search() -> DistributedSearchFindings:
@@ -135,9 +165,26 @@ def measure_aux_loss_search() -> DistributedSearchFindings:
 def _torchrun(target: str, engine: str, out: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "equiv",
-         "check-distributed", target, "--engine", engine, "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "equiv",
+            "check-distributed",
+            target,
+            "--engine",
+            engine,
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 

@@ -88,15 +88,17 @@ def equivalence_table(results: Iterable[tuple[str, str, Verdict]]) -> pd.DataFra
     for case_name, candidate_name, verdict in results:
         facts = VerdictFacts.of(verdict)
         first = facts.first_divergence
-        rows.append({
-            "case": case_name,
-            "candidate": candidate_name,
-            "verdict": outcome_words(facts.kind) + (
-                f" (precision note: {outcome_words(facts.precision)})" if facts.precision else ""),
-            "worst exact / allowed": facts.tiers.get("exact", "-"),
-            "worst noise / allowed": facts.tiers.get("noise", "-"),
-            "first divergence": "-" if first is None else first.describe(),
-        })
+        rows.append(
+            {
+                "case": case_name,
+                "candidate": candidate_name,
+                "verdict": outcome_words(facts.kind)
+                + (f" (precision note: {outcome_words(facts.precision)})" if facts.precision else ""),
+                "worst exact / allowed": facts.tiers.get("exact", "-"),
+                "worst noise / allowed": facts.tiers.get("noise", "-"),
+                "first divergence": "-" if first is None else first.describe(),
+            }
+        )
     frame = pd.DataFrame(rows)
     return frame.sort_values(["candidate", "case"], kind="stable").reset_index(drop=True)
 
@@ -106,14 +108,16 @@ def bug_zoo_table(results: Mapping[str, VerifyResult]) -> pd.DataFrame:
     rows = []
     for name, result in sorted(results.items()):
         first = result.verdict.first_mismatch if result.verdict is not None else None
-        rows.append({
-            "bug": f"`{name}`",
-            "found": "yes" if result.found else "NO",
-            "cases to find": "-" if result.first_failure_at is None else str(result.first_failure_at),
-            "checks incl. shrinking": str(result.examples),
-            "first divergence": "-" if first is None else Divergence.of(first).describe(),
-            "shrunk case": "-" if result.counterexample is None else f"`{result.counterexample!r}`",
-        })
+        rows.append(
+            {
+                "bug": f"`{name}`",
+                "found": "yes" if result.found else "NO",
+                "cases to find": "-" if result.first_failure_at is None else str(result.first_failure_at),
+                "checks incl. shrinking": str(result.examples),
+                "first divergence": "-" if first is None else Divergence.of(first).describe(),
+                "shrunk case": "-" if result.counterexample is None else f"`{result.counterexample!r}`",
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -147,8 +151,9 @@ def inherent_table() -> pd.DataFrame:
     for label, (model, kwargs) in INHERENT_MODELS.items():
         case = Case(batch_size=6, micro_batch_sizes=(2, 4), model=model, model_kwargs=kwargs, steps=2)
         verdict = check(accumulator_step, case)
-        rows.append({"model": label, "verdict": outcome_words(verdict.status),
-                     "reason": " / ".join(verdict.inherent) or "-"})
+        rows.append(
+            {"model": label, "verdict": outcome_words(verdict.status), "reason": " / ".join(verdict.inherent) or "-"}
+        )
     return pd.DataFrame(rows)
 
 
@@ -160,20 +165,32 @@ def measure_searches() -> SearchFindings:
     nothing but pass / fail, so the same code gives the same report on every
     machine; timings are left out for the same reason.
     """
-    reference = verify(accumulator_step, SearchSpace(item_weighted=True), max_examples=REFERENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED)
+    reference = verify(
+        accumulator_step, SearchSpace(item_weighted=True), max_examples=REFERENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED
+    )
     log.info("searched the reference: %d cases", reference.examples)
     bugs = {}
     for name, bug in BUGS.items():
         item_weighted = name in ITEM_WEIGHTED_BUGS
         # No fresh-process replay of the shrunk case: the table shows nothing it decides.
-        bugs[name] = verify(bug, SearchSpace(losses=ITEM_WEIGHTED_LOSSES if item_weighted else ()),
-                            max_examples=BUG_SEARCH_EXAMPLES, seed=SEARCH_SEED, replay_in_fresh_process=False)
+        bugs[name] = verify(
+            bug,
+            SearchSpace(losses=ITEM_WEIGHTED_LOSSES if item_weighted else ()),
+            max_examples=BUG_SEARCH_EXAMPLES,
+            seed=SEARCH_SEED,
+            replay_in_fresh_process=False,
+        )
         log.info("searched %s: %s", name, "found" if bugs[name].found else "NOT found")
     return SearchFindings(
-        seed=SEARCH_SEED, bug_search_examples=BUG_SEARCH_EXAMPLES, bug_zoo=bug_zoo_table(bugs),
-        bugs_found=sum(result.found for result in bugs.values()), reference_examples=reference.examples,
-        reference_found=reference.found, reference_counterexample=repr(reference.counterexample),
-        equivalent_cases=equivalent_cases_table(reference.equivalent_cases), inherent=inherent_table(),
+        seed=SEARCH_SEED,
+        bug_search_examples=BUG_SEARCH_EXAMPLES,
+        bug_zoo=bug_zoo_table(bugs),
+        bugs_found=sum(result.found for result in bugs.values()),
+        reference_examples=reference.examples,
+        reference_found=reference.found,
+        reference_counterexample=repr(reference.counterexample),
+        equivalent_cases=equivalent_cases_table(reference.equivalent_cases),
+        inherent=inherent_table(),
     )
 
 

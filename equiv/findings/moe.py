@@ -31,8 +31,14 @@ _SPLITS: dict[str, tuple[int, ...]] = {"3 + 3": (3, 3), "2 + 4": (2, 4)}
 
 
 def _case(balance: str, micro_batch_sizes: tuple[int, ...]) -> Case:
-    return Case(batch_size=6, micro_batch_sizes=micro_batch_sizes, model="moe", model_kwargs={"balance": balance},
-                loss="mse_aux", steps=2)
+    return Case(
+        batch_size=6,
+        micro_batch_sizes=micro_batch_sizes,
+        model="moe",
+        model_kwargs={"balance": balance},
+        loss="mse_aux",
+        steps=2,
+    )
 
 
 def moe_table() -> pd.DataFrame:
@@ -52,14 +58,16 @@ def moe_table() -> pd.DataFrame:
                     why = MOE_UPSTREAM.get(name, "-")
                 else:
                     why = "-"
-                rows.append({
-                    "aux loss": f"{balance}-wise",
-                    "step": f"`{name}`",
-                    "split": split,
-                    "verdict": outcome_words(facts.kind),
-                    "first divergence": "-" if first is None or verdict.inherent else first.describe(),
-                    "NOT because": why,
-                })
+                rows.append(
+                    {
+                        "aux loss": f"{balance}-wise",
+                        "step": f"`{name}`",
+                        "split": split,
+                        "verdict": outcome_words(facts.kind),
+                        "first divergence": "-" if first is None or verdict.inherent else first.describe(),
+                        "NOT because": why,
+                    }
+                )
     return pd.DataFrame(rows)
 
 

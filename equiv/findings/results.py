@@ -29,8 +29,10 @@ __all__ = [
 #: the section's prose both use it.
 RANK_FAULT = "a rank hung or made mismatched collectives"
 #: FSDP2's gradient-sync policies (``equiv.cost.fsdp.POLICIES``, in its order) as the cost table names them.
-FSDP2_POLICY_LABELS = {"sync_once_per_window": "sync once per window",
-                       "sync_every_micro_batch": "sync every micro-batch"}
+FSDP2_POLICY_LABELS = {
+    "sync_once_per_window": "sync once per window",
+    "sync_every_micro_batch": "sync every micro-batch",
+}
 
 
 @dataclass(frozen=True)

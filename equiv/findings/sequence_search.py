@@ -39,8 +39,15 @@ from equiv.results.verdict import BFLOAT16_UNIT_ROUNDOFF
 from equiv.zoo.precision import PRECISION_SEARCH, PrecisionEntry
 from equiv.zoo.sequence_bugs import PACKED_BUGS, POLICY_BUGS, SEQUENCE_BUG_REPORTS
 
-__all__ = ["PRECISION_SEARCH_EXAMPLES", "SEQUENCE_SEARCH_EXAMPLES", "measure_packed_search", "measure_policy_search",
-           "measure_precision_search", "precision_rows", "sequence_rows"]
+__all__ = [
+    "PRECISION_SEARCH_EXAMPLES",
+    "SEQUENCE_SEARCH_EXAMPLES",
+    "measure_packed_search",
+    "measure_policy_search",
+    "measure_precision_search",
+    "precision_rows",
+    "sequence_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +101,19 @@ def sequence_rows(bugs: dict[str, tuple[Callable[..., Any], str]], losses: Itera
         One row per search: step, loss, expected, found, cases to find, the shrunk case, as expected, upstream.
     """
     searches = [("accumulator_step", accumulator_step, loss, Outcome.EQUIVALENT, "-") for loss in losses]
-    searches += [(name, step, loss, Outcome.NOT_EQUIVALENT, SEQUENCE_BUG_REPORTS.get(name) or _NO_REPORT)
-                 for name, (step, loss) in bugs.items()]
+    searches += [
+        (name, step, loss, Outcome.NOT_EQUIVALENT, SEQUENCE_BUG_REPORTS.get(name) or _NO_REPORT)
+        for name, (step, loss) in bugs.items()
+    ]
     rows = []
     for name, step, loss, expected, upstream in searches:
-        result = verify(step, SearchSpace(losses=(loss,)), max_examples=SEQUENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED,
-                        replay_in_fresh_process=False)
+        result = verify(
+            step,
+            SearchSpace(losses=(loss,)),
+            max_examples=SEQUENCE_SEARCH_EXAMPLES,
+            seed=SEARCH_SEED,
+            replay_in_fresh_process=False,
+        )
         log.info("sequence search: %s on %s: %s", name, loss, result.kind)
         row = _search_row(name, result, expected)
         rows.append({"step": row.pop("step"), "loss": f"`{loss}`", **row, "upstream": upstream})
@@ -112,14 +126,16 @@ def _losses_of(family: str) -> list[str]:
 
 def measure_packed_search() -> ZooSearchFindings:
     """The reference on every packed loss and every step of ``PACKED_BUGS``, searched."""
-    return ZooSearchFindings(table=sequence_rows(PACKED_BUGS, _losses_of("packed_lm")),
-                             examples=SEQUENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED)
+    return ZooSearchFindings(
+        table=sequence_rows(PACKED_BUGS, _losses_of("packed_lm")), examples=SEQUENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED
+    )
 
 
 def measure_policy_search() -> ZooSearchFindings:
     """The reference on every policy loss and every step of ``POLICY_BUGS``, searched."""
-    return ZooSearchFindings(table=sequence_rows(POLICY_BUGS, _losses_of("policy")),
-                             examples=SEQUENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED)
+    return ZooSearchFindings(
+        table=sequence_rows(POLICY_BUGS, _losses_of("policy")), examples=SEQUENCE_SEARCH_EXAMPLES, seed=SEARCH_SEED
+    )
 
 
 def _sensitivity(result: VerifyResult) -> str:
@@ -130,8 +146,10 @@ def _sensitivity(result: VerifyResult) -> str:
     precision = None if result.verdict is None else result.verdict.precision
     if precision is None or not precision.resolves:
         return "-"
-    bounds = ", ".join(f"{ROUNDOFF_UNITS_PER_STEP * unit_roundoff(getattr(torch, dtype)):.2g} in {dtype}"
-                       for dtype, _ in precision.resolves)
+    bounds = ", ".join(
+        f"{ROUNDOFF_UNITS_PER_STEP * unit_roundoff(getattr(torch, dtype)):.2g} in {dtype}"
+        for dtype, _ in precision.resolves
+    )
     below = all(relative < BFLOAT16_UNIT_ROUNDOFF for _, relative in precision.resolves)
     return f"≥ {bounds}; below one bfloat16 rounding ({BFLOAT16_UNIT_ROUNDOFF:.2g}): {'yes' if below else 'NO'}"
 
@@ -148,19 +166,32 @@ def precision_rows(entries: dict[str, PrecisionEntry]) -> pd.DataFrame:
     """
     rows = []
     for name, entry in entries.items():
-        result = verify(entry.step, SearchSpace(item_weighted=True, optimizers=entry.optimizers),
-                        max_examples=PRECISION_SEARCH_EXAMPLES, seed=SEARCH_SEED, replay_in_fresh_process=False,
-                        train_dtype=entry.train_dtype)
+        result = verify(
+            entry.step,
+            SearchSpace(item_weighted=True, optimizers=entry.optimizers),
+            max_examples=PRECISION_SEARCH_EXAMPLES,
+            seed=SEARCH_SEED,
+            replay_in_fresh_process=False,
+            train_dtype=entry.train_dtype,
+        )
         log.info("precision search: %s: %s", name, result.kind)
         row = _search_row(name, result, entry.expected, entry.cause)
-        rows.append({"step": row.pop("step"), "trains in": entry.train_dtype,
-                     "optimizers": ", ".join(entry.optimizers) or "all", "what": entry.what, **row,
-                     "sensitivity (smallest relative difference resolved)": _sensitivity(result),
-                     "upstream": entry.upstream or "-"})
+        rows.append(
+            {
+                "step": row.pop("step"),
+                "trains in": entry.train_dtype,
+                "optimizers": ", ".join(entry.optimizers) or "all",
+                "what": entry.what,
+                **row,
+                "sensitivity (smallest relative difference resolved)": _sensitivity(result),
+                "upstream": entry.upstream or "-",
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def measure_precision_search() -> ZooSearchFindings:
     """Every entry of :data:`~equiv.zoo.precision.PRECISION_SEARCH` searched."""
-    return ZooSearchFindings(table=precision_rows(PRECISION_SEARCH), examples=PRECISION_SEARCH_EXAMPLES,
-                             seed=SEARCH_SEED)
+    return ZooSearchFindings(
+        table=precision_rows(PRECISION_SEARCH), examples=PRECISION_SEARCH_EXAMPLES, seed=SEARCH_SEED
+    )

@@ -28,8 +28,15 @@ log = logging.getLogger(__name__)
 
 _SEED = 0
 _EXAMPLES = 10
-_CLIPPED = Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,), "activation": "tanh"},
-                optimizer="Adam", optimizer_kwargs={"lr": 1e-2}, steps=2, max_grad_norm=1e-2)
+_CLIPPED = Case(
+    batch_size=1,
+    micro_batch_sizes=(1,),
+    model_kwargs={"hidden": (8,), "activation": "tanh"},
+    optimizer="Adam",
+    optimizer_kwargs={"lr": 1e-2},
+    steps=2,
+    max_grad_norm=1e-2,
+)
 #: engine -> the data ranks' micro-batches (2 TP ranks each): equal data shards under FSDP2 + TP.
 TP_SPLITS: dict[str, list[list[int]]] = {"tp": [[1, 2]], "fsdp2+tp": [[1, 2], [2, 1]]}
 
@@ -46,16 +53,22 @@ def tensor_parallel_table() -> pd.DataFrame:
         row = {"step": f"`{name}`", "what": entry.what}
         statuses = []
         for engine, split in TP_SPLITS.items():
-            verdict = check_distributed(entry.step, DistributedCase.of(_CLIPPED, split, tensor_parallel=2),
-                                        engine=engine)
+            verdict = check_distributed(
+                entry.step, DistributedCase.of(_CLIPPED, split, tensor_parallel=2), engine=engine
+            )
             statuses.append(verdict.status)
             row[f"{engine.upper()} {split}"] = _cell(entry, verdict.status)
         result = verify_distributed(entry.step, engines=("tp",), models=("mlp",), max_examples=_EXAMPLES, seed=_SEED)
         log.info("tensor parallel: %s: search %s", name, result.kind)
         found = result.counterexample
-        row["search under TP"] = "nothing found" if found is None else (
-            f"found, shrunk to {[list(s) for s in found.rank_micro_batch_sizes]}"
-            f"{', clipped' if found.case.max_grad_norm is not None else ''}")
+        row["search under TP"] = (
+            "nothing found"
+            if found is None
+            else (
+                f"found, shrunk to {[list(s) for s in found.rank_micro_batch_sizes]}"
+                f"{', clipped' if found.case.max_grad_norm is not None else ''}"
+            )
+        )
         # A bug must be found by the checks and the search alike; a correct step by neither.
         searched_right = (found is not None) == (entry.expected is Outcome.NOT_EQUIVALENT)
         row["as expected"] = "yes" if searched_right and all(s is entry.expected for s in statuses) else "NO"

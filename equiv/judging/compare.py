@@ -145,8 +145,12 @@ def _compact(tensor: Tensor, own: Tensor | None = None) -> Tensor:
     tensor ``tensor`` was cast up from (exactly: float64 holds every float32),
     kept anyway: returned as it is, no copy and no comparison."""
     tensor = tensor.detach()
-    if (own is not None and own.dtype == torch.float32 and tensor.dtype in (torch.float32, torch.float64)
-            and (own.shape, own.device) == (tensor.shape, tensor.device)):
+    if (
+        own is not None
+        and own.dtype == torch.float32
+        and tensor.dtype in (torch.float32, torch.float64)
+        and (own.shape, own.device) == (tensor.shape, tensor.device)
+    ):
         return own.detach()
     narrow = tensor.clone() if tensor.dtype == torch.float32 else None
     if tensor.dtype == torch.float64:
@@ -184,7 +188,8 @@ class TruthTrajectory:
         copy would cost a pass over the model and its state, and a second copy of
         them alive at once)."""
         self._start_tensors: dict[str, Tensor] = (
-            {} if start is None else {**dict(start.named_parameters()), **dict(start.named_buffers())})
+            {} if start is None else {**dict(start.named_parameters()), **dict(start.named_buffers())}
+        )
         self._last_step = steps
         self.initial: Snapshot | None = None
         #: step -> key -> the truth's tensor after that step, float64 (index 0 unused)
@@ -215,8 +220,7 @@ class TruthTrajectory:
             own = self._start_tensors
             self.initial = Snapshot(
                 params={name: _compact(value, own.get(name)) for name, value in snapshot.params.items()},
-                buffers={name: _compact(value, own.get(name))
-                         for name, value in snapshot.buffers.items()},
+                buffers={name: _compact(value, own.get(name)) for name, value in snapshot.buffers.items()},
                 optimizer_state={},
             )
             self._start_tensors = {}  # held through self.initial where used; nothing else kept
@@ -224,10 +228,17 @@ class TruthTrajectory:
         assert self.initial is not None
         copy = step != self._last_step  # the last snapshot's tensors are the truth's to keep
         values: dict[Key, Tensor] = {
-            **{("update", name): value.detach().to(torch.float64, copy=copy) for name, value in snapshot.params.items()},
-            **{("buffer", name): value.detach().to(torch.float64, copy=copy) for name, value in snapshot.buffers.items()},
-            **{("state", name): value.detach().to(torch.float64, copy=copy)
-               for name, value in snapshot.optimizer_state.items()},
+            **{
+                ("update", name): value.detach().to(torch.float64, copy=copy) for name, value in snapshot.params.items()
+            },
+            **{
+                ("buffer", name): value.detach().to(torch.float64, copy=copy)
+                for name, value in snapshot.buffers.items()
+            },
+            **{
+                ("state", name): value.detach().to(torch.float64, copy=copy)
+                for name, value in snapshot.optimizer_state.items()
+            },
         }
         own_scales = _max_abs_each(list(values.values()))
         floats = _host_floats([*own_scales, *self._update_sizes(step, values)])
@@ -315,7 +326,9 @@ class _RunStart:
             # one host read for the whole model, not one per tensor (a GPU sync each).
             if values.keys() != truths.keys() or any(v.shape != truths[n].shape for n, v in values.items()):
                 return False
-            equal = [torch.eq(value.detach().to(truths[name].device), truths[name]).all() for name, value in values.items()]
+            equal = [
+                torch.eq(value.detach().to(truths[name].device), truths[name]).all() for name, value in values.items()
+            ]
             return bool(torch.stack(equal).all()) if equal else True
 
         self.at_truth_start = same(snapshot.params, initial.params) and same(snapshot.buffers, initial.buffers)
@@ -323,7 +336,9 @@ class _RunStart:
             self.params = {name: _float64(v.detach(), device).clone() for name, v in snapshot.params.items()}
             self.buffers = {name: _float64(v.detach(), device).clone() for name, v in snapshot.buffers.items()}
 
-    def _value(self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None) -> Tensor | None:
+    def _value(
+        self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None
+    ) -> Tensor | None:
         """The run's tensor at ``key`` on the truth's device; None where the run
         lacks it or its shape differs from the truth's."""
         kind, name = key
@@ -337,7 +352,9 @@ class _RunStart:
             return None
         return value
 
-    def difference(self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None) -> Tensor | None:
+    def difference(
+        self, snapshot: Snapshot, key: Key, truth_value: Tensor | None, device: torch.device | None
+    ) -> Tensor | None:
         """The run's compared tensor at ``key`` minus the truth's (the truth's
         zeros where the truth lacks it), float64, in a scratch buffer that the
         next call overwrites; None where the run lacks it or its shape differs.
@@ -372,7 +389,11 @@ class _RunStart:
         return own, (initial.params if kind == "update" else initial.buffers)[name]
 
     def max_differences(
-        self, snapshot: Snapshot, keys: list[Key], truths: dict[Key, Tensor], device: torch.device | None,
+        self,
+        snapshot: Snapshot,
+        keys: list[Key],
+        truths: dict[Key, Tensor],
+        device: torch.device | None,
     ) -> list[Tensor | None]:
         """max |:meth:`difference`| at each of ``keys`` as a 0-d float64 tensor (None
         where the run lacks the tensor or its shape differs).
@@ -408,8 +429,11 @@ class _RunStart:
             if against:
                 torch._foreach_sub_([view for view, _ in against], [truth for _, truth in against])
             if not self.at_truth_start:
-                moved = [(view, *self._starts(key)) for view, (_, key, _) in zip(views, items, strict=True)
-                         if key[0] != "state" and key in truths]
+                moved = [
+                    (view, *self._starts(key))
+                    for view, (_, key, _) in zip(views, items, strict=True)
+                    if key[0] != "state" and key in truths
+                ]
                 if moved:
                     torch._foreach_sub_([view for view, _, _ in moved], [own for _, own, _ in moved])
                     torch._foreach_add_([view for view, _, _ in moved], [start for _, _, start in moved])
@@ -418,7 +442,9 @@ class _RunStart:
         return out
 
 
-def _packs(scratch: _Scratch, slot: str, tensors: list[Tensor], device: torch.device) -> Iterator[list[tuple[int, Tensor]]]:
+def _packs(
+    scratch: _Scratch, slot: str, tensors: list[Tensor], device: torch.device
+) -> Iterator[list[tuple[int, Tensor]]]:
     """``tensors`` (by position) in packs of total size at most the largest one's,
     each with a float64 view, in its shape, of one flat scratch buffer: many
     tensors per multi-tensor kernel in the memory of one tensor-sized buffer.
@@ -444,7 +470,10 @@ def starts_exactly(start: nn.Module, dtype: torch.dtype) -> bool:
     every float; float32 holds float16 and bfloat16).  A run that trains such a
     copy of the model the truth started from starts at the truth's weights, and
     need not be compared there (:class:`_RunStart`)."""
-    holds = {torch.float64: (torch.float32, torch.float16, torch.bfloat16), torch.float32: (torch.float16, torch.bfloat16)}
+    holds = {
+        torch.float64: (torch.float32, torch.float16, torch.bfloat16),
+        torch.float32: (torch.float16, torch.bfloat16),
+    }
     tensors = [*start.parameters(), *start.buffers()]
     return all(t.dtype == dtype or t.dtype in holds.get(dtype, ()) for t in tensors if t.is_floating_point())
 
@@ -523,9 +552,12 @@ class FloorRun:
         keys = [*truth, *(("state", n) for n in snapshot.optimizer_state if ("state", n) not in truth)]
         # A tensor the floor run lacks has no distance (a zero made where the
         # others are: a host-to-GPU copy would be one more synchronisation).
-        distances = _host_floats([
-            distance if distance is not None else torch.zeros((), dtype=torch.float64, device=device)
-            for distance in self._start.max_differences(snapshot, keys, truth, device)])
+        distances = _host_floats(
+            [
+                distance if distance is not None else torch.zeros((), dtype=torch.float64, device=device)
+                for distance in self._start.max_differences(snapshot, keys, truth, device)
+            ]
+        )
         for errors, factor in self.feeds:
             errors.fold(step, keys, distances, factor)
 
@@ -553,7 +585,12 @@ class StepComparer:
     """
 
     def __init__(
-        self, *, tier: Tier, dtype: torch.dtype, floors: FloorErrors, details: bool = True,
+        self,
+        *,
+        tier: Tier,
+        dtype: torch.dtype,
+        floors: FloorErrors,
+        details: bool = True,
         at_truth_start: bool | None = None,
     ) -> None:
         self.tier, self.dtype, self.floors, self.details = tier, dtype, floors, details
@@ -581,8 +618,9 @@ class StepComparer:
         assert not self.details, "a detailed row's mismatched count belongs to its own allowance"
         rows = []
         for row in self.diffs:
-            budget = allowance(floor=floors.floor(row.step, (row.kind, row.name)), dtype=self.dtype, scale=row.scale,
-                               steps=row.step)
+            budget = allowance(
+                floor=floors.floor(row.step, (row.kind, row.name)), dtype=self.dtype, scale=row.scale, steps=row.step
+            )
             rows.append(dataclasses.replace(row, allowed=budget.allowed, explanation=budget.explain()))
         return rows
 
@@ -616,21 +654,48 @@ class StepComparer:
             if kind == "update":
                 scale = max(scale, truth.global_update[step])
             budget = allowance(floor=self.floors.floor(step, key), dtype=self.dtype, scale=scale, steps=step)
-            shape = tuple(truth_value.shape) if truth_value is not None else tuple(candidate.optimizer_state[name].shape)
+            shape = (
+                tuple(truth_value.shape) if truth_value is not None else tuple(candidate.optimizer_state[name].shape)
+            )
             numel = math.prod(shape)
             if maximum is None:
                 # Missing state (e.g. the optimizer never stepped) or a reshaped tensor.
                 size = max(numel, 1)
-                row = TensorDiff(step, name, kind, self.tier, dtype_name, math.inf, (), math.inf, (),  # type: ignore[arg-type]
-                                 budget.allowed, budget.explain(), size, size, scale)
+                row = TensorDiff(
+                    step,
+                    name,
+                    kind,  # type: ignore[arg-type]
+                    self.tier,
+                    dtype_name,
+                    math.inf,
+                    (),
+                    math.inf,
+                    (),
+                    budget.allowed,
+                    budget.explain(),
+                    size,
+                    size,
+                    scale,
+                )
             else:
                 max_abs = next(floats)
                 if math.isnan(max_abs):  # NaN anywhere is as far from the truth as it gets
                     max_abs = math.inf
                 row = TensorDiff(
-                    step=step, name=name, kind=kind, tier=self.tier, dtype=dtype_name,  # type: ignore[arg-type]
-                    max_abs_diff=max_abs, index=(), max_rel_diff=math.nan, rel_index=(),
-                    allowed=budget.allowed, explanation=budget.explain(), mismatched=0, numel=numel, scale=scale,
+                    step=step,
+                    name=name,
+                    kind=kind,  # type: ignore[arg-type]
+                    tier=self.tier,
+                    dtype=dtype_name,
+                    max_abs_diff=max_abs,
+                    index=(),
+                    max_rel_diff=math.nan,
+                    rel_index=(),
+                    allowed=budget.allowed,
+                    explanation=budget.explain(),
+                    mismatched=0,
+                    numel=numel,
+                    scale=scale,
                 )
             out.append(row)
         if not self.details:
@@ -741,26 +806,45 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
     is_update = row.kind == "update" and not zeros
     if is_update:
         flat_difference, flat_truth = difference.flatten(), truth.flatten()
-        products = [torch.dot(flat_difference, flat_truth), torch.dot(flat_truth, flat_truth),
-                    torch.dot(flat_difference, flat_difference)]
+        products = [
+            torch.dot(flat_difference, flat_truth),
+            torch.dot(flat_truth, flat_truth),
+            torch.dot(flat_difference, flat_difference),
+        ]
     else:
         products = [torch.zeros((), dtype=torch.float64, device=device)] * 3
     # All on the device, read in one transfer (torch.take: no host-side index).
-    floats = _host_floats([
-        flat_abs.to(torch.float64), torch.take(rel_diff, flat_rel), flat_rel.to(torch.float64),
-        mismatched.to(torch.float64), torch.take(truth, flat_abs), torch.take(difference, flat_abs),
-        nan_count.to(torch.float64), inf_count.to(torch.float64), first_not_finite.to(torch.float64), *products,
-    ])
+    floats = _host_floats(
+        [
+            flat_abs.to(torch.float64),
+            torch.take(rel_diff, flat_rel),
+            flat_rel.to(torch.float64),
+            mismatched.to(torch.float64),
+            torch.take(truth, flat_abs),
+            torch.take(difference, flat_abs),
+            nan_count.to(torch.float64),
+            inf_count.to(torch.float64),
+            first_not_finite.to(torch.float64),
+            *products,
+        ]
+    )
     index_abs, max_rel, index_rel, count, expected, signed, nans, infs, first_bad, dt, tt, dd = floats
     ct, cc = tt + dt, tt + 2 * dt + dd
     ratio = ct / tt if is_update and tt > 0 else math.nan
     cosine = ct / math.sqrt(cc * tt) if is_update and cc > 0 and tt > 0 else math.nan
     return dataclasses.replace(
-        row, index=_unravel(int(index_abs), shape), max_rel_diff=max_rel,
-        rel_index=_unravel(int(index_rel), shape), mismatched=int(count),
-        expected=expected, actual=expected + signed, nan_count=int(nans), inf_count=int(infs),
+        row,
+        index=_unravel(int(index_abs), shape),
+        max_rel_diff=max_rel,
+        rel_index=_unravel(int(index_rel), shape),
+        mismatched=int(count),
+        expected=expected,
+        actual=expected + signed,
+        nan_count=int(nans),
+        inf_count=int(infs),
         first_not_finite=_unravel(int(first_bad), shape) if nans or infs else (),
-        update_ratio=ratio, cosine=cosine,
+        update_ratio=ratio,
+        cosine=cosine,
     )
 
 

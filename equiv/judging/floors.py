@@ -88,7 +88,9 @@ def floor_plan(working: torch.dtype, tiers: Sequence[Tier], roundings: Sequence[
     they run (see the module's docstring).  The exact tier is float64; the
     noise tier the working dtype (none when that is float64)."""
     exact, float32 = torch.float64, torch.float32
-    float32_feeds: dict[str, float] = {"exact": unit_roundoff(exact) / unit_roundoff(float32)} if "exact" in tiers else {}
+    float32_feeds: dict[str, float] = (
+        {"exact": unit_roundoff(exact) / unit_roundoff(float32)} if "exact" in tiers else {}
+    )
     noise = "noise" in tiers and working != exact
     if noise and working == float32:
         float32_feeds["noise"] = 1.0
@@ -98,7 +100,13 @@ def floor_plan(working: torch.dtype, tiers: Sequence[Tier], roundings: Sequence[
             lower.append(FloorSample(float32, rounding, float32_feeds))
         if noise and working != float32:
             lower.append(FloorSample(working, rounding, {"noise": 1.0}))
-    float64 = [FloorSample(exact, rounding, {"exact": 1.0})
-               for rounding in [r for r in roundings if not r.is_truth][:FLOAT64_SAMPLES]] if "exact" in tiers else []
+    float64 = (
+        [
+            FloorSample(exact, rounding, {"exact": 1.0})
+            for rounding in [r for r in roundings if not r.is_truth][:FLOAT64_SAMPLES]
+        ]
+        if "exact" in tiers
+        else []
+    )
     first_two = sum(1 for sample in lower if sample.rounding in roundings[:2])
     return (*lower[:first_two], *float64[:1], *lower[first_two:], *float64[1:])

@@ -80,8 +80,11 @@ _SHUFFLE_SEED_OFFSETS = (7919, 104729)
 def case_roundings(seed: int) -> tuple[Rounding, ...]:
     """The roundings a case run in this process can make: the batch in order,
     normalised after backward, and shuffled twice (seeds fixed by the case's)."""
-    return (IN_ORDER, Rounding(after_backward=True),
-            *(Rounding("shuffled", seed=seed + offset) for offset in _SHUFFLE_SEED_OFFSETS))
+    return (
+        IN_ORDER,
+        Rounding(after_backward=True),
+        *(Rounding("shuffled", seed=seed + offset) for offset in _SHUFFLE_SEED_OFFSETS),
+    )
 
 
 #: A passing tier's rows must sit at most this share of their allowance before floor sampling
@@ -112,9 +115,16 @@ class Judge:
     """
 
     def __init__(
-        self, source: RunSource, *, working: torch.dtype, tiers: Sequence[Tier] = TIERS,
-        roundings: Sequence[Rounding] = (IN_ORDER,), start: nn.Module | None = None, steps: int | None = None,
-        starts_at_truth: Callable[[torch.dtype], bool | None] | None = None, on_truth: OnSnapshot | None = None,
+        self,
+        source: RunSource,
+        *,
+        working: torch.dtype,
+        tiers: Sequence[Tier] = TIERS,
+        roundings: Sequence[Rounding] = (IN_ORDER,),
+        start: nn.Module | None = None,
+        steps: int | None = None,
+        starts_at_truth: Callable[[torch.dtype], bool | None] | None = None,
+        on_truth: OnSnapshot | None = None,
     ) -> None:
         unknown = [t for t in tiers if t not in TIERS]
         if unknown or not tiers:
@@ -134,7 +144,8 @@ class Judge:
         source(torch.float64, roundings[0], keep)
         #: the tiers judged (a float64 run has no noise tier: its working dtype is the exact tier's)
         self.tier_names: tuple[Tier, ...] = tuple(
-            t for t in TIERS if t in tiers and (t == "exact" or working != torch.float64))
+            t for t in TIERS if t in tiers and (t == "exact" or working != torch.float64)
+        )
         #: tier -> the distances from the truth of the floor samples run so far
         self.floors: dict[str, FloorErrors] = {tier: FloorErrors(self.truth) for tier in self.tier_names}
         #: the floor plan, and the positions of the samples already run
@@ -171,8 +182,10 @@ class Judge:
             return False
         sample = self.samples[pending[0]]
         # One distance pass per step for every tier the sample measures.
-        run = FloorRun([(self.floors[t], factor) for t, factor in sample.feeds.items() if t in self.floors],
-                       at_truth_start=self.starts_at_truth(sample.dtype))
+        run = FloorRun(
+            [(self.floors[t], factor) for t, factor in sample.feeds.items() if t in self.floors],
+            at_truth_start=self.starts_at_truth(sample.dtype),
+        )
         self.source(sample.dtype, sample.rounding, run.add)
         run.end_run()
         self.samples_run.add(pending[0])
@@ -188,8 +201,13 @@ class Judge:
     def comparer(self, tier: Tier, *, details: bool = True) -> StepComparer:
         """A comparer of one candidate run in ``tier`` against the floors run so far
         (feed it the run's snapshots, step 0 first, then ``end_run()``)."""
-        return StepComparer(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier], details=details,
-                            at_truth_start=self.starts_at_truth(self.dtype(tier)))
+        return StepComparer(
+            tier=tier,
+            dtype=self.dtype(tier),
+            floors=self.floors[tier],
+            details=details,
+            at_truth_start=self.starts_at_truth(self.dtype(tier)),
+        )
 
     def rows(self, tier: Tier, run: CandidateRun, *, details: bool = True) -> StepComparer:
         """Run a candidate (``run`` hands over its snapshots), comparing each step as it is produced."""
@@ -198,8 +216,9 @@ class Judge:
         comparer.end_run()
         return comparer
 
-    def judge_tier(self, tier: Tier, run: CandidateRun, *, details: bool = True,
-                   agree: Callable[[bool], bool] | None = None) -> list[TensorDiff]:
+    def judge_tier(
+        self, tier: Tier, run: CandidateRun, *, details: bool = True, agree: Callable[[bool], bool] | None = None
+    ) -> list[TensorDiff]:
         """Every tensor's row of a candidate in ``tier``, running floor samples only
         while the verdict depends on them.
 
@@ -241,8 +260,9 @@ class Judge:
 
     def compare(self, tier: Tier, candidate: Sequence[Snapshot]) -> list[TensorDiff]:
         """Judge a whole candidate trajectory (e.g. one rank's, or a peer's) against the floors run so far."""
-        return compare_trajectories(tier=tier, dtype=self.dtype(tier), floors=self.floors[tier],
-                                    candidate=list(candidate))
+        return compare_trajectories(
+            tier=tier, dtype=self.dtype(tier), floors=self.floors[tier], candidate=list(candidate)
+        )
 
 
 class ReferenceRuns(Judge):
@@ -260,13 +280,25 @@ class ReferenceRuns(Judge):
         # Every run trains a copy of it: on a GPU, copying it there once (in its own
         # dtype; each run casts its copy) saves a host-to-device copy of the model per run.
         self.initial.module.to(torch.device(case.device))
-        super().__init__(self._run_reference, working=case.working_dtype, tiers=tiers,
-                         roundings=case_roundings(case.seed), start=self.initial.module, steps=case.steps,
-                         starts_at_truth=self._copies_start)
+        super().__init__(
+            self._run_reference,
+            working=case.working_dtype,
+            tiers=tiers,
+            roundings=case_roundings(case.seed),
+            start=self.initial.module,
+            steps=case.steps,
+            starts_at_truth=self._copies_start,
+        )
 
     def _run_reference(self, dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
-        run_reference(self.case, dtype, permutation_seed=rounding.seed, normalise_after_backward=rounding.after_backward,
-                      on_snapshot=on_snapshot, initial=self.initial)
+        run_reference(
+            self.case,
+            dtype,
+            permutation_seed=rounding.seed,
+            normalise_after_backward=rounding.after_backward,
+            on_snapshot=on_snapshot,
+            initial=self.initial,
+        )
 
     def _copies_start(self, dtype: torch.dtype) -> bool | None:
         """Whether a run in ``dtype`` from :attr:`initial` (a copy of the model the
@@ -286,27 +318,49 @@ class ReferenceRuns(Judge):
         """The float64 truth only; floor samples run when asked for."""
         return cls(case, tiers)
 
-    def candidate_run(self, tier: Tier, case: Case, candidate: Candidate | BoundCandidate, *,
-                      default_dtype: torch.dtype | None = None, notes: list[str] | None = None,
-                      promote_low_precision: bool = False) -> CandidateRun:
+    def candidate_run(
+        self,
+        tier: Tier,
+        case: Case,
+        candidate: Candidate | BoundCandidate,
+        *,
+        default_dtype: torch.dtype | None = None,
+        notes: list[str] | None = None,
+        promote_low_precision: bool = False,
+    ) -> CandidateRun:
         """``candidate`` run on ``case`` in ``tier``'s dtype from :attr:`initial`; what the
         step did to the model besides training it goes to ``notes``."""
 
         def run(on_snapshot: OnSnapshot) -> None:
-            run_candidate(case, candidate, self.dtype(tier), on_snapshot=on_snapshot, default_dtype=default_dtype,
-                          initial=self.initial, on_note=None if notes is None else notes.append,
-                          promote_low_precision=promote_low_precision)
+            run_candidate(
+                case,
+                candidate,
+                self.dtype(tier),
+                on_snapshot=on_snapshot,
+                default_dtype=default_dtype,
+                initial=self.initial,
+                on_note=None if notes is None else notes.append,
+                promote_low_precision=promote_low_precision,
+            )
 
         return run
 
     def run_and_compare(
-        self, tier: Tier, case: Case, candidate: Candidate | BoundCandidate, *, default_dtype: torch.dtype | None = None,
-        notes: list[str] | None = None, final: bool = True, promote_low_precision: bool = False,
+        self,
+        tier: Tier,
+        case: Case,
+        candidate: Candidate | BoundCandidate,
+        *,
+        default_dtype: torch.dtype | None = None,
+        notes: list[str] | None = None,
+        final: bool = True,
+        promote_low_precision: bool = False,
     ) -> list[TensorDiff]:
         """Run ``candidate`` in ``tier``'s dtype, comparing each step as it is produced
         against the floors run so far.  ``final=False``: no row detailed."""
-        run = self.candidate_run(tier, case, candidate, default_dtype=default_dtype, notes=notes,
-                                 promote_low_precision=promote_low_precision)
+        run = self.candidate_run(
+            tier, case, candidate, default_dtype=default_dtype, notes=notes, promote_low_precision=promote_low_precision
+        )
         return self.rows(tier, run, details=final).diffs
 
     def verdict(self, candidate: str, runs: Mapping[Tier, list[Snapshot]]) -> Verdict:
@@ -336,7 +390,9 @@ class ReferenceRuns(Judge):
         if not truth_scales:
             return ()
         # Every floor run is a full-batch run in a lower precision than the truth.
-        for scales in (scales for tier in self.tiers if tier in tiers for scales in self.floors[tier].scale_trajectories):
+        for scales in (
+            scales for tier in self.tiers if tier in tiers for scales in self.floors[tier].scale_trajectories
+        ):
             if scales != truth_scales:
                 precision = self.case.dtype + (f" with {self.case.autocast} autocast" if self.case.autocast else "")
                 return (
@@ -406,12 +462,17 @@ def case_key(case: Case) -> str | None:
 
 
 #: Training dtypes a user may declare, by name.
-_TRAIN_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}
+_TRAIN_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
-def precision_fails_because(train_dtype: torch.dtype | str | None, strict: bool,
-                            sized: torch.dtype = torch.float32) -> str:
+def precision_fails_because(
+    train_dtype: torch.dtype | str | None, strict: bool, sized: torch.dtype = torch.float32
+) -> str:
     """Why a precision finding of differences ``sized`` like one rounding of that dtype
     fails for this user ("" when it passes): they train in a finer dtype (float64 for a
     float32-sized finding; float32 or float64, or no dtype named, for a bfloat16-sized
@@ -426,8 +487,9 @@ def precision_fails_because(train_dtype: torch.dtype | str | None, strict: bool,
     if isinstance(train_dtype, str):
         name = train_dtype.removeprefix("torch.").lower()
         if name not in _TRAIN_DTYPES:
-            raise ValueError(f"train_dtype must be one of {sorted(_TRAIN_DTYPES)} (or a torch dtype), "
-                             f"got {train_dtype!r}")
+            raise ValueError(
+                f"train_dtype must be one of {sorted(_TRAIN_DTYPES)} (or a torch dtype), got {train_dtype!r}"
+            )
         train_dtype = _TRAIN_DTYPES[name]
     if train_dtype is not None and train_dtype not in _TRAIN_DTYPES.values():
         raise ValueError(f"train_dtype must be one of {sorted(_TRAIN_DTYPES)} (or a torch dtype), got {train_dtype!r}")
@@ -437,8 +499,10 @@ def precision_fails_because(train_dtype: torch.dtype | str | None, strict: bool,
         if train_dtype in (torch.bfloat16, torch.float16):
             return ""
         trained = "float32" if train_dtype is None else str(train_dtype).removeprefix("torch.")
-        return (f"you train with {trained} master weights and gradients (equiv check --train-dtype bfloat16 if "
-                "yours are bfloat16), finer than the bfloat16 the step accumulates in")
+        return (
+            f"you train with {trained} master weights and gradients (equiv check --train-dtype bfloat16 if "
+            "yours are bfloat16), finer than the bfloat16 the step accumulates in"
+        )
     if train_dtype == torch.float64:
         return "you train in float64"
     return ""
@@ -453,7 +517,10 @@ Rerun = Callable[[Sequence[Tier], str], "Sequence[TensorDiff] | None"]
 
 
 def precision_finding(
-    verdicts: Sequence[Verdict], references: Judge, rerun: Rerun, fails_because: FailsBecause,
+    verdicts: Sequence[Verdict],
+    references: Judge,
+    rerun: Rerun,
+    fails_because: FailsBecause,
 ) -> PrecisionFinding | None:
     """Whether the mismatches of ``verdicts`` (one process's, or every rank's
     of one distributed check) are a precision finding, and why.
@@ -491,8 +558,21 @@ def precision_finding(
 
 
 #: A row that is never within its allowance: a rerun that could not run decides nothing.
-_NOT_RUN = TensorDiff(step=1, name="(not run)", kind="update", tier="exact", dtype="float64", max_abs_diff=math.inf,
-                      index=(), max_rel_diff=math.inf, rel_index=(), allowed=0.0, explanation="", mismatched=0, numel=0)
+_NOT_RUN = TensorDiff(
+    step=1,
+    name="(not run)",
+    kind="update",
+    tier="exact",
+    dtype="float64",
+    max_abs_diff=math.inf,
+    index=(),
+    max_rel_diff=math.inf,
+    rel_index=(),
+    allowed=0.0,
+    explanation="",
+    mismatched=0,
+    numel=0,
+)
 
 
 def resolution(rows: Sequence[TensorDiff]) -> tuple[tuple[str, float], ...]:

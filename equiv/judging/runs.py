@@ -42,6 +42,7 @@ __all__ = [
     "state_snapshot",
 ]
 
+
 class NonFiniteLossError(ValueError):
     """The full-batch reference produced a non-finite loss: the case itself is bad."""
 
@@ -60,20 +61,31 @@ class Snapshot:
 
 
 def snapshot_of(
-    model: nn.Module, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None = None,
-    *, copy_tensors: bool = True,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    *,
+    copy_tensors: bool = True,
 ) -> Snapshot:
     """Float64 copies of the run's state; with ``copy_tensors=False`` the run's
     own tensors, in its dtype (no copy, no conversion: for a consumer that
     reads them at once and computes in float64, which promotes them exactly)."""
-    return state_snapshot(dict(model.named_parameters()),
-                          {name: b for name, b in model.named_buffers() if b.is_floating_point()},
-                          optimizer, grad_scaler, copy_tensors=copy_tensors)
+    return state_snapshot(
+        dict(model.named_parameters()),
+        {name: b for name, b in model.named_buffers() if b.is_floating_point()},
+        optimizer,
+        grad_scaler,
+        copy_tensors=copy_tensors,
+    )
 
 
 def state_snapshot(
-    params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], optimizer: torch.optim.Optimizer,
-    grad_scaler: torch.amp.GradScaler | None = None, *, copy_tensors: bool = True,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    optimizer: torch.optim.Optimizer,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    *,
+    copy_tensors: bool = True,
 ) -> Snapshot:
     """:func:`snapshot_of` of named tensors that are not one module's (a rank's shards of them).
 
@@ -101,8 +113,11 @@ def state_snapshot(
         # The scale must move exactly as the full-batch step's: backed off once
         # per overflowing window, never per micro-batch.
         state["grad_scaler:scale"] = torch.tensor(grad_scaler.get_scale(), dtype=torch.float64)
-    return Snapshot(params={name: copy(p) for name, p in params.items()},
-                    buffers={name: copy(b) for name, b in buffers.items()}, optimizer_state=state)
+    return Snapshot(
+        params={name: copy(p) for name, p in params.items()},
+        buffers={name: copy(b) for name, b in buffers.items()},
+        optimizer_state=state,
+    )
 
 
 def full_batch_step(
@@ -256,11 +271,15 @@ def _what_the_step_changed(model: nn.Module, optimizer: torch.optim.Optimizer, d
     notes = []
     for name, param in model.named_parameters():
         if id(param) not in held:
-            notes.append(f"the step replaced parameter '{name}' with a new tensor: the optimizer no longer holds it, "
-                         "so no optimizer step can update it")
+            notes.append(
+                f"the step replaced parameter '{name}' with a new tensor: the optimizer no longer holds it, "
+                "so no optimizer step can update it"
+            )
         if param.dtype != dtype:
-            notes.append(f"the step changed the dtype of '{name}' from {str(dtype).removeprefix('torch.')} to "
-                         f"{str(param.dtype).removeprefix('torch.')}")
+            notes.append(
+                f"the step changed the dtype of '{name}' from {str(dtype).removeprefix('torch.')} to "
+                f"{str(param.dtype).removeprefix('torch.')}"
+            )
     return notes
 
 
@@ -305,8 +324,13 @@ def run_reference(
 
     def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, extras: RunExtras, step: int) -> None:
         loss = full_batch_step(
-            model, optimizer, batch, loss_fn, max_grad_norm=case.max_grad_norm,
-            scheduler=extras.scheduler, grad_scaler=extras.grad_scaler,
+            model,
+            optimizer,
+            batch,
+            loss_fn,
+            max_grad_norm=case.max_grad_norm,
+            scheduler=extras.scheduler,
+            grad_scaler=extras.grad_scaler,
             normalise_after_backward=normalise_after_backward,
         )
         # Under dynamic loss scaling a non-finite loss is an overflow to skip, not an error.
@@ -521,6 +545,12 @@ def run_candidate(
             ) from exc
 
     return _run(
-        case, dtype, run_step, wrap_model=wrap_model, batch_slice=batch_slice, on_snapshot=on_snapshot, initial=initial,
+        case,
+        dtype,
+        run_step,
+        wrap_model=wrap_model,
+        batch_slice=batch_slice,
+        on_snapshot=on_snapshot,
+        initial=initial,
         on_note=on_note,
     )

@@ -106,8 +106,12 @@ class References(Judge):
         def source(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
             run(dtype, rounding.order, on_snapshot)
 
-        super().__init__(source, working=working, roundings=[Rounding(cast(Order, order)) for order in orders],
-                         on_truth=lambda step, snapshot: self.flat.append(flat_params(snapshot.params)))
+        super().__init__(
+            source,
+            working=working,
+            roundings=[Rounding(cast(Order, order)) for order in orders],
+            on_truth=lambda step, snapshot: self.flat.append(flat_params(snapshot.params)),
+        )
         self.with_floors()
 
 
@@ -133,8 +137,11 @@ class RunVerdict(ResultBase):
         for diff in self.mismatches:
             by_step.setdefault(diff.step, []).append(diff)
         noise_compared = {d.step for d in self.diffs if d.tier == "noise"}
-        return sorted(step for step, rows in by_step.items()
-                      if any(d.tier == "noise" for d in rows) or step not in noise_compared or not float32_sized(rows))
+        return sorted(
+            step
+            for step, rows in by_step.items()
+            if any(d.tier == "noise" for d in rows) or step not in noise_compared or not float32_sized(rows)
+        )
 
     @property
     def first_failure(self) -> int | None:
@@ -181,8 +188,14 @@ class RunVerdict(ResultBase):
         first = self.first_mismatch()
         if self.equivalent:
             return headed(self.status, steps + (", with a precision note" if self.precision is not None else ""))
-        where = "" if first is None else (f": {first.label} at step {first.step}, {first.tier} tier, off by "
-                                          f"{first.relative_error:.3g} of its scale ({first.ratio:.3g} x allowed)")
+        where = (
+            ""
+            if first is None
+            else (
+                f": {first.label} at step {first.step}, {first.tier} tier, off by "
+                f"{first.relative_error:.3g} of its scale ({first.ratio:.3g} x allowed)"
+            )
+        )
         return headed(self.status, f"{steps}, first failing at step {self.first_failure}{where}")
 
     def message(self) -> str:
@@ -194,15 +207,20 @@ class RunVerdict(ResultBase):
         return "\n".join(lines + ([f"Precision note: {note}"] if note else []))
 
     def _fields(self) -> dict[str, Any]:
-        return {"steps": list(self.steps), "first_failure": self.first_failure,
-                "mismatches": [d.to_dict() for d in self.mismatches]}
+        return {
+            "steps": list(self.steps),
+            "first_failure": self.first_failure,
+            "mismatches": [d.to_dict() for d in self.mismatches],
+        }
 
 
 def judge(trajectories: Trajectories, references: References) -> RunVerdict:
     """Every step of both of the peer's runs against ``references``, in its tier."""
     diffs: list[TensorDiff] = []
     tiers: tuple[tuple[Tier, list[Snapshot], torch.dtype], ...] = (
-        ("exact", trajectories.exact, torch.float64), ("noise", trajectories.noise, trajectories.working))
+        ("exact", trajectories.exact, torch.float64),
+        ("noise", trajectories.noise, trajectories.working),
+    )
     for tier, run, dtype in tiers:
         if tier in references.tier_names:  # a float64 run has one tier
             assert dtype == references.dtype(tier), (tier, dtype, references.dtype(tier))
@@ -233,8 +251,10 @@ class StepMagnitude:
         # about lr * sign(g), reads as a flip when the cosine rounds to -1 at two decimals.
         direction = "sign flipped" if round(self.cosine, 2) == -1.0 else f"cos {self.cosine:.2f}"
         # The gap too: under Adam a 3x gradient moves the update only through eps (scale "1x").
-        return (f"step {self.step}: update {self.scale:.3g}x the full-batch one, {direction}, "
-                f"off by {self.relative:.2g} of it")
+        return (
+            f"step {self.step}: update {self.scale:.3g}x the full-batch one, {direction}, "
+            f"off by {self.relative:.2g} of it"
+        )
 
 
 def update_gap(step: int, before: Tensor, after: Tensor, full_after: Tensor) -> StepMagnitude:

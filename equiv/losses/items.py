@@ -95,8 +95,9 @@ def _weighted_count(target: Tensor, weight: Tensor | None, ignore_index: int) ->
 
 
 def _options_repr(name: str, **options: Any) -> str:
-    shown = ", ".join(f"{key}={'<tensor>' if isinstance(value, Tensor) else repr(value)}"
-                      for key, value in options.items())
+    shown = ", ".join(
+        f"{key}={'<tensor>' if isinstance(value, Tensor) else repr(value)}" for key, value in options.items()
+    )
     return f"{name}({shown})"
 
 
@@ -112,8 +113,9 @@ class CrossEntropy(Loss):
 
     name = "cross_entropy"
 
-    def __init__(self, *, weight: Tensor | None = None, ignore_index: int | None = None,
-                 label_smoothing: float = 0.0) -> None:
+    def __init__(
+        self, *, weight: Tensor | None = None, ignore_index: int | None = None, label_smoothing: float = 0.0
+    ) -> None:
         self.weight, self.ignore_index, self.label_smoothing = weight, ignore_index, float(label_smoothing)
 
     @property
@@ -123,9 +125,14 @@ class CrossEntropy(Loss):
 
     def _torch(self, output: Tensor, target: Tensor, reduction: str) -> Tensor:
         output, target = _classes_first(output, target)
-        return F.cross_entropy(output, target, weight=_weights_of(self.weight, output),
-                               ignore_index=-100 if self.ignore_index is None else self.ignore_index,
-                               label_smoothing=self.label_smoothing, reduction=reduction)
+        return F.cross_entropy(
+            output,
+            target,
+            weight=_weights_of(self.weight, output),
+            ignore_index=-100 if self.ignore_index is None else self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            reduction=reduction,
+        )
 
     def __call__(self, output: Tensor, target: Tensor) -> Tensor:
         return self._torch(output, target, "mean")
@@ -139,9 +146,15 @@ class CrossEntropy(Loss):
         return _weighted_count(target, self.weight, -100 if self.ignore_index is None else self.ignore_index)
 
     def __repr__(self) -> str:
-        options = {key: value for key, value in (("weight", self.weight), ("ignore_index", self.ignore_index),
-                                                 ("label_smoothing", self.label_smoothing))
-                   if value is not None and (isinstance(value, Tensor) or value != 0.0)}
+        options = {
+            key: value
+            for key, value in (
+                ("weight", self.weight),
+                ("ignore_index", self.ignore_index),
+                ("label_smoothing", self.label_smoothing),
+            )
+            if value is not None and (isinstance(value, Tensor) or value != 0.0)
+        }
         return _options_repr(type(self).__name__, **options)
 
 
@@ -167,14 +180,18 @@ class TokenCrossEntropy(Loss):
     name = "token_cross_entropy"
     item_weighted = True
 
-    def __init__(self, ignore_index: int = -100, *, weight: Tensor | None = None,
-                 label_smoothing: float = 0.0) -> None:
+    def __init__(self, ignore_index: int = -100, *, weight: Tensor | None = None, label_smoothing: float = 0.0) -> None:
         self.ignore_index, self.weight, self.label_smoothing = ignore_index, weight, float(label_smoothing)
 
     def _torch(self, output: Tensor, target: Tensor, reduction: str) -> Tensor:
-        return F.cross_entropy(output.flatten(0, 1), target.flatten(), weight=_weights_of(self.weight, output),
-                               ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
-                               reduction=reduction)
+        return F.cross_entropy(
+            output.flatten(0, 1),
+            target.flatten(),
+            weight=_weights_of(self.weight, output),
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            reduction=reduction,
+        )
 
     def __call__(self, output: Tensor, target: Tensor) -> Tensor:
         # Mean over this micro-batch's real tokens (what HF models return).
@@ -216,7 +233,6 @@ def _next(target: Tensor) -> Tensor:
     return target if target.dim() == 1 else target[:, 1:]
 
 
-
 class MSEWithAux(Loss):
     """A task loss plus an auxiliary loss the model computed, as MoE training
     adds its load-balancing loss: ``output`` is (batch, features + 1), the last
@@ -231,8 +247,10 @@ class MSEWithAux(Loss):
         """The task loss summed over samples (each sample's MSE over its features)."""
         features = output.shape[-1] - 1
         if target.shape[-1] != features:
-            raise ValueError(f"loss 'mse_aux' needs targets with one column fewer than the output "
-                             f"(the aux loss); got output {tuple(output.shape)}, target {tuple(target.shape)}")
+            raise ValueError(
+                f"loss 'mse_aux' needs targets with one column fewer than the output "
+                f"(the aux loss); got output {tuple(output.shape)}, target {tuple(target.shape)}"
+            )
         return F.mse_loss(output[..., :-1], target, reduction="sum") / features
 
     def aux_mean(self, output: Tensor) -> Tensor:
@@ -259,8 +277,10 @@ class TokenMSEWithAux(Loss):
         """The task loss summed over tokens (each token's MSE over its features)."""
         features = output.shape[-1] - 2
         if target.shape[-1] != features or target.shape[:-1] != output.shape[:-1]:
-            raise ValueError(f"loss 'token_mse_aux' needs targets shaped like the output less its two router "
-                             f"columns; got output {tuple(output.shape)}, target {tuple(target.shape)}")
+            raise ValueError(
+                f"loss 'token_mse_aux' needs targets shaped like the output less its two router "
+                f"columns; got output {tuple(output.shape)}, target {tuple(target.shape)}"
+            )
         return F.mse_loss(output[..., :-2], target, reduction="sum") / features
 
     def aux_sum(self, output: Tensor) -> Tensor:
@@ -284,8 +304,9 @@ class TokenMSEWithAux(Loss):
         return torch.randn(inputs.shape[0], output_shape[0], output_shape[1] - 2, generator=generator)
 
 
-LOSSES: dict[str, type[Loss]] = {cls.name: cls for cls in (MSE, CrossEntropy, TokenCrossEntropy, MSEWithAux,
-                                                           TokenMSEWithAux)}
+LOSSES: dict[str, type[Loss]] = {
+    cls.name: cls for cls in (MSE, CrossEntropy, TokenCrossEntropy, MSEWithAux, TokenMSEWithAux)
+}
 
 
 def build_loss(name: str) -> Loss:
@@ -361,19 +382,29 @@ class LossOptions:
 
 #: torch's criteria that map onto a shipped loss, by class
 #: (NLLLoss on log-probabilities is cross-entropy: log_softmax leaves log-probabilities as they are)
-_CRITERIA: dict[type[nn.Module], str] = {nn.CrossEntropyLoss: "cross_entropy", nn.NLLLoss: "cross_entropy",
-                                         nn.MSELoss: "mse"}
+_CRITERIA: dict[type[nn.Module], str] = {
+    nn.CrossEntropyLoss: "cross_entropy",
+    nn.NLLLoss: "cross_entropy",
+    nn.MSELoss: "mse",
+}
 #: torch's functional losses that map onto a shipped loss
-FUNCTIONAL: dict[Callable[..., Tensor], str] = {F.cross_entropy: "cross_entropy", F.nll_loss: "cross_entropy",
-                                                F.mse_loss: "mse"}
+FUNCTIONAL: dict[Callable[..., Tensor], str] = {
+    F.cross_entropy: "cross_entropy",
+    F.nll_loss: "cross_entropy",
+    F.mse_loss: "mse",
+}
 #: what :data:`_CRITERIA` maps, in words, for a refusal
 _MAPPED = "CrossEntropyLoss, NLLLoss (on log-probabilities) and MSELoss"
 
 
 def _written(name: str, options: dict[str, Any], defaults: dict[str, Any]) -> str:
-    shown = {key: value for key, value in options.items()
-             if key in defaults and not (value is None and defaults[key] is None)
-             and (isinstance(value, Tensor) or value != defaults[key])}
+    shown = {
+        key: value
+        for key, value in options.items()
+        if key in defaults
+        and not (value is None and defaults[key] is None)
+        and (isinstance(value, Tensor) or value != defaults[key])
+    }
     return _options_repr(name, **shown)
 
 
@@ -383,13 +414,18 @@ def _options(kind: str, name: str, found: dict[str, Any], defaults: dict[str, An
         return LossOptions("mse", _written(name, found, defaults))
     probabilities = found.get("target")
     if isinstance(probabilities, Tensor) and probabilities.is_floating_point() and found.get("weight") is not None:
-        raise ValueError(f"{name} with weight= and class-probability targets: torch's mean of that is over "
-                         "samples, not weights; equiv ships no loss for it (pass loss= and targets as class indices)")
+        raise ValueError(
+            f"{name} with weight= and class-probability targets: torch's mean of that is over "
+            "samples, not weights; equiv ships no loss for it (pass loss= and targets as class indices)"
+        )
     weight = found.get("weight")
-    return LossOptions("cross_entropy", _written(name, found, defaults),
-                       weight=None if weight is None else weight.detach().clone(),
-                       ignore_index=int(found.get("ignore_index", -100)),
-                       label_smoothing=float(found.get("label_smoothing", 0.0)))
+    return LossOptions(
+        "cross_entropy",
+        _written(name, found, defaults),
+        weight=None if weight is None else weight.detach().clone(),
+        ignore_index=int(found.get("ignore_index", -100)),
+        label_smoothing=float(found.get("label_smoothing", 0.0)),
+    )
 
 
 def options_of_criterion(criterion: nn.Module) -> LossOptions | None:
@@ -413,10 +449,16 @@ def options_of_criterion(criterion: nn.Module) -> LossOptions | None:
         is_torchs = isinstance(criterion, nn.modules.loss._Loss)
         return LossOptions("unmapped", f"{type(criterion).__name__}()") if is_torchs else None
     cls, kind = mapped  # a subclass (one that logs, say) read by the options of the torch loss it is
-    defaults = {key: param.default for key, param in inspect.signature(cls).parameters.items()
-                if param.default is not inspect.Parameter.empty}
-    found = {key: getattr(criterion, key) for key in ("weight", "ignore_index", "label_smoothing", "reduction")
-             if hasattr(criterion, key)}
+    defaults = {
+        key: param.default
+        for key, param in inspect.signature(cls).parameters.items()
+        if param.default is not inspect.Parameter.empty
+    }
+    found = {
+        key: getattr(criterion, key)
+        for key in ("weight", "ignore_index", "label_smoothing", "reduction")
+        if hasattr(criterion, key)
+    }
     return _options(kind, type(criterion).__name__, found, defaults)
 
 
@@ -437,10 +479,12 @@ def options_of_call(function: Callable[..., Tensor], args: tuple[Any, ...], kwar
     """
     signature = inspect.signature(function)
     bound = signature.bind(*args, **kwargs)
-    defaults = {key: param.default for key, param in signature.parameters.items()
-                if param.default is not inspect.Parameter.empty}
+    defaults = {
+        key: param.default
+        for key, param in signature.parameters.items()
+        if param.default is not inspect.Parameter.empty
+    }
     return _options(FUNCTIONAL[function], f"F.{function.__name__}", dict(bound.arguments), defaults)
-
 
 
 def loss_of(options: LossOptions) -> Loss:
@@ -457,12 +501,15 @@ def loss_of(options: LossOptions) -> Loss:
         ValueError: ``options`` are of a torch loss equiv ships nothing for (kind ``"unmapped"``).
     """
     if options.kind == "unmapped":
-        raise ValueError(f"criterion={options.written}: equiv ships no loss that computes it (the audit derives one "
-                         f"from {_MAPPED}); pass loss=<an equiv.Loss offering sum(output, targets) and count(targets)>")
+        raise ValueError(
+            f"criterion={options.written}: equiv ships no loss that computes it (the audit derives one "
+            f"from {_MAPPED}); pass loss=<an equiv.Loss offering sum(output, targets) and count(targets)>"
+        )
     if options.kind == "mse":
         return MSE()
-    return CrossEntropy(weight=options.weight, ignore_index=options.ignore_index,
-                        label_smoothing=options.label_smoothing)
+    return CrossEntropy(
+        weight=options.weight, ignore_index=options.ignore_index, label_smoothing=options.label_smoothing
+    )
 
 
 def disagreement(loss: Any, options: LossOptions) -> str | None:
@@ -476,8 +523,12 @@ def disagreement(loss: Any, options: LossOptions) -> str | None:
     Returns:
         The differences in words (``"label_smoothing 0 against 0.1"``), or None.
     """
-    kinds = {MSE: "mse", CrossEntropy: "cross_entropy", TokenCrossEntropy: "cross_entropy",
-             NextTokenCrossEntropy: "cross_entropy"}
+    kinds = {
+        MSE: "mse",
+        CrossEntropy: "cross_entropy",
+        TokenCrossEntropy: "cross_entropy",
+        NextTokenCrossEntropy: "cross_entropy",
+    }
     kind = kinds.get(type(loss))
     if kind is None:
         return None
@@ -495,9 +546,14 @@ def disagreement(loss: Any, options: LossOptions) -> str | None:
         differ.append(f"ignore_index {ignore} against {options.ignore_index}")
     mine, theirs = loss.weight, options.weight
     if (mine is None) != (theirs is None) or (
-            mine is not None and theirs is not None
-            and (mine.shape != theirs.shape or not torch.equal(mine.detach().cpu().double(),
-                                                               theirs.detach().cpu().double()))):
-        differ.append(f"class weights {'none' if mine is None else 'given'} against "
-                      f"{'none' if theirs is None else 'others' if mine is not None else 'given'}")
+        mine is not None
+        and theirs is not None
+        and (
+            mine.shape != theirs.shape or not torch.equal(mine.detach().cpu().double(), theirs.detach().cpu().double())
+        )
+    ):
+        differ.append(
+            f"class weights {'none' if mine is None else 'given'} against "
+            f"{'none' if theirs is None else 'others' if mine is not None else 'given'}"
+        )
     return "; ".join(differ) or None

@@ -68,8 +68,10 @@ class PackedLoss(Loss):
     @staticmethod
     def _parts(target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if target.dim() != 3 or target.shape[1] != 3:
-            raise ValueError(f"packed losses need targets of shape (batch, 3, seq) (labels, position ids, reference "
-                             f"log-probs), got {tuple(target.shape)}")
+            raise ValueError(
+                f"packed losses need targets of shape (batch, 3, seq) (labels, position ids, reference "
+                f"log-probs), got {tuple(target.shape)}"
+            )
         labels, positions, reference = target.unbind(1)
         return labels.round().long(), positions.round().long(), reference
 
@@ -77,8 +79,10 @@ class PackedLoss(Loss):
         """Per-token cross-entropy (batch, seq), 0 where there is no label, and the label mask."""
         labels, _, _ = self._parts(target)
         if output.shape[:2] != labels.shape:
-            raise ValueError(f"packed losses need (batch, seq, vocab) logits matching the labels {tuple(labels.shape)}, "
-                             f"got {tuple(output.shape)}")
+            raise ValueError(
+                f"packed losses need (batch, seq, vocab) logits matching the labels {tuple(labels.shape)}, "
+                f"got {tuple(output.shape)}"
+            )
         mask = labels != IGNORE
         losses = F.cross_entropy(output.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
         return losses.view(labels.shape) * mask, mask
@@ -92,9 +96,11 @@ class PackedLoss(Loss):
         mask = (labels != IGNORE) & (seg >= 0)
         slot = (torch.arange(batch, device=labels.device).unsqueeze(1) * length + seg.clamp(min=0)).flatten()
         sums = torch.zeros(batch * length, dtype=values.dtype, device=values.device).index_add(
-            0, slot, (values * mask).flatten())
+            0, slot, (values * mask).flatten()
+        )
         counts = torch.zeros(batch * length, dtype=values.dtype, device=values.device).index_add(
-            0, slot, mask.flatten().to(values.dtype))
+            0, slot, mask.flatten().to(values.dtype)
+        )
         kept = counts > 0
         rows = torch.arange(batch * length, device=labels.device) // length
         return sums[kept], counts[kept], rows[kept]
@@ -114,8 +120,10 @@ class PackedLoss(Loss):
         """Random labels for the packed ``inputs`` (batch, 2, seq) of tokens and position ids: a label at
         every token but each sequence's last and the padding; reference log-probs near a uniform model's."""
         if inputs.dim() != 3 or inputs.shape[1] != 2 or len(output_shape) != 2:
-            raise ValueError(f"packed losses need packed inputs (batch, 2, seq) of tokens and position ids and "
-                             f"(seq, vocab) outputs, got inputs {tuple(inputs.shape)}, output {output_shape}")
+            raise ValueError(
+                f"packed losses need packed inputs (batch, 2, seq) of tokens and position ids and "
+                f"(seq, vocab) outputs, got inputs {tuple(inputs.shape)}, output {output_shape}"
+            )
         positions = inputs[:, 1]
         vocab = output_shape[1]
         labels = torch.randint(0, vocab, positions.shape, generator=generator)
@@ -178,8 +186,10 @@ class PackedDPO(PackedLoss):
         policy, _, rows = self.per_sequence(-losses, target)
         ref, _, _ = self.per_sequence(reference, target)
         if policy.numel() % 2 or not torch.equal(rows[0::2], rows[1::2]):
-            raise ValueError("packed DPO needs each row to hold whole chosen/rejected pairs (an even number of "
-                             f"labelled sequences per row), got sequences in rows {rows.tolist()}")
+            raise ValueError(
+                "packed DPO needs each row to hold whole chosen/rejected pairs (an even number of "
+                f"labelled sequences per row), got sequences in rows {rows.tolist()}"
+            )
         ratios = policy - ref
         chosen, rejected = (ratios[1::2], ratios[0::2]) if swapped else (ratios[0::2], ratios[1::2])
         return self.beta * (chosen - rejected)

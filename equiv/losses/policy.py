@@ -42,10 +42,12 @@ GRPO_LOSS_TYPES: dict[str, tuple[str, str]] = {
     "dr_grpo": ("constant", "sum over the window's tokens / (its sequences × max_completion_length)"),
     "dapo": ("tokens", "sum over the window's tokens / its active tokens (the global accumulated batch)"),
     "cispo": ("tokens", "sum over the window's tokens / its active tokens (the global accumulated batch)"),
-    "bnpo": ("local tokens", "by design each local batch's token mean (TRL's docs: 'normalization is performed "
-                             "over the local batch only'); measured against the window's token mean"),
+    "bnpo": (
+        "local tokens",
+        "by design each local batch's token mean (TRL's docs: 'normalization is performed "
+        "over the local batch only'); measured against the window's token mean",
+    ),
 }
-
 
 
 class GRPOObjective:
@@ -61,9 +63,17 @@ class GRPOObjective:
     ``per_micro_batch=False``: the loss type's documented full-batch objective;
     ``True``: ``Σ_i sum_i / n_i``, a hypothesis of :data:`HYPOTHESES`."""
 
-    def __init__(self, loss_type: str, *, epsilon_low: float, epsilon_high: float, max_completion_length: int,
-                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-                 per_micro_batch: bool = False) -> None:
+    def __init__(
+        self,
+        loss_type: str,
+        *,
+        epsilon_low: float,
+        epsilon_high: float,
+        max_completion_length: int,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        per_micro_batch: bool = False,
+    ) -> None:
         if loss_type not in GRPO_LOSS_TYPES:
             raise ValueError(f"loss_type {loss_type!r} is not reproduced here (known: {sorted(GRPO_LOSS_TYPES)})")
         self.loss_type, self.per_micro_batch = loss_type, per_micro_batch
@@ -83,7 +93,9 @@ class GRPOObjective:
             loss = -torch.clamp(coef, max=self.epsilon_high).detach() * advantages * logps
         elif self.loss_type == "sapo":
             pos, neg = self.sapo
-            temperatures = torch.where(advantages > 0, torch.full_like(advantages, pos), torch.full_like(advantages, neg))
+            temperatures = torch.where(
+                advantages > 0, torch.full_like(advantages, pos), torch.full_like(advantages, neg)
+            )
             loss = -torch.sigmoid(temperatures * (coef - 1)) * 4 / temperatures * advantages
         else:
             clipped = torch.clamp(coef, 1 - self.epsilon_low, 1 + self.epsilon_high)
@@ -135,8 +147,10 @@ class PolicyLoss(Loss):
         """``target`` as :class:`GRPOObjective` takes it: (4, batch, seq) of the loss mask, the advantages,
         the old log-probs (NaN: on-policy) and no per-micro-batch normaliser."""
         if target.dim() != 3 or target.shape[1] != 3:
-            raise ValueError(f"policy losses need targets of shape (batch, 3, seq) (response mask, loss mask, "
-                             f"advantages), got {tuple(target.shape)}")
+            raise ValueError(
+                f"policy losses need targets of shape (batch, 3, seq) (response mask, loss mask, "
+                f"advantages), got {tuple(target.shape)}"
+            )
         _, mask, advantages = target.unbind(1)
         return torch.stack([mask, advantages, torch.full_like(mask, float("nan")), torch.zeros_like(mask)])
 

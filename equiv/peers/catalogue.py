@@ -46,8 +46,14 @@ __all__ = [
 ]
 
 _MLP = {"hidden": (8,), "activation": "tanh"}
-_EVEN = Case(batch_size=12, micro_batch_sizes=(4, 4, 4), model_kwargs=_MLP, optimizer="SGD",
-             optimizer_kwargs={"lr": 0.1}, steps=2)
+_EVEN = Case(
+    batch_size=12,
+    micro_batch_sizes=(4, 4, 4),
+    model_kwargs=_MLP,
+    optimizer="SGD",
+    optimizer_kwargs={"lr": 0.1},
+    steps=2,
+)
 
 #: column -> the fixed case that configuration runs, one window per call.
 CONFIGURATIONS: dict[str, Case] = {
@@ -55,8 +61,14 @@ CONFIGURATIONS: dict[str, Case] = {
     "equal splits, Adam": _EVEN.replace(optimizer="Adam", optimizer_kwargs={"lr": 1e-2}),
     "uneven splits 1+4+7": _EVEN.replace(micro_batch_sizes=[1, 4, 7]),
     "token loss, causal LM, equal splits": Case(
-        batch_size=6, micro_batch_sizes=(2, 2, 2), model="causal_lm", loss="token_cross_entropy",
-        optimizer="AdamW", optimizer_kwargs={"lr": 1e-3}, steps=2),
+        batch_size=6,
+        micro_batch_sizes=(2, 2, 2),
+        model="causal_lm",
+        loss="token_cross_entropy",
+        optimizer="AdamW",
+        optimizer_kwargs={"lr": 1e-3},
+        steps=2,
+    ),
     "clipping (active), equal splits": _EVEN.replace(max_grad_norm=0.01),
     # Dynamic loss scaling, the first micro-batch of step 1 overflowing: the whole window must be
     # skipped and the scale backed off once (step 2 runs at the halved scale).  Only a peer that
@@ -108,6 +120,7 @@ SHORT: dict[str, str] = {
     "equal token counts, epoch shorter than N: 2 micro-batches, N=3, 2 epochs": "train(): epoch < N",
 }
 
+
 @dataclass(frozen=True)
 class Peer:
     name: str
@@ -126,45 +139,75 @@ class Peer:
 def peers() -> list[Peer]:
     """The peers to report; optional frameworks only when installed."""
     out = [
-        Peer("nanoGPT's loop: loss / N", lambda n: textbook_step, "nanoGPT train.py's loop", family="nanoGPT",
-             documented="exact only for equal micro-batches of a sample mean (train.py: loss / gradient_accumulation_steps)"),
-        Peer("MindSpore r1.3 GradientAccumulation (port)", lambda n: MindSporeGradientAccumulation(n),
-             "MindSpore r1.0/r1.3 tutorial: grad_sum, TrainOptim, TrainClear, mini_steps",
-             issues={"window boundary": "k restarts each epoch, grad_sum is kept"},
-             epochs=lambda n: MindSporeGradientAccumulation(n), family="MindSpore tutorial ports",
-             documented="the tutorial adds gradients of mean losses with no division by mini_steps"),
-        Peer("MindSpore r1.3 parallel-mode loss-scale cell (port)", lambda n: MindSporeAccuStepsWithLossScale(n),
-             "MindSpore r1.3 tutorial, parallel mode: TrainAccuStepsWithLossScaleCell, accu_overflow ORed, Model_ACCU",
-             family="MindSpore tutorial ports",
-             documented="accu_grads summed with sens = the loss scale, no division by grad_accumulation_step"),
-        Peer("MindSpore 2.0 Accumulator (port)", lambda n: MindSporeAccumulator(n),
-             "MindSpore 2.0 notebook: inner_grads, counter, loss / accumulate_step",
-             epochs=lambda n: MindSporeAccumulator(n), family="MindSpore tutorial ports"),
-        Peer("MindSpore r2.6 GradAccumulation (port)", lambda n: MindSporeGradAccumulation(n),
-             "MindSpore v2.6.0: GradAccumulation(net, micro_size), Model.train (_TrainGradAccuStepCell; "
-             "_TrainGradAccuWithLossScaleCell with a loss scale)",
-             family="MindSpore tutorial ports",
-             documented="re-slices the batch into micro_size equal slices; sens 1 / micro_size, but none under "
-                        "loss scaling"),
+        Peer(
+            "nanoGPT's loop: loss / N",
+            lambda n: textbook_step,
+            "nanoGPT train.py's loop",
+            family="nanoGPT",
+            documented="exact only for equal micro-batches of a sample mean (train.py: loss / gradient_accumulation_steps)",
+        ),
+        Peer(
+            "MindSpore r1.3 GradientAccumulation (port)",
+            lambda n: MindSporeGradientAccumulation(n),
+            "MindSpore r1.0/r1.3 tutorial: grad_sum, TrainOptim, TrainClear, mini_steps",
+            issues={"window boundary": "k restarts each epoch, grad_sum is kept"},
+            epochs=lambda n: MindSporeGradientAccumulation(n),
+            family="MindSpore tutorial ports",
+            documented="the tutorial adds gradients of mean losses with no division by mini_steps",
+        ),
+        Peer(
+            "MindSpore r1.3 parallel-mode loss-scale cell (port)",
+            lambda n: MindSporeAccuStepsWithLossScale(n),
+            "MindSpore r1.3 tutorial, parallel mode: TrainAccuStepsWithLossScaleCell, accu_overflow ORed, Model_ACCU",
+            family="MindSpore tutorial ports",
+            documented="accu_grads summed with sens = the loss scale, no division by grad_accumulation_step",
+        ),
+        Peer(
+            "MindSpore 2.0 Accumulator (port)",
+            lambda n: MindSporeAccumulator(n),
+            "MindSpore 2.0 notebook: inner_grads, counter, loss / accumulate_step",
+            epochs=lambda n: MindSporeAccumulator(n),
+            family="MindSpore tutorial ports",
+        ),
+        Peer(
+            "MindSpore r2.6 GradAccumulation (port)",
+            lambda n: MindSporeGradAccumulation(n),
+            "MindSpore v2.6.0: GradAccumulation(net, micro_size), Model.train (_TrainGradAccuStepCell; "
+            "_TrainGradAccuWithLossScaleCell with a loss scale)",
+            family="MindSpore tutorial ports",
+            documented="re-slices the batch into micro_size equal slices; sens 1 / micro_size, but none under "
+            "loss scaling",
+        ),
     ]
     try:
         from equiv.adapters.accelerate import AccelerateStep, AccelerateVariableSizeStep
 
         version = importlib.metadata.version("accelerate")
         out += [
-            Peer(f"Accelerate {version}: accumulate()", lambda n: AccelerateStep(n),
-                 "Accelerator(gradient_accumulation_steps=N), accumulate(), backward()",
-                 epochs=lambda n: AccelerateStep(n), family="Accelerate",
-                 issues={"tail divided by N": "accelerate #1847"},
-                 documented="backward() divides by N; the end of the DataLoader closes a window (accelerate #1847)"),
-            Peer(f"Accelerate {version}: accumulate(), sync_with_dataloader=False",
-                 lambda n: AccelerateStep(n, sync_with_dataloader=False),
-                 "GradientAccumulationPlugin(num_steps=N, sync_with_dataloader=False)",
-                 epochs=lambda n: AccelerateStep(n, sync_with_dataloader=False), family="Accelerate"),
-            Peer(f"Accelerate {version}: variable-size recipe", lambda n: AccelerateVariableSizeStep(n),
-                 "the guide's recipe: num_items_in_batch per window, loss * N, backward(), step",
-                 epochs=lambda n: AccelerateVariableSizeStep(n), family="Accelerate",
-                 documented="the guide's answer to mean-of-means for samples of variable size (accelerate #3193)"),
+            Peer(
+                f"Accelerate {version}: accumulate()",
+                lambda n: AccelerateStep(n),
+                "Accelerator(gradient_accumulation_steps=N), accumulate(), backward()",
+                epochs=lambda n: AccelerateStep(n),
+                family="Accelerate",
+                issues={"tail divided by N": "accelerate #1847"},
+                documented="backward() divides by N; the end of the DataLoader closes a window (accelerate #1847)",
+            ),
+            Peer(
+                f"Accelerate {version}: accumulate(), sync_with_dataloader=False",
+                lambda n: AccelerateStep(n, sync_with_dataloader=False),
+                "GradientAccumulationPlugin(num_steps=N, sync_with_dataloader=False)",
+                epochs=lambda n: AccelerateStep(n, sync_with_dataloader=False),
+                family="Accelerate",
+            ),
+            Peer(
+                f"Accelerate {version}: variable-size recipe",
+                lambda n: AccelerateVariableSizeStep(n),
+                "the guide's recipe: num_items_in_batch per window, loss * N, backward(), step",
+                epochs=lambda n: AccelerateVariableSizeStep(n),
+                family="Accelerate",
+                documented="the guide's answer to mean-of-means for samples of variable size (accelerate #3193)",
+            ),
         ]
     except ImportError:
         pass
@@ -172,10 +215,17 @@ def peers() -> list[Peer]:
         from equiv.adapters.lightning import LightningStep
 
         version = importlib.metadata.version("pytorch-lightning")
-        out.append(Peer(f"Lightning {version}", lambda n: LightningStep(n), "Trainer(accumulate_grad_batches=N)",
-                        epochs=lambda n: LightningStep(n), family="Lightning",
-                        issues={"tail divided by N": "Lightning #19987, #21808", "mean of means": "Lightning #20350"},
-                        documented="mean of per-batch means (Lightning #20350); tail divided by N (#19987)"))
+        out.append(
+            Peer(
+                f"Lightning {version}",
+                lambda n: LightningStep(n),
+                "Trainer(accumulate_grad_batches=N)",
+                epochs=lambda n: LightningStep(n),
+                family="Lightning",
+                issues={"tail divided by N": "Lightning #19987, #21808", "mean of means": "Lightning #20350"},
+                documented="mean of per-batch means (Lightning #20350); tail divided by N (#19987)",
+            )
+        )
     except ImportError:
         pass
     return out
@@ -185,32 +235,72 @@ def own() -> list[Peer]:
     """equiv's own loops: reference points, not peers (they call equiv's helpers)."""
     return [
         Peer("equiv.Accumulator", lambda n: accumulator_step, "equiv (this repository)"),
-        Peer("equiv's loop in torchtitan's style", lambda n: torchtitan_step,
-             "equiv.losses helpers, normalised by the window's item count as torchtitan does; not torchtitan's code"),
+        Peer(
+            "equiv's loop in torchtitan's style",
+            lambda n: torchtitan_step,
+            "equiv.losses helpers, normalised by the window's item count as torchtitan does; not torchtitan's code",
+        ),
     ]
 
 
 #: (repository, issue or PR, one line, how this report knows it)
 KNOWN: tuple[tuple[str, str, str, str], ...] = (
-    ("huggingface/accelerate", "#1847", "the GradientState follows the DataLoader by default: its end closes a "
-     "window of fewer than N batches, still divided by N", "measured: tail column, Accelerate accumulate()"),
-    ("huggingface/accelerate", "#1970, #3877, #3780", "under DeepSpeed, backward() leaves the division by N to "
-     "DeepSpeed's engine", "quoted (needs DeepSpeed; not run here)"),
-    ("huggingface/transformers", "PR #34191", "the 2024 fix: the Trainer counts the window's tokens and passes "
-     "num_items_in_batch to the model's loss; before it, a mean of per-micro-batch token means",
-     "measured: the transformers 4.45.2 rows (mean of means) against the 5.x forward(**kwargs) row (equivalent)"),
-    ("huggingface/transformers", "#37766", "a model whose loss does not accept num_items_in_batch falls back to "
-     "the mean of per-micro-batch means", "measured: the 5.x row 'model forward without **kwargs'"),
-    ("huggingface/transformers", "PR #46204", "num_items_in_batch counted unshifted labels, one token per "
-     "sequence too many", "measured indirectly: 5.x counts shifted labels, so its forward(**kwargs) row is exact"),
-    ("Lightning-AI/pytorch-lightning", "#20350", "token losses averaged as a mean of per-batch means",
-     "measured: token-loss column, Lightning"),
-    ("Lightning-AI/pytorch-lightning", "#19987", "the tail of an epoch is divided by accumulate_grad_batches, "
-     "not by its own length", "measured: tail-of-a-long-epoch column, Lightning"),
-    ("Lightning-AI/pytorch-lightning", "#21808", "an epoch shorter than accumulate_grad_batches steps at every "
-     "epoch end", "measured: epoch-shorter-than-N column, Lightning"),
-    ("huggingface/trl", "#2175", "FSDP accumulating gradients in 16-bit", "quoted (needs FSDP with mixed "
-     "precision; not run here)"),
+    (
+        "huggingface/accelerate",
+        "#1847",
+        "the GradientState follows the DataLoader by default: its end closes a "
+        "window of fewer than N batches, still divided by N",
+        "measured: tail column, Accelerate accumulate()",
+    ),
+    (
+        "huggingface/accelerate",
+        "#1970, #3877, #3780",
+        "under DeepSpeed, backward() leaves the division by N to DeepSpeed's engine",
+        "quoted (needs DeepSpeed; not run here)",
+    ),
+    (
+        "huggingface/transformers",
+        "PR #34191",
+        "the 2024 fix: the Trainer counts the window's tokens and passes "
+        "num_items_in_batch to the model's loss; before it, a mean of per-micro-batch token means",
+        "measured: the transformers 4.45.2 rows (mean of means) against the 5.x forward(**kwargs) row (equivalent)",
+    ),
+    (
+        "huggingface/transformers",
+        "#37766",
+        "a model whose loss does not accept num_items_in_batch falls back to the mean of per-micro-batch means",
+        "measured: the 5.x row 'model forward without **kwargs'",
+    ),
+    (
+        "huggingface/transformers",
+        "PR #46204",
+        "num_items_in_batch counted unshifted labels, one token per sequence too many",
+        "measured indirectly: 5.x counts shifted labels, so its forward(**kwargs) row is exact",
+    ),
+    (
+        "Lightning-AI/pytorch-lightning",
+        "#20350",
+        "token losses averaged as a mean of per-batch means",
+        "measured: token-loss column, Lightning",
+    ),
+    (
+        "Lightning-AI/pytorch-lightning",
+        "#19987",
+        "the tail of an epoch is divided by accumulate_grad_batches, not by its own length",
+        "measured: tail-of-a-long-epoch column, Lightning",
+    ),
+    (
+        "Lightning-AI/pytorch-lightning",
+        "#21808",
+        "an epoch shorter than accumulate_grad_batches steps at every epoch end",
+        "measured: epoch-shorter-than-N column, Lightning",
+    ),
+    (
+        "huggingface/trl",
+        "#2175",
+        "FSDP accumulating gradients in 16-bit",
+        "quoted (needs FSDP with mixed precision; not run here)",
+    ),
 )
 
 

@@ -16,8 +16,11 @@ __all__ = ["Cell", "Chart", "PeerRow", "PeersResults", "Situation"]
 
 #: Outcomes a cell can have (the words reports/peers-*.json hold; :attr:`Cell.status` maps them to Outcome).
 EQUIVALENT, NOT_EQUIVALENT, NOT_APPLICABLE, NOT_RUN = "equivalent", "not equivalent", "not applicable", "not run"
-_STATUS = {EQUIVALENT: Outcome.EQUIVALENT, NOT_EQUIVALENT: Outcome.NOT_EQUIVALENT,
-           NOT_APPLICABLE: Outcome.NOT_APPLICABLE}
+_STATUS = {
+    EQUIVALENT: Outcome.EQUIVALENT,
+    NOT_EQUIVALENT: Outcome.NOT_EQUIVALENT,
+    NOT_APPLICABLE: Outcome.NOT_APPLICABLE,
+}
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,10 @@ class Cell:
 
     def __post_init__(self) -> None:
         if self.outcome not in (EQUIVALENT, NOT_EQUIVALENT, NOT_APPLICABLE, NOT_RUN):
-            raise ValueError(f"outcome must be one of {EQUIVALENT!r}, {NOT_EQUIVALENT!r}, {NOT_APPLICABLE!r}, "
-                             f"{NOT_RUN!r}, got {self.outcome!r}")
+            raise ValueError(
+                f"outcome must be one of {EQUIVALENT!r}, {NOT_EQUIVALENT!r}, {NOT_APPLICABLE!r}, "
+                f"{NOT_RUN!r}, got {self.outcome!r}"
+            )
 
     @property
     def failed(self) -> bool:

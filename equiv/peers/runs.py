@@ -67,8 +67,15 @@ class EpochRunner(Protocol):
     """A library driven over a whole run: every micro-batch of one epoch, in
     order, ``epochs`` times, with whatever N the runner was configured with."""
 
-    def run_epochs(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                   loss_fn: Loss, *, epochs: int) -> None: ...
+    def run_epochs(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Loss,
+        *,
+        epochs: int,
+    ) -> None: ...
 
 
 class Problem(Protocol):
@@ -111,7 +118,9 @@ class EpochRun:
     def describe(self) -> str:
         sizes = [len(w) for w in windows(len(self.case.micro_batch_sizes), self.n)]
         epochs = f", {self.epochs} epochs" if self.epochs > 1 else ""
-        return f"{len(self.case.micro_batch_sizes)} micro-batches, N={self.n}: windows {'+'.join(map(str, sizes))}{epochs}"
+        return (
+            f"{len(self.case.micro_batch_sizes)} micro-batches, N={self.n}: windows {'+'.join(map(str, sizes))}{epochs}"
+        )
 
     @property
     def working_dtype(self) -> torch.dtype:
@@ -158,8 +167,10 @@ class TokenRun:
     def describe(self) -> str:
         sizes = [len(w) for w in windows(len(self.real_lengths), self.n)]
         tokens = "/".join(str(sum(length - 1 for length in lengths)) for lengths in self.real_lengths)
-        return (f"{len(self.real_lengths)} micro-batches of {len(self.real_lengths[0])} sequences, "
-                f"{tokens} target tokens, N={self.n}: windows {'+'.join(map(str, sizes))}")
+        return (
+            f"{len(self.real_lengths)} micro-batches of {len(self.real_lengths[0])} sequences, "
+            f"{tokens} target tokens, N={self.n}: windows {'+'.join(map(str, sizes))}"
+        )
 
     @property
     def working_dtype(self) -> torch.dtype:
@@ -182,7 +193,8 @@ class TokenRun:
         logits = model(input_ids=micro_batch["input_ids"], attention_mask=micro_batch["attention_mask"]).logits
         targets = micro_batch["labels"][:, 1:]
         loss_sum = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum")
+            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
         return loss_sum / self.count(micro_batch)
 
     def full_batch_loss(self, model: nn.Module, micro_batches: list[Any]) -> Tensor:
@@ -246,8 +258,9 @@ class Measure:
 # -- one window per call (the candidate contract) --------------------------------------------------------
 
 
-def classify_step(candidate: Callable[..., Any], case: Case, *, configured_n: int | None = None,
-                  verdict: Verdict | None = None) -> Measure:
+def classify_step(
+    candidate: Callable[..., Any], case: Case, *, configured_n: int | None = None, verdict: Verdict | None = None
+) -> Measure:
     """A contract step on ``case``: :func:`equiv.check`'s verdict (``verdict`` when
     already made), the magnitude of its first failing step in float64, and the kind
     of failure the same checker finds it equivalent to (None if no listed one), as
@@ -263,7 +276,9 @@ def classify_step(candidate: Callable[..., Any], case: Case, *, configured_n: in
 # -- runs spanning all windows ---------------------------------------------------------------------------
 
 
-def _reference_run(problem: Problem, weights: Weighting) -> Callable[[torch.dtype, str, Callable[[int, Snapshot], None]], None]:
+def _reference_run(
+    problem: Problem, weights: Weighting
+) -> Callable[[torch.dtype, str, Callable[[int, Snapshot], None]], None]:
     """One step per window with the given weighting of the micro-batches' means
     (:func:`~equiv.zoo.kinds.exact_weights`: one step on the window's samples as one batch)."""
 
@@ -300,8 +315,9 @@ def _references(problem: Problem, kind: Kind | None) -> References:
     return _REFERENCES[key]
 
 
-def _run(drive: Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None], problem: Problem,
-         dtype: torch.dtype) -> list[Snapshot]:
+def _run(
+    drive: Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None], problem: Problem, dtype: torch.dtype
+) -> list[Snapshot]:
     model, optimizer, micro = problem.fresh(dtype)
     return record(model, optimizer, lambda: drive(model, optimizer, micro))
 
@@ -310,8 +326,9 @@ def measure(drive: Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None]
     """Let ``drive`` train a fresh model on the problem's epochs in one run, in
     float64 and in the working dtype, and judge each optimizer step it takes
     against the full-batch step over the same window."""
-    trajectories = Trajectories(_run(drive, problem, torch.float64), _run(drive, problem, problem.working_dtype),
-                                problem.working_dtype)
+    trajectories = Trajectories(
+        _run(drive, problem, torch.float64), _run(drive, problem, problem.working_dtype), problem.working_dtype
+    )
     full = _references(problem, None)
     verdict = judge(trajectories, full)
     scales = tuple(step_scales(trajectories.exact, full.flat))
@@ -332,5 +349,6 @@ def measure(drive: Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None]
 def measure_epochs(runner: EpochRunner, run: EpochRun) -> Measure:
     """Drive ``runner`` over ``run`` once (its own epoch loop) against full batch."""
     loss_fn = run.case.build_loss()
-    return measure(lambda model, optimizer, micro: runner.run_epochs(model, optimizer, micro, loss_fn,
-                                                                      epochs=run.epochs), run)
+    return measure(
+        lambda model, optimizer, micro: runner.run_epochs(model, optimizer, micro, loss_fn, epochs=run.epochs), run
+    )

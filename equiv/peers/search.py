@@ -26,7 +26,9 @@ __all__ = ["SEARCHABLE", "smallest_counterexample"]
 #: The search's seed: the one Hypothesis 6.170's ``find`` derived for it when it
 #: ran derandomized (a hash of ``find``'s own source), fixed here so that the
 #: peers' report draws the same cases whatever Hypothesis's source is.
-SEED = 30940899839763879844291713287377381294645450075011071936516685147311081814870735945650790444890835100610668459694799
+SEED = (
+    30940899839763879844291713287377381294645450075011071936516685147311081814870735945650790444890835100610668459694799
+)
 #: Kinds a sample-mean MLP search can reach (tails and token counts are not in its space).
 SEARCHABLE = ("mean of means", "sum without division", "per-micro-batch clipping", "window boundary")
 
@@ -34,12 +36,20 @@ SEARCHABLE = ("mean of means", "sum without division", "per-micro-batch clipping
 def _search_space(candidate: Callable[..., Any]) -> Any:
     # Only cases the candidate can take: no clipping case for a step that cannot clip.
     clipping = strategies.CLIPPING if bind(candidate).takes("max_grad_norm") else ("none",)
-    return strategies.cases(max_batch_size=8, families=["mlp"], optimizer_names=["SGD", "Adam"],
-                            loss_names=["mse"], dtypes=["float32"], max_steps=2, clipping=clipping)
+    return strategies.cases(
+        max_batch_size=8,
+        families=["mlp"],
+        optimizer_names=["SGD", "Adam"],
+        loss_names=["mse"],
+        dtypes=["float32"],
+        max_steps=2,
+        clipping=clipping,
+    )
 
 
-def smallest_counterexample(candidate: Callable[..., Any], *, kind: str | None = None,
-                            max_examples: int = 40) -> tuple[Case | None, int]:
+def smallest_counterexample(
+    candidate: Callable[..., Any], *, kind: str | None = None, max_examples: int = 40
+) -> tuple[Case | None, int]:
     """(the shrunk failing case or None, cases tried) over sample-mean MLP cases
     the candidate can take; with ``kind``, only failures of that kind.  Cases
     the ported framework refuses (:class:`UnsupportedWindow`) are not counted."""

@@ -80,8 +80,12 @@ def _window_cell(peer: Peer, case: Case) -> tuple[Cell, str | None]:
         # The float64 runs agree: the mismatch is in the float32 tier (rounding beyond the noise floor).
         first = verdict.first_mismatch
         assert first is not None
-        return Cell(NOT_EQUIVALENT, kind="float32 rounding", detail=f"step {first.step}, {first.label}",
-                    checker=result.checker()), "float32 rounding"
+        return Cell(
+            NOT_EQUIVALENT,
+            kind="float32 rounding",
+            detail=f"step {first.step}, {first.label}",
+            checker=result.checker(),
+        ), "float32 rounding"
     cell = _cell(result, peer.issues)
     return cell, cell.kind
 
@@ -98,12 +102,18 @@ def trainer_cells(loss_kwargs: bool) -> dict[str, Cell]:
     from equiv.adapters.transformers import TrainerRun
 
     before_fix = tuple(int(p) for p in importlib.metadata.version("transformers").split(".")[:2]) < (4, 46)
-    issues = {"mean of means": "transformers #34191" if before_fix else "transformers #37766" if not loss_kwargs else ""}
+    issues = {
+        "mean of means": "transformers #34191" if before_fix else "transformers #37766" if not loss_kwargs else ""
+    }
     cells = {}
     for column, template in TRAINER_RUNS.items():
         run = dataclasses.replace(template, loss_kwargs=loss_kwargs)
-        result = measure(lambda model, optimizer, micro, run=run: TrainerRun(run.n).train(  # type: ignore[misc]
-            model, optimizer, micro, epochs=run.epochs), run)
+        result = measure(
+            lambda model, optimizer, micro, run=run: TrainerRun(run.n).train(  # type: ignore[misc]
+                model, optimizer, micro, epochs=run.epochs
+            ),
+            run,
+        )
         cells[column] = _cell(result, issues)
     return cells
 
@@ -116,10 +126,16 @@ def trainer_results() -> dict[str, Any]:
     """The installed transformers' Trainer measured: its version and one row of
     cells per model variant (with and without ``num_items_in_batch`` in forward)."""
     version = importlib.metadata.version("transformers")
-    return {"transformers": version,
-            "rows": [[f"transformers {version} Trainer: {what}",
-                      {column: cell.to_dict() for column, cell in trainer_cells(loss_kwargs).items()}]
-                     for loss_kwargs, what in _TRAINER_VARIANTS]}
+    return {
+        "transformers": version,
+        "rows": [
+            [
+                f"transformers {version} Trainer: {what}",
+                {column: cell.to_dict() for column, cell in trainer_cells(loss_kwargs).items()},
+            ]
+            for loss_kwargs, what in _TRAINER_VARIANTS
+        ],
+    }
 
 
 def write_trainer_results(path: str | Path) -> None:
@@ -138,8 +154,12 @@ def _trainer_rows(saved: Path) -> list[PeerRow]:
     rows = []
     for result in sorted(results, key=lambda r: tuple(int(p) for p in r["transformers"].split(".")[:3])):
         for name, cells in result["rows"]:
-            row = PeerRow(name, family="transformers", group="trainer",
-                          drives="Trainer(args=TrainingArguments(gradient_accumulation_steps=N)).train()")
+            row = PeerRow(
+                name,
+                family="transformers",
+                group="trainer",
+                drives="Trainer(args=TrainingArguments(gradient_accumulation_steps=N)).train()",
+            )
             for column in TRAINER_RUNS:
                 saved_cell = cells.get(column)
                 if isinstance(saved_cell, dict):
@@ -175,11 +195,13 @@ def _counterexamples(peer: Peer, kinds_seen: set[str]) -> list[dict[str, str]]:
     for kind in kinds or [None]:
         found, tried = smallest_counterexample(candidate, kind=kind)
         log.info("%s, %s: %d search cases", peer.name, kind or "any failure", tried)
-        out.append({
-            "implementation": peer.name,
-            "kind of failure": kind or "any",
-            "smallest counterexample (Hypothesis, shrunk)": f"`{found!r}`" if found else f"none in {tried} cases",
-        })
+        out.append(
+            {
+                "implementation": peer.name,
+                "kind of failure": kind or "any",
+                "smallest counterexample (Hypothesis, shrunk)": f"`{found!r}`" if found else f"none in {tried} cases",
+            }
+        )
     return out
 
 
@@ -189,18 +211,31 @@ def _audits() -> list[dict[str, str]]:
     for name, entry in AUDIT_RUNS.items():
         missing = [package for package in entry.needs if importlib.util.find_spec(package) is None]
         if missing:
-            rows.append({"run": name, "what": entry.what, "audited steps": "-", "not equivalent": "-",
-                         "first flagged": f"not run: {missing[0]} is not installed (pip install equiv[peers])",
-                         "reproduces": entry.reproduces, "command": f"`pytest {entry.test}`"})
+            rows.append(
+                {
+                    "run": name,
+                    "what": entry.what,
+                    "audited steps": "-",
+                    "not equivalent": "-",
+                    "first flagged": f"not run: {missing[0]} is not installed (pip install equiv[peers])",
+                    "reproduces": entry.reproduces,
+                    "command": f"`pytest {entry.test}`",
+                }
+            )
             continue
         watched = entry.run()
         failures = watched.failures
-        rows.append({
-            "run": name, "what": entry.what, "audited steps": str(len(watched.windows)),
-            "not equivalent": ", ".join(str(w.step) for w in failures) or "none",
-            "first flagged": failures[0].line() if failures else "-",
-            "reproduces": entry.reproduces if failures else "-", "command": f"`pytest {entry.test}`",
-        })
+        rows.append(
+            {
+                "run": name,
+                "what": entry.what,
+                "audited steps": str(len(watched.windows)),
+                "not equivalent": ", ".join(str(w.step) for w in failures) or "none",
+                "first flagged": failures[0].line() if failures else "-",
+                "reproduces": entry.reproduces if failures else "-",
+                "command": f"`pytest {entry.test}`",
+            }
+        )
     return rows
 
 
@@ -222,7 +257,7 @@ def _tail_chart(measured: list[tuple[str, Measure]]) -> Chart | None:
     return Chart(
         heading="Update per window over an epoch's tail",
         title=f"Update per window against the full-batch update, {SHORT[_CHARTED].removeprefix('run: ')} "
-              f"({run.describe()})",
+        f"({run.describe()})",
         x_label="window (micro-batches in it)",
         x=tuple(f"{position + 1} ({size})" for position, size in enumerate(sizes)),
         y_label="update / full-batch update",
@@ -245,8 +280,11 @@ def survey(saved: Path = Path("reports")) -> PeersResults:
     charted: list[tuple[str, Measure]] = []
     evaluated = [_evaluate(peer, "peer", charted) for peer in peer_list]
     own_evaluated = [_evaluate(peer, "own", charted) for peer in own_list]
-    searches = [entry for (row, kinds), peer in zip([*evaluated, *own_evaluated], [*peer_list, *own_list], strict=True)
-                for entry in _counterexamples(peer, kinds)]
+    searches = [
+        entry
+        for (row, kinds), peer in zip([*evaluated, *own_evaluated], [*peer_list, *own_list], strict=True)
+        for entry in _counterexamples(peer, kinds)
+    ]
     chart = _tail_chart(charted)
     return PeersResults(
         versions=versions(),
@@ -259,4 +297,3 @@ def survey(saved: Path = Path("reports")) -> PeersResults:
         audits=_audits(),
         charts=[chart] if chart is not None else [],
     )
-

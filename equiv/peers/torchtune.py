@@ -90,8 +90,9 @@ def _targets(call: Call) -> Tensor:
     return labels
 
 
-def full_finetune_run(*, first_label_masked: bool, gradient_accumulation_steps: int = 2,
-                      seed: int = 0) -> dict[str, Audit]:
+def full_finetune_run(
+    *, first_label_masked: bool, gradient_accumulation_steps: int = 2, seed: int = 0
+) -> dict[str, Audit]:
     """The recipe's ``train()`` for 3 optimizer steps over ``LENGTHS``, audited against the
     window's next-token mean (``"documented"``) and against :class:`UnshiftedCount` (``"unshifted count"``)."""
     from omegaconf import OmegaConf
@@ -103,27 +104,51 @@ def full_finetune_run(*, first_label_masked: bool, gradient_accumulation_steps: 
 
     micro_batch, steps = 2, 3
     with tempfile.TemporaryDirectory() as output_dir:
-        cfg = OmegaConf.create({
-            "device": "cpu", "dtype": "fp32", "output_dir": output_dir, "resume_from_checkpoint": False,
-            "gradient_accumulation_steps": gradient_accumulation_steps, "optimizer_in_bwd": False,
-            "clip_grad_norm": None, "seed": seed, "epochs": 1, "max_steps_per_epoch": steps,
-            "batch_size": micro_batch, "checkpointer": {"model_type": "LLAMA3"}, "log_every_n_steps": 1})
+        cfg = OmegaConf.create(
+            {
+                "device": "cpu",
+                "dtype": "fp32",
+                "output_dir": output_dir,
+                "resume_from_checkpoint": False,
+                "gradient_accumulation_steps": gradient_accumulation_steps,
+                "optimizer_in_bwd": False,
+                "clip_grad_norm": None,
+                "seed": seed,
+                "epochs": 1,
+                "max_steps_per_epoch": steps,
+                "batch_size": micro_batch,
+                "checkpointer": {"model_type": "LLAMA3"},
+                "log_every_n_steps": 1,
+            }
+        )
         recipe = recipe_class()(cfg)
         torch.manual_seed(seed)
-        model = llama3(vocab_size=VOCAB, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16, max_seq_len=32,
-                       intermediate_dim=32)
+        model = llama3(
+            vocab_size=VOCAB,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            embed_dim=16,
+            max_seq_len=32,
+            intermediate_dim=32,
+        )
         loss_fn = CEWithChunkedOutputLoss(num_output_chunks=2)
         model.set_num_output_chunks(loss_fn.num_output_chunks)
         generator = torch.Generator().manual_seed(seed)
         data = []
         for length in LENGTHS:
             tokens = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
-            data.append({"tokens": tokens, "labels": [loss_fn.ignore_index, *tokens[1:]] if first_label_masked
-                         else tokens})
+            data.append(
+                {"tokens": tokens, "labels": [loss_fn.ignore_index, *tokens[1:]] if first_label_masked else tokens}
+            )
         sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=False)  # type: ignore[var-annotated,arg-type]
         recipe._model, recipe._loss_fn = model, loss_fn
-        recipe._dataloader = torch.utils.data.DataLoader(data, batch_size=micro_batch, sampler=sampler,  # type: ignore[arg-type]
-                                                         collate_fn=padded_collate_sft)
+        recipe._dataloader = torch.utils.data.DataLoader(
+            data,  # type: ignore[arg-type]
+            batch_size=micro_batch,
+            sampler=sampler,
+            collate_fn=padded_collate_sft,
+        )
         recipe._optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         recipe._lr_scheduler, recipe._compile, recipe.profiler_profile_memory = None, False, False
         recipe._metric_logger, recipe._profiler = DiskLogger(log_dir=output_dir), training.DummyProfiler()
@@ -131,10 +156,16 @@ def full_finetune_run(*, first_label_masked: bool, gradient_accumulation_steps: 
         recipe.ignore_labels_cache = torch.full((micro_batch, 1), loss_fn.ignore_index)
         recipe.activations_handling_ctx = training.get_act_offloading_ctx_manager(model, False)
         recipe.save_checkpoint = lambda epoch: None  # no checkpoint files: nothing was loaded from one
-        settings: dict[str, Any] = {"record_forward": False, "call_model": _call, "output": _output,
-                                    "targets": _targets}
-        audits = {"documented": audit(model, recipe._optimizer, loss=NextTokenCrossEntropy(), **settings),
-                  "unshifted count": audit(model, recipe._optimizer, loss=UnshiftedCount(), **settings)}
+        settings: dict[str, Any] = {
+            "record_forward": False,
+            "call_model": _call,
+            "output": _output,
+            "targets": _targets,
+        }
+        audits = {
+            "documented": audit(model, recipe._optimizer, loss=NextTokenCrossEntropy(), **settings),
+            "unshifted count": audit(model, recipe._optimizer, loss=UnshiftedCount(), **settings),
+        }
         loss_step = recipe._loss_step
 
         def recording(batch: dict[str, Tensor]) -> Tensor:
@@ -159,8 +190,9 @@ _DATASETS = {
     True: "SFT: each sequence's first label masked (a prompt)",
     False: "text completion: every label a token",
 }
-_UNSHIFTED_KIND = ("normaliser counts the labels before the recipe's shift (one token per sequence that no loss "
-                   "term has)")
+_UNSHIFTED_KIND = (
+    "normaliser counts the labels before the recipe's shift (one token per sequence that no loss term has)"
+)
 
 
 def results() -> list[dict[str, Any]]:
@@ -174,18 +206,24 @@ def results() -> list[dict[str, Any]]:
         failing = [w for w in documented.windows if not w.equivalent]
         ratios = [w.mismatches[0].update_ratio for w in failing]
         cosines = [w.mismatches[0].cosine for w in failing]
-        magnitude = (f"update {min(ratios):.3g}-{max(ratios):.3g}x the full-batch one, cosine >= {min(cosines):.3f}"
-                     if failing else "within the allowance")
-        rows.append({
-            "trainer": "torchtune full_finetune_single_device", "loss_type": "CEWithChunkedOutputLoss",
-            "setting": f"GA=2, {_DATASETS[masked]}",
-            "verdict": "NOT equivalent" if failing else "equivalent",
-            "kind": _UNSHIFTED_KIND if failing and unshifted else ("" if not failing else "not explained"),
-            "magnitude": magnitude,
-            "upstream": "torchtune #2613 (the shift moved into the datasets after 0.6.1)" if failing else "",
-            "steps": [w.line() for w in documented.windows],
-            "versions": versions(),
-        })
+        magnitude = (
+            f"update {min(ratios):.3g}-{max(ratios):.3g}x the full-batch one, cosine >= {min(cosines):.3f}"
+            if failing
+            else "within the allowance"
+        )
+        rows.append(
+            {
+                "trainer": "torchtune full_finetune_single_device",
+                "loss_type": "CEWithChunkedOutputLoss",
+                "setting": f"GA=2, {_DATASETS[masked]}",
+                "verdict": "NOT equivalent" if failing else "equivalent",
+                "kind": _UNSHIFTED_KIND if failing and unshifted else ("" if not failing else "not explained"),
+                "magnitude": magnitude,
+                "upstream": "torchtune #2613 (the shift moved into the datasets after 0.6.1)" if failing else "",
+                "steps": [w.line() for w in documented.windows],
+                "versions": versions(),
+            }
+        )
     return rows
 
 

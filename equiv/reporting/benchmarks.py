@@ -263,7 +263,9 @@ def _chart(workload: str, frame: pd.DataFrame) -> list[str]:
 
 
 def render_report(
-    raw: dict[str, Any], *, source: str = "reports/benchmarks.json",
+    raw: dict[str, Any],
+    *,
+    source: str = "reports/benchmarks.json",
     scaling_full: dict[str, Any] | Sequence[tuple[str, dict[str, Any]]] | None = None,
 ) -> str:
     """The whole markdown report from parsed ``--benchmark-json`` output.
@@ -354,16 +356,22 @@ def render_report(
 
 def _readme_example_section(raw: dict[str, Any]) -> list[str]:
     """How long the README's failing pytest example takes to report (benchmarks/test_readme_pytest_example.py)."""
-    infos = [b["extra_info"] for b in raw.get("benchmarks", [])
-             if b.get("extra_info", {}).get("kind") == "readme_pytest_example"]
+    infos = [
+        b["extra_info"]
+        for b in raw.get("benchmarks", [])
+        if b.get("extra_info", {}).get("kind") == "readme_pytest_example"
+    ]
     if not infos:
         return []
     info = infos[0]
     seconds, target = float(info["seconds"]), float(info["target_seconds"])
     explain = info.get("seconds_with_explain")
-    beside = ("" if explain is None else
-              f" With Hypothesis's explain phase back (equiv's ci profile otherwise unchanged), in the same run: "
-              f"{float(explain):.1f} s ({float(explain) / seconds:.1f}x).")
+    beside = (
+        ""
+        if explain is None
+        else f" With Hypothesis's explain phase back (equiv's ci profile otherwise unchanged), in the same run: "
+        f"{float(explain):.1f} s ({float(explain) / seconds:.1f}x)."
+    )
     return [
         "## The README's pytest example: time to report the failing step",
         "",
@@ -381,21 +389,24 @@ def _audit_section(raw: dict[str, Any]) -> list[str]:
     infos = [b["extra_info"] for b in raw.get("benchmarks", []) if b.get("extra_info", {}).get("audit_overhead")]
     if not infos:
         return []
-    table = pd.DataFrame([
-        {
-            "parameters": f"{info['parameters'] / 1e6:.2f}M",
-            "micro-batches per step": info["micro_batches"],
-            "plain step s (median)": f"{info['plain_step_median_s']:.4f}",
-            "unaudited step / plain": f"{info['unaudited_ratio']:.2f}x",
-            # Absent from runs made before it was timed apart (it was then inside the unaudited ratio).
-            "step before an audited one / plain": (f"{info['before_audited_ratio']:.2f}x"
-                                                   if "before_audited_ratio" in info else "-"),
-            "audited step / plain": f"{info['audited_ratio']:.1f}x",
-            "new storage, plain step (B/param)": f"{info['plain_peak_bytes_per_parameter']:.0f}",
-            "new storage, audited step (B/param)": f"{info['audited_peak_bytes_per_parameter']:.0f}",
-        }
-        for info in infos
-    ])
+    table = pd.DataFrame(
+        [
+            {
+                "parameters": f"{info['parameters'] / 1e6:.2f}M",
+                "micro-batches per step": info["micro_batches"],
+                "plain step s (median)": f"{info['plain_step_median_s']:.4f}",
+                "unaudited step / plain": f"{info['unaudited_ratio']:.2f}x",
+                # Absent from runs made before it was timed apart (it was then inside the unaudited ratio).
+                "step before an audited one / plain": (
+                    f"{info['before_audited_ratio']:.2f}x" if "before_audited_ratio" in info else "-"
+                ),
+                "audited step / plain": f"{info['audited_ratio']:.1f}x",
+                "new storage, plain step (B/param)": f"{info['plain_peak_bytes_per_parameter']:.0f}",
+                "new storage, audited step (B/param)": f"{info['audited_peak_bytes_per_parameter']:.0f}",
+            }
+            for info in infos
+        ]
+    )
     return [
         "## equiv.audit: what watching a real run costs",
         "",
@@ -423,15 +434,19 @@ def _audit_ddp_lines(raw: dict[str, Any]) -> list[str]:
     if not infos:
         return []
     info = infos[0]
-    table = pd.DataFrame([{
-        "ranks": info["world_size"],
-        "parameters": info["parameters"],
-        "micro-batches per step (each rank)": info["micro_batches"],
-        "plain DDP step s (median)": f"{info['plain_step_median_s']:.4f}",
-        "audited step / plain": f"{info['audited_ratio']:.1f}x",
-        "bytes sent per audited step (each rank)": f"{info['bytes_per_audited_step']:,.0f}",
-        "bytes per parameter": f"{info['bytes_per_audited_step'] / info['parameters']:.1f}",
-    }])
+    table = pd.DataFrame(
+        [
+            {
+                "ranks": info["world_size"],
+                "parameters": info["parameters"],
+                "micro-batches per step (each rank)": info["micro_batches"],
+                "plain DDP step s (median)": f"{info['plain_step_median_s']:.4f}",
+                "audited step / plain": f"{info['audited_ratio']:.1f}x",
+                "bytes sent per audited step (each rank)": f"{info['bytes_per_audited_step']:,.0f}",
+                "bytes per parameter": f"{info['bytes_per_audited_step'] / info['parameters']:.1f}",
+            }
+        ]
+    )
     return [
         "",
         f"The same loop under torchrun, wrapped in DDP on {info['world_size']} gloo ranks (each rank its own "
@@ -457,21 +472,32 @@ def _audit_run_lines(raw: dict[str, Any]) -> list[str]:
     if not infos:
         return []
     runs = infos[0]["runs"]
-    table = pd.DataFrame([
-        {
-            "every": run["every"],
-            "optimizer steps per run": run["steps"],
-            "steps audited": run["audited_steps"],
-            "run / plain run (median)": f"{run['run_ratio_median']:.2f}x",
-            "range over rounds": f"{run['run_ratio_min']:.2f}-{run['run_ratio_max']:.2f}x",
-        }
-        for run in runs
-    ])
+    table = pd.DataFrame(
+        [
+            {
+                "every": run["every"],
+                "optimizer steps per run": run["steps"],
+                "steps audited": run["audited_steps"],
+                "run / plain run (median)": f"{run['run_ratio_median']:.2f}x",
+                "range over rounds": f"{run['run_ratio_min']:.2f}-{run['run_ratio_max']:.2f}x",
+            }
+            for run in runs
+        ]
+    )
     at_100 = next((run for run in runs if run["every"] == 100), None)
-    verdict = "" if at_100 is None else (
-        f" Target: at every=100 the whole run within {AUDIT_RUN_TARGET:.2f}x a plain one: "
-        + ("**met**" if at_100["run_ratio_median"] <= AUDIT_RUN_TARGET
-           else f"**not met** ({at_100['run_ratio_median']:.2f}x)") + ".")
+    verdict = (
+        ""
+        if at_100 is None
+        else (
+            f" Target: at every=100 the whole run within {AUDIT_RUN_TARGET:.2f}x a plain one: "
+            + (
+                "**met**"
+                if at_100["run_ratio_median"] <= AUDIT_RUN_TARGET
+                else f"**not met** ({at_100['run_ratio_median']:.2f}x)"
+            )
+            + "."
+        )
+    )
     return [
         f"Whole runs of the same loop, plain and inside `equiv.audit(every=k)`, side by side on the same data: two "
         "copies of the model and optimizer, one step of the plain run then the same step of the audited one (so a "
@@ -497,21 +523,27 @@ def _regret_section(raw: dict[str, Any]) -> list[str]:
         exhaustive = info["exhaustive"]
         for row in info["rows"]:
             regret = row["regret"]
-            records.append({
-                "workload": info["workload_name"],
-                "budget MiB": _mib(row["budget_bytes"]),
-                "N fitting (measured)": ", ".join(
-                    n for n in exhaustive if exhaustive[n]["peak_bytes"] <= row["budget_bytes"]) or "-",
-                "planner's N": row["picked_n"] if row["picked_n"] is not None else "none",
-                "fastest fitting N": row["best_n"] if row["best_n"] is not None else "none",
-                "regret": "does not fit" if not row["picked_fits"] else f"{100 * regret:.1f}%",
-                f"goal <= {100 * REGRET_TARGET:g}%": (
-                    "met" if row["picked_fits"] and regret is not None and regret <= REGRET_TARGET else "NOT met"),
-                "probes (over budget)": f"{row['probes']} ({row['probes_over_budget']})",
-                # Older runs (before the walk over whole steps) did not count them.
-                "whole steps (over budget)": (
-                    f"{row['whole_steps']} ({row['whole_steps_over_budget']})" if "whole_steps" in row else "-"),
-            })
+            records.append(
+                {
+                    "workload": info["workload_name"],
+                    "budget MiB": _mib(row["budget_bytes"]),
+                    "N fitting (measured)": ", ".join(
+                        n for n in exhaustive if exhaustive[n]["peak_bytes"] <= row["budget_bytes"]
+                    )
+                    or "-",
+                    "planner's N": row["picked_n"] if row["picked_n"] is not None else "none",
+                    "fastest fitting N": row["best_n"] if row["best_n"] is not None else "none",
+                    "regret": "does not fit" if not row["picked_fits"] else f"{100 * regret:.1f}%",
+                    f"goal <= {100 * REGRET_TARGET:g}%": (
+                        "met" if row["picked_fits"] and regret is not None and regret <= REGRET_TARGET else "NOT met"
+                    ),
+                    "probes (over budget)": f"{row['probes']} ({row['probes_over_budget']})",
+                    # Older runs (before the walk over whole steps) did not count them.
+                    "whole steps (over budget)": (
+                        f"{row['whole_steps']} ({row['whole_steps_over_budget']})" if "whole_steps" in row else "-"
+                    ),
+                }
+            )
     return [
         "## Planner regret",
         "",
@@ -538,19 +570,24 @@ def _peers_section(raw: dict[str, Any]) -> list[str]:
     def ratio(info: dict[str, Any], name: str) -> str:
         return f"{info[f'{name}_ratio']:.3f} ({info[f'{name}_ratio_q1']:.3f}-{info[f'{name}_ratio_q3']:.3f})"
 
-    table = pd.DataFrame([
-        {
-            "workload": info["workload"],
-            "N": info["n_micro_batches"],
-            "native step s (median)": f"{info['native_median_s']:.4f}",
-            "equiv.Accumulator / native": ratio(info, "accumulator"),
-            f"Accelerate {info['accelerate_version']} accumulate() / native": ratio(info, "accelerate"),
-            **({f"Lightning Fabric {info['fabric_version']} no_backward_sync / native": ratio(info, "fabric")}
-               if info.get("fabric_version") else {}),
-            "rotations": info["rotations"],
-        }
-        for info in rows
-    ])
+    table = pd.DataFrame(
+        [
+            {
+                "workload": info["workload"],
+                "N": info["n_micro_batches"],
+                "native step s (median)": f"{info['native_median_s']:.4f}",
+                "equiv.Accumulator / native": ratio(info, "accumulator"),
+                f"Accelerate {info['accelerate_version']} accumulate() / native": ratio(info, "accelerate"),
+                **(
+                    {f"Lightning Fabric {info['fabric_version']} no_backward_sync / native": ratio(info, "fabric")}
+                    if info.get("fabric_version")
+                    else {}
+                ),
+                "rotations": info["rotations"],
+            }
+            for info in rows
+        ]
+    )
     return [
         "## Peers' steps, timed side by side",
         "",
@@ -560,8 +597,11 @@ def _peers_section(raw: dict[str, Any]) -> list[str]:
         "to the native step (interquartile range in brackets). On one process Fabric's `no_backward_sync` has no "
         "communication to skip: its row is the cost of Fabric's wrappers. Cost only: reports/peers.md says which "
         "of them is equivalent."
-        + ("" if any(info.get("fabric_version") for info in rows)
-           else " Lightning Fabric was not installed in this run (pip install equiv[lightning]): not timed."),
+        + (
+            ""
+            if any(info.get("fabric_version") for info in rows)
+            else " Lightning Fabric was not installed in this run (pip install equiv[lightning]): not timed."
+        ),
         "",
         markdown_table(table),
         "",
@@ -583,7 +623,8 @@ def _scaling_rows(raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _scaling_section(
-    raw: dict[str, Any], scaling_full: dict[str, Any] | Sequence[tuple[str, dict[str, Any]]] | None = None,
+    raw: dict[str, Any],
+    scaling_full: dict[str, Any] | Sequence[tuple[str, dict[str, Any]]] | None = None,
 ) -> list[str]:
     """The cost of equiv.check itself as the model grows (benchmarks/test_check_scaling.py)."""
     if isinstance(scaling_full, dict):
@@ -610,19 +651,35 @@ def _scaling_section(
             markdown_table(_scaling_table(full_rows)),
             "",
         ]
-    quick = [f"This run ({'quick' if rows and rows[0].get('quick') else 'full'}):", "", markdown_table(_scaling_table(rows)), ""] if rows else []
+    quick = (
+        [
+            f"This run ({'quick' if rows and rows[0].get('quick') else 'full'}):",
+            "",
+            markdown_table(_scaling_table(rows)),
+            "",
+        ]
+        if rows
+        else []
+    )
     on_cpu = [full_rows for _, _, full_rows in fulls if not _scaling_device(full_rows).startswith("cuda")]
     on_gpu = [full_rows for _, _, full_rows in fulls if _scaling_device(full_rows).startswith("cuda")]
-    return [*_scaling_intro(), *quick, *full_notes, *_scaling_why(on_cpu[0] if on_cpu else rows),
-            *_scaling_gpu_why(on_gpu[0] if on_gpu else [])]
+    return [
+        *_scaling_intro(),
+        *quick,
+        *full_notes,
+        *_scaling_why(on_cpu[0] if on_cpu else rows),
+        *_scaling_gpu_why(on_gpu[0] if on_gpu else []),
+    ]
 
 
 def _allocator_note(rows: list[dict[str, Any]]) -> str:
     """How the host allocator was set, where the run says (EQUIV_BENCH_KEEP_FREED_MEMORY)."""
     allocator = str(rows[0].get("host_allocator", ""))
     if allocator.startswith("glibc malloc keeps freed memory"):
-        return (", host memory as the `equiv` command sets it (`EQUIV_BENCH_KEEP_FREED_MEMORY=1`: glibc keeps "
-                "freed buffers for reuse, `equiv.host_memory`)")
+        return (
+            ", host memory as the `equiv` command sets it (`EQUIV_BENCH_KEEP_FREED_MEMORY=1`: glibc keeps "
+            "freed buffers for reuse, `equiv.host_memory`)"
+        )
     return ", glibc's malloc as it comes" if allocator else ""
 
 
@@ -657,8 +714,13 @@ def _scaling_why(rows: list[dict[str, Any]]) -> list[str]:
     the target, and what comparing adds on top."""
     lines: list[str] = []
     for verdict, target in CHECK_TIME_TARGETS.items():
-        judged = [info for info in rows if info.get("verdict", "passing") == verdict
-                  and info["parameters"] >= CHECK_TIME_TARGET_FROM and "bare_runs_ratio" in info]
+        judged = [
+            info
+            for info in rows
+            if info.get("verdict", "passing") == verdict
+            and info["parameters"] >= CHECK_TIME_TARGET_FROM
+            and "bare_runs_ratio" in info
+        ]
         missed = [info for info in judged if info["time_ratio"] > target]
         if not missed:
             continue
@@ -675,10 +737,14 @@ def _scaling_why(rows: list[dict[str, Any]]) -> list[str]:
             f"comparing multiplies that by {_span(adds)} (the truth's every step but the last copied, then per "
             "tensor and run one subtraction and one min/max pass, each a pass over memory as long as the step's "
             "own)"
-            + (". A failing check runs every floor sample, and its working-dtype candidate once more to show "
-               "where each tensor differs (the float64 one runs once, after the exact tier's floors); detailing a "
-               "failing row (where, how far relatively, how many past the allowance) is several more passes over "
-               "the tensor" if verdict == "failing" else "")
+            + (
+                ". A failing check runs every floor sample, and its working-dtype candidate once more to show "
+                "where each tensor differs (the float64 one runs once, after the exact tier's floors); detailing a "
+                "failing row (where, how far relatively, how many past the allowance) is several more passes over "
+                "the tensor"
+                if verdict == "failing"
+                else ""
+            )
             + "."
         )
     heavy = [info for info in rows if info["check_bytes_per_parameter"] > CHECK_MEMORY_TARGET]
@@ -714,25 +780,28 @@ def _runs_made(info: dict[str, Any]) -> str:
 
 
 def _scaling_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame([
-        {
-            "model": info["size"] if "GPT" in str(info.get("size")) else "MLP",
-            "parameters": f"{info['parameters'] / 1e6:.2f}M",
-            "candidate": f"{info.get('verdict', 'passing')}",
-            "runs made": _runs_made(info),
-            "check s (median)": f"{info['check_median_s']:.3f}",
-            "own 2 float32 steps s": f"{info['own_steps_median_s']:.4f}",
-            "model build / own steps": _times(info["model_build_ratio"]) if "model_build_ratio" in info else "-",
-            "bare runs / own steps": f"{info['bare_runs_ratio']:.1f}x" if "bare_runs_ratio" in info else "-",
-            "check / bare runs": f"{info['check_over_bare_runs']:.2f}x" if "check_over_bare_runs" in info else "-",
-            "check / own steps": f"{info['time_ratio']:.1f}x",
-            "time target (>= 1M)": _time_target(info),
-            "check peak B/param": f"{info['check_bytes_per_parameter']:.0f}",
-            f"memory target <= {CHECK_MEMORY_TARGET:g} B/param": (
-                "met" if info["check_bytes_per_parameter"] <= CHECK_MEMORY_TARGET else "NOT met"),
-        }
-        for info in rows
-    ])
+    return pd.DataFrame(
+        [
+            {
+                "model": info["size"] if "GPT" in str(info.get("size")) else "MLP",
+                "parameters": f"{info['parameters'] / 1e6:.2f}M",
+                "candidate": f"{info.get('verdict', 'passing')}",
+                "runs made": _runs_made(info),
+                "check s (median)": f"{info['check_median_s']:.3f}",
+                "own 2 float32 steps s": f"{info['own_steps_median_s']:.4f}",
+                "model build / own steps": _times(info["model_build_ratio"]) if "model_build_ratio" in info else "-",
+                "bare runs / own steps": f"{info['bare_runs_ratio']:.1f}x" if "bare_runs_ratio" in info else "-",
+                "check / bare runs": f"{info['check_over_bare_runs']:.2f}x" if "check_over_bare_runs" in info else "-",
+                "check / own steps": f"{info['time_ratio']:.1f}x",
+                "time target (>= 1M)": _time_target(info),
+                "check peak B/param": f"{info['check_bytes_per_parameter']:.0f}",
+                f"memory target <= {CHECK_MEMORY_TARGET:g} B/param": (
+                    "met" if info["check_bytes_per_parameter"] <= CHECK_MEMORY_TARGET else "NOT met"
+                ),
+            }
+            for info in rows
+        ]
+    )
 
 
 def _times(ratio: float) -> str:
@@ -825,15 +894,19 @@ def _verify_threads_section(raw: dict[str, Any]) -> list[str]:
     info = infos[0]
     ratio = float(info["ratio_chosen"])
     verdict = "met" if ratio <= THREADS_RATIO_TARGET else "NOT met"
-    table = pd.DataFrame([{
-        "cases": info["examples"],
-        f"ms per case, {default} ({info['default_threads']})": f"{info['per_case_ms'][default]:.0f}",
-        f"ms per case, {chosen}": f"{info['per_case_ms'][chosen]:.0f}",
-        f"ms per case, {one}": f"{info['per_case_ms'][one]:.0f}",
-        f"{chosen} / {one}": f"{ratio:.2f}x",
-        f"{default} / {one}": f"{float(info['ratio_default']):.2f}x",
-        f"target (<= {THREADS_RATIO_TARGET:g}x)": verdict,
-    }])
+    table = pd.DataFrame(
+        [
+            {
+                "cases": info["examples"],
+                f"ms per case, {default} ({info['default_threads']})": f"{info['per_case_ms'][default]:.0f}",
+                f"ms per case, {chosen}": f"{info['per_case_ms'][chosen]:.0f}",
+                f"ms per case, {one}": f"{info['per_case_ms'][one]:.0f}",
+                f"{chosen} / {one}": f"{ratio:.2f}x",
+                f"{default} / {one}": f"{float(info['ratio_default']):.2f}x",
+                f"target (<= {THREADS_RATIO_TARGET:g}x)": verdict,
+            }
+        ]
+    )
     return [
         "## equiv verify on a busy machine: threads",
         "",
@@ -855,14 +928,19 @@ def _search_times_section(raw: dict[str, Any]) -> list[str]:
     if not infos:
         return []
     info = infos[0]
-    table = pd.DataFrame([{
-        "search (equiv.accumulator_step)": row["search"],
-        "cases": row["cases"],
-        "seconds": f"{row['seconds']:.1f}",
-        "s per case": f"{row['per_case_s']:.3f}",
-        "beside": row["baseline"] or "-",
-        "per case / beside": "-" if row["ratio"] is None else f"{row['ratio']:.2f}x",
-    } for row in info["rows"]])
+    table = pd.DataFrame(
+        [
+            {
+                "search (equiv.accumulator_step)": row["search"],
+                "cases": row["cases"],
+                "seconds": f"{row['seconds']:.1f}",
+                "s per case": f"{row['per_case_s']:.3f}",
+                "beside": row["baseline"] or "-",
+                "per case / beside": "-" if row["ratio"] is None else f"{row['ratio']:.2f}x",
+            }
+            for row in info["rows"]
+        ]
+    )
     return [
         "## Search times: context parallelism, router losses, packed and RL losses",
         "",
@@ -889,22 +967,27 @@ def _verify_speed_section(raw: dict[str, Any]) -> list[str]:
         if info["verdict"] != "passing":
             return "-"
         speedup = float(info["speedup"])
-        return (f"met (>= {VERIFY_SPEEDUP_TARGET:g}x)" if speedup >= VERIFY_SPEEDUP_TARGET
-                else f"NOT met (>= {VERIFY_SPEEDUP_TARGET:g}x: {speedup:.2f}x)")
+        return (
+            f"met (>= {VERIFY_SPEEDUP_TARGET:g}x)"
+            if speedup >= VERIFY_SPEEDUP_TARGET
+            else f"NOT met (>= {VERIFY_SPEEDUP_TARGET:g}x: {speedup:.2f}x)"
+        )
 
-    table = pd.DataFrame([
-        {
-            "candidate": f"{info['candidate']} ({info['verdict']})",
-            "seed": info["seed"],
-            "cases checked": info["examples"],
-            "found": "yes" if info["found"] else "no",
-            f"cases/s, {eager}": f"{info['cases_per_second'][eager]:.1f}",
-            f"cases/s, {shipped}": f"{info['cases_per_second'][shipped]:.1f}",
-            "speed-up": f"{info['speedup']:.2f}x",
-            f"target (correct step, >= {VERIFY_SPEEDUP_TARGET:g}x)": target(info),
-        }
-        for info in sorted(infos, key=lambda info: info["verdict"] != "passing")
-    ])
+    table = pd.DataFrame(
+        [
+            {
+                "candidate": f"{info['candidate']} ({info['verdict']})",
+                "seed": info["seed"],
+                "cases checked": info["examples"],
+                "found": "yes" if info["found"] else "no",
+                f"cases/s, {eager}": f"{info['cases_per_second'][eager]:.1f}",
+                f"cases/s, {shipped}": f"{info['cases_per_second'][shipped]:.1f}",
+                "speed-up": f"{info['speedup']:.2f}x",
+                f"target (correct step, >= {VERIFY_SPEEDUP_TARGET:g}x)": target(info),
+            }
+            for info in sorted(infos, key=lambda info: info["verdict"] != "passing")
+        ]
+    )
     return [
         "## equiv verify: cases per second",
         "",
@@ -942,11 +1025,14 @@ def _false_alarms_table(info: dict[str, Any]) -> str:
     known = [name for name in FALSE_ALARM_RUNS if name in runs] + sorted(set(runs) - set(FALSE_ALARM_RUNS))
     rows = [
         {
-            "run": f"`{name}`: {FALSE_ALARM_RUNS.get(name, name)}" + (
+            "run": f"`{name}`: {FALSE_ALARM_RUNS.get(name, name)}"
+            + (
                 f" ({runs[name]['clipped_steps']:,} of {runs[name]['windows']:,} steps clipped)"
-                if "clipped_steps" in runs[name] else ""),
+                if "clipped_steps" in runs[name]
+                else ""
+            ),
             "windows (segments x steps)": f"{runs[name]['windows']:,} ({runs[name]['segments']} x "
-                                          f"{runs[name]['windows_per_segment']})",
+            f"{runs[name]['windows_per_segment']})",
             "p50": f"{runs[name]['p50']:.2f}",
             "p90": f"{runs[name]['p90']:.2f}",
             "p99": f"{runs[name]['p99']:.2f}",
@@ -958,11 +1044,19 @@ def _false_alarms_table(info: dict[str, Any]) -> str:
         for name in known
     ]
     total = sum(run["windows"] for run in runs.values())
-    rows.append({"run": "**all**", "windows (segments x steps)": f"{total:,}", "p50": "", "p90": "", "p99": "",
-                 "max": f"{max(run['max'] for run in runs.values()):.2f}",
-                 f">= {FALSE_ALARM_TAIL:g}": str(sum(run["at_least_0_9"] for run in runs.values())),
-                 "flagged (target 0)": str(sum(run["flagged"] for run in runs.values())),
-                 "seconds": f"{sum(run['seconds'] for run in runs.values()):.0f}"})
+    rows.append(
+        {
+            "run": "**all**",
+            "windows (segments x steps)": f"{total:,}",
+            "p50": "",
+            "p90": "",
+            "p99": "",
+            "max": f"{max(run['max'] for run in runs.values()):.2f}",
+            f">= {FALSE_ALARM_TAIL:g}": str(sum(run["at_least_0_9"] for run in runs.values())),
+            "flagged (target 0)": str(sum(run["flagged"] for run in runs.values())),
+            "seconds": f"{sum(run['seconds'] for run in runs.values()):.0f}",
+        }
+    )
     return markdown_table(pd.DataFrame(rows))
 
 
@@ -983,14 +1077,18 @@ def _false_alarms_verdict(info: dict[str, Any]) -> list[str]:
 
 
 def _false_alarms_section(
-    raw: dict[str, Any], scaling_full: dict[str, Any] | Sequence[tuple[str, dict[str, Any]]] | None = None,
+    raw: dict[str, Any],
+    scaling_full: dict[str, Any] | Sequence[tuple[str, dict[str, Any]]] | None = None,
 ) -> list[str]:
     """Long correct runs audited at every step: the distribution of their windows' worst ratio to the
     allowance, and the windows flagged (benchmarks/test_audit_false_alarms.py); a committed full run
     among ``scaling_full`` (any file holding this benchmark) shown beside this run."""
     info = _false_alarm_runs(raw)
-    fulls = [] if scaling_full is None or isinstance(scaling_full, dict) else [
-        (name, run, found) for name, run in scaling_full if (found := _false_alarm_runs(run)) is not None]
+    fulls = (
+        []
+        if scaling_full is None or isinstance(scaling_full, dict)
+        else [(name, run, found) for name, run in scaling_full if (found := _false_alarm_runs(run)) is not None]
+    )
     if info is None and not fulls:
         return []
     lines = [

@@ -19,21 +19,23 @@ __all__ = ["distributed_section", "fsdp2_chart", "fsdp2_section"]
 def distributed_section(findings: DistributedFindings) -> str:
     """The markdown of the distributed and loss-scale sections, from
     :func:`equiv.findings.distributed.measure_distributed`."""
-    return "\n\n".join([
-        "## Distributed data parallel (W=2 gloo ranks on the CPU)",
-        f"Every rank against the single-process full-batch step; shards {findings.shards} (samples per micro-batch, "
-        f"per rank), case `{findings.case}`. All-reduces are DDP gradient buckets counted "
-        "by a comm hook (this model fits one bucket).",
-        markdown_table(findings.verdicts),
-        "Communication per optimizer step as the micro-batches per rank N grow (float64 gradients): "
-        "`no_sync` keeps it at one all-reduce per window.",
-        markdown_table(findings.communication),
-        fsdp2_section(findings.fsdp2),
-        "## Loss-scale window (dynamic loss scaling, one overflowing sample)",
-        f"Case `{findings.loss_scale_case}` with `overflow_at=[1, sample]`: the full-batch step skips step 1 and "
-        "backs the scale off once; so must the accumulation, whichever micro-batch overflowed.",
-        markdown_table(findings.loss_scale),
-    ])
+    return "\n\n".join(
+        [
+            "## Distributed data parallel (W=2 gloo ranks on the CPU)",
+            f"Every rank against the single-process full-batch step; shards {findings.shards} (samples per micro-batch, "
+            f"per rank), case `{findings.case}`. All-reduces are DDP gradient buckets counted "
+            "by a comm hook (this model fits one bucket).",
+            markdown_table(findings.verdicts),
+            "Communication per optimizer step as the micro-batches per rank N grow (float64 gradients): "
+            "`no_sync` keeps it at one all-reduce per window.",
+            markdown_table(findings.communication),
+            fsdp2_section(findings.fsdp2),
+            "## Loss-scale window (dynamic loss scaling, one overflowing sample)",
+            f"Case `{findings.loss_scale_case}` with `overflow_at=[1, sample]`: the full-batch step skips step 1 and "
+            "backs the scale off once; so must the accumulation, whichever micro-batch overflowed.",
+            markdown_table(findings.loss_scale),
+        ]
+    )
 
 
 # ---------------------------------------------------------------------- FSDP2
@@ -67,28 +69,30 @@ def fsdp2_chart(table: pd.DataFrame) -> list[str]:
 def fsdp2_section(findings: Fsdp2Findings) -> str:
     """The FSDP2 section, from :func:`equiv.findings.distributed.measure_fsdp2`: verdicts, then
     communication and per-rank peak memory against N for both sync policies, and their chart."""
-    return "\n\n".join([
-        "## FSDP2 (fully_shard, gloo ranks on the CPU)",
-        "`check_distributed(step, dcase, engine=\"fsdp2\")`: `fully_shard` on each layer and on the root, every "
-        "rank's parameters and optimizer state gathered (`full_tensor()`) and compared with the single-process "
-        f"full-batch step in both tiers. Shards {findings.shards[2]} at W=2 and {findings.shards[3]} at W=3 (FSDP2 "
-        "needs the same number of micro-batches on every rank: each forward all-gathers), case "
-        f"`{findings.case}` (the clip bug needs clipping on). Reduce-scatters are counted through "
-        "`set_custom_reduce_scatter`: one per FSDP unit (each Linear layer here) per gradient sync. The accumulator "
-        "makes FSDP sum gradients over ranks (`set_gradient_divide_factor(1.0)`, SUM reductions) and divides once "
-        "by the global item count: no average to multiply back, so W=3 is exact too.",
-        markdown_table(findings.verdicts),
-        f"Cost per optimizer step as the micro-batches per rank N grow: {findings.workload_description}, global "
-        f"batch {findings.workload_global_batch_size} over 2 ranks, AdamW, float32, `equiv.Accumulator` with "
-        "gradient sync once per window (`micro_batch(last=...)`) or on every micro-batch; all of it measured in "
-        "one run of the two ranks, per rank (one figure where the ranks agree). Reduce-scatter MiB are the padded "
-        "unsharded gradients put in; all-gather MiB the unsharded parameters gathered (each forward and each backward). "
-        "Peak memory is counted from live tensor storages (local shards of DTensors, FSDP's in-place frees "
-        "included), so it is the same on every run; step times vary and are left out here "
-        "(`equiv.findings.distributed.measure_fsdp2(with_times=True)`).",
-        markdown_table(findings.costs),
-        "Bars: forward/backward peak per rank, sync once per window then sync every micro-batch; lines: "
-        "reduce-scatter MiB per step, same order. Syncing once holds every unit's gradient unsharded through "
-        "the window; syncing every micro-batch keeps it sharded and sends N times the bytes.",
-        "\n".join(fsdp2_chart(findings.costs)),
-    ])
+    return "\n\n".join(
+        [
+            "## FSDP2 (fully_shard, gloo ranks on the CPU)",
+            '`check_distributed(step, dcase, engine="fsdp2")`: `fully_shard` on each layer and on the root, every '
+            "rank's parameters and optimizer state gathered (`full_tensor()`) and compared with the single-process "
+            f"full-batch step in both tiers. Shards {findings.shards[2]} at W=2 and {findings.shards[3]} at W=3 (FSDP2 "
+            "needs the same number of micro-batches on every rank: each forward all-gathers), case "
+            f"`{findings.case}` (the clip bug needs clipping on). Reduce-scatters are counted through "
+            "`set_custom_reduce_scatter`: one per FSDP unit (each Linear layer here) per gradient sync. The accumulator "
+            "makes FSDP sum gradients over ranks (`set_gradient_divide_factor(1.0)`, SUM reductions) and divides once "
+            "by the global item count: no average to multiply back, so W=3 is exact too.",
+            markdown_table(findings.verdicts),
+            f"Cost per optimizer step as the micro-batches per rank N grow: {findings.workload_description}, global "
+            f"batch {findings.workload_global_batch_size} over 2 ranks, AdamW, float32, `equiv.Accumulator` with "
+            "gradient sync once per window (`micro_batch(last=...)`) or on every micro-batch; all of it measured in "
+            "one run of the two ranks, per rank (one figure where the ranks agree). Reduce-scatter MiB are the padded "
+            "unsharded gradients put in; all-gather MiB the unsharded parameters gathered (each forward and each backward). "
+            "Peak memory is counted from live tensor storages (local shards of DTensors, FSDP's in-place frees "
+            "included), so it is the same on every run; step times vary and are left out here "
+            "(`equiv.findings.distributed.measure_fsdp2(with_times=True)`).",
+            markdown_table(findings.costs),
+            "Bars: forward/backward peak per rank, sync once per window then sync every micro-batch; lines: "
+            "reduce-scatter MiB per step, same order. Syncing once holds every unit's gradient unsharded through "
+            "the window; syncing every micro-batch keeps it sharded and sends N times the bytes.",
+            "\n".join(fsdp2_chart(findings.costs)),
+        ]
+    )

@@ -18,8 +18,16 @@ from equiv.reporting.markdown import markdown_table
 
 __all__ = ["load_rows", "torchtune_section", "trl_glance", "trl_section"]
 
-_COLUMNS = {"trainer": "trainer", "loss_type": "loss_type", "setting": "setting", "trl": "trl",
-            "verdict": "verdict", "kind": "kind", "magnitude": "magnitude", "upstream": "upstream issue"}
+_COLUMNS = {
+    "trainer": "trainer",
+    "loss_type": "loss_type",
+    "setting": "setting",
+    "trl": "trl",
+    "verdict": "verdict",
+    "kind": "kind",
+    "magnitude": "magnitude",
+    "upstream": "upstream issue",
+}
 
 #: A glance cell's short name for a saved kind, by the start of its text (first match wins:
 #: the rescaled normaliser's text starts like the generation-batch one).
@@ -81,8 +89,9 @@ def trl_section(json_path: str | Path) -> str:
     rows = load_rows(json_path)
     head = ["## TRL: GRPOTrainer's loss types and SFTTrainer under gradient accumulation", ""]
     if rows is None:
-        return "\n".join([*head, f"Not measured: no {Path(json_path).name} (run `tox -e peers-trl190` then "
-                          "`tox -e peers-trl`).", ""])
+        return "\n".join(
+            [*head, f"Not measured: no {Path(json_path).name} (run `tox -e peers-trl190` then `tox -e peers-trl`).", ""]
+        )
     text = [
         *head,
         "Each trainer is run as its users run it (a one-layer Llama from a config, float32, CPU, a reward of our own, "
@@ -91,7 +100,7 @@ def trl_section(json_path: str | Path) -> str:
         "loss type documents, and the update the trainer applied is judged with equiv's derived allowances. "
         "A NOT row's kind is the normaliser under which the same judge finds every step equivalent; magnitude: "
         "the update's size along the full-batch one and its cosine, over the steps past their allowance. "
-        "\"by design\": the loss type documents a normaliser of the local batch, not of the full batch.",
+        '"by design": the loss type documents a normaliser of the local batch, not of the full batch.',
         "",
         trl_glance(rows),
         "",
@@ -110,17 +119,19 @@ def torchtune_section(json_path: str | Path) -> str:
     if rows is None:
         return "\n".join([*head, f"Not measured: no {Path(json_path).name} (run `tox -e peers-torchtune`).", ""])
     columns = ["setting", "verdict", "kind", "magnitude", "upstream"]
-    return "\n".join([
-        *head,
-        "torchtune 0.6.1's `FullFinetuneRecipeSingleDevice` (the last release), built by its own `__init__` with "
-        "torchtune's components set as its `setup` would make them (a one-layer `llama3`, "
-        "`CEWithChunkedOutputLoss`, `padded_collate_sft`, SGD; nothing downloaded), its `train()` run unmodified "
-        "with `gradient_accumulation_steps=2` over sequences of unequal length, every optimizer step audited "
-        "against the window's next-token mean. torchao 0.15.0 is the release whose names torchtune 0.6.1 imports "
-        "on torch 2.13 (0.17 and 0.18 lack them, 0.12 does not import).",
-        "",
-        markdown_table(pd.DataFrame([{c: str(row.get(c) or "-") for c in columns} for row in rows])),
-        "",
-        _measured_with(rows),
-        "",
-    ])
+    return "\n".join(
+        [
+            *head,
+            "torchtune 0.6.1's `FullFinetuneRecipeSingleDevice` (the last release), built by its own `__init__` with "
+            "torchtune's components set as its `setup` would make them (a one-layer `llama3`, "
+            "`CEWithChunkedOutputLoss`, `padded_collate_sft`, SGD; nothing downloaded), its `train()` run unmodified "
+            "with `gradient_accumulation_steps=2` over sequences of unequal length, every optimizer step audited "
+            "against the window's next-token mean. torchao 0.15.0 is the release whose names torchtune 0.6.1 imports "
+            "on torch 2.13 (0.17 and 0.18 lack them, 0.12 does not import).",
+            "",
+            markdown_table(pd.DataFrame([{c: str(row.get(c) or "-") for c in columns} for row in rows])),
+            "",
+            _measured_with(rows),
+            "",
+        ]
+    )

@@ -81,7 +81,9 @@ def step_location(step: Callable[..., Any], cwd: str | None = None) -> Location 
     return None
 
 
-def github_annotations(result: Result, where: Location | None, *, command: str, message: str | None = None) -> list[str]:
+def github_annotations(
+    result: Result, where: Location | None, *, command: str, message: str | None = None
+) -> list[str]:
     """The workflow commands for ``result``: an ``::error`` per failing case, or a ``::notice`` if it passed.
 
     Args:

@@ -40,7 +40,6 @@ class RankVerdict:
     mine: bool = False
 
 
-
 @dataclass(frozen=True, slots=True)
 class WindowAudit(ResultBase):
     """The verdict on one audited optimizer step: truthy only when equivalent."""
@@ -85,8 +84,13 @@ class WindowAudit(ResultBase):
 
     @property
     def equivalent(self) -> bool:
-        return (not self.mismatches and not self.inherent and self.not_finite is None and self.schedule is None
-                and all(rank.equivalent for rank in self.ranks))
+        return (
+            not self.mismatches
+            and not self.inherent
+            and self.not_finite is None
+            and self.schedule is None
+            and all(rank.equivalent for rank in self.ranks)
+        )
 
     @property
     def ranks_off(self) -> tuple[int, ...]:
@@ -118,19 +122,30 @@ class WindowAudit(ResultBase):
 
     def _fields(self) -> dict[str, Any]:
         return {
-            "step": self.step, "position": self.position, "micro_batches": self.micro_batches,
-            "items": list(self.items), "usual_micro_batches": self.usual_micro_batches, "tier": self.tier,
-            "inherent": list(self.inherent), "mismatches": [d.to_dict() for d in self.mismatches],
-            "worst": None if self.worst is None else self.worst.to_dict(), "hint": self.hint,
-            "not_finite": self.not_finite, "full_batch_not_finite": self.full_batch_not_finite,
-            "ranks": [dataclasses.asdict(rank) for rank in self.ranks], "schedule": self.schedule, "note": self.note,
+            "step": self.step,
+            "position": self.position,
+            "micro_batches": self.micro_batches,
+            "items": list(self.items),
+            "usual_micro_batches": self.usual_micro_batches,
+            "tier": self.tier,
+            "inherent": list(self.inherent),
+            "mismatches": [d.to_dict() for d in self.mismatches],
+            "worst": None if self.worst is None else self.worst.to_dict(),
+            "hint": self.hint,
+            "not_finite": self.not_finite,
+            "full_batch_not_finite": self.full_batch_not_finite,
+            "ranks": [dataclasses.asdict(rank) for rank in self.ranks],
+            "schedule": self.schedule,
+            "note": self.note,
         }
 
     def line(self) -> str:
         """One line: the step, the window, the verdict and its magnitude."""
         at = f" ({self.position})" if self.position else ""
-        where = f"step {self.step}{at}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, " \
-                f"items {list(self.items)}"
+        where = (
+            f"step {self.step}{at}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, "
+            f"items {list(self.items)}"
+        )
         advice = f"; {self.hint}" if self.hint else ""
         if self.not_finite is not None and not self.full_batch_not_finite:
             inherent = f" (and inherently not equivalent: {'; '.join(self.inherent)})" if self.inherent else ""
@@ -144,8 +159,11 @@ class WindowAudit(ResultBase):
         if self.equivalent:
             worst = max((rank.worst_ratio for rank in self.ranks), default=None)
             worst = self.worst.ratio if worst is None and self.worst is not None else worst
-            ratio = f" (worst {worst:.2g} of its allowance{' on any rank' if self.ranks else ''})" \
-                if worst is not None else ""
+            ratio = (
+                f" (worst {worst:.2g} of its allowance{' on any rank' if self.ranks else ''})"
+                if worst is not None
+                else ""
+            )
             return f"{where}: equivalent{ratio}" + (f"; note: {self.note}" if self.note else "")
         if not self.mismatches and self.schedule:  # the update is the one its hyperparameters give; they are not
             return f"{where}: NOT equivalent ({self.schedule})"
@@ -161,13 +179,18 @@ class WindowAudit(ResultBase):
         if self.usual_micro_batches is not None and self.micro_batches != self.usual_micro_batches:
             tail = f"; a window of {self.micro_batches} where the run's others have {self.usual_micro_batches}"
         furthest = max(self.mismatches, key=lambda row: row.relative_error)
-        furthest_text = "" if furthest is first else \
-            f"; furthest off {furthest.label}, by {furthest.relative_error:.3g} of its scale"
+        furthest_text = (
+            ""
+            if furthest is first
+            else f"; furthest off {furthest.label}, by {furthest.relative_error:.3g} of its scale"
+        )
         hint = "".join(f"; {part}" for part in (self.schedule, self.hint) if part)
         ranks = f"; {self._ranks_text()}" if self.ranks else ""
-        return (f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
-                f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}"
-                f"{ranks}{hint})")
+        return (
+            f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
+            f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}"
+            f"{ranks}{hint})"
+        )
 
     def _own_rank(self) -> int:
         return next((rank.rank for rank in self.ranks if rank.mine), 0)
@@ -178,8 +201,10 @@ class WindowAudit(ResultBase):
         if not off:
             return "every rank's step is off the same way" if self.mismatches else "every rank equivalent"
         furthest = max(off, key=lambda rank: rank.relative_error)
-        return (f"off on rank{'s' if len(off) != 1 else ''} {[rank.rank for rank in off]} of {len(self.ranks)}, "
-                f"furthest rank {furthest.rank}: {furthest.furthest}, by {furthest.relative_error:.3g} of its scale")
+        return (
+            f"off on rank{'s' if len(off) != 1 else ''} {[rank.rank for rank in off]} of {len(self.ranks)}, "
+            f"furthest rank {furthest.rank}: {furthest.furthest}, by {furthest.relative_error:.3g} of its scale"
+        )
 
     def message(self) -> str:
         """The line, and the first mismatch as ``assert_close`` would show it."""
@@ -195,7 +220,6 @@ class AuditFailure(AssertionError):
     def __init__(self, window: WindowAudit) -> None:
         super().__init__(window.message())
         self.window = window
-
 
 
 class AuditResult(ResultBase):
@@ -230,10 +254,14 @@ class AuditResult(ResultBase):
         ``not_sampled``: between the windows ``every`` audits); ``skipped``: steps a GradScaler
         skipped (no ``optimizer.step()``, so not among the optimizer steps)."""
         statuses = Counter(window.status for window in self.windows)
-        return {"equivalent": statuses[Outcome.EQUIVALENT], "not_equivalent": statuses[Outcome.NOT_EQUIVALENT],
-                "inherent": statuses[Outcome.INHERENTLY_NON_EQUIVALENT],
-                "full_batch_not_finite": statuses[Outcome.NOT_APPLICABLE],
-                "not_sampled": self.steps - len(self.windows), "skipped": self.skipped}
+        return {
+            "equivalent": statuses[Outcome.EQUIVALENT],
+            "not_equivalent": statuses[Outcome.NOT_EQUIVALENT],
+            "inherent": statuses[Outcome.INHERENTLY_NON_EQUIVALENT],
+            "full_batch_not_finite": statuses[Outcome.NOT_APPLICABLE],
+            "not_sampled": self.steps - len(self.windows),
+            "skipped": self.skipped,
+        }
 
     @property
     def judged(self) -> int:
@@ -247,14 +275,20 @@ class AuditResult(ResultBase):
             return None
         if not self.steps:
             if self.skipped:
-                return (f"the GradScaler skipped every step ({self.skipped}): the gradients were inf or NaN each "
-                        "time, so no optimizer step was taken")
+                return (
+                    f"the GradScaler skipped every step ({self.skipped}): the gradients were inf or NaN each "
+                    "time, so no optimizer step was taken"
+                )
             if self.forward_calls:
-                return (f"the model made {self.forward_calls} training-mode forward call"
-                        f"{'s' if self.forward_calls != 1 else ''} but optimizer.step() was never called inside "
-                        "the audit (is the optimizer the one the loop steps, or does a GradScaler skip every step?)")
-            return ("no optimizer step was taken inside the audit and the model made no training-mode forward call "
-                    "(an empty loader, the loop outside the with block, or the model in eval mode?)")
+                return (
+                    f"the model made {self.forward_calls} training-mode forward call"
+                    f"{'s' if self.forward_calls != 1 else ''} but optimizer.step() was never called inside "
+                    "the audit (is the optimizer the one the loop steps, or does a GradScaler skip every step?)"
+                )
+            return (
+                "no optimizer step was taken inside the audit and the model made no training-mode forward call "
+                "(an empty loader, the loop outside the with block, or the model in eval mode?)"
+            )
         counts = self.counts()
         if counts["inherent"]:
             advice = next((window.hint for window in self.windows if window.inherent and window.hint), "")
@@ -291,17 +325,24 @@ class AuditResult(ResultBase):
 
     def _counted(self) -> str:
         counts = self.counts()
-        not_judged = [f"{counts['inherent']} inherently not equivalent (not replayed)" if counts["inherent"] else "",
-                      f"{counts['full_batch_not_finite']} whose full-batch step is not finite"
-                      if counts["full_batch_not_finite"] else "",
-                      f"{counts['not_sampled']} not sampled" if counts["not_sampled"] else ""]
+        not_judged = [
+            f"{counts['inherent']} inherently not equivalent (not replayed)" if counts["inherent"] else "",
+            f"{counts['full_batch_not_finite']} whose full-batch step is not finite"
+            if counts["full_batch_not_finite"]
+            else "",
+            f"{counts['not_sampled']} not sampled" if counts["not_sampled"] else "",
+        ]
         reasons = ", ".join(part for part in not_judged if part)
-        text = (f"{len(self.windows)} of {self.steps} optimizer steps audited (every {self.every}): {self.judged} "
-                f"judged ({counts['equivalent']} equivalent, {counts['not_equivalent']} not equivalent), "
-                f"{self.steps - self.judged} not judged" + (f" ({reasons})" if reasons else ""))
+        text = (
+            f"{len(self.windows)} of {self.steps} optimizer steps audited (every {self.every}): {self.judged} "
+            f"judged ({counts['equivalent']} equivalent, {counts['not_equivalent']} not equivalent), "
+            f"{self.steps - self.judged} not judged" + (f" ({reasons})" if reasons else "")
+        )
         if self.skipped:
-            text += (f"; {self.skipped} step{' was' if self.skipped == 1 else 's were'} skipped by the GradScaler "
-                     "(inf or NaN gradients, no update: not judged)")
+            text += (
+                f"; {self.skipped} step{' was' if self.skipped == 1 else 's were'} skipped by the GradScaler "
+                "(inf or NaN gradients, no update: not judged)"
+            )
         why = self.nothing_judged()
         return text + (f"; nothing judged: {why}" if why else "")
 
@@ -315,11 +356,19 @@ class AuditResult(ResultBase):
 
     def _fields(self) -> dict[str, Any]:
         counts = self.counts()
-        return {"steps": self.steps, "every": self.every, "audited": len(self.windows),
-                "failures": len(self.failures), "judged": self.judged, "inherent": counts["inherent"],
-                "full_batch_not_finite": counts["full_batch_not_finite"], "not_sampled": counts["not_sampled"],
-                "skipped": self.skipped,
-                "nothing_judged": self.nothing_judged(), "windows": [window.to_dict() for window in self.windows]}
+        return {
+            "steps": self.steps,
+            "every": self.every,
+            "audited": len(self.windows),
+            "failures": len(self.failures),
+            "judged": self.judged,
+            "inherent": counts["inherent"],
+            "full_batch_not_finite": counts["full_batch_not_finite"],
+            "not_sampled": counts["not_sampled"],
+            "skipped": self.skipped,
+            "nothing_judged": self.nothing_judged(),
+            "windows": [window.to_dict() for window in self.windows],
+        }
 
     def summary(self) -> str:
         """Every step counted, then every audited window, one line each."""

@@ -230,8 +230,10 @@ class DistributedVerdict(Judgement):
             )
         own = self.step_collectives_per_step("exact")
         if any(own):
-            per_step = "; ".join(f"step {step}: " + (", ".join(f"{name} x{count}" for name, count in sorted(calls.items()))
-                                                     or "none") for step, calls in enumerate(own, start=1))
+            per_step = "; ".join(
+                f"step {step}: " + (", ".join(f"{name} x{count}" for name, count in sorted(calls.items())) or "none")
+                for step, calls in enumerate(own, start=1)
+            )
             lines.append(f"the step's own collectives (exact tier, most on any rank): {per_step}")
         lines.append(self._reproduce())
         return "\n".join(lines)

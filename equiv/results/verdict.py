@@ -74,13 +74,21 @@ def _multiple_causes(ratio: float, cosine: float, micro_batches: int | None) -> 
     window = f" (this window has {micro_batches} micro-batches)" if micro_batches else ""
     for k in range(2, _LARGEST_MULTIPLE + 1):
         if abs(ratio - k) <= _WHOLE * k:
-            summed = (f"the loss summed over the window's {k} micro-batches and never divided by {k}"
-                      if k == micro_batches else f"the loss counted {k} times (summed and not divided by {k})")
-            return [f"Likely: {k} x the full-batch update in its direction: optimizer.step() called {k} times "
-                    f"in the window, or {summed}{window}"]
+            summed = (
+                f"the loss summed over the window's {k} micro-batches and never divided by {k}"
+                if k == micro_batches
+                else f"the loss counted {k} times (summed and not divided by {k})"
+            )
+            return [
+                f"Likely: {k} x the full-batch update in its direction: optimizer.step() called {k} times "
+                f"in the window, or {summed}{window}"
+            ]
         if abs(ratio - 1 / k) <= _WHOLE / k:
-            again = (f"the window's micro-batch count: a mean loss divided by {k} again"
-                     if k == micro_batches else f"a loss or gradient divided by {k} once too often")
+            again = (
+                f"the window's micro-batch count: a mean loss divided by {k} again"
+                if k == micro_batches
+                else f"a loss or gradient divided by {k} once too often"
+            )
             return [f"Likely: 1/{k} of the full-batch update in its direction: {again}{window}"]
     return []
 
@@ -170,19 +178,26 @@ class TensorDiff:
         out = []
         if self.nan_count or self.inf_count:
             found = " and ".join(f"{n} {what}" for n, what in ((self.nan_count, "NaN"), (self.inf_count, "inf")) if n)
-            out.append(f"Not finite: {found} in {self.label} of the candidate, the first at index "
-                       f"{self.first_not_finite or '()'}")
+            out.append(
+                f"Not finite: {found} in {self.label} of the candidate, the first at index "
+                f"{self.first_not_finite or '()'}"
+            )
         elif not math.isnan(self.expected):
             what = {"update": "update", "buffer": "change", "state": "value"}[self.kind]
-            out.append(f"At index {self.index or '()'}: full-batch {what} {self.expected:.6g}, "
-                       f"the candidate's {self.actual:.6g}")
+            out.append(
+                f"At index {self.index or '()'}: full-batch {what} {self.expected:.6g}, "
+                f"the candidate's {self.actual:.6g}"
+            )
         if self.kind == "update" and not (self.nan_count or self.inf_count) and not math.isnan(self.update_ratio):
             if self.update_ratio == 0 and math.isnan(self.cosine):
-                out.append("No update: the candidate did not move this parameter (is optimizer.step() called, "
-                           "and is the parameter still the optimizer's?)")
+                out.append(
+                    "No update: the candidate did not move this parameter (is optimizer.step() called, "
+                    "and is the parameter still the optimizer's?)"
+                )
             elif not math.isnan(self.cosine):
-                out.append(f"The update is {self.update_ratio:.4g} x the full-batch update along it, "
-                           f"cosine {self.cosine:.4f}")
+                out.append(
+                    f"The update is {self.update_ratio:.4g} x the full-batch update along it, cosine {self.cosine:.4f}"
+                )
                 out += _multiple_causes(self.update_ratio, self.cosine, micro_batches)
         return out
 
@@ -237,36 +252,47 @@ class PrecisionFinding:
         where = f"{largest.label} at step {largest.step}"
         if self.cause == "bfloat16_arithmetic":
             return self._describe_low_precision(largest, where)
-        size = (f"up to {largest.relative_error:.2g} of its scale ({where}); float32 rounds at "
-                f"{FLOAT32_UNIT_ROUNDOFF:.2g}")
+        size = (
+            f"up to {largest.relative_error:.2g} of its scale ({where}); float32 rounds at {FLOAT32_UNIT_ROUNDOFF:.2g}"
+        )
         if self.cause == "default_dtype":
-            why = ("a tensor made without a dtype is float32, torch's default (e.g. torch.zeros(1), "
-                   "torch.tensor(1 / n), 1.0 / a tensor of counts): with the default dtype set to float64 the "
-                   "step matches the full batch")
+            why = (
+                "a tensor made without a dtype is float32, torch's default (e.g. torch.zeros(1), "
+                "torch.tensor(1 / n), 1.0 / a tensor of counts): with the default dtype set to float64 the "
+                "step matches the full batch"
+            )
         else:
-            why = ("not torch's default dtype (setting it to float64 leaves the difference): float32 arithmetic "
-                   "written into the step (dtype=torch.float32, .float()), or a difference smaller than float32 "
-                   "rounding can show")
+            why = (
+                "not torch's default dtype (setting it to float64 leaves the difference): float32 arithmetic "
+                "written into the step (dtype=torch.float32, .float()), or a difference smaller than float32 "
+                "rounding can show"
+            )
         if self.fails:
             effect = f"it fails because {self.fails_because}: in float64 training this costs that much precision"
         else:
-            effect = ("harmless in float32, bfloat16 or float16 training, where the same step matched; it costs "
-                      "precision only in float64 training (equiv check --train-dtype float64, or --strict-precision, "
-                      "fails it)")
+            effect = (
+                "harmless in float32, bfloat16 or float16 training, where the same step matched; it costs "
+                "precision only in float64 training (equiv check --train-dtype float64, or --strict-precision, "
+                "fails it)"
+            )
         return f"float32-sized differences inside the float64 run, {size}. Cause: {why}. Effect: {effect}."
-
 
     def _describe_low_precision(self, largest: TensorDiff, where: str) -> str:
         resolved = ", ".join(f"{relative:.2g} in {dtype}" for dtype, relative in self.resolves)
         sensitivity = f" The check resolves relative differences down to {resolved}." if resolved else ""
-        effect = (f"it fails because {self.fails_because}" if self.fails else
-                  "harmless in bfloat16 or float16 training, whose own rounding is this size; it costs precision "
-                  "with float32 master weights and gradients (equiv check --train-dtype float32 fails it)")
-        return (f"bfloat16-sized differences in the float32 and float64 runs, up to {largest.relative_error:.2g} of "
-                f"its scale ({where}); bfloat16 rounds at {BFLOAT16_UNIT_ROUNDOFF:.2g}, float32 at "
-                f"{FLOAT32_UNIT_ROUNDOFF:.2g}. Cause: bfloat16 or float16 arithmetic inside the step (an "
-                f"accumulation buffer in bfloat16, or a gradient all-reduce compressed to it): with it lifted to the "
-                f"run's dtype the step matches the full batch.{sensitivity} Effect: {effect}.")
+        effect = (
+            f"it fails because {self.fails_because}"
+            if self.fails
+            else "harmless in bfloat16 or float16 training, whose own rounding is this size; it costs precision "
+            "with float32 master weights and gradients (equiv check --train-dtype float32 fails it)"
+        )
+        return (
+            f"bfloat16-sized differences in the float32 and float64 runs, up to {largest.relative_error:.2g} of "
+            f"its scale ({where}); bfloat16 rounds at {BFLOAT16_UNIT_ROUNDOFF:.2g}, float32 at "
+            f"{FLOAT32_UNIT_ROUNDOFF:.2g}. Cause: bfloat16 or float16 arithmetic inside the step (an "
+            f"accumulation buffer in bfloat16, or a gradient all-reduce compressed to it): with it lifted to the "
+            f"run's dtype the step matches the full batch.{sensitivity} Effect: {effect}."
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,8 +324,11 @@ class FailureKind:
         """One line: the name and what it means."""
         if not self.classified:
             return f"unclassified ({self.means})"
-        also = (f" (or {' or '.join(self.also)}: the same updates on this case, which cannot tell them apart)"
-                if self.also else "")
+        also = (
+            f" (or {' or '.join(self.also)}: the same updates on this case, which cannot tell them apart)"
+            if self.also
+            else ""
+        )
         return f"{self.name}{also}: {self.means}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -412,8 +441,9 @@ class Verdict(Judgement):
             lines += [f"  - {reason}" for reason in self.inherent]
         first = self.first_mismatch
         if first is not None and self.status is Outcome.EQUIVALENT:  # a passing precision finding
-            lines.append(f"Equivalent to full-batch training ({head}) in float32 and lower precision, "
-                         "with a precision note.")
+            lines.append(
+                f"Equivalent to full-batch training ({head}) in float32 and lower precision, with a precision note."
+            )
             lines.append(f"Precision note: {self.precision_note}")
             lines += [f"Note: {note}" for note in self.notes]
         elif first is None:
@@ -427,9 +457,7 @@ class Verdict(Judgement):
                 if self.failure_kind is not None:
                     lines.append(f"Kind of failure: {self.failure_kind.describe()}")
             lines += [f"Note: {note}" for note in self.notes]  # what the step did besides training
-            lines.append(
-                f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):"
-            )
+            lines.append(f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):")
             lines.append(first.describe(len(self.case.micro_batch_sizes)))
             lines += self._step_count_diagnosis(first.step)
             kind_order = {"update": 0, "state": 1, "buffer": 2}
@@ -461,12 +489,19 @@ class Verdict(Judgement):
         """An optimizer's own step counter (Adam's ``step`` state) says outright how
         many times ``optimizer.step()`` ran: named when it differs from the full batch's."""
         for diff in self.mismatches:
-            counted_twice = (diff.step == step and diff.kind == "state" and diff.name.endswith(":step")
-                             and diff.expected > 0 and diff.actual != diff.expected)
+            counted_twice = (
+                diff.step == step
+                and diff.kind == "state"
+                and diff.name.endswith(":step")
+                and diff.expected > 0
+                and diff.actual != diff.expected
+            )
             if counted_twice:
-                return [f"Optimizer steps counted ({diff.name}): the candidate's {diff.actual:g}, the full batch's "
-                        f"{diff.expected:g} after step {step}: optimizer.step() runs "
-                        f"{diff.actual / diff.expected:g} x per window"]
+                return [
+                    f"Optimizer steps counted ({diff.name}): the candidate's {diff.actual:g}, the full batch's "
+                    f"{diff.expected:g} after step {step}: optimizer.step() runs "
+                    f"{diff.actual / diff.expected:g} x per window"
+                ]
         return []
 
     def note(self) -> str | None:
@@ -488,9 +523,11 @@ class Verdict(Judgement):
             worst = max(self.worst.values(), key=lambda d: d.ratio, default=None)
             ratio = "" if worst is None else f", worst {worst.ratio:.2g} of its allowance"
             return ratio + (", with a precision note" if self.note() else "")
-        return (f": {first.label} at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}), off by "
-                f"{first.relative_error:.3g} of its scale ({first.ratio:.3g} x allowed; {len(self.mismatches)} "
-                "tensor(s) past their allowance)")
+        return (
+            f": {first.label} at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}), off by "
+            f"{first.relative_error:.3g} of its scale ({first.ratio:.3g} x allowed; {len(self.mismatches)} "
+            "tensor(s) past their allowance)"
+        )
 
     def _fields(self) -> dict[str, Any]:
         return {
@@ -501,9 +538,13 @@ class Verdict(Judgement):
             "not_applicable": list(self.not_applicable),
             "mismatches": [d.to_dict() for d in self.mismatches],
             "worst": {tier: d.to_dict() for tier, d in sorted(self.worst.items())},
-            "precision": None if self.precision is None else {
-                "cause": self.precision.cause, "fails_because": self.precision.fails_because,
-                "note": self.precision_note},
+            "precision": None
+            if self.precision is None
+            else {
+                "cause": self.precision.cause,
+                "fails_because": self.precision.fails_because,
+                "note": self.precision_note,
+            },
             "failure_kind": None if self.failure_kind is None else self.failure_kind.to_dict(),
         }
 
@@ -569,8 +610,12 @@ class CaseVerdicts(ResultBase, Generic[V]):
         """How many cases ended each way, by label: "equivalent" and "not equivalent" (always,
         zeros included), "not applicable", "inherently non-equivalent", then the cases with no
         verdict by why: "raised", "hung", "died", "collective mismatch", "not run"."""
-        verdict_labels = [Outcome.EQUIVALENT, Outcome.NOT_EQUIVALENT, Outcome.NOT_APPLICABLE,
-                          Outcome.INHERENTLY_NON_EQUIVALENT]
+        verdict_labels = [
+            Outcome.EQUIVALENT,
+            Outcome.NOT_EQUIVALENT,
+            Outcome.NOT_APPLICABLE,
+            Outcome.INHERENTLY_NON_EQUIVALENT,
+        ]
         counts = {outcome.label: 0 for outcome in verdict_labels}
         for verdict in self.verdicts.values():
             counts[verdict.status.label] += 1
@@ -595,8 +640,10 @@ class CaseVerdicts(ResultBase, Generic[V]):
         noted = [name for name, v in self.verdicts.items() if v.note()]
         if noted:
             # One note for all: the same cause shows on every case it touches.
-            text += (f"\nPrecision note ({len(noted)} equivalent case(s), e.g. {noted[0]!r}): "
-                     f"{self.verdicts[noted[0]].note()}")
+            text += (
+                f"\nPrecision note ({len(noted)} equivalent case(s), e.g. {noted[0]!r}): "
+                f"{self.verdicts[noted[0]].note()}"
+            )
         return text
 
     def message(self) -> str:
@@ -621,11 +668,20 @@ class CaseVerdicts(ResultBase, Generic[V]):
     def _case_dict(self, name: str) -> dict[str, Any]:
         """One case's JSON: its verdict's, or (no verdict) why, with ``fault`` or ``not_run``."""
         if name in self.errors:
-            return {"case_name": name, "status": Outcome.STEP_ERROR.value, "error": self.errors[name],
-                    "fault": self.fault(name).value, "traceback": self.tracebacks.get(name)}
+            return {
+                "case_name": name,
+                "status": Outcome.STEP_ERROR.value,
+                "error": self.errors[name],
+                "fault": self.fault(name).value,
+                "traceback": self.tracebacks.get(name),
+            }
         if name in self.not_run:
-            return {"case_name": name, "status": Outcome.STEP_ERROR.value, "error": f"not run: {self.not_run[name]}",
-                    "not_run": True}
+            return {
+                "case_name": name,
+                "status": Outcome.STEP_ERROR.value,
+                "error": f"not run: {self.not_run[name]}",
+                "not_run": True,
+            }
         return {"case_name": name, **self.verdicts[name].to_dict()}
 
 

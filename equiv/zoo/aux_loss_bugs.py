@@ -53,15 +53,29 @@ from equiv.losses import MSEWithAux, TokenMSEWithAux
 from equiv.outcomes import Outcome
 from equiv.zoo.distributed_bugs import SearchEntry
 
-__all__ = ["AUX_MODEL", "AUX_SEARCH_ZOO", "aux_at_full_weight_per_micro_batch", "aux_gradient_never_flows",
-           "aux_gradient_shrunk_by_world", "aux_times_tokens_on_a_mean_loss", "aux_weighted_by_global_samples",
-           "per_token_router_loss_times_local_tokens", "per_token_router_loss_times_tp_cp_tokens",
-           "router_loss_not_scaled_by_cp", "router_loss_over_global_tokens", "z_loss_summed_over_cp_slices"]
+__all__ = [
+    "AUX_MODEL",
+    "AUX_SEARCH_ZOO",
+    "aux_at_full_weight_per_micro_batch",
+    "aux_gradient_never_flows",
+    "aux_gradient_shrunk_by_world",
+    "aux_times_tokens_on_a_mean_loss",
+    "aux_weighted_by_global_samples",
+    "per_token_router_loss_times_local_tokens",
+    "per_token_router_loss_times_tp_cp_tokens",
+    "router_loss_not_scaled_by_cp",
+    "router_loss_over_global_tokens",
+    "z_loss_summed_over_cp_slices",
+]
 
 
-def _router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                 loss_fn: Callable[..., Tensor],
-                 router_term: Callable[[Tensor, int, float], Tensor]) -> None:
+def _router_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    router_term: Callable[[Tensor, int, float], Tensor],
+) -> None:
     """The task loss weighted right (summed, times world / global samples), the
     router loss as ``router_term(output, samples in the window, world)`` says;
     DDP's sync on the last micro-batch only."""
@@ -79,60 +93,81 @@ def _router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
     optimizer.step()
 
 
-def aux_weighted_by_global_samples(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                   loss_fn: Callable[..., Tensor]) -> None:
+def aux_weighted_by_global_samples(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Correct: the task and the router loss apart (as MoE trainers attach the
     router loss on its own), each summed and weighted by world / global samples."""
-    _router_step(model, optimizer, micro_batches, loss_fn,
-                 lambda output, samples, world: output[..., -1].sum() * world / samples)
+    _router_step(
+        model, optimizer, micro_batches, loss_fn, lambda output, samples, world: output[..., -1].sum() * world / samples
+    )
 
 
-def aux_gradient_shrunk_by_world(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                 loss_fn: Callable[..., Tensor]) -> None:
+def aux_gradient_shrunk_by_world(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Megatron-LM #3672 (``global_aux_loss``, fixed by PR #3769): the router loss
     averaged over the global sample count with no factor for DDP's averaging over
     ranks, so its gradient is 1/dp of the coefficient's ("The gradient is
     therefore 1/dp_size too small"); NeMo Automodel PR #1412 fixed the same
     division by the data-parallel size."""
-    _router_step(model, optimizer, micro_batches, loss_fn,
-                 lambda output, samples, world: output[..., -1].sum() / samples)  # BUG: no * world
+    _router_step(
+        model, optimizer, micro_batches, loss_fn, lambda output, samples, world: output[..., -1].sum() / samples
+    )  # BUG: no * world
 
 
-def aux_gradient_never_flows(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                             loss_fn: Callable[..., Tensor]) -> None:
+def aux_gradient_never_flows(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """NeMo Automodel #1408: the router loss handed to ``MoEAuxLossAutoScaler.apply``
     whose return value is discarded, so the autograd node that carries the
     router loss's gradient is never in the backward: the loss is computed (and
     logged) at the right weight but trains nothing, and the experts drift out
     of balance while the loss curve looks normal."""
-    _router_step(model, optimizer, micro_batches, loss_fn,
-                 lambda output, samples, world: output[..., -1].sum().detach() * world / samples)  # BUG: no gradient
+    _router_step(
+        model,
+        optimizer,
+        micro_batches,
+        loss_fn,
+        lambda output, samples, world: output[..., -1].sum().detach() * world / samples,
+    )  # BUG: no gradient
 
 
-def aux_times_tokens_on_a_mean_loss(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                    loss_fn: Callable[..., Tensor]) -> None:
+def aux_times_tokens_on_a_mean_loss(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """NeMo Automodel #1408, its second half: the router loss's gradient scaled
     by the number of items N where the task loss is a mean over them (the ``* N``
     the issue asks to remove), so once the gradient flows it is N times too
     strong (the issue's ~180,000x at its batch of tokens)."""
-    _router_step(model, optimizer, micro_batches, loss_fn,
-                 lambda output, samples, world: output[..., -1].sum() * world)  # BUG: not / samples
+    _router_step(
+        model, optimizer, micro_batches, loss_fn, lambda output, samples, world: output[..., -1].sum() * world
+    )  # BUG: not / samples
 
 
-def aux_at_full_weight_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                       loss_fn: Callable[..., Tensor]) -> None:
+def aux_at_full_weight_per_micro_batch(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Each micro-batch adds its own mean router loss at full weight, not
     weighted by its share of the window: the router loss counts once per
     micro-batch and per rank (Megatron scales the attached aux loss by the
     number of micro-batches and data ranks for this reason, Megatron-LM PR
     #2217)."""
-    _router_step(model, optimizer, micro_batches, loss_fn,
-                 lambda output, samples, world: output[..., -1].mean())  # BUG: full weight each micro-batch
+    _router_step(
+        model, optimizer, micro_batches, loss_fn, lambda output, samples, world: output[..., -1].mean()
+    )  # BUG: full weight each micro-batch
 
 
-def _cp_router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                    loss_fn: Callable[..., Tensor], *, aux_factor: float = 1.0, z_factor: float = 1.0,
-                    per_token_loss: bool = False) -> None:
+def _cp_router_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    aux_factor: float = 1.0,
+    z_factor: float = 1.0,
+    per_token_loss: bool = False,
+) -> None:
     """A context- (or sequence-) parallel rank's step on the token MoE: the task's summed loss
     weighted right, its router shares (load balancing, z-loss) times ``aux_factor``
     / ``z_factor`` of their right weight; DDP's sync on the last micro-batch only.
@@ -159,8 +194,9 @@ def _cp_router_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_ba
     optimizer.step()
 
 
-def router_loss_over_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                   loss_fn: Callable[..., Tensor]) -> None:
+def router_loss_over_global_tokens(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Correct under context parallelism: each slice's router shares taken with the
     task's weight, world (data x context) / global tokens: Megatron scales the
     attached aux loss by the CP size for this (``loss_scale * cp_size /
@@ -168,18 +204,21 @@ def router_loss_over_global_tokens(model: nn.Module, optimizer: torch.optim.Opti
     _cp_router_step(model, optimizer, micro_batches, loss_fn)
 
 
-def router_loss_not_scaled_by_cp(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                 loss_fn: Callable[..., Tensor]) -> None:
+def router_loss_not_scaled_by_cp(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Megatron-LM #1652 (2): gradients are averaged over data x context ranks and
     the language-model loss is multiplied by the CP size in advance, but the aux
     loss is not, so the router losses' gradient is 1/cp of the coefficient's (the
     same factor Megatron-LM PR #3959 found left on the MTP loss)."""
-    _cp_router_step(model, optimizer, micro_batches, loss_fn,
-                    aux_factor=1.0 / layout().size, z_factor=1.0 / layout().size)  # BUG: no * cp_size
+    _cp_router_step(
+        model, optimizer, micro_batches, loss_fn, aux_factor=1.0 / layout().size, z_factor=1.0 / layout().size
+    )  # BUG: no * cp_size
 
 
-def per_token_router_loss_times_local_tokens(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                             micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
+def per_token_router_loss_times_local_tokens(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Megatron-LM #1652 (1), fixed by PR #5047: with ``--calculate-per-token-loss``
     every gradient is divided by the global token count, so the router attaches its
     aux and z-loss (each a mean over the tokens of the TP x CP group) times
@@ -187,20 +226,23 @@ def per_token_router_loss_times_local_tokens(model: nn.Module, optimizer: torch.
     CP size, the router losses' gradient 1/cp (under sequence-parallel TP 1/tp) too
     small ("dependent on TP/CP size")."""
     cp = layout().size
-    _cp_router_step(model, optimizer, micro_batches, loss_fn, aux_factor=1.0 / cp, z_factor=1.0 / cp,
-                    per_token_loss=True)  # BUG: times num_local_tokens, not num_local_tokens * tp_cp size
+    _cp_router_step(
+        model, optimizer, micro_batches, loss_fn, aux_factor=1.0 / cp, z_factor=1.0 / cp, per_token_loss=True
+    )  # BUG: times num_local_tokens, not num_local_tokens * tp_cp size
 
 
-def per_token_router_loss_times_tp_cp_tokens(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                             micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
+def per_token_router_loss_times_tp_cp_tokens(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """The fix of Megatron-LM PR #5047: the router losses attached times
     ``num_local_tokens * tp_cp_group.size()``, which the division by the global
     token count cancels, whatever the CP size."""
     _cp_router_step(model, optimizer, micro_batches, loss_fn, per_token_loss=True)
 
 
-def z_loss_summed_over_cp_slices(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                 loss_fn: Callable[..., Tensor]) -> None:
+def z_loss_summed_over_cp_slices(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Each rank takes the z-loss mean over its own slice's tokens at the full
     coefficient, and the ranks' gradients are summed: the z-loss counted once per
     slice, cp (under sequence-parallel TP, tp) times too strong.  Megatron divides the z-loss coefficient by the TP
@@ -217,53 +259,125 @@ AUX_MODEL = "moe"
 #: token-level MoE under CP and, sequence-parallel, under TP).
 AUX_SEARCH_ZOO: dict[str, SearchEntry] = {
     "accumulator_step (DDP, MoE)": SearchEntry(
-        accumulator_step, "ddp", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"),
+        accumulator_step, "ddp", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"
+    ),
     "accumulator_step (FSDP2, MoE)": SearchEntry(
-        accumulator_step, "fsdp2", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"),
+        accumulator_step, "fsdp2", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"
+    ),
     "aux_weighted_by_global_samples": SearchEntry(
-        aux_weighted_by_global_samples, "ddp", (AUX_MODEL,), Outcome.EQUIVALENT, "Megatron-LM PR #3769 (the fix)",
-        "router loss apart, summed, times world / global samples"),
+        aux_weighted_by_global_samples,
+        "ddp",
+        (AUX_MODEL,),
+        Outcome.EQUIVALENT,
+        "Megatron-LM PR #3769 (the fix)",
+        "router loss apart, summed, times world / global samples",
+    ),
     "aux_gradient_shrunk_by_world": SearchEntry(
-        aux_gradient_shrunk_by_world, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT,
-        "Megatron-LM #3672; NeMo Automodel PR #1412", "router-loss gradient 1/dp too small"),
+        aux_gradient_shrunk_by_world,
+        "ddp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "Megatron-LM #3672; NeMo Automodel PR #1412",
+        "router-loss gradient 1/dp too small",
+    ),
     "aux_gradient_never_flows": SearchEntry(
-        aux_gradient_never_flows, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "NeMo Automodel #1408",
-        "router loss computed, its autograd node discarded: no router-loss gradient"),
+        aux_gradient_never_flows,
+        "ddp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "NeMo Automodel #1408",
+        "router loss computed, its autograd node discarded: no router-loss gradient",
+    ),
     "aux_times_tokens_on_a_mean_loss": SearchEntry(
-        aux_times_tokens_on_a_mean_loss, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "NeMo Automodel #1408",
-        "router-loss gradient times the item count of a mean loss: N times too strong"),
+        aux_times_tokens_on_a_mean_loss,
+        "ddp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "NeMo Automodel #1408",
+        "router-loss gradient times the item count of a mean loss: N times too strong",
+    ),
     "aux_at_full_weight_per_micro_batch": SearchEntry(
-        aux_at_full_weight_per_micro_batch, "ddp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "Megatron-LM PR #2217",
-        "each micro-batch's router-loss mean at full weight"),
+        aux_at_full_weight_per_micro_batch,
+        "ddp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "Megatron-LM PR #2217",
+        "each micro-batch's router-loss mean at full weight",
+    ),
     "router_loss_over_global_tokens": SearchEntry(
-        router_loss_over_global_tokens, "cp", (AUX_MODEL,), Outcome.EQUIVALENT, "Megatron-LM PR #2217 (the fix)",
-        "router losses apart, times data x context ranks / global tokens"),
+        router_loss_over_global_tokens,
+        "cp",
+        (AUX_MODEL,),
+        Outcome.EQUIVALENT,
+        "Megatron-LM PR #2217 (the fix)",
+        "router losses apart, times data x context ranks / global tokens",
+    ),
     "per_token_router_loss_times_tp_cp_tokens": SearchEntry(
-        per_token_router_loss_times_tp_cp_tokens, "cp", (AUX_MODEL,), Outcome.EQUIVALENT,
-        "Megatron-LM PR #5047 (the fix)", "per-token loss mode, router losses times local tokens x TP x CP"),
+        per_token_router_loss_times_tp_cp_tokens,
+        "cp",
+        (AUX_MODEL,),
+        Outcome.EQUIVALENT,
+        "Megatron-LM PR #5047 (the fix)",
+        "per-token loss mode, router losses times local tokens x TP x CP",
+    ),
     "router_loss_not_scaled_by_cp": SearchEntry(
-        router_loss_not_scaled_by_cp, "cp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "Megatron-LM #1652",
-        "task loss times CP size, router losses not: their gradient 1/cp too small"),
+        router_loss_not_scaled_by_cp,
+        "cp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "Megatron-LM #1652",
+        "task loss times CP size, router losses not: their gradient 1/cp too small",
+    ),
     "per_token_router_loss_times_local_tokens": SearchEntry(
-        per_token_router_loss_times_local_tokens, "cp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT,
-        "Megatron-LM PR #5047; #1652", "per-token loss mode, router losses times the slice's tokens: 1/cp too small"),
+        per_token_router_loss_times_local_tokens,
+        "cp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "Megatron-LM PR #5047; #1652",
+        "per-token loss mode, router losses times the slice's tokens: 1/cp too small",
+    ),
     "z_loss_summed_over_cp_slices": SearchEntry(
-        z_loss_summed_over_cp_slices, "cp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT,
-        "Megatron-LM commit cac8d1a; PR #5047", "each slice's z-loss mean at full weight: cp times too strong"),
+        z_loss_summed_over_cp_slices,
+        "cp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "Megatron-LM commit cac8d1a; PR #5047",
+        "each slice's z-loss mean at full weight: cp times too strong",
+    ),
     # The same weights under TP with sequence parallelism: each TP rank routes its slice of the tokens.
     "accumulator_step (TP sequence-parallel, MoE)": SearchEntry(
-        accumulator_step, "tp", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"),
+        accumulator_step, "tp", (AUX_MODEL,), Outcome.EQUIVALENT, "", "the reference accumulator"
+    ),
     "router_loss_over_global_tokens (TP)": SearchEntry(
-        router_loss_over_global_tokens, "tp", (AUX_MODEL,), Outcome.EQUIVALENT,
-        "Megatron-LM commit cac8d1a (the fix)", "each TP slice's router losses at the task's weight (z-loss / tp)"),
+        router_loss_over_global_tokens,
+        "tp",
+        (AUX_MODEL,),
+        Outcome.EQUIVALENT,
+        "Megatron-LM commit cac8d1a (the fix)",
+        "each TP slice's router losses at the task's weight (z-loss / tp)",
+    ),
     "per_token_router_loss_times_tp_cp_tokens (TP)": SearchEntry(
-        per_token_router_loss_times_tp_cp_tokens, "tp", (AUX_MODEL,), Outcome.EQUIVALENT,
-        "Megatron-LM PR #5047 (the fix)", "per-token loss mode, router losses times local tokens x TP x CP"),
+        per_token_router_loss_times_tp_cp_tokens,
+        "tp",
+        (AUX_MODEL,),
+        Outcome.EQUIVALENT,
+        "Megatron-LM PR #5047 (the fix)",
+        "per-token loss mode, router losses times local tokens x TP x CP",
+    ),
     "per_token_router_loss_times_local_tokens (TP)": SearchEntry(
-        per_token_router_loss_times_local_tokens, "tp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT,
-        "Megatron-LM PR #5047", "per-token loss mode, router losses times the TP rank's sequence-parallel slice: "
-        "1/tp too small"),
+        per_token_router_loss_times_local_tokens,
+        "tp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "Megatron-LM PR #5047",
+        "per-token loss mode, router losses times the TP rank's sequence-parallel slice: 1/tp too small",
+    ),
     "z_loss_summed_over_cp_slices (TP)": SearchEntry(
-        z_loss_summed_over_cp_slices, "tp", (AUX_MODEL,), Outcome.NOT_EQUIVALENT, "Megatron-LM commit cac8d1a",
-        "each TP slice's z-loss mean at full weight, gradients summed over TP: tp times too strong"),
+        z_loss_summed_over_cp_slices,
+        "tp",
+        (AUX_MODEL,),
+        Outcome.NOT_EQUIVALENT,
+        "Megatron-LM commit cac8d1a",
+        "each TP slice's z-loss mean at full weight, gradients summed over TP: tp times too strong",
+    ),
 }

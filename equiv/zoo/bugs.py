@@ -49,8 +49,14 @@ __all__ = [
 ]
 
 
-def unscaled_sum(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                 loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def unscaled_sum(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Sums the micro-batch means without dividing by N (nanoGPT #168): N times
     the gradient; Adam absorbs it except through eps, clipping can mask it."""
     optimizer.zero_grad(set_to_none=True)
@@ -61,8 +67,14 @@ def unscaled_sum(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch
     optimizer.step()
 
 
-def mean_of_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def mean_of_means(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """The textbook ``loss / N``: exact for equal splits, a mean of means for
     uneven ones (short tail windows: Lightning #19987, transformers #38872)."""
     optimizer.zero_grad(set_to_none=True)
@@ -73,8 +85,14 @@ def mean_of_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batc
     optimizer.step()
 
 
-def clip_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                         loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def clip_per_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Clips the running gradient after every micro-batch instead of once
     (transformers #986, #1563).  Correctly weighted otherwise."""
     optimizer.zero_grad(set_to_none=True)
@@ -86,8 +104,14 @@ def clip_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mic
     optimizer.step()
 
 
-def leaks_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                    loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def leaks_gradients(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Correctly weighted, but never clears ``.grad``: the next step starts
     from this step's gradient (a zero_grad forgotten after the step)."""
     total = sum(len(targets) for _, targets in micro_batches)
@@ -112,8 +136,14 @@ def _clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_
     optimizer.step()
 
 
-def zero_grad_inside_loop(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                          loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def zero_grad_inside_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Calls ``zero_grad`` before every micro-batch's backward, so only the last
     micro-batch's gradient reaches the step (accumulation silently off)."""
     total = sum(len(targets) for _, targets in micro_batches)
@@ -123,8 +153,14 @@ def zero_grad_inside_loop(model: nn.Module, optimizer: torch.optim.Optimizer, mi
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def step_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                         loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def step_per_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Steps the optimizer after every micro-batch (the accumulation boundary
     check forgotten): N small steps instead of one."""
     total = sum(len(targets) for _, targets in micro_batches)
@@ -134,8 +170,14 @@ def step_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mic
         _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def drops_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def drops_last_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """An off-by-one in the window loop: the last micro-batch never contributes
     (normalised correctly over the ones used).  Exact for a single micro-batch."""
     used = micro_batches[:-1] or micro_batches
@@ -144,8 +186,14 @@ def drops_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, m
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def _buffered_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                  loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype, max_grad_norm: float | None) -> None:
+def _buffered_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    buffer_dtype: torch.dtype,
+    max_grad_norm: float | None,
+) -> None:
     """Item-weighted micro-batch gradients (each micro-batch's summed loss over the
     window's items) summed in a buffer of ``buffer_dtype``, then the step on the
     buffer (what a memory-saving accumulation does)."""
@@ -163,8 +211,14 @@ def _buffered_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_bat
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def low_precision_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                         loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def low_precision_buffer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Accumulates the micro-batch gradients in a bfloat16 buffer (to save
     memory) and steps on its sum: every gradient loses all but 8 bits (bf16
     accumulation at 3.5e-5 relative where float32 buffers agree to 2.7e-8,
@@ -173,8 +227,14 @@ def low_precision_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, mic
     _buffered_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, max_grad_norm)
 
 
-def divides_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def divides_twice(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Weights each micro-batch correctly, then divides by N once more (the
     user's ``loss / N`` on top of a library that already scales: accelerate
     #3533, transformers #40052).  Exact for one micro-batch."""
@@ -187,9 +247,15 @@ def divides_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batc
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def scheduler_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                              loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                              scheduler: Any | None = None) -> None:
+def scheduler_per_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
     """Correct accumulation, but the LR scheduler is stepped once per
     micro-batch instead of once per optimizer step (Lightning #1476): the
     learning rate decays N times too fast from the second step on."""
@@ -201,8 +267,14 @@ def scheduler_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer
             scheduler.step()
 
 
-def sample_weighted_token_loss(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                               loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def sample_weighted_token_loss(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Weights each micro-batch's token mean by its share of the SAMPLES, which
     is right for sample losses and wrong for token losses whose micro-batches
     hold different numbers of real tokens (transformers #34191, #34198)."""
@@ -211,8 +283,14 @@ def sample_weighted_token_loss(model: nn.Module, optimizer: torch.optim.Optimize
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def counts_padding_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                          loss_fn: Any, *, max_grad_norm: float | None = None) -> None:
+def counts_padding_tokens(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Any,
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Sums the loss over the window and divides by the number of target
     entries, padding included (miscounting the items, transformers #22082):
     right for MSE and per-sample cross-entropy, wrong whenever tokens are padded."""
@@ -230,16 +308,23 @@ def counts_padding_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, mi
 # scheduler once, so it is exact wherever its own setting is absent.
 
 
-def _step_once(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
-               scheduler: Any | None) -> None:
+def _step_once(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, scheduler: Any | None
+) -> None:
     _clip_and_step(model, optimizer, max_grad_norm)
     if scheduler is not None:
         scheduler.step()
 
 
-def eight_slot_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                      scheduler: Any | None = None) -> None:
+def eight_slot_buffer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
     """Keeps each micro-batch's gradient in a preallocated ring of 8 slots (to
     look at per-micro-batch gradients, e.g. their noise scale, sized for the
     accumulation counts "anyone uses") and steps on the slots' sum: from the
@@ -270,8 +355,9 @@ def eight_slot_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
     _step_once(model, optimizer, max_grad_norm, scheduler)
 
 
-def _item_weighted_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
-                            total: int | Tensor | None = None) -> None:
+def _item_weighted_backward(
+    model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *, total: int | Tensor | None = None
+) -> None:
     """Backward of each micro-batch's summed loss over the window's item count
     (counted up front): the full batch's mean, for sample and token losses.
     ``total``: divide by this count instead (a bug's)."""
@@ -282,9 +368,15 @@ def _item_weighted_backward(model: nn.Module, micro_batches: MicroBatches, loss_
         (loss_sum / total).backward()
 
 
-def clips_first_group_only(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                           scheduler: Any | None = None) -> None:
+def clips_first_group_only(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
     """Clips ``optimizer.param_groups[0]["params"]``, code written when the
     optimizer had one group: with two (no weight decay on biases and norms, or
     a head at its own lr) the first group is clipped by its own norm and the
@@ -300,9 +392,15 @@ def clips_first_group_only(model: nn.Module, optimizer: torch.optim.Optimizer, m
         scheduler.step()
 
 
-def clips_only_trained_groups(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                              loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                              scheduler: Any | None = None) -> None:
+def clips_only_trained_groups(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
     """Clips by the norm of the groups that train (``lr > 0``), skipping a group
     parked at ``lr = 0`` whose parameters still require grad: their gradients
     still count in the full batch's global norm (``clip_grad_norm_(model.parameters())``),
@@ -319,9 +417,15 @@ def clips_only_trained_groups(model: nn.Module, optimizer: torch.optim.Optimizer
         scheduler.step()
 
 
-def no_grad_through_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                           scheduler: Any | None = None) -> None:
+def no_grad_through_frozen(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
     """Runs the layers whose parameters are all frozen under ``torch.no_grad()``
     to save activation memory, layer by layer through an ``nn.Sequential``: right
     for a frozen bottom (nothing below needs a gradient), but a frozen layer with
@@ -349,9 +453,15 @@ def no_grad_through_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, m
     _step_once(model, optimizer, max_grad_norm, scheduler)
 
 
-def zero_grads_for_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                          loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                          scheduler: Any | None = None) -> None:
+def zero_grads_for_frozen(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
     """Accumulates into its own buffers, allocated for ``model.parameters()``
     (frozen ones too) and handed to the optimizer as ``.grad``: a frozen
     parameter gets an all-zero gradient instead of None, and an optimizer steps
@@ -384,8 +494,14 @@ def _decay_is_coupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -
     return not group.get("decoupled_weight_decay", False) and not isinstance(optimizer, torch.optim.Adafactor)
 
 
-def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                          loss_fn: Callable[..., Tensor], *, scheduler: Any | None = None) -> None:
+def decay_per_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    scheduler: Any | None = None,
+) -> None:
     """Applies coupled weight decay itself, as a gradient hook
     ``p.register_hook(lambda g: g + wd * p)`` per parameter, with the
     optimizer's own ``weight_decay`` set to 0 for the step: for SGD and Adam
@@ -406,8 +522,9 @@ def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mi
         group["weight_decay"] = 0.0
         for param in group["params"]:
             if param.requires_grad:
-                hooks.append(param.register_hook(
-                    lambda grad, param=param, decay=decay: grad.add(param.detach(), alpha=decay)))
+                hooks.append(
+                    param.register_hook(lambda grad, param=param, decay=decay: grad.add(param.detach(), alpha=decay))
+                )
     try:
         _item_weighted_backward(model, micro_batches, loss_fn)
     finally:
@@ -433,8 +550,12 @@ def decay_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, mi
 # correct item-weighted step).
 
 
-def _scaled_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor],
-                     grad_scaler: torch.amp.GradScaler | None) -> None:
+def _scaled_backward(
+    model: nn.Module,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    grad_scaler: torch.amp.GradScaler | None,
+) -> None:
     """Each micro-batch's summed loss over the window's item count, scaled if a scaler is given."""
     total = sum(item_count(loss_fn, targets) for _, targets in micro_batches)
     for inputs, targets in micro_batches:
@@ -443,9 +564,16 @@ def _scaled_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Cal
         (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
 
 
-def _scaled_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None,
-                 scheduler: Any | None, grad_scaler: torch.amp.GradScaler | None, unscale: bool = True,
-                 scheduler_on_skip: bool = False) -> None:
+def _scaled_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    max_grad_norm: float | None,
+    scheduler: Any | None,
+    grad_scaler: torch.amp.GradScaler | None,
+    unscale: bool = True,
+    scheduler_on_skip: bool = False,
+) -> None:
     """The window's end as the AMP examples write it: unscale, clip, step (skipped
     on an overflow), update once, and step the scheduler only if the optimizer
     stepped.  ``unscale=False``: clip before GradScaler has unscaled (its step()
@@ -466,9 +594,16 @@ def _scaled_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad
         scheduler.step()
 
 
-def unscales_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                   scheduler: Any | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+def unscales_twice(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> None:
     """Unscales the gradients by hand (``p.grad /= scaler.get_scale()``, to clip
     or log the true gradient) and then lets ``grad_scaler.step`` unscale them
     again, which it does whenever ``unscale_`` was not called: the update is
@@ -481,13 +616,21 @@ def unscales_twice(model: nn.Module, optimizer: torch.optim.Optimizer, micro_bat
         with torch.no_grad():
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             torch._foreach_div_(grads, grad_scaler.get_scale())
-    _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler,
-                 unscale=False)
+    _scaled_step(
+        model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler, unscale=False
+    )
 
 
-def clips_before_unscaling(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                           scheduler: Any | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+def clips_before_unscaling(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> None:
     """Clips the SCALED gradient (no ``grad_scaler.unscale_(optimizer)`` before
     ``clip_grad_norm_``), so the clip norm is compared with scale x the norm
     and the update, unscaled by ``step()`` afterwards, is clipped to
@@ -495,14 +638,21 @@ def clips_before_unscaling(model: nn.Module, optimizer: torch.optim.Optimizer, m
     unscale first).  Exact without clipping or without a grad_scaler."""
     optimizer.zero_grad(set_to_none=True)
     _scaled_backward(model, micro_batches, loss_fn, grad_scaler)
-    _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler,
-                 unscale=False)
+    _scaled_step(
+        model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler, unscale=False
+    )
 
 
-def skips_overflowing_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                                  scheduler: Any | None = None,
-                                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
+def skips_overflowing_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> None:
     """Checks each micro-batch's gradient for inf/nan as it comes and drops the
     micro-batch that overflowed ("skip the bad batch"), then steps on the rest:
     overflow is judged per micro-batch instead of over the window, so a window
@@ -515,8 +665,9 @@ def skips_overflowing_micro_batch(model: nn.Module, optimizer: torch.optim.Optim
     for inputs, targets in micro_batches:
         loss_sum, _ = loss_sum_and_count(loss_fn, model(inputs), targets)
         loss = loss_sum / total
-        grads = torch.autograd.grad(grad_scaler.scale(loss) if grad_scaler is not None else loss, params,
-                                    allow_unused=True)
+        grads = torch.autograd.grad(
+            grad_scaler.scale(loss) if grad_scaler is not None else loss, params, allow_unused=True
+        )
         if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
             continue  # BUG: the window should be skipped as a whole, and the scaler told
         sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, grads, strict=True)]
@@ -527,18 +678,30 @@ def skips_overflowing_micro_batch(model: nn.Module, optimizer: torch.optim.Optim
     _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler)
 
 
-def scheduler_steps_on_skipped_window(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                                      scheduler: Any | None = None,
-                                      grad_scaler: torch.amp.GradScaler | None = None) -> None:
+def scheduler_steps_on_skipped_window(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> None:
     """Steps the LR scheduler after every window, also one that GradScaler
     skipped for an overflow (torch warns "Detected call of lr_scheduler.step()
     before optimizer.step()" only on the first): the schedule runs one step
     ahead of the updates from then on.  Exact when no window overflows."""
     optimizer.zero_grad(set_to_none=True)
     _scaled_backward(model, micro_batches, loss_fn, grad_scaler)
-    _scaled_step(model, optimizer, max_grad_norm=max_grad_norm, scheduler=scheduler, grad_scaler=grad_scaler,
-                 scheduler_on_skip=True)
+    _scaled_step(
+        model,
+        optimizer,
+        max_grad_norm=max_grad_norm,
+        scheduler=scheduler,
+        grad_scaler=grad_scaler,
+        scheduler_on_skip=True,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -550,9 +713,15 @@ def scheduler_steps_on_skipped_window(model: nn.Module, optimizer: torch.optim.O
 _FIRST_ITEM_COUNT: list[int | Tensor] = []
 
 
-def caches_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None,
-                      scheduler: Any | None = None) -> None:
+def caches_item_count(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any | None = None,
+) -> None:
     """Counts the window's items once, on its first call, and keeps the count
     in a module-level cache for every later call (the items per window
     "never change", so why count them again): each micro-batch's summed loss
@@ -613,8 +782,14 @@ ITEM_WEIGHTED_BUGS: frozenset[str] = frozenset({"sample_weighted_token_loss", "c
 #: layers (a middle one, for no_grad_through_frozen), coupled weight decay over
 #: several micro-batches.
 BLIND_SPOT_BUGS: frozenset[str] = frozenset(
-    {"eight_slot_buffer", "clips_first_group_only", "zero_grads_for_frozen", "decay_per_micro_batch",
-     "clips_only_trained_groups", "no_grad_through_frozen"}
+    {
+        "eight_slot_buffer",
+        "clips_first_group_only",
+        "zero_grads_for_frozen",
+        "decay_per_micro_batch",
+        "clips_only_trained_groups",
+        "no_grad_through_frozen",
+    }
 )
 
 #: The bugs that only dynamic loss scaling exposes (a step given a

@@ -41,12 +41,14 @@ __all__ = [
 
 
 def _window_items(micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> Tensor:
-    return torch.tensor(float(sum(int(item_count(loss_fn, targets)) for _, targets in micro_batches)),
-                        dtype=torch.float64)
+    return torch.tensor(
+        float(sum(int(item_count(loss_fn, targets)) for _, targets in micro_batches)), dtype=torch.float64
+    )
 
 
-def _scaled_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor],
-                     scale: float) -> None:
+def _scaled_backward(
+    model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], scale: float
+) -> None:
     """Each micro-batch's summed loss times ``scale``, DDP's sync on the last micro-batch only."""
     assert isinstance(model, DistributedDataParallel)
     for index, (inputs, targets) in enumerate(micro_batches):
@@ -56,8 +58,9 @@ def _scaled_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Cal
             (loss_sum * scale).backward()
 
 
-def cp_global_token_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                          loss_fn: Callable[..., Tensor]) -> None:
+def cp_global_token_count(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Correct: the real-token count all-reduced over every rank, data and context
     (Megatron's ``get_data_parallel_group(with_context_parallel=True)``, the fix of
     verl PR #6049 for #5983), each slice's summed loss over it, times the world size
@@ -69,8 +72,9 @@ def cp_global_token_count(model: nn.Module, optimizer: torch.optim.Optimizer, mi
     optimizer.step()
 
 
-def token_count_over_data_ranks_only(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                     loss_fn: Callable[..., Tensor]) -> None:
+def token_count_over_data_ranks_only(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """verl #5983: the count all-reduced over the pure data-parallel group, which
     leaves out the other context ranks' slices: each rank divides by the real
     tokens of its own slice position only, about 1/C of the window's (a
@@ -83,8 +87,9 @@ def token_count_over_data_ranks_only(model: nn.Module, optimizer: torch.optim.Op
     optimizer.step()
 
 
-def cp_local_token_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                        loss_fn: Callable[..., Tensor]) -> None:
+def cp_local_token_mean(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Each rank divides its slice's summed loss by its slice's own real tokens (1
     for a slice with none, so it adds nothing instead of NaN) and DDP averages the
     ranks: a mean of per-slice token means, as if every slice held as many real
@@ -97,8 +102,14 @@ def cp_local_token_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micr
     optimizer.step()
 
 
-def _per_token_loss_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                         loss_fn: Callable[..., Tensor], *, report_counts: bool) -> None:
+def _per_token_loss_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    report_counts: bool,
+) -> None:
     """Megatron's ``calculate_per_token_loss`` contract, as verl drives it: the
     loss function hands back each micro-batch's summed loss and its real-token
     count; the schedule back-propagates the sums (gradients summed over ranks:
@@ -115,8 +126,9 @@ def _per_token_loss_step(model: nn.Module, optimizer: torch.optim.Optimizer, mic
     optimizer.step()
 
 
-def per_token_loss_counts_never_returned(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                         micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
+def per_token_loss_counts_never_returned(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """verl PR #6836: under CP, Megatron-Bridge switches on the per-token loss
     mode, whose loss function must return ``(loss_sum, num_tokens, ...)``; verl
     returned no count, "so Megatron saw 0 total tokens and skipped normalization":
@@ -124,8 +136,9 @@ def per_token_loss_counts_never_returned(model: nn.Module, optimizer: torch.opti
     _per_token_loss_step(model, optimizer, micro_batches, loss_fn, report_counts=False)
 
 
-def per_token_loss_counts_returned(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                   micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]) -> None:
+def per_token_loss_counts_returned(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """The fix of verl PR #6836: the same per-token loss mode with each slice's
     real-token count returned, so the division by the global count happens."""
     _per_token_loss_step(model, optimizer, micro_batches, loss_fn, report_counts=True)
@@ -134,22 +147,49 @@ def per_token_loss_counts_returned(model: nn.Module, optimizer: torch.optim.Opti
 #: The context-parallel zoo as the search meets it (engine "cp", the token model).
 CP_SEARCH_ZOO: dict[str, SearchEntry] = {
     "accumulator_step (CP)": SearchEntry(
-        accumulator_step, "cp", ("tokens",), Outcome.EQUIVALENT, "", "the reference accumulator"),
+        accumulator_step, "cp", ("tokens",), Outcome.EQUIVALENT, "", "the reference accumulator"
+    ),
     "cp_global_token_count": SearchEntry(
-        cp_global_token_count, "cp", ("tokens",), Outcome.EQUIVALENT, "verl PR #6049 (fixes #5983)",
-        "summed loss / real tokens all-reduced over data x context ranks"),
+        cp_global_token_count,
+        "cp",
+        ("tokens",),
+        Outcome.EQUIVALENT,
+        "verl PR #6049 (fixes #5983)",
+        "summed loss / real tokens all-reduced over data x context ranks",
+    ),
     "per_token_loss_counts_returned": SearchEntry(
-        per_token_loss_counts_returned, "cp", ("tokens",), Outcome.EQUIVALENT, "verl PR #6836 (the fix)",
-        "per-token loss mode, each slice's count returned"),
+        per_token_loss_counts_returned,
+        "cp",
+        ("tokens",),
+        Outcome.EQUIVALENT,
+        "verl PR #6836 (the fix)",
+        "per-token loss mode, each slice's count returned",
+    ),
     "token_count_over_data_ranks_only": SearchEntry(
-        token_count_over_data_ranks_only, "cp", ("tokens",), Outcome.NOT_EQUIVALENT, "verl #5983",
-        "token count all-reduced over pure DP: undercounted by about the CP factor"),
+        token_count_over_data_ranks_only,
+        "cp",
+        ("tokens",),
+        Outcome.NOT_EQUIVALENT,
+        "verl #5983",
+        "token count all-reduced over pure DP: undercounted by about the CP factor",
+    ),
     "per_token_loss_counts_never_returned": SearchEntry(
-        per_token_loss_counts_never_returned, "cp", ("tokens",), Outcome.NOT_EQUIVALENT, "verl PR #6836",
-        "0 tokens reported: Megatron skips the normalisation"),
+        per_token_loss_counts_never_returned,
+        "cp",
+        ("tokens",),
+        Outcome.NOT_EQUIVALENT,
+        "verl PR #6836",
+        "0 tokens reported: Megatron skips the normalisation",
+    ),
     "cp_local_token_mean": SearchEntry(
-        cp_local_token_mean, "cp", ("tokens",), Outcome.NOT_EQUIVALENT, "Megatron-LM PR #7513",
-        "each slice's own token mean (1 for an empty slice), averaged over DP x CP"),
+        cp_local_token_mean,
+        "cp",
+        ("tokens",),
+        Outcome.NOT_EQUIVALENT,
+        "Megatron-LM PR #7513",
+        "each slice's own token mean (1 for an empty slice), averaged over DP x CP",
+    ),
     "accumulator_step (FSDP2 + CP)": SearchEntry(
-        accumulator_step, "fsdp2+cp", ("tokens",), Outcome.EQUIVALENT, "", "the reference accumulator"),
+        accumulator_step, "fsdp2+cp", ("tokens",), Outcome.EQUIVALENT, "", "the reference accumulator"
+    ),
 }

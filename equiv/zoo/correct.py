@@ -23,12 +23,24 @@ from equiv.batches import MicroBatches
 from equiv.losses import item_count, loss_sum_and_count
 from equiv.zoo.bugs import _buffered_step  # one buffered accumulation for both zoos
 
-__all__ = ["CORRECT_STEPS", "FLOAT32_ON_THE_GRADIENT", "accumulates_into_zeros", "clips_in_float32", "float32_buffer",
-           "scales_by_inverse_item_count"]
+__all__ = [
+    "CORRECT_STEPS",
+    "FLOAT32_ON_THE_GRADIENT",
+    "accumulates_into_zeros",
+    "clips_in_float32",
+    "float32_buffer",
+    "scales_by_inverse_item_count",
+]
 
 
-def scales_by_inverse_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                 loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def scales_by_inverse_item_count(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Backward of each micro-batch's summed loss, then the summed gradient scaled
     by ``1.0 / num_tokens`` where ``num_tokens`` is a tensor of counts (a
     fine-tuning recipe's normalisation): the quotient is in torch's default dtype."""
@@ -47,8 +59,14 @@ def scales_by_inverse_item_count(model: nn.Module, optimizer: torch.optim.Optimi
     optimizer.step()
 
 
-def accumulates_into_zeros(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def accumulates_into_zeros(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Adds each micro-batch's weighted loss into ``torch.zeros(size=(1,))`` and
     calls backward once on the total (a trainer's running loss): the buffer is in
     the default dtype, and a 1-element tensor sets the dtype of the sum, so the
@@ -65,8 +83,14 @@ def accumulates_into_zeros(model: nn.Module, optimizer: torch.optim.Optimizer, m
     optimizer.step()
 
 
-def clips_in_float32(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                     loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def clips_in_float32(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Correct weighting; the global gradient norm and the clip coefficient computed
     in float32 on purpose (code written for mixed-precision training)."""
     optimizer.zero_grad(set_to_none=True)
@@ -84,8 +108,14 @@ def clips_in_float32(model: nn.Module, optimizer: torch.optim.Optimizer, micro_b
 
 
 #: name -> a correct step that does some float32 arithmetic of its own.
-def float32_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def float32_buffer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Accumulates the micro-batch gradients in a float32 buffer (``dtype=torch.float32``,
     as Megatron-FSDP's float32 main-grad buffers): exact in float32 training, float32-sized
     inside equiv's float64 run, the step :func:`equiv.zoo.bugs.low_precision_buffer` is told apart from."""
@@ -100,4 +130,6 @@ CORRECT_STEPS: dict[str, Callable[..., Any]] = {
 }
 
 #: The correct steps whose float32 arithmetic reaches the gradient: a precision note in float64 runs.
-FLOAT32_ON_THE_GRADIENT: frozenset[str] = frozenset({"scales_by_inverse_item_count", "clips_in_float32", "float32_buffer"})
+FLOAT32_ON_THE_GRADIENT: frozenset[str] = frozenset(
+    {"scales_by_inverse_item_count", "clips_in_float32", "float32_buffer"}
+)

@@ -58,14 +58,16 @@ __all__ = [
 ]
 
 
-def _sample_weighted_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor],
-                              index: int, rank_samples: int) -> None:
+def _sample_weighted_backward(
+    model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], index: int, rank_samples: int
+) -> None:
     inputs, targets = micro_batches[index]
     (loss_fn(model(inputs), targets) * len(targets) / rank_samples).backward()
 
 
-def local_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                        loss_fn: Callable[..., Tensor]) -> None:
+def local_mean_per_rank(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Each rank normalises by its OWN sample count and DDP averages the ranks:
     a mean of rank means, wrong whenever ranks hold different numbers of
     samples (the per-device normalisation behind transformers #34191)."""
@@ -79,8 +81,9 @@ def local_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micr
     optimizer.step()
 
 
-def local_token_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                              loss_fn: Callable[..., Tensor]) -> None:
+def local_token_mean_per_rank(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Each rank back-propagates its summed loss over its OWN item count (real
     tokens, for a token loss) and DDP averages the ranks: a mean of per-rank token
     means.  The GA=1 shortcut of torchtune PR #2980, exact only "when every rank
@@ -97,8 +100,9 @@ def local_token_mean_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer
     optimizer.step()
 
 
-def global_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                      loss_fn: Callable[..., Tensor]) -> None:
+def global_item_count(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Correct, for contrast: the item count all-reduced across ranks once per
     window, every micro-batch's summed loss over that global count (times the
     world size, which DDP's averaging divides out), the sync on the last
@@ -106,8 +110,7 @@ def global_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
     exact with ragged token counts, and with a rank or micro-batch of none."""
     assert isinstance(model, DistributedDataParallel)
     optimizer.zero_grad(set_to_none=True)
-    items = torch.tensor(float(sum(item_count(loss_fn, targets) for _, targets in micro_batches)),
-                         dtype=torch.float64)
+    items = torch.tensor(float(sum(item_count(loss_fn, targets) for _, targets in micro_batches)), dtype=torch.float64)
     dist.all_reduce(items)
     scale = dist.get_world_size() / float(items)
     for index, (inputs, targets) in enumerate(micro_batches):
@@ -118,8 +121,9 @@ def global_item_count(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
     optimizer.step()
 
 
-def skip_backward_without_real_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                      loss_fn: Callable[..., Tensor]) -> None:
+def skip_backward_without_real_tokens(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Skips the backward of a micro-batch with no real token (its token mean is
     NaN), as karpathy/nanochat PR #623 and EleutherAI/bergson PR #461 do to avoid a
     NaN loss; weighted by the all-reduced global count otherwise.  On one process
@@ -157,8 +161,14 @@ def _sync_on_last_only(model: nn.Module, last: bool) -> Iterator[None]:
             yield
 
 
-def _global_weighted_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                          loss_fn: Callable[..., Tensor], *, forward_in_no_sync: bool | None) -> None:
+def _global_weighted_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    forward_in_no_sync: bool | None,
+) -> None:
     """Correctly weighted by the global sample count (equal-shard assumption
     removed by an all-reduce of the count); ``forward_in_no_sync`` None: no
     no_sync at all; False: only the backward inside no_sync."""
@@ -179,24 +189,31 @@ def _global_weighted_step(model: nn.Module, optimizer: torch.optim.Optimizer, mi
     optimizer.step()
 
 
-def no_sync_missing(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                    loss_fn: Callable[..., Tensor]) -> None:
+def no_sync_missing(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Numerically right, but all-reduces after every micro-batch: N times the
     communication of a window (no ``no_sync``)."""
     _global_weighted_step(model, optimizer, micro_batches, loss_fn, forward_in_no_sync=None)
 
 
-def forward_outside_no_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                            loss_fn: Callable[..., Tensor]) -> None:
+def forward_outside_no_sync(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """``no_sync`` wraps only the backward, so DDP still all-reduces every
     micro-batch: it decides at forward time (accelerate #1726)."""
     _global_weighted_step(model, optimizer, micro_batches, loss_fn, forward_in_no_sync=False)
 
 
-def overflow_checked_on_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                         micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
-                                         grad_scaler: torch.amp.GradScaler,
-                                         max_grad_norm: float | None = None) -> None:
+def overflow_checked_on_last_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    grad_scaler: torch.amp.GradScaler,
+    max_grad_norm: float | None = None,
+) -> None:
     """The overflow flag assigned instead of OR-accumulated (MindSpore r1.3's
     parallel-mode loss-scale tutorial ORs it over the window as ``accu_overflow``)
     (``overflow = this_micro_batch`` for ``accu_overflow |= ...``): a micro-batch
@@ -227,8 +244,14 @@ def overflow_checked_on_last_micro_batch(model: nn.Module, optimizer: torch.opti
 
 
 # ---------------------------------------------------------------------- FSDP2
-def sync_every_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def sync_every_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Numerically right, but every micro-batch's backward reduce-scatters
     (FSDP2 syncs by default): N reduce-scatters per unit per window, against
     one with ``set_requires_gradient_sync(False)`` on all but the last.  The
@@ -242,8 +265,9 @@ def sync_every_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, m
     accumulator.step()
 
 
-def _globally_weighted_fsdp2_backward(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
-                                      sync_last: bool) -> None:
+def _globally_weighted_fsdp2_backward(
+    model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *, sync_last: bool
+) -> None:
     """Each micro-batch's summed loss weighted by world / global item count
     (FSDP2's reduce-scatter averages over ranks), gradient sync off for all
     but the last micro-batch, and off for that one too unless ``sync_last``."""
@@ -256,8 +280,14 @@ def _globally_weighted_fsdp2_backward(model: nn.Module, micro_batches: MicroBatc
         (loss_sum * (world / float(total))).backward()
 
 
-def sync_disabled_on_last_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def sync_disabled_on_last_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Gradient sync off for every micro-batch, the last one too (switched
     back on only after the loop, once its backward has run: FSDP2 reads the
     flag in the backward).  No reduce-scatter at all: no rank ever gets a
@@ -272,8 +302,14 @@ def sync_disabled_on_last_micro_batch(model: nn.Module, optimizer: torch.optim.O
     optimizer.step()
 
 
-def local_mean_per_rank_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                              loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def local_mean_per_rank_fsdp2(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Each rank normalises by its OWN sample count and FSDP's reduce-scatter
     averages the ranks: a mean of rank means, wrong whenever ranks hold
     different numbers of samples (transformers #34191's per-device
@@ -289,8 +325,14 @@ def local_mean_per_rank_fsdp2(model: nn.Module, optimizer: torch.optim.Optimizer
     optimizer.step()
 
 
-def clip_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                               loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def clip_shard_with_local_norm(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Weighted by the global item count and synced once per window, but
     clipped with the norm of this rank's gradient SHARD: every rank scales its
     shard by a different coefficient, none of them the full-batch one.  (The
@@ -308,8 +350,15 @@ def clip_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimize
 
 
 # ------------------------------------------- the accumulation buffer's precision
-def _buffered_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                       loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype, *, global_count: bool = True) -> None:
+def _buffered_ddp_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    buffer_dtype: torch.dtype,
+    *,
+    global_count: bool = True,
+) -> None:
     """Globally weighted micro-batch gradients (summed loss x world / all-reduced item
     count; with ``global_count`` False, over this rank's own count: a mean of rank means)
     accumulated in the step's own buffer of ``buffer_dtype`` under ``no_sync``,
@@ -317,8 +366,7 @@ def _buffered_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro
     DDP all-reduce (once per window) then reduces the window's whole gradient."""
     assert isinstance(model, DistributedDataParallel)
     optimizer.zero_grad(set_to_none=True)
-    items = torch.tensor(float(sum(item_count(loss_fn, targets) for _, targets in micro_batches)),
-                         dtype=torch.float64)
+    items = torch.tensor(float(sum(item_count(loss_fn, targets) for _, targets in micro_batches)), dtype=torch.float64)
     if global_count:
         dist.all_reduce(items)
     scale = (dist.get_world_size() if global_count else 1) / float(items)
@@ -340,8 +388,9 @@ def _buffered_ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro
     optimizer.step()
 
 
-def bfloat16_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                loss_fn: Callable[..., Tensor]) -> None:
+def bfloat16_buffer_before_sync(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Accumulates the micro-batch gradients in its own bfloat16 buffer under DDP's
     ``no_sync`` (to save memory) and hands it to DDP's one all-reduce per window:
     correctly weighted, but every gradient keeps 8 bits between micro-batches
@@ -351,25 +400,32 @@ def bfloat16_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimiz
     _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16)
 
 
-def float32_buffer_before_sync(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                               loss_fn: Callable[..., Tensor]) -> None:
+def float32_buffer_before_sync(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Correct, for contrast: :func:`bfloat16_buffer_before_sync` with a float32
     buffer (Megatron's float32 main-grad buffers): exact in float32 training, a
     passing float32-sized note inside equiv's float64 run."""
     _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.float32)
 
 
-def bfloat16_buffer_local_mean(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                               loss_fn: Callable[..., Tensor]) -> None:
+def bfloat16_buffer_local_mean(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """:func:`bfloat16_buffer_before_sync` normalised by each rank's OWN item count
     (transformers #34191's per-device mean): a mathematical mismatch computed in
     bfloat16, which stays one with the bfloat16 lifted (never a precision finding)."""
     _buffered_ddp_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, global_count=False)
 
 
-def _buffered_fsdp2_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                         loss_fn: Callable[..., Tensor], buffer_dtype: torch.dtype,
-                         max_grad_norm: float | None) -> None:
+def _buffered_fsdp2_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    buffer_dtype: torch.dtype,
+    max_grad_norm: float | None,
+) -> None:
     """Every micro-batch reduce-scattered (gradient sync on), its gradient shard
     added into the step's own sharded buffer of ``buffer_dtype`` (Megatron-FSDP's
     main-grad buffer), the step on the buffer: globally weighted (summed loss x
@@ -395,22 +451,35 @@ def _buffered_fsdp2_step(model: nn.Module, optimizer: torch.optim.Optimizer, mic
     optimizer.step()
 
 
-def bfloat16_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                            loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def bfloat16_sharded_buffer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """FSDP2: each micro-batch's gradient shard accumulated in a bfloat16 buffer
     after its reduce-scatter, as Megatron-FSDP does with bfloat16 main grads
     (ISEEKYAN #149): a precision finding for float32 master weights and gradients."""
     _buffered_fsdp2_step(model, optimizer, micro_batches, loss_fn, torch.bfloat16, max_grad_norm)
 
 
-def float32_sharded_buffer(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def float32_sharded_buffer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Correct, for contrast: :func:`bfloat16_sharded_buffer` with float32 main grads."""
     _buffered_fsdp2_step(model, optimizer, micro_batches, loss_fn, torch.float32, max_grad_norm)
 
 
-def bfloat16_compressed_all_reduce(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                   loss_fn: Callable[..., Tensor]) -> None:
+def bfloat16_compressed_all_reduce(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """:func:`global_item_count` with DDP's ``bf16_compress_hook``: each window's
     gradient is cast to bfloat16 for the all-reduce and summed in bfloat16
     (communication halved).  Another bfloat16 rounding of the gradient, once per
@@ -444,25 +513,30 @@ class Fsdp2Entry:
 #: that clips (``max_grad_norm``) to show; the others take it too.
 FSDP2_BUGS: dict[str, Fsdp2Entry] = {
     "sync_disabled_on_last_micro_batch": Fsdp2Entry(
-        sync_disabled_on_last_micro_batch, what="no reduce-scatter at all: nothing steps"),
-    "local_mean_per_rank_fsdp2": Fsdp2Entry(
-        local_mean_per_rank_fsdp2, what="mean of rank means (uneven shards)"),
-    "clip_shard_with_local_norm": Fsdp2Entry(
-        clip_shard_with_local_norm, what="each shard clipped with its own norm"),
+        sync_disabled_on_last_micro_batch, what="no reduce-scatter at all: nothing steps"
+    ),
+    "local_mean_per_rank_fsdp2": Fsdp2Entry(local_mean_per_rank_fsdp2, what="mean of rank means (uneven shards)"),
+    "clip_shard_with_local_norm": Fsdp2Entry(clip_shard_with_local_norm, what="each shard clipped with its own norm"),
     # The reference accumulator itself, sharded with a 16-bit reduce_dtype:
     # FSDP2 then also accumulates the unsharded gradients between micro-batches
     # in bfloat16 (what trl #2175 reported against FSDP1's mixed precision).
     "bfloat16_reduce": Fsdp2Entry(
-        accumulator_step, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), expected=Outcome.PRECISION,
+        accumulator_step,
+        MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
+        expected=Outcome.PRECISION,
         what="accumulator_step under MixedPrecisionPolicy(reduce_dtype=bfloat16)",
-        upstream="trl #2175 (under FSDP1's mixed precision)"),
+        upstream="trl #2175 (under FSDP1's mixed precision)",
+    ),
     "sync_every_micro_batch": Fsdp2Entry(
-        sync_every_micro_batch, expected=Outcome.EQUIVALENT, what="equivalent, N reduce-scatters per unit per window"),
+        sync_every_micro_batch, expected=Outcome.EQUIVALENT, what="equivalent, N reduce-scatters per unit per window"
+    ),
 }
 
+
 # ------------------------------------------------ correct real-world steps
-def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                    loss_fn: Callable[..., Tensor]) -> None:
+def scale_made_in_the_default_dtype(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor]
+) -> None:
     """Correct under DDP (each summed loss times world / global sample count,
     one all-reduce per window), but the count is a tensor made without a
     dtype: float32, torch's default, so world / count is rounded to float32
@@ -478,9 +552,14 @@ def scale_made_in_the_default_dtype(model: nn.Module, optimizer: torch.optim.Opt
     optimizer.step()
 
 
-def sum_over_ranks_divided_by_global_tokens(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                            micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
-                                            max_grad_norm: float | None = None) -> None:
+def sum_over_ranks_divided_by_global_tokens(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """torchtitan's recipe (pytorch/torchtitan #2206): FSDP2 sums gradients over
     ranks (divide factor 1.0) and each micro-batch's summed loss is divided by
     the count of valid tokens over every rank's whole window, all-reduced once.
@@ -525,61 +604,141 @@ _MEGATRON_FSDP_BF16 = "Megatron-FSDP, ISEEKYAN #149"
 #: The distributed zoo as the search meets it: every bug found, every correct step passing.
 SEARCH_ZOO: dict[str, SearchEntry] = {
     "accumulator_step (DDP)": SearchEntry(
-        accumulator_step, "ddp", ("mlp", "tokens"), Outcome.EQUIVALENT, "", "the reference accumulator"),
+        accumulator_step, "ddp", ("mlp", "tokens"), Outcome.EQUIVALENT, "", "the reference accumulator"
+    ),
     "local_mean_per_rank": SearchEntry(
-        local_mean_per_rank, "ddp", ("mlp",), Outcome.NOT_EQUIVALENT, "transformers #34191 / #34242",
-        "each rank's own sample mean, averaged by DDP"),
+        local_mean_per_rank,
+        "ddp",
+        ("mlp",),
+        Outcome.NOT_EQUIVALENT,
+        "transformers #34191 / #34242",
+        "each rank's own sample mean, averaged by DDP",
+    ),
     "local_token_mean_per_rank": SearchEntry(
-        local_token_mean_per_rank, "ddp", ("tokens",), Outcome.NOT_EQUIVALENT, "torchtune PR #2980",
-        "the GA=1 shortcut: each rank's own token mean"),
+        local_token_mean_per_rank,
+        "ddp",
+        ("tokens",),
+        Outcome.NOT_EQUIVALENT,
+        "torchtune PR #2980",
+        "the GA=1 shortcut: each rank's own token mean",
+    ),
     "global_item_count": SearchEntry(
-        global_item_count, "ddp", ("tokens",), Outcome.EQUIVALENT, "torchtitan PR #2206",
-        "summed loss / all-reduced global token count"),
+        global_item_count,
+        "ddp",
+        ("tokens",),
+        Outcome.EQUIVALENT,
+        "torchtitan PR #2206",
+        "summed loss / all-reduced global token count",
+    ),
     "scale_made_in_the_default_dtype": SearchEntry(
-        scale_made_in_the_default_dtype, "ddp", ("mlp",), Outcome.EQUIVALENT, "",
-        "correct, with a float32 scale factor (a precision note in the float64 run)"),
+        scale_made_in_the_default_dtype,
+        "ddp",
+        ("mlp",),
+        Outcome.EQUIVALENT,
+        "",
+        "correct, with a float32 scale factor (a precision note in the float64 run)",
+    ),
     "no_sync_missing": SearchEntry(
-        no_sync_missing, "ddp", ("mlp",), Outcome.STEP_ERROR, "",
-        "all-reduce every micro-batch: ranks with other micro-batch counts wait on each other"),
+        no_sync_missing,
+        "ddp",
+        ("mlp",),
+        Outcome.STEP_ERROR,
+        "",
+        "all-reduce every micro-batch: ranks with other micro-batch counts wait on each other",
+    ),
     "forward_outside_no_sync": SearchEntry(
-        forward_outside_no_sync, "ddp", ("mlp",), Outcome.STEP_ERROR, "accelerate #1726",
-        "no_sync around the backward only: the same extra all-reduces"),
+        forward_outside_no_sync,
+        "ddp",
+        ("mlp",),
+        Outcome.STEP_ERROR,
+        "accelerate #1726",
+        "no_sync around the backward only: the same extra all-reduces",
+    ),
     "skip_backward_without_real_tokens (DDP)": SearchEntry(
-        skip_backward_without_real_tokens, "ddp", ("tokens",), Outcome.STEP_ERROR,
+        skip_backward_without_real_tokens,
+        "ddp",
+        ("tokens",),
+        Outcome.STEP_ERROR,
         "karpathy/nanochat PR #623; EleutherAI/bergson PR #461",
-        "backward skipped for a micro-batch with no real token: the rank makes one gradient all-reduce fewer"),
+        "backward skipped for a micro-batch with no real token: the rank makes one gradient all-reduce fewer",
+    ),
     "accumulator_step (FSDP2)": SearchEntry(
-        accumulator_step, "fsdp2", ("mlp", "tokens"), Outcome.EQUIVALENT, "", "the reference accumulator"),
+        accumulator_step, "fsdp2", ("mlp", "tokens"), Outcome.EQUIVALENT, "", "the reference accumulator"
+    ),
     "sum_over_ranks_divided_by_global_tokens": SearchEntry(
-        sum_over_ranks_divided_by_global_tokens, "fsdp2", ("tokens",), Outcome.EQUIVALENT, "torchtitan PR #2206",
-        "divide factor 1.0, summed loss / all-reduced global token count"),
+        sum_over_ranks_divided_by_global_tokens,
+        "fsdp2",
+        ("tokens",),
+        Outcome.EQUIVALENT,
+        "torchtitan PR #2206",
+        "divide factor 1.0, summed loss / all-reduced global token count",
+    ),
     "skip_backward_without_real_tokens": SearchEntry(
-        skip_backward_without_real_tokens, "fsdp2", ("tokens",), Outcome.STEP_ERROR,
+        skip_backward_without_real_tokens,
+        "fsdp2",
+        ("tokens",),
+        Outcome.STEP_ERROR,
         "karpathy/nanochat PR #623; EleutherAI/bergson PR #461",
-        "backward skipped for a micro-batch with no real token: ranks' collectives fall out of step"),
+        "backward skipped for a micro-batch with no real token: ranks' collectives fall out of step",
+    ),
     "sync_disabled_on_last_micro_batch": SearchEntry(
-        sync_disabled_on_last_micro_batch, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "",
-        "gradient sync switched back on after the last backward"),
+        sync_disabled_on_last_micro_batch,
+        "fsdp2",
+        ("mlp",),
+        Outcome.NOT_EQUIVALENT,
+        "",
+        "gradient sync switched back on after the last backward",
+    ),
     "local_mean_per_rank_fsdp2": SearchEntry(
-        local_mean_per_rank_fsdp2, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "transformers #34191",
-        "each rank's own sample mean, averaged by the reduce-scatter"),
+        local_mean_per_rank_fsdp2,
+        "fsdp2",
+        ("mlp",),
+        Outcome.NOT_EQUIVALENT,
+        "transformers #34191",
+        "each rank's own sample mean, averaged by the reduce-scatter",
+    ),
     "clip_shard_with_local_norm": SearchEntry(
-        clip_shard_with_local_norm, "fsdp2", ("mlp",), Outcome.NOT_EQUIVALENT, "",
-        "each gradient shard clipped with its own norm"),
+        clip_shard_with_local_norm,
+        "fsdp2",
+        ("mlp",),
+        Outcome.NOT_EQUIVALENT,
+        "",
+        "each gradient shard clipped with its own norm",
+    ),
     # The accumulation buffer's precision: a precision finding (bfloat16_arithmetic), failing
     # float32 master weights and gradients, never a mathematical mismatch nor a silent pass.
     "bfloat16_buffer_before_sync": SearchEntry(
-        bfloat16_buffer_before_sync, "ddp", ("mlp",), Outcome.PRECISION, _MEGATRON_FSDP_BF16,
-        "its own bfloat16 accumulation buffer, handed to DDP's one all-reduce per window"),
+        bfloat16_buffer_before_sync,
+        "ddp",
+        ("mlp",),
+        Outcome.PRECISION,
+        _MEGATRON_FSDP_BF16,
+        "its own bfloat16 accumulation buffer, handed to DDP's one all-reduce per window",
+    ),
     "float32_buffer_before_sync": SearchEntry(
-        float32_buffer_before_sync, "ddp", ("mlp",), Outcome.EQUIVALENT, "",
-        "the same with a float32 buffer (a float32-sized note in the float64 run)"),
+        float32_buffer_before_sync,
+        "ddp",
+        ("mlp",),
+        Outcome.EQUIVALENT,
+        "",
+        "the same with a float32 buffer (a float32-sized note in the float64 run)",
+    ),
     "bfloat16_sharded_buffer": SearchEntry(
-        bfloat16_sharded_buffer, "fsdp2", ("mlp",), Outcome.PRECISION, _MEGATRON_FSDP_BF16,
-        "each micro-batch reduce-scattered, its gradient shard accumulated in bfloat16"),
+        bfloat16_sharded_buffer,
+        "fsdp2",
+        ("mlp",),
+        Outcome.PRECISION,
+        _MEGATRON_FSDP_BF16,
+        "each micro-batch reduce-scattered, its gradient shard accumulated in bfloat16",
+    ),
     "bfloat16_compressed_all_reduce": SearchEntry(
-        bfloat16_compressed_all_reduce, "ddp", ("tokens",), Outcome.PRECISION, "",
-        "DDP's bf16_compress_hook: the window's gradient all-reduced in bfloat16"),
+        bfloat16_compressed_all_reduce,
+        "ddp",
+        ("tokens",),
+        Outcome.PRECISION,
+        "",
+        "DDP's bf16_compress_hook: the window's gradient all-reduced in bfloat16",
+    ),
 }
 
 #: name -> candidate, for suites and reports.

@@ -57,22 +57,39 @@ def exact_weights(counts: list[float], n: int) -> list[float]:
 
 
 KINDS: tuple[Kind, ...] = (
-    Kind("mean of means", lambda counts, n: [1.0 / len(counts)] * len(counts),
-         "each micro-batch's mean weighted 1/len(window), not by its item count "
-         "(uneven splits, token losses: transformers #34191, Lightning #20350)"),
-    Kind("tail divided by N", lambda counts, n: [1.0 / n] * len(counts),
-         "a window of fewer than N micro-batches still divided by N (Lightning #19987)", needs_configured_n=True),
-    Kind("sum without division", lambda counts, n: [1.0] * len(counts),
-         "the micro-batch means summed, never divided (nanoGPT #168; the MindSpore r1.x tutorial)"),
+    Kind(
+        "mean of means",
+        lambda counts, n: [1.0 / len(counts)] * len(counts),
+        "each micro-batch's mean weighted 1/len(window), not by its item count "
+        "(uneven splits, token losses: transformers #34191, Lightning #20350)",
+    ),
+    Kind(
+        "tail divided by N",
+        lambda counts, n: [1.0 / n] * len(counts),
+        "a window of fewer than N micro-batches still divided by N (Lightning #19987)",
+        needs_configured_n=True,
+    ),
+    Kind(
+        "sum without division",
+        lambda counts, n: [1.0] * len(counts),
+        "the micro-batch means summed, never divided (nanoGPT #168; the MindSpore r1.x tutorial)",
+    ),
 )
 
 #: Not a weighting: matched by equiv's own bug of that name (correct weights, clipped every micro-batch).
-PER_MICRO_BATCH_CLIPPING = Kind("per-micro-batch clipping", exact_weights,
-                                "the running gradient clipped after every micro-batch (transformers #986, #1563)")
+PER_MICRO_BATCH_CLIPPING = Kind(
+    "per-micro-batch clipping",
+    exact_weights,
+    "the running gradient clipped after every micro-batch (transformers #986, #1563)",
+)
 
 #: Not a weighting: a step missing, or taken at the wrong micro-batch (a window spanning epochs).
-WINDOW_BOUNDARY = Kind("window boundary", exact_weights, "an optimizer step missing, or taken at the wrong "
-                       "micro-batch: a short window never stepped, or one that spans an epoch boundary")
+WINDOW_BOUNDARY = Kind(
+    "window boundary",
+    exact_weights,
+    "an optimizer step missing, or taken at the wrong "
+    "micro-batch: a short window never stepped, or one that spans an epoch boundary",
+)
 
 
 def ordered(items: Sequence[int], order: str) -> list[int]:
@@ -93,8 +110,15 @@ def weighted_step(weights: Weighting, n: int | None, order: str = "in order") ->
     scale updated once, as the full-batch step does, so that under loss
     scaling only the weighting can tell a peer from the kind it reproduces."""
 
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches, loss_fn: Loss, *,
-             max_grad_norm: float | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    def step(
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: MicroBatches,
+        loss_fn: Loss,
+        *,
+        max_grad_norm: float | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         counts = [float(loss_fn.count(t)) for _, t in micro_batches]
         window_weights = weights(counts, n or len(micro_batches))
         for position in ordered(range(len(micro_batches)), order):

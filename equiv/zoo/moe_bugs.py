@@ -27,8 +27,9 @@ def _aux_loss(loss_fn: Callable[..., Tensor]) -> MSEWithAux:
     return loss_fn
 
 
-def _backward_with_aux_weight(model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor],
-                              aux_weight: Callable[[int], float]) -> None:
+def _backward_with_aux_weight(
+    model: nn.Module, micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], aux_weight: Callable[[int], float]
+) -> None:
     """The task loss normalised over the window's samples (right), the aux loss
     of micro-batch k weighted by ``aux_weight(k)``."""
     loss = _aux_loss(loss_fn)
@@ -38,8 +39,14 @@ def _backward_with_aux_weight(model: nn.Module, micro_batches: MicroBatches, los
         (loss.task_sum(output, targets) / samples + aux_weight(index) * loss.aux_mean(output)).backward()
 
 
-def aux_loss_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                             loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def aux_loss_per_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """The task loss normalised for the whole window, but each micro-batch's
     aux loss added at full weight: with M micro-batches the aux gradient is
     M times too large (NeMo Automodel PR #3359)."""
@@ -48,8 +55,14 @@ def aux_loss_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer,
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def aux_divided_by_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                 loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def aux_divided_by_micro_batches(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Each micro-batch's aux loss divided by the micro-batch count M (the
     normalisation of NeMo Automodel PR #3359): exact when the micro-batches are
     equal, a mean of per-micro-batch means when they are not (a sequence-wise

@@ -48,24 +48,44 @@ class PrecisionEntry:
 def _entries() -> dict[str, PrecisionEntry]:
     entries = {
         "low_precision_buffer (float32 training)": PrecisionEntry(
-            low_precision_buffer, "float32", SMOOTH_OPTIMIZERS, Outcome.PRECISION, "bfloat16_arithmetic",
+            low_precision_buffer,
+            "float32",
+            SMOOTH_OPTIMIZERS,
+            Outcome.PRECISION,
+            "bfloat16_arithmetic",
             "gradients summed in a bfloat16 buffer, master weights and gradients float32",
-            "ISEEKYAN #149 (Megatron-FSDP: bf16 accumulation 3.5e-5 relative, float32 buffers 2.7e-8)"),
+            "ISEEKYAN #149 (Megatron-FSDP: bf16 accumulation 3.5e-5 relative, float32 buffers 2.7e-8)",
+        ),
         "low_precision_buffer (bfloat16 training)": PrecisionEntry(
-            low_precision_buffer, "bfloat16", SMOOTH_OPTIMIZERS, Outcome.EQUIVALENT, "",
-            "the same buffer for a user who trains in bfloat16, whose own rounding is this size"),
+            low_precision_buffer,
+            "bfloat16",
+            SMOOTH_OPTIMIZERS,
+            Outcome.EQUIVALENT,
+            "",
+            "the same buffer for a user who trains in bfloat16, whose own rounding is this size",
+        ),
         "low_precision_buffer (Rprop)": PrecisionEntry(
-            low_precision_buffer, "float32", ("Rprop",), Outcome.NOT_EQUIVALENT, "",
+            low_precision_buffer,
+            "float32",
+            ("Rprop",),
+            Outcome.NOT_EQUIVALENT,
+            "",
             "the same buffer under Rprop, which steps by the gradient's sign: a rounding that flips a small "
-            "element's sign is a full step the other way"),
+            "element's sign is a full step the other way",
+        ),
     }
     for name in sorted(FLOAT32_ON_THE_GRADIENT):
         entries[f"{name} (float32 training)"] = PrecisionEntry(
-            CORRECT_STEPS[name], "float32", (), Outcome.EQUIVALENT, "",
-            "correct; float32 arithmetic on the gradient inside the float64 run")
+            CORRECT_STEPS[name],
+            "float32",
+            (),
+            Outcome.EQUIVALENT,
+            "",
+            "correct; float32 arithmetic on the gradient inside the float64 run",
+        )
         entries[f"{name} (float64 training)"] = PrecisionEntry(
-            CORRECT_STEPS[name], "float64", (), Outcome.PRECISION, "",
-            "the same step for a user who trains in float64")
+            CORRECT_STEPS[name], "float64", (), Outcome.PRECISION, "", "the same step for a user who trains in float64"
+        )
     return entries
 
 

@@ -21,8 +21,14 @@ from equiv.losses.packed import PackedDPO, PackedLoss
 from equiv.losses.policy import PolicyLoss
 from equiv.zoo.bugs import _clip_and_step, mean_of_means, sample_weighted_token_loss
 
-__all__ = ["PACKED_BUGS", "POLICY_BUGS", "SEQUENCE_BUG_REPORTS", "dpo_pairs_swapped", "row_mean_of_sequence_means",
-           "selected_count_per_micro_batch"]
+__all__ = [
+    "PACKED_BUGS",
+    "POLICY_BUGS",
+    "SEQUENCE_BUG_REPORTS",
+    "dpo_pairs_swapped",
+    "row_mean_of_sequence_means",
+    "selected_count_per_micro_batch",
+]
 
 
 def _loss_of(loss_fn: Any, kind: type, needs: str) -> Any:
@@ -31,8 +37,14 @@ def _loss_of(loss_fn: Any, kind: type, needs: str) -> Any:
     return loss_fn
 
 
-def dpo_pairs_swapped(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                      loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def dpo_pairs_swapped(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Packed DPO reading each pair of a packed row as (rejected, chosen): every
     margin's sign flipped, so the update pushes the rejected answers up (packed
     DPO with a gradient of the wrong sign, ms-swift #10144).  Normalised over the
@@ -46,8 +58,14 @@ def dpo_pairs_swapped(model: nn.Module, optimizer: torch.optim.Optimizer, micro_
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def row_mean_of_sequence_means(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                               loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def row_mean_of_sequence_means(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """A per-sequence mean taken per packed row: each row's mean of its
     sequences' losses, then a mean over the window's rows.  Rows holding more
     sequences weigh each of them less: wrong, even unaccumulated, whenever rows
@@ -59,15 +77,24 @@ def row_mean_of_sequence_means(model: nn.Module, optimizer: torch.optim.Optimize
     for inputs, targets in micro_batches:
         per_sequence, row_of = loss.sequence_losses(model(inputs), targets)
         batch = int(targets.shape[0])
-        sums = torch.zeros(batch, dtype=per_sequence.dtype, device=per_sequence.device).index_add(0, row_of, per_sequence)
+        sums = torch.zeros(batch, dtype=per_sequence.dtype, device=per_sequence.device).index_add(
+            0, row_of, per_sequence
+        )
         counts = torch.zeros(batch, dtype=per_sequence.dtype, device=per_sequence.device).index_add(
-            0, row_of, torch.ones_like(per_sequence))
+            0, row_of, torch.ones_like(per_sequence)
+        )
         ((sums / counts.clamp(min=1)).sum() / rows).backward()
     _clip_and_step(model, optimizer, max_grad_norm)
 
 
-def selected_count_per_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                   loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def selected_count_per_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Each micro-batch's loss divided by the tokens its filter kept (k_j) while
     the engine weights it by its share of the tokens before the filter (n_j / N):
     ``Σ_j (n_j / N) (A_j / k_j)``, the full batch's ``A / k`` only when every

@@ -37,16 +37,23 @@ __all__ = [
 
 
 def _local_gradients(model: nn.Module) -> list[Tensor]:
-    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()
-            if p.grad is not None]
+    return [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters() if p.grad is not None
+    ]
 
 
 def _clip_by(gradients: list[Tensor], max_grad_norm: float, norm: Tensor) -> None:
     torch._foreach_mul_(gradients, torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0))
 
 
-def clip_dtensor_norm_once(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                           loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def clip_dtensor_norm_once(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Correct, for contrast: ``clip_grad_norm_`` on the DTensor gradients once per
     window (the norm over every shard of every parameter, replicated ones once)."""
     optimizer.zero_grad(set_to_none=True)
@@ -56,8 +63,14 @@ def clip_dtensor_norm_once(model: nn.Module, optimizer: torch.optim.Optimizer, m
     optimizer.step()
 
 
-def clip_tp_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: MicroBatches,
-                                  loss_fn: Callable[..., Tensor], *, max_grad_norm: float | None = None) -> None:
+def clip_tp_shard_with_local_norm(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Clips each rank's gradient shards by the norm of those shards alone (the
     local tensors): TP ranks scale their shards by different coefficients, none
     of them the full-batch one (torchtune #2420: ``clip_grad_norm`` does not work
@@ -70,9 +83,14 @@ def clip_tp_shard_with_local_norm(model: nn.Module, optimizer: torch.optim.Optim
     optimizer.step()
 
 
-def clip_with_replicated_counted_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                          micro_batches: MicroBatches, loss_fn: Callable[..., Tensor], *,
-                                          max_grad_norm: float | None = None) -> None:
+def clip_with_replicated_counted_per_rank(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    loss_fn: Callable[..., Tensor],
+    *,
+    max_grad_norm: float | None = None,
+) -> None:
     """Sums every rank's local squared norm over all ranks: right for sharded
     gradients, but a gradient replicated on the T ranks of a TP group (the
     row-wise bias) counts T times, so the norm is too large and clipping fires
@@ -102,14 +120,24 @@ class TensorParallelEntry:
 TP_ZOO: dict[str, TensorParallelEntry] = {
     "accumulator_step": TensorParallelEntry(accumulator_step, Outcome.EQUIVALENT, "", "the reference accumulator"),
     "clip_dtensor_norm_once": TensorParallelEntry(
-        clip_dtensor_norm_once, Outcome.EQUIVALENT, "", "clip_grad_norm_ on the DTensor gradients, once per window"),
+        clip_dtensor_norm_once, Outcome.EQUIVALENT, "", "clip_grad_norm_ on the DTensor gradients, once per window"
+    ),
     "clip_tp_shard_with_local_norm": TensorParallelEntry(
-        clip_tp_shard_with_local_norm, Outcome.NOT_EQUIVALENT, "torchtune #2420",
-        "each rank clips its shards by their own norm"),
+        clip_tp_shard_with_local_norm,
+        Outcome.NOT_EQUIVALENT,
+        "torchtune #2420",
+        "each rank clips its shards by their own norm",
+    ),
     "clip_with_replicated_counted_per_rank": TensorParallelEntry(
-        clip_with_replicated_counted_per_rank, Outcome.NOT_EQUIVALENT, "NeMo RL PR #3788",
-        "local squared norms summed over ranks: replicated gradients counted once per TP rank"),
+        clip_with_replicated_counted_per_rank,
+        Outcome.NOT_EQUIVALENT,
+        "NeMo RL PR #3788",
+        "local squared norms summed over ranks: replicated gradients counted once per TP rank",
+    ),
     "clip_per_micro_batch": TensorParallelEntry(
-        clip_per_micro_batch, Outcome.NOT_EQUIVALENT, "transformers #986 / #1563",
-        "the running DTensor gradient clipped after every micro-batch"),
+        clip_per_micro_batch,
+        Outcome.NOT_EQUIVALENT,
+        "transformers #986 / #1563",
+        "the running DTensor gradient clipped after every micro-batch",
+    ),
 }

@@ -43,8 +43,9 @@ def rank_windows(rank: int, world: int) -> list[list[tuple[torch.Tensor, torch.T
 
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
 
 
 def tokens(labels: torch.Tensor) -> int:
@@ -138,8 +139,12 @@ def scenario(kind: str, rank: int, world: int) -> dict:
     loop = ddp_loop if kind.startswith("ddp") else fsdp2_loop if kind.startswith("fsdp2") else buffer_loop
     with equiv.audit(model, optimizer, loss=equiv.NextTokenCrossEntropy()) as audit:
         loop(kind, model, optimizer, windows, world)
-    return {"kind": kind, "audit": audit.to_dict(), "summary": audit.summary(),
-            "communicated": audit.ranks.communicated if audit.ranks is not None else None}
+    return {
+        "kind": kind,
+        "audit": audit.to_dict(),
+        "summary": audit.summary(),
+        "communicated": audit.ranks.communicated if audit.ranks is not None else None,
+    }
 
 
 def tensor_parallel_is_refused() -> dict:
@@ -165,8 +170,13 @@ def trainer(kind: str) -> dict:
     from equiv.auditing.runs import trainer_run
 
     audit = trainer_run(loss_kwargs=kind == "trainer", max_grad_norm=None)
-    return {"kind": kind, "audit": audit.to_dict(), "summary": audit.summary(), "read": audit.read,
-            "communicated": audit.ranks.communicated if audit.ranks is not None else None}
+    return {
+        "kind": kind,
+        "audit": audit.to_dict(),
+        "summary": audit.summary(),
+        "read": audit.read,
+        "communicated": audit.ranks.communicated if audit.ranks is not None else None,
+    }
 
 
 def lightning(kind: str) -> dict:
@@ -175,8 +185,13 @@ def lightning(kind: str) -> dict:
     from equiv.auditing.runs import lightning_tail_run
 
     audit = lightning_tail_run(strategy="ddp", devices=int(os.environ["WORLD_SIZE"]), num_nodes=1)
-    return {"kind": kind, "audit": audit.to_dict(), "summary": audit.summary(), "read": audit.read,
-            "communicated": audit.ranks.communicated if audit.ranks is not None else None}
+    return {
+        "kind": kind,
+        "audit": audit.to_dict(),
+        "summary": audit.summary(),
+        "read": audit.read,
+        "communicated": audit.ranks.communicated if audit.ranks is not None else None,
+    }
 
 
 def main() -> None:
@@ -187,9 +202,16 @@ def main() -> None:
         import pytorch_lightning  # noqa: F401  (imported before: the group is Lightning's to make)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
-    results = [tensor_parallel_is_refused() if kind == "tp_refused" else trainer(kind) if kind.startswith("trainer")
-               else lightning(kind) if kind == "lightning"
-               else scenario(kind, rank, world) for kind in kinds]
+    results = [
+        tensor_parallel_is_refused()
+        if kind == "tp_refused"
+        else trainer(kind)
+        if kind.startswith("trainer")
+        else lightning(kind)
+        if kind == "lightning"
+        else scenario(kind, rank, world)
+        for kind in kinds
+    ]
     if rank == 0:
         with open(out, "w", encoding="utf-8") as handle:
             for result in results:
