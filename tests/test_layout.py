@@ -32,6 +32,8 @@ from equiv.cli import build_parser
 from equiv.layers import FACADE, layer_of  # the layer table, stated once, in the package
 
 PACKAGE = Path(equiv.__file__).resolve().parent
+#: The checkout (CONTRIBUTING.md): not PACKAGE's parent where equiv is installed as a wheel (tox).
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 #: What a report may import besides other reporting modules: measured results as plain data, and the cost
 #: model's least-squares fits (pure numpy: the benchmarks report fits lines to numbers the benchmark run
@@ -280,7 +282,7 @@ def test_contributings_layer_table_is_the_layer_table() -> None:
     # CONTRIBUTING.md's table, row by row: the layer, and in it every package (``name/``) and module (``name``).
     from equiv.layers import LAYERS
 
-    text = (PACKAGE.parent / "CONTRIBUTING.md").read_text()
+    text = (REPOSITORY / "CONTRIBUTING.md").read_text()
     rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text, flags=re.MULTILINE)
     assert rows, "CONTRIBUTING.md has no layer table"
     written = {int(layer): set(re.findall(r"`([^`]+)`", names)) for layer, names in rows}
@@ -293,7 +295,7 @@ def test_contributings_layer_table_is_the_layer_table() -> None:
 
 def test_contributings_tree_names_every_module_and_package() -> None:
     # The tree under "## Layout": every top-level module (``name.py``) and package (``name/``), none that is gone.
-    text = (PACKAGE.parent / "CONTRIBUTING.md").read_text()
+    text = (REPOSITORY / "CONTRIBUTING.md").read_text()
     tree = text.split("## Layout", 1)[1].split("```", 2)[1]
     lines = tree.splitlines()
     start = lines.index("equiv/")
