@@ -477,7 +477,7 @@ def test_verify_threads_rows_say_whether_equivs_choice_is_within_the_target(chos
 
 
 def test_the_ddp_audit_row_states_bytes_per_parameter() -> None:
-    from equiv.reporting.benchmarks import _audit_ddp_lines
+    from equiv.reporting.benchmarks_audit import _audit_ddp_lines
 
     info = {
         "audit_ddp_overhead": True,
