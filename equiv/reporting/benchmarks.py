@@ -30,6 +30,7 @@ from typing import Any
 import pandas as pd
 
 from equiv.cost.costmodel import (
+    HeldOut,
     MemoryModel,
     MemoryPoint,
     TimeModel,
@@ -166,20 +167,19 @@ def _workload_table(frame: pd.DataFrame, paired: pd.DataFrame) -> str:
     return markdown_table(table)
 
 
-def _fits(frame: pd.DataFrame) -> tuple[list[str], MemoryModel | None, TimeModel | None]:
+def _fits(frame: pd.DataFrame) -> list[str]:
     """Fit the Accumulator rows; memory on N >= 2 (see the note it returns)."""
     acc = frame[frame["implementation"] == "accumulator"].sort_values("n_micro_batches")
-    lines: list[str] = []
+    # Memory is fitted on N >= 2 only: the note in _model_lines says why.
+    fitted = acc[acc["n_micro_batches"] >= 2]
     memory_points = [
         MemoryPoint(
             micro_batch_size=int(r.micro_batch_size),
             forward_backward_peak_bytes=float(r.forward_backward_peak_bytes),
             optimizer_step_peak_bytes=float(r.optimizer_step_peak_bytes),
         )
-        for r in acc.itertuples()
-        if r.n_micro_batches >= 2
+        for r in fitted.itertuples()
     ]
-    memory_ns = [int(n) for n in acc["n_micro_batches"] if n >= 2]
     time_points = [
         TimePoint(
             n_micro_batches=int(r.n_micro_batches), global_batch_size=int(r.global_batch_size), step_seconds=r.median_s
@@ -190,9 +190,9 @@ def _fits(frame: pd.DataFrame) -> tuple[list[str], MemoryModel | None, TimeModel
         memory_model = fit_memory(memory_points)
         time_model = fit_time(time_points)
     except ValueError as exc:
-        return [f"Not enough Accumulator measurements to fit the cost model: {exc}"], None, None
-
-    mem_held = {
+        return [f"Not enough Accumulator measurements to fit the cost model: {exc}"]
+    memory_ns = [int(n) for n in fitted["n_micro_batches"]]
+    memory_held = {
         memory_ns[h.index]: h
         for h in leave_one_out(
             memory_points,
@@ -210,8 +210,17 @@ def _fits(frame: pd.DataFrame) -> tuple[list[str], MemoryModel | None, TimeModel
             lambda p: p.step_seconds,
         )
     }
-    batch = int(acc["global_batch_size"].iloc[0])
-    lines += [
+    return [
+        *_model_lines(memory_model, time_model, int(acc["global_batch_size"].iloc[0])),
+        "Prediction error on each N left out of the fit (leave-one-out; Accumulator rows):",
+        "",
+        markdown_table(pd.DataFrame(_held_out_rows(acc, memory_model, memory_held, time_held))),
+    ]
+
+
+def _model_lines(memory_model: MemoryModel, time_model: TimeModel, batch: int) -> list[str]:
+    """The fitted memory and time models in words, at global batch ``batch``."""
+    return [
         f"- memory: forward/backward peak = **{memory_model.static_bytes / MIB:.3f} MiB + "
         f"{memory_model.activation_bytes_per_sample / MIB * 1024:.2f} KiB x micro-batch** "
         f"(= {memory_model.static_bytes / MIB:.3f} + {memory_model.activation_bytes_per_sample * batch / MIB:.3f}"
@@ -224,19 +233,25 @@ def _fits(frame: pd.DataFrame) -> tuple[list[str], MemoryModel | None, TimeModel
         "the N = 1 row below is predicted from the N >= 2 fit.",
         "",
     ]
-    n1 = acc[acc["n_micro_batches"] == 1]
-    held_rows = []
+
+
+def _held_out_rows(
+    acc: pd.DataFrame, memory_model: MemoryModel, memory_held: dict[int, HeldOut], time_held: dict[int, HeldOut]
+) -> list[dict[str, str]]:
+    """Per Accumulator row, the fit's prediction with that N left out, beside the measurement (N = 1's
+    memory, never fitted, predicted by the whole N >= 2 fit)."""
+    rows = []
     for r in acc.itertuples():
         n = int(r.n_micro_batches)
-        if n == 1 and not n1.empty:
-            predicted = memory_model.forward_backward_bytes(int(r.micro_batch_size))
-            mem_measured, mem_predicted = float(r.forward_backward_peak_bytes), predicted
-        elif n in mem_held:
-            mem_measured, mem_predicted = mem_held[n].measured, mem_held[n].predicted
+        if n == 1:
+            mem_measured = float(r.forward_backward_peak_bytes)
+            mem_predicted = memory_model.forward_backward_bytes(int(r.micro_batch_size))
+        elif n in memory_held:
+            mem_measured, mem_predicted = memory_held[n].measured, memory_held[n].predicted
         else:
             mem_measured = mem_predicted = float("nan")
         held = time_held.get(n)
-        held_rows.append(
+        rows.append(
             {
                 "N left out": str(n),
                 "fwd/bwd MiB measured": _mib(mem_measured),
@@ -247,10 +262,7 @@ def _fits(frame: pd.DataFrame) -> tuple[list[str], MemoryModel | None, TimeModel
                 "step error": f"{held.relative_error:+.1%}" if held else "-",
             }
         )
-    lines.append("Prediction error on each N left out of the fit (leave-one-out; Accumulator rows):")
-    lines.append("")
-    lines.append(markdown_table(pd.DataFrame(held_rows)))
-    return lines, memory_model, time_model
+    return rows
 
 
 def _chart(workload: str, frame: pd.DataFrame) -> list[str]:
@@ -291,10 +303,29 @@ def render_report(
     steps, paired = load_benchmarks(raw)
     if steps.empty:
         raise ValueError(f"{source} holds no equiv step benchmarks (none with extra_info['workload'])")
+    lines = [*_header(raw, steps), "## Summary", "", _summary(steps, paired), ""]
+    for workload in sorted(steps["workload"].unique()):
+        pair = paired[paired["workload"] == workload] if not paired.empty else paired
+        lines += _workload_section(workload, steps[steps["workload"] == workload], pair)
+    lines += _peers_section(raw)
+    lines += _regret_section(raw)
+    lines += scaling_section(raw, scaling_full)
+    lines += verify_speed_section(raw)
+    lines += verify_threads_section(raw)
+    lines += search_times_section(raw)
+    lines += audit_section(raw)
+    lines += false_alarms_section(raw, scaling_full)
+    lines += readme_example_section(raw)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _header(raw: dict[str, Any], steps: pd.DataFrame) -> list[str]:
+    """The title, the commands that regenerate the report, the run's machine and settings, and how to read
+    the step tables."""
     first = steps.iloc[0]
     cpu = raw.get("machine_info", {}).get("cpu", {})
     rounds = sorted({int(r) for r in steps["rounds"]})
-    lines = [
+    return [
         "# Benchmarks: what gradient accumulation buys in memory and costs in throughput",
         "",
         "Generated; do not edit. Regenerate with:",
@@ -327,45 +358,31 @@ def render_report(
         "the median of per-pair ratios, which machine load drifting between benchmarks does not bias. Read the "
         "Accumulator's overhead here; *time / native* compares two separate benchmarks.",
         "",
-        "## Summary",
+    ]
+
+
+def _workload_section(workload: str, frame: pd.DataFrame, pair: pd.DataFrame) -> list[str]:
+    """One workload: its step table, the paired overhead at OVERHEAD_TARGET_N, the fitted cost model, the chart."""
+    row = frame.iloc[0]
+    lines = [
+        f"## {workload}",
         "",
-        _summary(steps, paired),
+        f"{row.get('description', '')}; {int(row['parameters']):,} parameters; global batch "
+        f"B = {int(row['global_batch_size'])}.",
+        "",
+        _workload_table(frame, pair),
         "",
     ]
-    for workload in sorted(steps["workload"].unique()):
-        frame = steps[steps["workload"] == workload]
-        pair = paired[paired["workload"] == workload] if not paired.empty else paired
-        row = frame.iloc[0]
+    at_8 = pair[pair["n_micro_batches"] == OVERHEAD_TARGET_N] if not pair.empty else pair
+    if not at_8.empty:
+        p = at_8.iloc[0]
         lines += [
-            f"## {workload}",
-            "",
-            f"{row.get('description', '')}; {int(row['parameters']):,} parameters; global batch "
-            f"B = {int(row['global_batch_size'])}.",
-            "",
-            _workload_table(frame, pair),
+            f"Paired overhead of `equiv.Accumulator` at N={OVERHEAD_TARGET_N}: "
+            f"**{p['overhead_ratio']:.3f}x** the native loop's step time "
+            f"(IQR {p['overhead_ratio_q1']:.3f}-{p['overhead_ratio_q3']:.3f}, {int(p['pairs'])} pairs).",
             "",
         ]
-        at_8 = pair[pair["n_micro_batches"] == OVERHEAD_TARGET_N] if not pair.empty else pair
-        if not at_8.empty:
-            p = at_8.iloc[0]
-            lines += [
-                f"Paired overhead of `equiv.Accumulator` at N={OVERHEAD_TARGET_N}: "
-                f"**{p['overhead_ratio']:.3f}x** the native loop's step time "
-                f"(IQR {p['overhead_ratio_q1']:.3f}-{p['overhead_ratio_q3']:.3f}, {int(p['pairs'])} pairs).",
-                "",
-            ]
-        fit_lines, _, _ = _fits(frame)
-        lines += ["### Fitted cost model", "", *fit_lines, "", *_chart(workload, frame), ""]
-    lines += _peers_section(raw)
-    lines += _regret_section(raw)
-    lines += scaling_section(raw, scaling_full)
-    lines += verify_speed_section(raw)
-    lines += verify_threads_section(raw)
-    lines += search_times_section(raw)
-    lines += audit_section(raw)
-    lines += false_alarms_section(raw, scaling_full)
-    lines += readme_example_section(raw)
-    return "\n".join(lines).rstrip() + "\n"
+    return [*lines, "### Fitted cost model", "", *_fits(frame), "", *_chart(workload, frame), ""]
 
 
 #: The planner's goal: its pick at most this much slower than the fastest N that fits.
