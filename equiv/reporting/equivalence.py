@@ -159,39 +159,7 @@ def render_equivalence(findings: EquivalenceFindings, *, properties_record: Path
                     if findings.searches is None
                     else search_sections(findings.searches, properties_record=properties_record)
                 ),
-                *([] if findings.distributed is None else [distributed_section(findings.distributed)]),
-                *(
-                    []
-                    if findings.distributed_search is None
-                    else [distributed_search_section(findings.distributed_search)]
-                ),
-                *([] if findings.torchrun is None else [torchrun_section(findings.torchrun)]),
-                *(
-                    []
-                    if findings.context_parallel_search is None
-                    else [context_parallel_section(findings.context_parallel_search)]
-                ),
-                *([] if findings.aux_loss_search is None else [aux_loss_section(findings.aux_loss_search)]),
-                *([] if findings.packed_search is None else [packed_section(findings.packed_search)]),
-                *([] if findings.policy_search is None else [policy_section(findings.policy_search)]),
-                *(
-                    []
-                    if findings.precision_search is None
-                    else [
-                        precision_section(
-                            findings.precision_search,
-                            [
-                                search.table
-                                for search in (
-                                    findings.distributed_search,
-                                    findings.context_parallel_search,
-                                    findings.aux_loss_search,
-                                )
-                                if search is not None
-                            ],
-                        )
-                    ]
-                ),
+                *_distributed_and_search_sections(findings),
                 moe_section(findings.moe),
                 *([] if findings.tensor_parallel is None else [tensor_parallel_section(findings.tensor_parallel)]),
                 *([] if findings.pipeline is None else [pipeline_section(findings.pipeline)]),
@@ -199,3 +167,40 @@ def render_equivalence(findings: EquivalenceFindings, *, properties_record: Path
         )
         + "\n"
     )
+
+
+def _distributed_and_search_sections(findings: EquivalenceFindings) -> list[str]:
+    """The sections measured only with searches on, in the report's order: distributed and loss-scale windows,
+    the distributed search, torchrun, the context-parallel, aux-loss, packed and policy searches, and the
+    precision section, which also reads the tables of the distributed searches that ran."""
+    return [
+        *([] if findings.distributed is None else [distributed_section(findings.distributed)]),
+        *([] if findings.distributed_search is None else [distributed_search_section(findings.distributed_search)]),
+        *([] if findings.torchrun is None else [torchrun_section(findings.torchrun)]),
+        *(
+            []
+            if findings.context_parallel_search is None
+            else [context_parallel_section(findings.context_parallel_search)]
+        ),
+        *([] if findings.aux_loss_search is None else [aux_loss_section(findings.aux_loss_search)]),
+        *([] if findings.packed_search is None else [packed_section(findings.packed_search)]),
+        *([] if findings.policy_search is None else [policy_section(findings.policy_search)]),
+        *(
+            []
+            if findings.precision_search is None
+            else [
+                precision_section(
+                    findings.precision_search,
+                    [
+                        search.table
+                        for search in (
+                            findings.distributed_search,
+                            findings.context_parallel_search,
+                            findings.aux_loss_search,
+                        )
+                        if search is not None
+                    ],
+                )
+            ]
+        ),
+    ]
