@@ -119,38 +119,10 @@ class Accumulator:
     ) -> None:
         self.ddp = params if isinstance(params, DistributedDataParallel) else None
         self.fsdp = params if isinstance(params, FSDPModule) else None
-        params_list = list(params.parameters() if isinstance(params, nn.Module) else params)
-        self.params: list[nn.Parameter] = [p for p in params_list if p.requires_grad]
-        if not self.params:
-            raise ValueError("Accumulator needs at least one parameter with requires_grad=True, got none")
-        devices = sorted({str(p.device) for p in self.params})
-        if len(devices) > 1:
-            raise ValueError(
-                f"parameters must all be on one device so the window's state can live there, "
-                f"got parameters on {devices}"
-            )
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
-        if accumulate_dtype is not None and not accumulate_dtype.is_floating_point:
-            raise ValueError(f"accumulate_dtype must be a floating dtype, got {accumulate_dtype}")
-        widening = accumulate_dtype is not None and any(
-            torch.finfo(accumulate_dtype).bits > torch.finfo(p.dtype).bits for p in self.params
+        self.params: list[nn.Parameter] = _trainable_parameters(params)
+        widening = self._check_options(
+            max_grad_norm=max_grad_norm, grad_scaler=grad_scaler, accumulate_dtype=accumulate_dtype
         )
-        if grad_scaler is not None and widening:
-            # PyTorch forbids a .grad of another dtype, so GradScaler could not
-            # see wide buffers.  The AMP recipe keeps float32 parameters
-            # (autocast lowers only the activations), which needs no buffer.
-            raise ValueError(
-                f"grad_scaler with accumulate_dtype={accumulate_dtype} wider than the parameters is not supported; "
-                "keep float32 parameters under torch.autocast (no wider buffer needed)"
-            )
-        if self.ddp is not None and widening:
-            # DDP all-reduces .grad; a wide buffer drained after each micro-batch
-            # would keep the earlier micro-batches' sums out of that all-reduce.
-            raise ValueError(
-                f"accumulate_dtype={accumulate_dtype} wider than the parameters is not supported under "
-                "DistributedDataParallel; accumulate in the parameters' dtype"
-            )
         #: Under FSDP2: the group the window's item count is summed over.
         self._group: dist.ProcessGroup | None = (
             self._prepare_fsdp(self.fsdp, widening=widening, grad_scaler=grad_scaler) if self.fsdp is not None else None
@@ -251,7 +223,21 @@ class Accumulator:
         """Close the window: normalise by its total items, clip, step, clear."""
         if self._micro_batches == 0:
             raise RuntimeError("step() called with no micro-batch since the last step; call backward() first")
-        micro_batches, items = self._micro_batches, self._items
+        micro_batches = self._micro_batches
+        items, accumulated = self._window_total(micro_batches)
+        grad_norm = self._normalise_and_clip(accumulated, items)
+        # The optimizer reads .grad: the wide buffers go back in the parameters' dtype, rounded once.
+        for p, buf in zip(self._buffered, self._buffers, strict=True):
+            p.grad = buf.to(p.dtype)
+        stepped = self._step_optimizer()
+        self._clear()
+        return WindowResult(micro_batches=micro_batches, items=items, grad_norm=grad_norm, stepped=stepped)
+
+    # ----------------------------------------------------------------- helpers
+    def _window_total(self, micro_batches: int) -> tuple[int | Tensor, list[Tensor]]:
+        """The window's item count over every rank (refused when 0) and the tensors holding its gradient
+        sums, with DDP's averaging over ranks undone."""
+        items = self._items
         accumulated = self._accumulated()
         if self.ddp is not None:
             items, accumulated = self._synchronise_count(items, accumulated)
@@ -273,6 +259,11 @@ class Accumulator:
                 f"the window's {micro_batches} micro-batches hold 0 items in total; nothing to normalise by"
             )
 
+        return items, accumulated
+
+    def _normalise_and_clip(self, accumulated: list[Tensor], items: int | Tensor) -> Tensor | None:
+        """Divide the gradient sums by the window's item count once, unscale them, and clip them once;
+        the norm before clipping (None without clipping)."""
         if accumulated:
             # Divide by the count itself rather than multiply by a rounded
             # reciprocal: the same operation a mean reduction performs.
@@ -280,26 +271,26 @@ class Accumulator:
             torch._foreach_div_(accumulated, divisor)
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
+        if self.max_grad_norm is None:
+            return None
+        # Once per window, on the accumulated gradient, in the accumulation dtype.
+        # Under FSDP2 the tensors are DTensor shards: get_total_norm reduces
+        # the shards' norms over ranks (the global norm, as
+        # torch.nn.utils.clip_grad_norm_ does on DTensors) and returns a
+        # replicated DTensor, so every rank scales its shard by one coefficient.
+        grad_norm = torch.nn.utils.get_total_norm(accumulated, self.norm_type, foreach=True)
+        # torch.nn.utils.clip_grad_norm_'s formula, applied to the accumulated
+        # tensors (it only reaches p.grad, not wide buffers); the clamp keeps
+        # it free of a host sync.
+        clip_coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
+        torch._foreach_mul_(accumulated, clip_coef)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()  # replicated: no communication
+        return grad_norm
 
-        grad_norm = None
-        if self.max_grad_norm is not None:
-            # Once per window, on the accumulated gradient, in the accumulation dtype.
-            # Under FSDP2 the tensors are DTensor shards: get_total_norm reduces
-            # the shards' norms over ranks (the global norm, as
-            # torch.nn.utils.clip_grad_norm_ does on DTensors) and returns a
-            # replicated DTensor, so every rank scales its shard by one coefficient.
-            grad_norm = torch.nn.utils.get_total_norm(accumulated, self.norm_type, foreach=True)
-            # torch.nn.utils.clip_grad_norm_'s formula, applied to the accumulated
-            # tensors (it only reaches p.grad, not wide buffers); the clamp keeps
-            # it free of a host sync.
-            clip_coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
-            torch._foreach_mul_(accumulated, clip_coef)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()  # replicated: no communication
-
-        for p, buf in zip(self._buffered, self._buffers, strict=True):
-            p.grad = buf.to(p.dtype)
-
+    def _step_optimizer(self) -> bool:
+        """Step the optimizer (through the grad scaler, if any) and the scheduler; False when the scaler
+        found inf/nan and skipped the window."""
         stepped = True
         if self.grad_scaler is not None:
             scale_before = self.grad_scaler.get_scale()
@@ -311,11 +302,41 @@ class Accumulator:
             self.optimizer.step()
         if self.scheduler is not None and stepped:
             self.scheduler.step()
+        return stepped
 
-        self._clear()
-        return WindowResult(micro_batches=micro_batches, items=items, grad_norm=grad_norm, stepped=stepped)
+    def _check_options(
+        self,
+        *,
+        max_grad_norm: float | None,
+        grad_scaler: torch.amp.GradScaler | None,
+        accumulate_dtype: torch.dtype | None,
+    ) -> bool:
+        """Refuse options that cannot work together; return whether ``accumulate_dtype`` widens a
+        parameter (a wide buffer is then kept beside ``.grad``)."""
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        if accumulate_dtype is not None and not accumulate_dtype.is_floating_point:
+            raise ValueError(f"accumulate_dtype must be a floating dtype, got {accumulate_dtype}")
+        widening = accumulate_dtype is not None and any(
+            torch.finfo(accumulate_dtype).bits > torch.finfo(p.dtype).bits for p in self.params
+        )
+        if grad_scaler is not None and widening:
+            # PyTorch forbids a .grad of another dtype, so GradScaler could not
+            # see wide buffers.  The AMP recipe keeps float32 parameters
+            # (autocast lowers only the activations), which needs no buffer.
+            raise ValueError(
+                f"grad_scaler with accumulate_dtype={accumulate_dtype} wider than the parameters is not supported; "
+                "keep float32 parameters under torch.autocast (no wider buffer needed)"
+            )
+        if self.ddp is not None and widening:
+            # DDP all-reduces .grad; a wide buffer drained after each micro-batch
+            # would keep the earlier micro-batches' sums out of that all-reduce.
+            raise ValueError(
+                f"accumulate_dtype={accumulate_dtype} wider than the parameters is not supported under "
+                "DistributedDataParallel; accumulate in the parameters' dtype"
+            )
+        return widening
 
-    # ----------------------------------------------------------------- helpers
     def _synchronise_count(self, items: int | Tensor, accumulated: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """The global item count (one all-reduce per window), and the gradient
         sums with DDP's averaging over ranks undone."""
@@ -402,6 +423,20 @@ class Accumulator:
             torch._foreach_zero_(self._buffers)
         self._micro_batches = 0
         self._items = 0
+
+
+def _trainable_parameters(params: nn.Module | Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters that train (``requires_grad``), refused when there are none or they span devices."""
+    params_list = list(params.parameters() if isinstance(params, nn.Module) else params)
+    trainable = [p for p in params_list if p.requires_grad]
+    if not trainable:
+        raise ValueError("Accumulator needs at least one parameter with requires_grad=True, got none")
+    devices = sorted({str(p.device) for p in trainable})
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters must all be on one device so the window's state can live there, got parameters on {devices}"
+        )
+    return trainable
 
 
 def accumulator_step(
