@@ -17,7 +17,10 @@ check, an audited window, a peer's whole run) is made here, one way:
   verdict depends on them) and the candidate, and turns them into rows;
 - :mod:`~equiv.judging.contract`, :mod:`~equiv.judging.deadline`,
   :mod:`~equiv.judging.inherent`: the candidate contract, the wall-clock limit,
-  and the layers no accumulation can reproduce.
+  and the layers no accumulation can reproduce;
+- :mod:`~equiv.judging.witness`: the weights a failing window gave each
+  micro-batch's loss, recovered from its gradient and named (issue 44; not yet
+  shown by the front doors).
 
 No entry points and no messages here: the front doors (:mod:`equiv.checking`,
 :mod:`equiv.auditing`, :mod:`equiv.peers`) build a run source, ask the judge and

@@ -2,7 +2,8 @@
 (:class:`~equiv.results.verdict.TensorDiff`), the verdict on one case
 (:class:`~equiv.results.verdict.Verdict`), the verdict on W ranks
 (:class:`~equiv.results.distributed.DistributedVerdict`), what of a verdict holds on every
-machine (:mod:`~equiv.results.facts`), and an audit's windows and counts (:mod:`~equiv.results.audit`).
+machine (:mod:`~equiv.results.facts`), an audit's windows and counts (:mod:`~equiv.results.audit`), and the
+weights a failing window gave its micro-batches (:mod:`~equiv.results.witness`, not yet in a result).
 
 One protocol, one schema
 ------------------------

@@ -20,12 +20,17 @@ from equiv.batches import MicroBatches
 from equiv.losses import Loss
 
 __all__ = [
+    "FULL_BATCH",
     "KINDS",
+    "NORMALISERS",
     "ORDERS",
     "PER_MICRO_BATCH_CLIPPING",
     "WINDOW_BOUNDARY",
     "Kind",
+    "Normaliser",
+    "SumWeighting",
     "Weighting",
+    "Window",
     "exact_weights",
     "ordered",
     "weighted_step",
@@ -137,3 +142,118 @@ def weighted_step(weights: Weighting, n: int | None, order: str = "in order") ->
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+# --- The witness's table: the weight each micro-batch's loss SUM got -----------------------------------------------
+#
+# KINDS above are the weightings ``equiv check``'s classifier tries, as weights of micro-batch MEANS; the witness
+# (equiv.judging.witness, issue 44) reads the weights a run applied to each micro-batch's loss SUM, recovered from
+# its accumulated gradient, and names them from NORMALISERS below: KINDS converted (a mean's weight / n_i is its
+# sum's weight), so that the two speak of the same kinds by the same names, and the normalisers no check's kind
+# is (the full batch, a per-rank mean, a count off by one per row, a uniform scale).  KINDS itself is unchanged:
+# it feeds reports/peers.md and equiv check's failure kinds.
+
+
+@dataclass(frozen=True)
+class Window:
+    """What a normaliser may read of an accumulation window."""
+
+    #: the items (samples, tokens) of each micro-batch's loss
+    counts: tuple[float, ...]
+    #: the micro-batches per optimizer step the run was configured with (None: not known)
+    configured_n: int | None = None
+    #: the rank each micro-batch ran on (None: one process, or not known)
+    ranks: tuple[int, ...] | None = None
+    #: the rows (sequences) of each micro-batch (None: not known), for a count off by one per row
+    rows: tuple[int, ...] | None = None
+
+
+#: A window -> the weight of each micro-batch's loss SUM, or None where the normaliser cannot apply to it.
+SumWeighting = Callable[[Window], "list[float] | None"]
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """One way a loop normalises a window's loss: the weight it gives each micro-batch's loss sum."""
+
+    name: str
+    weights: SumWeighting
+    #: what the loop did, in one short clause (a verdict's line carries it)
+    means: str
+    #: the weight of micro-batch i's loss sum, as a formula (n_i its items, N the window's, k its micro-batches)
+    formula: str
+    #: compared up to one common factor, which the fit supplies (a family: "uniform scale x c")
+    up_to_scale: bool = False
+
+
+def _full_batch_sums(window: Window) -> list[float]:
+    """The full batch's: every item weighted 1/N, so each micro-batch's sum 1/N."""
+    total = sum(window.counts)
+    return [1.0 / total] * len(window.counts)
+
+
+def _kind_sums(kind: Kind) -> SumWeighting:
+    """A kind's weights of micro-batch means as weights of their sums (a mean is its sum / n_i)."""
+
+    def weights(window: Window) -> list[float] | None:
+        steps = len(window.counts)
+        if kind.needs_configured_n and (window.configured_n is None or steps >= window.configured_n):
+            return None  # a full window divided by N is the mean of means: only a shorter one is this kind
+        of_means = kind.weights(list(window.counts), window.configured_n or steps)
+        return [weight / count for weight, count in zip(of_means, window.counts, strict=True)]
+
+    return weights
+
+
+def _per_rank_mean_sums(window: Window) -> list[float] | None:
+    """Each rank normalised by its own items, the ranks' gradients then averaged (DDP's all-reduce mean)."""
+    if window.ranks is None or len(set(window.ranks)) < 2:
+        return None
+    rank_items: dict[int, float] = {}
+    for rank, count in zip(window.ranks, window.counts, strict=True):
+        rank_items[rank] = rank_items.get(rank, 0.0) + count
+    return [1.0 / (len(rank_items) * rank_items[rank]) for rank in window.ranks]
+
+
+def _counted_before_the_shift_sums(window: Window) -> list[float] | None:
+    """The full batch's divisor counted from the labels before the causal shift: one item too many per row."""
+    if window.rows is None:
+        return None
+    total = sum(window.counts) + sum(window.rows)
+    return [1.0 / total] * len(window.counts)
+
+
+#: The short clause and formula of each of KINDS' weightings as weights of sums.
+_KIND_CLAUSES: dict[str, tuple[str, str]] = {
+    "mean of means": ("each micro-batch's mean averaged over the window", "1/(k n_i)"),
+    "tail divided by N": ("a short window's micro-batch means divided by the configured N", "1/(N_cfg n_i)"),
+    "sum without division": ("each micro-batch's mean summed, never divided", "1/n_i"),
+}
+
+FULL_BATCH = Normaliser("full batch", _full_batch_sums, "every item weighted alike", "1/N")
+
+#: Every normaliser the witness names, in the order it prefers one when several fit the same weights; KINDS'
+#: weightings under their own names (what equiv check's classifier calls them), the rest after them.
+NORMALISERS: tuple[Normaliser, ...] = (
+    FULL_BATCH,
+    *(Normaliser(kind.name, _kind_sums(kind), *_KIND_CLAUSES[kind.name]) for kind in KINDS),
+    Normaliser(
+        "per-rank mean",
+        _per_rank_mean_sums,
+        "each rank's loss divided by its own items, the ranks then averaged",
+        "1/(R N_r)",
+    ),
+    Normaliser(
+        "count off by one per row",
+        _counted_before_the_shift_sums,
+        "the items counted from the labels before the shift, one too many per row",
+        "1/(N + rows)",
+    ),
+    Normaliser(
+        "uniform scale",
+        _full_batch_sums,
+        "the full batch's weights times one factor (a loss scale left in, a world size applied twice)",
+        "c/N",
+        up_to_scale=True,
+    ),
+)
