@@ -384,50 +384,34 @@ def cases(
     devices: Sequence[str] = ("cpu",),
     max_seed: int = 2**16,
 ) -> st.SearchStrategy[Case]:
-    """Return a strategy for :class:`~equiv.cases.case.Case` objects composed from
-    :func:`micro_batch_splits`, :func:`models`, :func:`optimizers` and
-    :func:`losses`.
+    """Return a strategy for :class:`~equiv.cases.case.Case` objects composed from :func:`micro_batch_splits`,
+    :func:`models`, :func:`optimizers` and :func:`losses`.
 
-    Micro-batches: ``min_micro_batches`` (1) to ``max_micro_batches`` (None:
-    :data:`DEFAULT_MAX_MICRO_BATCHES`, 32), never more than the batch has
-    samples.  About four cases in five have at most
-    :data:`FEW_MICRO_BATCHES` (8), fewer more likely, cut anywhere; the
-    others have 9 up to ``max_micro_batches`` (16 and 32 weighted up), cut as
-    evenly as possible or anywhere, with the tiny shapes of :func:`models`
-    (``tiny=True``) so that N forward passes stay cheap.  A batch holds its
-    micro-batch count (at least ``min_batch_size``, 1) plus 0 to
-    :data:`DEFAULT_MAX_EXTRA_SAMPLES` (8) samples, or, when
-    ``max_batch_size`` is given, plus 0 up to that many samples, capped at
-    ``max_batch_size`` (micro-batch counts are capped there too: a micro-batch
-    needs a sample).
+    Micro-batches: ``min_micro_batches`` (1) to ``max_micro_batches`` (None: :data:`DEFAULT_MAX_MICRO_BATCHES`, 32),
+    never more than the batch has samples.  About four cases in five have at most :data:`FEW_MICRO_BATCHES` (8), fewer
+    more likely, cut anywhere; the others have 9 up to ``max_micro_batches`` (16 and 32 weighted up), cut as evenly as
+    possible or anywhere, with the tiny shapes of :func:`models` (``tiny=True``) so that N forward passes stay cheap.  A
+    batch holds its micro-batch count (at least ``min_batch_size``, 1) plus 0 to :data:`DEFAULT_MAX_EXTRA_SAMPLES` (8)
+    samples, or, when ``max_batch_size`` is given, plus 0 up to that many samples, capped at ``max_batch_size``
+    (micro-batch counts are capped there too: a micro-batch needs a sample).
 
-    The rest: every model family fitting the loss (``families``: model
-    families for sample losses, token families are used for the token loss);
-    every optimizer (``optimizer_names``); the sample-mean losses unless
-    ``item_weighted=True`` (``loss_names`` picks exactly); no BatchNorm, no
-    dropout; 2..3 steps (at least 2, so leaks across steps show);
-    ``clipping`` among "none", "inactive" (a norm of 1e6) and "active" (a
-    norm far below the gradient's); no LR scheduler (``schedulers`` lists
-    names of :data:`SCHEDULERS`, None for none); no loss scaling
-    (``loss_scaling`` lists regimes of :data:`LOSS_SCALING`: "dynamic" draws
-    a power-of-two ``loss_scale`` from 2 to 2**16 and a
-    ``scale_growth_interval`` of None, 1 or 2 clean windows, "overflow" also
-    an ``overflow_at`` window and sample, never in a model whose inputs are
-    tokens); ``param_groups``: one group
-    (None) or a recipe of :data:`PARAM_GROUPS`, each equally often; the
-    layers frozen in half the cases, as fine-tuning freezes them (``frozen_layers``:
-    the choices to draw from, among :data:`FROZEN_LAYERS`: the bottom, the base under
-    a trainable head, a middle layer with trainable layers below it, the head); working dtypes float32 and float64 (bfloat16
-    only when listed; the float64 tier runs for every case); device "cpu";
-    seeds 0..``max_seed``.
+    The rest: every model family fitting the loss (``families``: model families for sample losses, token families are
+    used for the token loss); every optimizer (``optimizer_names``); the sample-mean losses unless
+    ``item_weighted=True`` (``loss_names`` picks exactly); no BatchNorm, no dropout; 2..3 steps (at least 2, so leaks
+    across steps show); ``clipping`` among "none", "inactive" (a norm of 1e6) and "active" (a norm far below the
+    gradient's); no LR scheduler (``schedulers`` lists names of :data:`SCHEDULERS`, None for none); no loss scaling
+    (``loss_scaling`` lists regimes of :data:`LOSS_SCALING`: "dynamic" draws a power-of-two ``loss_scale`` from 2 to
+    2**16 and a ``scale_growth_interval`` of None, 1 or 2 clean windows, "overflow" also an ``overflow_at`` window and
+    sample, never in a model whose inputs are tokens); ``param_groups``: one group (None) or a recipe of
+    :data:`PARAM_GROUPS`, each equally often; the layers frozen in half the cases, as fine-tuning freezes them
+    (``frozen_layers``: the choices to draw from, among :data:`FROZEN_LAYERS`: the bottom, the base under a trainable
+    head, a middle layer with trainable layers below it, the head); working dtypes float32 and float64 (bfloat16 only
+    when listed; the float64 tier runs for every case); device "cpu"; seeds 0..``max_seed``.
 
-    Shrinks toward a batch of 1 or 2 in few pieces, a small model, SGD, MSE,
-    one parameter group, nothing frozen, two steps, no scheduler, no loss
-    scale (then no overflow, no growth, the overflow in the first window's
-    first sample), seed 0: the micro-batch
-    count is one choice, and no other choice changes meaning with it, so a
-    case found with 32 micro-batches still shrinks to 2 when 2 show the
-    difference.
+    Shrinks toward a batch of 1 or 2 in few pieces, a small model, SGD, MSE, one parameter group, nothing frozen, two
+    steps, no scheduler, no loss scale (then no overflow, no growth, the overflow in the first window's first sample),
+    seed 0: the micro-batch count is one choice, and no other choice changes meaning with it, so a case found with 32
+    micro-batches still shrinks to 2 when 2 show the difference.
     """
     # The keywords as given (locals() holds exactly them here), checked and
     # turned into what each case is drawn from, in the order of the messages.
@@ -640,7 +624,6 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
     hide a mean of means).  The helpers draw with ``draw`` (no strategy of
     their own), so the choices are the same as when this was one function."""
     count = draw(plan.counts)
-    many = count > FEW_MICRO_BATCHES
     batch_size = max(plan.low_batch, count) + draw(st.integers(0, plan.extra_samples))
     if plan.max_batch_size is not None:
         batch_size = min(batch_size, plan.max_batch_size)
@@ -651,17 +634,7 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
     even = draw(st.booleans())
     max_grad_norm = _draw_clip_norm(draw, plan.clipping)
     loss = draw(st.sampled_from(plan.losses))
-    model, model_kwargs = draw(plan.models[loss, many])
-    frozen = draw(plan.frozen)
-    optimizer, optimizer_kwargs = draw(plan.optimizers)
-    if optimizer in MATRIX_ONLY_OPTIMIZERS:
-        # Every parameter a matrix: an MLP without biases or norms (a function of the
-        # draw, so shrinking the optimizer back to SGD gives the drawn model back).
-        assume(model == "mlp")
-        model_kwargs = {**model_kwargs, "bias": False, "norm": "none"}
-    groups = draw(plan.groups)
-    # "no_decay" splits off biases and norm weights, which a matrix-only model has none of.
-    assume(not (optimizer in MATRIX_ONLY_OPTIMIZERS and groups == "no_decay"))
+    trained = _draw_model_and_optimizer(draw, plan, loss=loss, tiny=count > FEW_MICRO_BATCHES)
     scheduler = draw(st.sampled_from(plan.schedulers))
     steps = draw(st.integers(plan.min_steps, plan.max_steps))
     dtype = draw(st.sampled_from(plan.dtypes))
@@ -669,22 +642,17 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
     seed = draw(st.integers(0, plan.max_seed))
     # Before the cut (whose number of choices follows the count), so that
     # lowering the count leaves these choices where they were.
-    scaled = _draw_loss_scaling(draw, plan.scaling, model=model, steps=steps, batch_size=batch_size)
+    scaled = _draw_loss_scaling(draw, plan.scaling, model=trained["model"], steps=steps, batch_size=batch_size)
     sizes = _cut_into(draw, batch_size, count)
-    if many and even:
+    if count > FEW_MICRO_BATCHES and even:
         sizes = tuple(even_sizes(batch_size, count))
     # BatchNorm1d after a linear layer cannot train on a single sample
     # (one value per channel): such a micro-batch is no case at all.
-    assume(not (model == "mlp" and model_kwargs.get("norm") == "batch" and min(sizes) < 2))
+    assume(not (trained["model"] == "mlp" and trained["model_kwargs"].get("norm") == "batch" and min(sizes) < 2))
     return Case(
         batch_size=batch_size,
         micro_batch_sizes=sizes,
-        model=model,
-        model_kwargs=model_kwargs,
-        frozen_layers=frozen,
-        optimizer=optimizer,
-        optimizer_kwargs=optimizer_kwargs,
-        param_groups=groups,
+        **trained,
         loss=loss,
         steps=steps,
         max_grad_norm=max_grad_norm,
@@ -695,6 +663,32 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
         device=device,
         seed=seed,
     )
+
+
+def _draw_model_and_optimizer(draw: st.DrawFn, plan: _CasePlan, *, loss: str, tiny: bool) -> dict[str, Any]:
+    """The case's model, its frozen layers, its optimizer and parameter groups, as
+    :class:`~equiv.cases.case.Case` fields: the model is drawn for the loss (its
+    tiny shapes for a case with many micro-batches), and a matrix-only optimizer
+    takes a bias-free, norm-free MLP."""
+    model, model_kwargs = draw(plan.models[loss, tiny])
+    frozen = draw(plan.frozen)
+    optimizer, optimizer_kwargs = draw(plan.optimizers)
+    if optimizer in MATRIX_ONLY_OPTIMIZERS:
+        # Every parameter a matrix: an MLP without biases or norms (a function of the
+        # draw, so shrinking the optimizer back to SGD gives the drawn model back).
+        assume(model == "mlp")
+        model_kwargs = {**model_kwargs, "bias": False, "norm": "none"}
+    groups = draw(plan.groups)
+    # "no_decay" splits off biases and norm weights, which a matrix-only model has none of.
+    assume(not (optimizer in MATRIX_ONLY_OPTIMIZERS and groups == "no_decay"))
+    return {
+        "model": model,
+        "model_kwargs": model_kwargs,
+        "frozen_layers": frozen,
+        "optimizer": optimizer,
+        "optimizer_kwargs": optimizer_kwargs,
+        "param_groups": groups,
+    }
 
 
 def _draw_clip_norm(draw: st.DrawFn, clipping: tuple[str, ...]) -> float | None:
