@@ -22,8 +22,13 @@ from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model
 from equiv.cases.validation import (
     UNSUPPORTED_OPTIMIZERS,
     InvalidCase,
+    _check_frozen_layers,
     _check_import_allowed,
+    _check_loss,
+    _check_micro_batches,
+    _check_optimizer,
     _check_optimizer_kwargs,
+    _check_scheduler,
     _check_target,
     _did_you_mean,
     _optimizer_names,
@@ -250,32 +255,9 @@ class Case:
         object.__setattr__(self, "scheduler_kwargs", {**self.scheduler_kwargs, "schedulers": normalised})
 
     def _validate(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise InvalidCase(f"batch_size must be a positive int, got {self.batch_size!r}")
-        sizes = self.micro_batch_sizes
-        if not sizes:
-            raise InvalidCase("micro_batch_sizes must hold at least one micro-batch, got ()")
-        for index, size in enumerate(sizes):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise InvalidCase(
-                    f"micro-batch {index} has size {size!r}; every micro-batch needs at least one sample "
-                    f"(micro_batch_sizes={sizes})"
-                )
-        if sum(sizes) != self.batch_size:
-            raise InvalidCase(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, but batch_size is {self.batch_size}")
-        frozen = self.frozen_layers
-        valid_int = isinstance(frozen, int) and not isinstance(frozen, bool)
-        valid_tuple = (
-            isinstance(frozen, tuple)
-            and len(frozen) > 0
-            and len(set(frozen)) == len(frozen)
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in frozen)
-        )
-        if not (valid_int or valid_tuple):
-            raise InvalidCase(
-                f"frozen_layers must be an int (k: the first k layers, -k: all but the last k) or a "
-                f"non-empty tuple of distinct layer indices, got {frozen!r}"
-            )
+        """Each field checked in turn: the first that cannot describe a run raises :class:`InvalidCase`."""
+        _check_micro_batches(self.batch_size, self.micro_batch_sizes)
+        _check_frozen_layers(self.frozen_layers)
         if self.param_groups is not None and self.param_groups not in PARAM_GROUPS:
             raise InvalidCase(
                 f"unknown param_groups {self.param_groups!r}; expected None or one of {sorted(PARAM_GROUPS)}"
@@ -284,75 +266,55 @@ class Case:
             raise InvalidCase(f"steps must be a positive int, got {self.steps!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise InvalidCase(f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
-        if self.loss_scale is not None and not self.loss_scale > 0:
-            raise InvalidCase(f"loss_scale must be positive or None, got {self.loss_scale!r}")
-        if self.overflow_at is not None:
-            if self.loss_scale is None:
-                raise InvalidCase(
-                    f"overflow_at={self.overflow_at} needs loss_scale: without loss scaling an "
-                    "overflow is a non-finite loss, not a window to skip"
-                )
-            step, sample = self.overflow_at
-            if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
-                raise InvalidCase(
-                    f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
-                    f"x samples 0..{self.batch_size - 1}"
-                )
+        self._validate_loss_scale()
         self._validate_empty_samples()
-        if self.scale_growth_interval is not None:
-            interval = self.scale_growth_interval
-            if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-                raise InvalidCase(
-                    f"scale_growth_interval must be a positive int (clean windows before the scale "
-                    f"doubles) or None, got {interval!r}"
-                )
-            if self.loss_scale is None:
-                raise InvalidCase(
-                    f"scale_growth_interval={interval} needs loss_scale: without loss scaling there is no scale to grow"
-                )
+        self._validate_growth_interval()
         if self.autocast is not None and self.autocast not in ("float16", "bfloat16"):
             raise InvalidCase(f"autocast must be 'float16', 'bfloat16' or None, got {self.autocast!r}")
         if self.dtype not in DTYPES:
             raise InvalidCase(
                 f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}{_did_you_mean(self.dtype, DTYPES)}"
             )
-        if isinstance(self.loss, str):
-            if self.loss not in LOSSES:
-                raise InvalidCase(
-                    f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)} or a loss object"
-                    f"{_did_you_mean(self.loss, LOSSES)}"
-                )
-        elif not (
-            callable(self.loss)
-            and callable(getattr(self.loss, "sum", None))
-            and callable(getattr(self.loss, "count", None))
-        ):
-            raise InvalidCase(
-                f"loss {self.loss!r} does not follow the sum + count protocol; expected a name in {sorted(LOSSES)} "
-                "or an object with sum(output, targets), count(targets) and __call__(output, targets) (the mean)"
-            )
+        _check_loss(self.loss)
         _check_target("model", self.model, MODELS)
         _check_target("data", self.data, DATA)
         if self.data == "toy_2x" and self.model != "scalar_linear":
             raise InvalidCase(f"data 'toy_2x' needs model 'scalar_linear', got {self.model!r}")
-        optimizer_class = getattr(torch.optim, self.optimizer, None)
-        if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise InvalidCase(
-                f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim"
-                f"{_did_you_mean(self.optimizer, _optimizer_names())}"
-            )
-        if self.optimizer in UNSUPPORTED_OPTIMIZERS:
-            raise InvalidCase(
-                f"optimizer {self.optimizer!r} is not supported: {UNSUPPORTED_OPTIMIZERS[self.optimizer]}; "
-                f"supported: {', '.join(sorted(_optimizer_names()))}"
-            )
-        if self.scheduler is not None and not inspect.isclass(getattr(torch.optim.lr_scheduler, self.scheduler, None)):
-            raise InvalidCase(
-                f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler"
-                f"{_did_you_mean(self.scheduler, _scheduler_names())}"
-            )
+        optimizer_class = _check_optimizer(self.optimizer)
+        _check_scheduler(self.scheduler)
         check_device(self.device)
         _check_optimizer_kwargs(optimizer_class, self.optimizer, self.optimizer_kwargs)
+
+    def _validate_loss_scale(self) -> None:
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise InvalidCase(f"loss_scale must be positive or None, got {self.loss_scale!r}")
+        if self.overflow_at is None:
+            return
+        if self.loss_scale is None:
+            raise InvalidCase(
+                f"overflow_at={self.overflow_at} needs loss_scale: without loss scaling an "
+                "overflow is a non-finite loss, not a window to skip"
+            )
+        step, sample = self.overflow_at
+        if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
+            raise InvalidCase(
+                f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
+                f"x samples 0..{self.batch_size - 1}"
+            )
+
+    def _validate_growth_interval(self) -> None:
+        interval = self.scale_growth_interval
+        if interval is None:
+            return
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise InvalidCase(
+                f"scale_growth_interval must be a positive int (clean windows before the scale "
+                f"doubles) or None, got {interval!r}"
+            )
+        if self.loss_scale is None:
+            raise InvalidCase(
+                f"scale_growth_interval={interval} needs loss_scale: without loss scaling there is no scale to grow"
+            )
 
     def _validate_empty_samples(self) -> None:
         empty = self.empty_samples

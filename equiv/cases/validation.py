@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from equiv.losses import LOSSES
 from equiv.names import resolve
 
 __all__ = ["UNSUPPORTED_OPTIMIZERS", "InvalidCase", "check_device"]
@@ -134,4 +135,74 @@ def _check_target(field_name: str, value: Any, names: Any) -> None:
         raise InvalidCase(
             f"unknown {field_name} {value!r}; expected one of {sorted(names)}, "
             f"a callable or an import path 'module:attribute'{_did_you_mean(value, names)}"
+        )
+
+
+def _check_micro_batches(batch_size: Any, sizes: tuple[Any, ...]) -> None:
+    """A positive batch cut into micro-batches of at least one sample each that add up to it."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidCase(f"batch_size must be a positive int, got {batch_size!r}")
+    if not sizes:
+        raise InvalidCase("micro_batch_sizes must hold at least one micro-batch, got ()")
+    for index, size in enumerate(sizes):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InvalidCase(
+                f"micro-batch {index} has size {size!r}; every micro-batch needs at least one sample "
+                f"(micro_batch_sizes={sizes})"
+            )
+    if sum(sizes) != batch_size:
+        raise InvalidCase(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, but batch_size is {batch_size}")
+
+
+def _check_frozen_layers(frozen: Any) -> None:
+    """An int (not a bool), or a non-empty tuple of distinct int layer indices."""
+    valid_int = isinstance(frozen, int) and not isinstance(frozen, bool)
+    valid_tuple = (
+        isinstance(frozen, tuple)
+        and len(frozen) > 0
+        and len(set(frozen)) == len(frozen)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in frozen)
+    )
+    if not (valid_int or valid_tuple):
+        raise InvalidCase(
+            f"frozen_layers must be an int (k: the first k layers, -k: all but the last k) or a "
+            f"non-empty tuple of distinct layer indices, got {frozen!r}"
+        )
+
+
+def _check_loss(loss: Any) -> None:
+    """A name in ``LOSSES``, or an object following the sum + count protocol."""
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise InvalidCase(
+                f"unknown loss {loss!r}; expected one of {sorted(LOSSES)} or a loss object{_did_you_mean(loss, LOSSES)}"
+            )
+    elif not (callable(loss) and callable(getattr(loss, "sum", None)) and callable(getattr(loss, "count", None))):
+        raise InvalidCase(
+            f"loss {loss!r} does not follow the sum + count protocol; expected a name in {sorted(LOSSES)} "
+            "or an object with sum(output, targets), count(targets) and __call__(output, targets) (the mean)"
+        )
+
+
+def _check_optimizer(name: str) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class ``name`` names, unless it is one of :data:`UNSUPPORTED_OPTIMIZERS`."""
+    optimizer_class = getattr(torch.optim, name, None)
+    if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise InvalidCase(
+            f"unknown optimizer {name!r}; expected a class in torch.optim{_did_you_mean(name, _optimizer_names())}"
+        )
+    if name in UNSUPPORTED_OPTIMIZERS:
+        raise InvalidCase(
+            f"optimizer {name!r} is not supported: {UNSUPPORTED_OPTIMIZERS[name]}; "
+            f"supported: {', '.join(sorted(_optimizer_names()))}"
+        )
+    return optimizer_class
+
+
+def _check_scheduler(name: str | None) -> None:
+    """None, or a class of ``torch.optim.lr_scheduler``."""
+    if name is not None and not inspect.isclass(getattr(torch.optim.lr_scheduler, name, None)):
+        raise InvalidCase(
+            f"unknown scheduler {name!r}; expected a class in torch.optim.lr_scheduler"
+            f"{_did_you_mean(name, _scheduler_names())}"
         )
