@@ -8,8 +8,6 @@ same bits whatever dtype it computes in.
 
 from __future__ import annotations
 
-import difflib
-import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -21,6 +19,22 @@ from torch import Tensor, nn
 from equiv.cases import packed as _packed  # noqa: F401  (registers the "packed_lm" family)
 from equiv.cases import policy as _policy  # noqa: F401  (registers the "policy" family)
 from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model
+from equiv.cases.validation import (
+    UNSUPPORTED_OPTIMIZERS,
+    InvalidCase,
+    _check_frozen_layers,
+    _check_import_allowed,
+    _check_loss,
+    _check_micro_batches,
+    _check_optimizer,
+    _check_optimizer_kwargs,
+    _check_scheduler,
+    _check_target,
+    _did_you_mean,
+    _optimizer_names,
+    _scheduler_names,
+    check_device,
+)
 from equiv.losses import LOSSES, Loss, build_loss
 from equiv.names import reference, resolve
 
@@ -77,19 +91,6 @@ HEAD_LR_BODY_FACTOR = 0.1
 #: scheduler_kwargs={"schedulers": [["LinearLR", {...}], ["CosineAnnealingLR",
 #: {...}]], "milestones": [2]}`` (warm-up, then cosine decay).
 COMPOSITE_SCHEDULERS: tuple[str, ...] = ("ChainedScheduler", "SequentialLR")
-
-#: ``torch.optim`` classes a case cannot name, and why: their step is not one update
-#: from the accumulated gradient, so there is no full-batch step to compare with
-#: (refused when the case is made, not from inside the first run).
-UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
-    "LBFGS": "its step(closure) re-evaluates the loss several times per step, not one update from the "
-    "accumulated gradient",
-    "SparseAdam": "it takes sparse gradients only (nn.Embedding(sparse=True)); the cases' models make dense ones",
-}
-
-
-class InvalidCase(ValueError):
-    """A case whose fields cannot describe a run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -254,32 +255,9 @@ class Case:
         object.__setattr__(self, "scheduler_kwargs", {**self.scheduler_kwargs, "schedulers": normalised})
 
     def _validate(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise InvalidCase(f"batch_size must be a positive int, got {self.batch_size!r}")
-        sizes = self.micro_batch_sizes
-        if not sizes:
-            raise InvalidCase("micro_batch_sizes must hold at least one micro-batch, got ()")
-        for index, size in enumerate(sizes):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise InvalidCase(
-                    f"micro-batch {index} has size {size!r}; every micro-batch needs at least one sample "
-                    f"(micro_batch_sizes={sizes})"
-                )
-        if sum(sizes) != self.batch_size:
-            raise InvalidCase(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, but batch_size is {self.batch_size}")
-        frozen = self.frozen_layers
-        valid_int = isinstance(frozen, int) and not isinstance(frozen, bool)
-        valid_tuple = (
-            isinstance(frozen, tuple)
-            and len(frozen) > 0
-            and len(set(frozen)) == len(frozen)
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in frozen)
-        )
-        if not (valid_int or valid_tuple):
-            raise InvalidCase(
-                f"frozen_layers must be an int (k: the first k layers, -k: all but the last k) or a "
-                f"non-empty tuple of distinct layer indices, got {frozen!r}"
-            )
+        """Each field checked in turn: the first that cannot describe a run raises :class:`InvalidCase`."""
+        _check_micro_batches(self.batch_size, self.micro_batch_sizes)
+        _check_frozen_layers(self.frozen_layers)
         if self.param_groups is not None and self.param_groups not in PARAM_GROUPS:
             raise InvalidCase(
                 f"unknown param_groups {self.param_groups!r}; expected None or one of {sorted(PARAM_GROUPS)}"
@@ -288,75 +266,55 @@ class Case:
             raise InvalidCase(f"steps must be a positive int, got {self.steps!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise InvalidCase(f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
-        if self.loss_scale is not None and not self.loss_scale > 0:
-            raise InvalidCase(f"loss_scale must be positive or None, got {self.loss_scale!r}")
-        if self.overflow_at is not None:
-            if self.loss_scale is None:
-                raise InvalidCase(
-                    f"overflow_at={self.overflow_at} needs loss_scale: without loss scaling an "
-                    "overflow is a non-finite loss, not a window to skip"
-                )
-            step, sample = self.overflow_at
-            if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
-                raise InvalidCase(
-                    f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
-                    f"x samples 0..{self.batch_size - 1}"
-                )
+        self._validate_loss_scale()
         self._validate_empty_samples()
-        if self.scale_growth_interval is not None:
-            interval = self.scale_growth_interval
-            if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-                raise InvalidCase(
-                    f"scale_growth_interval must be a positive int (clean windows before the scale "
-                    f"doubles) or None, got {interval!r}"
-                )
-            if self.loss_scale is None:
-                raise InvalidCase(
-                    f"scale_growth_interval={interval} needs loss_scale: without loss scaling there is no scale to grow"
-                )
+        self._validate_growth_interval()
         if self.autocast is not None and self.autocast not in ("float16", "bfloat16"):
             raise InvalidCase(f"autocast must be 'float16', 'bfloat16' or None, got {self.autocast!r}")
         if self.dtype not in DTYPES:
             raise InvalidCase(
                 f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}{_did_you_mean(self.dtype, DTYPES)}"
             )
-        if isinstance(self.loss, str):
-            if self.loss not in LOSSES:
-                raise InvalidCase(
-                    f"unknown loss {self.loss!r}; expected one of {sorted(LOSSES)} or a loss object"
-                    f"{_did_you_mean(self.loss, LOSSES)}"
-                )
-        elif not (
-            callable(self.loss)
-            and callable(getattr(self.loss, "sum", None))
-            and callable(getattr(self.loss, "count", None))
-        ):
-            raise InvalidCase(
-                f"loss {self.loss!r} does not follow the sum + count protocol; expected a name in {sorted(LOSSES)} "
-                "or an object with sum(output, targets), count(targets) and __call__(output, targets) (the mean)"
-            )
+        _check_loss(self.loss)
         _check_target("model", self.model, MODELS)
         _check_target("data", self.data, DATA)
         if self.data == "toy_2x" and self.model != "scalar_linear":
             raise InvalidCase(f"data 'toy_2x' needs model 'scalar_linear', got {self.model!r}")
-        optimizer_class = getattr(torch.optim, self.optimizer, None)
-        if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise InvalidCase(
-                f"unknown optimizer {self.optimizer!r}; expected a class in torch.optim"
-                f"{_did_you_mean(self.optimizer, _optimizer_names())}"
-            )
-        if self.optimizer in UNSUPPORTED_OPTIMIZERS:
-            raise InvalidCase(
-                f"optimizer {self.optimizer!r} is not supported: {UNSUPPORTED_OPTIMIZERS[self.optimizer]}; "
-                f"supported: {', '.join(sorted(_optimizer_names()))}"
-            )
-        if self.scheduler is not None and not inspect.isclass(getattr(torch.optim.lr_scheduler, self.scheduler, None)):
-            raise InvalidCase(
-                f"unknown scheduler {self.scheduler!r}; expected a class in torch.optim.lr_scheduler"
-                f"{_did_you_mean(self.scheduler, _scheduler_names())}"
-            )
+        optimizer_class = _check_optimizer(self.optimizer)
+        _check_scheduler(self.scheduler)
         check_device(self.device)
         _check_optimizer_kwargs(optimizer_class, self.optimizer, self.optimizer_kwargs)
+
+    def _validate_loss_scale(self) -> None:
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise InvalidCase(f"loss_scale must be positive or None, got {self.loss_scale!r}")
+        if self.overflow_at is None:
+            return
+        if self.loss_scale is None:
+            raise InvalidCase(
+                f"overflow_at={self.overflow_at} needs loss_scale: without loss scaling an "
+                "overflow is a non-finite loss, not a window to skip"
+            )
+        step, sample = self.overflow_at
+        if not (0 <= step < self.steps and 0 <= sample < self.batch_size):
+            raise InvalidCase(
+                f"overflow_at={self.overflow_at} is outside steps 0..{self.steps - 1} "
+                f"x samples 0..{self.batch_size - 1}"
+            )
+
+    def _validate_growth_interval(self) -> None:
+        interval = self.scale_growth_interval
+        if interval is None:
+            return
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise InvalidCase(
+                f"scale_growth_interval must be a positive int (clean windows before the scale "
+                f"doubles) or None, got {interval!r}"
+            )
+        if self.loss_scale is None:
+            raise InvalidCase(
+                f"scale_growth_interval={interval} needs loss_scale: without loss scaling there is no scale to grow"
+            )
 
     def _validate_empty_samples(self) -> None:
         empty = self.empty_samples
@@ -664,110 +622,6 @@ def _build_scheduler(name: str, kwargs: Mapping[str, Any], optimizer: torch.opti
         return getattr(torch.optim.lr_scheduler, name)(optimizer=optimizer, **kwargs)
     except (TypeError, ValueError) as exc:
         raise InvalidCase(f"scheduler {name}(**{dict(kwargs)!r}) rejected: {exc}") from None
-
-
-@functools.cache
-def _optimizer_names() -> list[str]:
-    """The ``torch.optim`` classes a case can name (every optimizer but :data:`UNSUPPORTED_OPTIMIZERS`)."""
-    return [
-        name
-        for name, value in vars(torch.optim).items()
-        if inspect.isclass(value)
-        and issubclass(value, torch.optim.Optimizer)
-        and value is not torch.optim.Optimizer
-        and name not in UNSUPPORTED_OPTIMIZERS
-    ]
-
-
-@functools.cache
-def _scheduler_names() -> list[str]:
-    return [
-        name
-        for name, value in vars(torch.optim.lr_scheduler).items()
-        if inspect.isclass(value) and not name.startswith("_")
-    ]
-
-
-def _did_you_mean(value: Any, names: Iterable[str]) -> str:
-    """ " (did you mean 'AdamW'?)" for a near miss among ``names``, else ""."""
-    if not isinstance(value, str):
-        return ""
-    by_lower = {name.lower(): name for name in names}
-    close = difflib.get_close_matches(value.lower(), list(by_lower), n=1, cutoff=0.6)
-    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
-
-
-def _check_import_allowed(field_name: str, value: Any, allowed: list[str]) -> None:
-    if not isinstance(value, str) or ":" not in value or value.startswith("<"):
-        return  # a registered name, or a description that the constructor rejects with its own reason
-    module = value.partition(":")[0]
-    if any(module == name or module.startswith(name + ".") for name in allowed):
-        return
-    raise InvalidCase(
-        f"the case's {field_name} {value!r} would import module {module!r}, which was not named: importing runs "
-        f"that module's code, so a case read from JSON imports only from modules you allow (equiv check "
-        f"--allow-import {module}, or Case.from_dict(..., allow_imports=[{module!r}]))"
-    )
-
-
-def check_device(device: str) -> None:
-    """Raise :class:`InvalidCase` unless ``device`` names a device torch can use here
-    (a CUDA device on a CPU build, or with no GPU visible, is refused up front,
-    not inside the first run)."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise InvalidCase(f"unknown device {device!r}; expected e.g. 'cpu' or 'cuda:0'") from None
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
-            raise InvalidCase(f"device {device!r} asked for, but torch {torch.__version__} here has none ({why})")
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise InvalidCase(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
-    elif parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise InvalidCase(f"device {device!r} asked for, but MPS is not available here")
-
-
-def _check_optimizer_kwargs(optimizer_class: Any, name: str, kwargs: Mapping[str, Any]) -> None:
-    """Reject bad optimizer keywords when the case is made (``lr=-1``, a misspelt name),
-    not inside the first run: built once on a dummy 2-D parameter.  An optimizer that
-    cannot be built on one even with its defaults is left to the run."""
-
-    def build(**options: Any) -> None:
-        optimizer_class([torch.zeros(2, 2, requires_grad=True)], **options)
-
-    try:
-        build(**kwargs)
-    except (TypeError, ValueError) as exc:
-        try:
-            build()
-        except Exception:
-            return  # needs more than a plain parameter (or an lr): the run will say
-        raise InvalidCase(f"optimizer {name}(**{dict(kwargs)!r}) rejected: {exc}") from None
-
-
-def _check_target(field_name: str, value: Any, names: Any) -> None:
-    """A named entry (``names``), a callable, or an import path that imports."""
-    if callable(value):
-        return
-    if not isinstance(value, str):
-        raise InvalidCase(
-            f"{field_name} must be a name in {sorted(names)}, a callable or an import path "
-            f"'module:attribute', got {type(value).__name__}: {value!r}"
-        )
-    if ":" in value:
-        try:
-            target = resolve(value)
-        except ValueError as exc:
-            raise InvalidCase(f"{field_name}: {exc}") from None
-        if not callable(target):
-            raise InvalidCase(f"{field_name} {value!r} imports {type(target).__name__}, which is not callable")
-        return
-    if value not in names:
-        raise InvalidCase(
-            f"unknown {field_name} {value!r}; expected one of {sorted(names)}, "
-            f"a callable or an import path 'module:attribute'{_did_you_mean(value, names)}"
-        )
 
 
 def _reference(value: Any) -> str:

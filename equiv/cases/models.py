@@ -10,7 +10,7 @@ the module, how to draw a batch of its inputs, and the per-sample output shape
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -191,101 +191,85 @@ def _conv_norm(norm: str, channels: int, groups: int, batch_norm: Callable[[int]
     raise ValueError(f"unknown norm {norm!r}; expected one of {list(_CONV_NORMS)}")
 
 
+@dataclass(frozen=True, slots=True)
+class _ConvKind:
+    """The layer classes of one spatial rank: a conv stack over sequences (1-d) or images (2-d)."""
+
+    conv: Callable[..., nn.Module]
+    batch_norm: Callable[[int], nn.Module]
+    dropout: Callable[[float], nn.Module]
+
+
+_CONV1D = _ConvKind(nn.Conv1d, nn.BatchNorm1d, nn.Dropout1d)
+_CONV2D = _ConvKind(nn.Conv2d, nn.BatchNorm2d, nn.Dropout2d)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ConvLayers:
+    """The keywords ``conv1d`` and ``conv2d`` share (a case's ``model_kwargs``
+    beyond the input and head shapes): the conv layers between input and head."""
+
+    channels: tuple[int, ...] = (4,)
+    kernel_size: int = 3
+    activation: str = "tanh"
+    norm: str = "none"
+    groups: int = 2
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, family: str, options: dict[str, Any]) -> _ConvLayers:
+        """The layers ``family`` was asked for; an unknown keyword is refused as a
+        builder with it in its signature would refuse it (build_model reports it)."""
+        known = {field.name for field in fields(cls)}
+        for name in options:
+            if name not in known:
+                raise TypeError(f"{family}() got an unexpected keyword argument {name!r}")
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        # A list from JSON as a tuple: the same layers whatever container named them.
+        object.__setattr__(self, "channels", tuple(self.channels))
+
+
 def _conv_stack(
-    conv: Callable[..., nn.Module],
-    batch_norm: Callable[[int], nn.Module],
-    dropout_layer: Callable[[float], nn.Module],
-    *,
-    in_channels: int,
-    channels: tuple[int, ...],
-    kernel_size: int,
-    activation: str,
-    norm: str,
-    groups: int,
-    dropout: float,
-    spatial_numel: int,
-    out_features: int,
+    kind: _ConvKind, spec: _ConvLayers, *, in_channels: int, spatial_numel: int, out_features: int
 ) -> nn.Module:
     layers: list[nn.Module] = []
     width = in_channels
-    for out_channels in channels:
+    for out_channels in spec.channels:
         # padding keeps the spatial size, so the head's input size is known.
         # A bias right before a norm is removed by it (its gradient is zero in
         # exact arithmetic, rounding noise in practice): no bias then.
         layers += [
-            conv(width, out_channels, kernel_size, padding=kernel_size // 2, bias=norm == "none"),
-            _conv_norm(norm, out_channels, groups, batch_norm),
-            _activation(activation),
+            kind.conv(width, out_channels, spec.kernel_size, padding=spec.kernel_size // 2, bias=spec.norm == "none"),
+            _conv_norm(spec.norm, out_channels, spec.groups, kind.batch_norm),
+            _activation(spec.activation),
         ]
-        if dropout > 0:
-            layers.append(dropout_layer(dropout))
+        if spec.dropout > 0:
+            layers.append(kind.dropout(spec.dropout))
         width = out_channels
     layers += [nn.Flatten(), nn.Linear(width * spatial_numel, out_features)]
     return nn.Sequential(*[layer for layer in layers if not isinstance(layer, nn.Identity)])
 
 
 @register_model("conv1d")
-def conv1d(
-    *,
-    in_channels: int = 2,
-    length: int = 5,
-    channels: tuple[int, ...] = (4,),
-    kernel_size: int = 3,
-    out_features: int = 3,
-    activation: str = "tanh",
-    norm: str = "none",
-    groups: int = 2,
-    dropout: float = 0.0,
-) -> ModelBundle:
+def conv1d(*, in_channels: int = 2, length: int = 5, out_features: int = 3, **layers: Any) -> ModelBundle:
     """Conv1d layers (odd ``kernel_size``, same padding) then a linear head on
-    the flattened features; ``norm`` is "none", "group" (GroupNorm with
+    the flattened features.  ``layers``: the keywords of :class:`_ConvLayers`
+    (``channels`` (4,), ``kernel_size`` 3, ``activation`` "tanh", ``norm``,
+    ``groups`` 2, ``dropout`` 0.0); ``norm`` is "none", "group" (GroupNorm with
     ``groups``) or "batch" (BatchNorm1d, inherently non-equivalent)."""
-    module = _conv_stack(
-        nn.Conv1d,
-        nn.BatchNorm1d,
-        nn.Dropout1d,
-        in_channels=in_channels,
-        channels=tuple(channels),
-        kernel_size=kernel_size,
-        activation=activation,
-        norm=norm,
-        groups=groups,
-        dropout=dropout,
-        spatial_numel=length,
-        out_features=out_features,
-    )
+    spec = _ConvLayers.of("conv1d", layers)
+    module = _conv_stack(_CONV1D, spec, in_channels=in_channels, spatial_numel=length, out_features=out_features)
     return ModelBundle(module, _normal_inputs(in_channels, length), (out_features,))
 
 
 @register_model("conv2d")
-def conv2d(
-    *,
-    in_channels: int = 1,
-    size: int = 4,
-    channels: tuple[int, ...] = (4,),
-    kernel_size: int = 3,
-    out_features: int = 3,
-    activation: str = "tanh",
-    norm: str = "none",
-    groups: int = 2,
-    dropout: float = 0.0,
-) -> ModelBundle:
+def conv2d(*, in_channels: int = 1, size: int = 4, out_features: int = 3, **layers: Any) -> ModelBundle:
     """Conv2d layers on ``size`` x ``size`` images (same padding) then a
-    linear head; ``norm`` as for ``conv1d`` (BatchNorm2d for "batch")."""
-    module = _conv_stack(
-        nn.Conv2d,
-        nn.BatchNorm2d,
-        nn.Dropout2d,
-        in_channels=in_channels,
-        channels=tuple(channels),
-        kernel_size=kernel_size,
-        activation=activation,
-        norm=norm,
-        groups=groups,
-        dropout=dropout,
-        spatial_numel=size * size,
-        out_features=out_features,
-    )
+    linear head; ``layers`` and ``norm`` as for ``conv1d`` (BatchNorm2d for "batch")."""
+    spec = _ConvLayers.of("conv2d", layers)
+    module = _conv_stack(_CONV2D, spec, in_channels=in_channels, spatial_numel=size * size, out_features=out_features)
     return ModelBundle(module, _normal_inputs(in_channels, size, size), (out_features,))
 
 

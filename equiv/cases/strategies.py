@@ -18,8 +18,7 @@ Models and optimizers are drawn as ``(name, kwargs)`` pairs, the two fields a
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,8 @@ from hypothesis.errors import InvalidArgument
 
 from equiv.batches import even_sizes
 from equiv.cases.case import DTYPES, PARAM_GROUPS, Case
+from equiv.cases.family_draws import family_kwargs
+from equiv.cases.optimizer_draws import optimizer_kwargs
 from equiv.losses import LOSSES
 
 __all__ = [
@@ -262,97 +263,6 @@ def micro_batch_splits(
 
 
 # ------------------------------------------------------------------ models
-def _activations() -> st.SearchStrategy[str]:
-    return st.sampled_from(["tanh", "relu", "gelu", "sigmoid", "silu"])
-
-
-def _dropout(allow_dropout: bool) -> st.SearchStrategy[float]:
-    return st.sampled_from([0.0, 0.25, 0.5]) if allow_dropout else st.just(0.0)
-
-
-def _family_kwargs(
-    family: str, *, tokens: bool, allow_batchnorm: bool, allow_dropout: bool, tiny: bool = False
-) -> st.SearchStrategy[dict[str, Any]]:
-    """``tiny``: the smallest shapes only (one hidden layer, short sequences),
-    for cases with many micro-batches, where every forward pass is paid N times."""
-    strategy = _full_family_kwargs(family, tokens=tokens, allow_batchnorm=allow_batchnorm, allow_dropout=allow_dropout)
-    # The same draws, cut down afterwards: a tiny model takes exactly the
-    # choices a full one does, so when a search shrinks a case below
-    # FEW_MICRO_BATCHES + 1 micro-batches its model draws still line up (a
-    # longer choice sequence would count as a bigger case, and the shrink be refused).
-    return strategy.map(_tiny) if tiny else strategy
-
-
-def _tiny(kwargs: dict[str, Any]) -> dict[str, Any]:
-    out = dict(kwargs)
-    if "hidden" in out and isinstance(out["hidden"], tuple):  # mlp: one hidden layer of at most 8
-        out["hidden"] = (min(out["hidden"][0], 8),)
-    if "channels" in out:  # conv: one layer
-        out["channels"] = out["channels"][:1]
-    if "layers" in out:  # gru / lstm: one layer over at most 2 steps
-        out["layers"], out["seq_len"] = 1, min(out["seq_len"], 2)
-    elif "pairs" in out:  # packed_lm: rows of 4 (two sequences, or one chosen/rejected pair)
-        out["seq_len"] = min(out["seq_len"], 4)
-    elif "seq_len" in out:  # attention / token_mlp / policy: at most 3 positions
-        out["seq_len"] = min(out["seq_len"], 3)
-    return out
-
-
-def _full_family_kwargs(
-    family: str, *, tokens: bool, allow_batchnorm: bool, allow_dropout: bool
-) -> st.SearchStrategy[dict[str, Any]]:
-    batch = ["batch"] if allow_batchnorm else []
-    if family == "mlp":
-        return st.fixed_dictionaries(
-            {
-                "hidden": st.lists(st.sampled_from([4, 8, 16]), min_size=1, max_size=2).map(tuple),
-                "activation": _activations(),
-                "norm": st.sampled_from(["none", "layer", *batch]),
-                "dropout": _dropout(allow_dropout),
-            }
-        )
-    if family in ("conv1d", "conv2d"):
-        return st.fixed_dictionaries(
-            {
-                "channels": st.lists(st.sampled_from([2, 4]), min_size=1, max_size=2).map(tuple),
-                "kernel_size": st.sampled_from([3, 1]),
-                "activation": _activations(),
-                "norm": st.sampled_from(["none", "group", *batch]),
-                "dropout": _dropout(allow_dropout),
-            }
-        )
-    if family in ("gru", "lstm"):
-        return st.fixed_dictionaries(
-            {
-                "seq_len": st.integers(1, 4),
-                "hidden": st.sampled_from([4, 6]),
-                "layers": st.integers(1, 2),
-                "dropout": _dropout(allow_dropout),
-            }
-        )
-    if family == "attention":
-        return st.fixed_dictionaries(
-            {
-                # At least 2 positions: with one, softmax is constant and the query
-                # and key projections get an exactly-zero gradient (only rounding
-                # noise, which adaptive optimizers amplify into a false mismatch).
-                "seq_len": st.integers(2, 4),
-                "heads": st.sampled_from([1, 2]),
-                "head": st.just("tokens" if tokens else "pooled"),
-                "dropout": _dropout(allow_dropout),
-            }
-        )
-    if family == "token_mlp":
-        return st.fixed_dictionaries({"width": st.sampled_from([4, 8]), "seq_len": st.integers(1, 6)})
-    if family == "packed_lm":  # at least 4 positions: room for a chosen/rejected pair (pairs set by the loss)
-        return st.fixed_dictionaries(
-            {"width": st.sampled_from([4, 8]), "seq_len": st.integers(4, 8), "pairs": st.just(False)}
-        )
-    if family == "policy":
-        return st.fixed_dictionaries({"width": st.sampled_from([4, 8]), "seq_len": st.integers(1, 6)})
-    raise InvalidArgument(f"no strategy for model family {family!r}")  # pragma: no cover
-
-
 def models(
     *,
     families: Sequence[str] | None = None,
@@ -391,7 +301,7 @@ def models(
         [
             st.tuples(
                 st.just(family),
-                _family_kwargs(
+                family_kwargs(
                     family, tokens=tokens, allow_batchnorm=allow_batchnorm, allow_dropout=allow_dropout, tiny=tiny
                 ),
             )
@@ -401,151 +311,6 @@ def models(
 
 
 # -------------------------------------------------------------- optimizers
-def _log_uniform(low: float, high: float) -> st.SearchStrategy[float]:
-    """Floats spread evenly in log space, rounded to 2 significant digits (readable)."""
-    return st.floats(math.log10(low), math.log10(high)).map(lambda e: float(f"{10**e:.2g}"))
-
-
-# eps from the default up to 1: a large eps breaks Adam's invariance to the
-# gradient's scale, so an unscaled gradient shows in the update.
-_EPS = st.sampled_from([1e-8, 1e-3, 0.1, 1.0])
-_WEIGHT_DECAY = st.sampled_from([0.0, 1e-2, 0.1])
-_BETAS = st.sampled_from([(0.9, 0.999), (0.5, 0.9), (0.0, 0.99)])
-
-
-def _sgd() -> st.SearchStrategy[dict[str, Any]]:
-    @st.composite
-    def draw(draw: st.DrawFn) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"lr": draw(_log_uniform(1e-3, 0.3))}
-        momentum = draw(st.sampled_from([0.0, 0.9, 0.5]))
-        if momentum:
-            kwargs["momentum"] = momentum
-            if draw(st.booleans()):
-                kwargs["nesterov"] = True  # needs dampening 0
-            else:
-                kwargs["dampening"] = draw(st.sampled_from([0.0, 0.3]))
-        kwargs["weight_decay"] = draw(_WEIGHT_DECAY)
-        return kwargs
-
-    return draw()
-
-
-def _optimizer_kwargs(name: str) -> st.SearchStrategy[dict[str, Any]]:
-    lr_adaptive = _log_uniform(1e-4, 1e-1)
-    table: dict[str, Callable[[], st.SearchStrategy[dict[str, Any]]]] = {
-        "SGD": _sgd,
-        "Adam": lambda: st.fixed_dictionaries(
-            {
-                "lr": lr_adaptive,
-                "betas": _BETAS,
-                "eps": _EPS,
-                "weight_decay": _WEIGHT_DECAY,
-                "amsgrad": st.booleans(),
-            }
-        ),
-        "AdamW": lambda: st.fixed_dictionaries(
-            {
-                "lr": lr_adaptive,
-                "betas": _BETAS,
-                "eps": _EPS,
-                "weight_decay": _WEIGHT_DECAY,
-                "amsgrad": st.booleans(),
-            }
-        ),
-        "Adamax": lambda: st.fixed_dictionaries(
-            {
-                "lr": lr_adaptive,
-                "betas": _BETAS,
-                "eps": _EPS,
-                "weight_decay": _WEIGHT_DECAY,
-            }
-        ),
-        "NAdam": lambda: st.fixed_dictionaries(
-            {
-                "lr": lr_adaptive,
-                "eps": _EPS,
-                "weight_decay": _WEIGHT_DECAY,
-                "momentum_decay": st.sampled_from([4e-3, 0.1]),
-                "decoupled_weight_decay": st.booleans(),
-            }
-        ),
-        "RAdam": lambda: st.fixed_dictionaries(
-            {
-                "lr": lr_adaptive,
-                "eps": _EPS,
-                "weight_decay": _WEIGHT_DECAY,
-                "decoupled_weight_decay": st.booleans(),
-            }
-        ),
-        "RMSprop": lambda: st.fixed_dictionaries(
-            {
-                "lr": lr_adaptive,
-                "alpha": st.sampled_from([0.99, 0.5]),
-                "eps": _EPS,
-                "momentum": st.sampled_from([0.0, 0.9]),
-                "centered": st.booleans(),
-                "weight_decay": _WEIGHT_DECAY,
-            }
-        ),
-        "Adagrad": lambda: st.fixed_dictionaries(
-            {
-                "lr": _log_uniform(1e-3, 0.3),
-                "lr_decay": st.sampled_from([0.0, 0.1]),
-                "eps": _EPS,
-                "initial_accumulator_value": st.sampled_from([0.0, 0.1]),
-                "weight_decay": _WEIGHT_DECAY,
-            }
-        ),
-        "Adadelta": lambda: st.fixed_dictionaries(
-            {
-                "lr": _log_uniform(0.1, 1.0),
-                "rho": st.sampled_from([0.9, 0.5]),
-                "eps": st.sampled_from([1e-6, 1e-3, 0.1]),
-                "weight_decay": _WEIGHT_DECAY,
-            }
-        ),
-        # t0=1: the running average "ax" starts at the first step, so it is
-        # compared too (the default t0 of 1e6 never starts it).
-        "ASGD": lambda: st.fixed_dictionaries(
-            {
-                "lr": _log_uniform(1e-3, 0.3),
-                "lambd": st.sampled_from([1e-4, 1e-2]),
-                "alpha": st.sampled_from([0.75, 0.5]),
-                "t0": st.sampled_from([1e6, 1.0]),
-                "weight_decay": _WEIGHT_DECAY,
-            }
-        ),
-        # Factored second moments for tensors of 2+ dims; eps1 None: the dtype's eps.
-        "Adafactor": lambda: st.fixed_dictionaries(
-            {
-                "lr": _log_uniform(1e-3, 1e-1),
-                "beta2_decay": st.sampled_from([-0.8, -0.5]),
-                "eps": st.sampled_from([(None, 1e-3), (1e-3, 1e-3)]),
-                "d": st.sampled_from([1.0, 2.0]),
-                "weight_decay": _WEIGHT_DECAY,
-            }
-        ),
-        "Rprop": lambda: st.fixed_dictionaries(
-            {
-                "lr": _log_uniform(1e-4, 1e-1),
-                "etas": st.sampled_from([(0.5, 1.2), (0.3, 1.5)]),
-                "step_sizes": st.sampled_from([(1e-6, 50.0), (1e-4, 1.0)]),
-            }
-        ),
-        # Nesterov or not, the RMS-matching lr adjustment or the default, decoupled decay.
-        "Muon": lambda: st.fixed_dictionaries(
-            {
-                "lr": _log_uniform(1e-3, 1e-1),
-                "momentum": st.sampled_from([0.95, 0.0]),
-                "nesterov": st.booleans(),
-                "weight_decay": st.sampled_from([0.0, 0.1]),
-                "adjust_lr_fn": st.sampled_from([None, "match_rms_adamw"]),
-            }
-        ),
-    }
-    return table[name]()
-
-
 def optimizers(*, names: Sequence[str] | None = None) -> st.SearchStrategy[Spec]:
     """Return a strategy for ``(optimizer, optimizer_kwargs)`` pairs: a
     ``torch.optim`` class name and its hyperparameters.
@@ -577,7 +342,7 @@ def optimizers(*, names: Sequence[str] | None = None) -> st.SearchStrategy[Spec]
     worst difference stayed below 0.15 x allowed in both tiers.
     """
     chosen = OPTIMIZERS if names is None else _check_names("names", names, OPTIMIZERS)
-    return st.one_of([st.tuples(st.just(name), _optimizer_kwargs(name)) for name in chosen])
+    return st.one_of([st.tuples(st.just(name), optimizer_kwargs(name)) for name in chosen])
 
 
 # ------------------------------------------------------------------ losses
@@ -619,50 +384,34 @@ def cases(
     devices: Sequence[str] = ("cpu",),
     max_seed: int = 2**16,
 ) -> st.SearchStrategy[Case]:
-    """Return a strategy for :class:`~equiv.cases.case.Case` objects composed from
-    :func:`micro_batch_splits`, :func:`models`, :func:`optimizers` and
-    :func:`losses`.
+    """Return a strategy for :class:`~equiv.cases.case.Case` objects composed from :func:`micro_batch_splits`,
+    :func:`models`, :func:`optimizers` and :func:`losses`.
 
-    Micro-batches: ``min_micro_batches`` (1) to ``max_micro_batches`` (None:
-    :data:`DEFAULT_MAX_MICRO_BATCHES`, 32), never more than the batch has
-    samples.  About four cases in five have at most
-    :data:`FEW_MICRO_BATCHES` (8), fewer more likely, cut anywhere; the
-    others have 9 up to ``max_micro_batches`` (16 and 32 weighted up), cut as
-    evenly as possible or anywhere, with the tiny shapes of :func:`models`
-    (``tiny=True``) so that N forward passes stay cheap.  A batch holds its
-    micro-batch count (at least ``min_batch_size``, 1) plus 0 to
-    :data:`DEFAULT_MAX_EXTRA_SAMPLES` (8) samples, or, when
-    ``max_batch_size`` is given, plus 0 up to that many samples, capped at
-    ``max_batch_size`` (micro-batch counts are capped there too: a micro-batch
-    needs a sample).
+    Micro-batches: ``min_micro_batches`` (1) to ``max_micro_batches`` (None: :data:`DEFAULT_MAX_MICRO_BATCHES`, 32),
+    never more than the batch has samples.  About four cases in five have at most :data:`FEW_MICRO_BATCHES` (8), fewer
+    more likely, cut anywhere; the others have 9 up to ``max_micro_batches`` (16 and 32 weighted up), cut as evenly as
+    possible or anywhere, with the tiny shapes of :func:`models` (``tiny=True``) so that N forward passes stay cheap.  A
+    batch holds its micro-batch count (at least ``min_batch_size``, 1) plus 0 to :data:`DEFAULT_MAX_EXTRA_SAMPLES` (8)
+    samples, or, when ``max_batch_size`` is given, plus 0 up to that many samples, capped at ``max_batch_size``
+    (micro-batch counts are capped there too: a micro-batch needs a sample).
 
-    The rest: every model family fitting the loss (``families``: model
-    families for sample losses, token families are used for the token loss);
-    every optimizer (``optimizer_names``); the sample-mean losses unless
-    ``item_weighted=True`` (``loss_names`` picks exactly); no BatchNorm, no
-    dropout; 2..3 steps (at least 2, so leaks across steps show);
-    ``clipping`` among "none", "inactive" (a norm of 1e6) and "active" (a
-    norm far below the gradient's); no LR scheduler (``schedulers`` lists
-    names of :data:`SCHEDULERS`, None for none); no loss scaling
-    (``loss_scaling`` lists regimes of :data:`LOSS_SCALING`: "dynamic" draws
-    a power-of-two ``loss_scale`` from 2 to 2**16 and a
-    ``scale_growth_interval`` of None, 1 or 2 clean windows, "overflow" also
-    an ``overflow_at`` window and sample, never in a model whose inputs are
-    tokens); ``param_groups``: one group
-    (None) or a recipe of :data:`PARAM_GROUPS`, each equally often; the
-    layers frozen in half the cases, as fine-tuning freezes them (``frozen_layers``:
-    the choices to draw from, among :data:`FROZEN_LAYERS`: the bottom, the base under
-    a trainable head, a middle layer with trainable layers below it, the head); working dtypes float32 and float64 (bfloat16
-    only when listed; the float64 tier runs for every case); device "cpu";
-    seeds 0..``max_seed``.
+    The rest: every model family fitting the loss (``families``: model families for sample losses, token families are
+    used for the token loss); every optimizer (``optimizer_names``); the sample-mean losses unless
+    ``item_weighted=True`` (``loss_names`` picks exactly); no BatchNorm, no dropout; 2..3 steps (at least 2, so leaks
+    across steps show); ``clipping`` among "none", "inactive" (a norm of 1e6) and "active" (a norm far below the
+    gradient's); no LR scheduler (``schedulers`` lists names of :data:`SCHEDULERS`, None for none); no loss scaling
+    (``loss_scaling`` lists regimes of :data:`LOSS_SCALING`: "dynamic" draws a power-of-two ``loss_scale`` from 2 to
+    2**16 and a ``scale_growth_interval`` of None, 1 or 2 clean windows, "overflow" also an ``overflow_at`` window and
+    sample, never in a model whose inputs are tokens); ``param_groups``: one group (None) or a recipe of
+    :data:`PARAM_GROUPS`, each equally often; the layers frozen in half the cases, as fine-tuning freezes them
+    (``frozen_layers``: the choices to draw from, among :data:`FROZEN_LAYERS`: the bottom, the base under a trainable
+    head, a middle layer with trainable layers below it, the head); working dtypes float32 and float64 (bfloat16 only
+    when listed; the float64 tier runs for every case); device "cpu"; seeds 0..``max_seed``.
 
-    Shrinks toward a batch of 1 or 2 in few pieces, a small model, SGD, MSE,
-    one parameter group, nothing frozen, two steps, no scheduler, no loss
-    scale (then no overflow, no growth, the overflow in the first window's
-    first sample), seed 0: the micro-batch
-    count is one choice, and no other choice changes meaning with it, so a
-    case found with 32 micro-batches still shrinks to 2 when 2 show the
-    difference.
+    Shrinks toward a batch of 1 or 2 in few pieces, a small model, SGD, MSE, one parameter group, nothing frozen, two
+    steps, no scheduler, no loss scale (then no overflow, no growth, the overflow in the first window's first sample),
+    seed 0: the micro-batch count is one choice, and no other choice changes meaning with it, so a case found with 32
+    micro-batches still shrinks to 2 when 2 show the difference.
     """
     # The keywords as given (locals() holds exactly them here), checked and
     # turned into what each case is drawn from, in the order of the messages.
@@ -875,7 +624,6 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
     hide a mean of means).  The helpers draw with ``draw`` (no strategy of
     their own), so the choices are the same as when this was one function."""
     count = draw(plan.counts)
-    many = count > FEW_MICRO_BATCHES
     batch_size = max(plan.low_batch, count) + draw(st.integers(0, plan.extra_samples))
     if plan.max_batch_size is not None:
         batch_size = min(batch_size, plan.max_batch_size)
@@ -886,17 +634,7 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
     even = draw(st.booleans())
     max_grad_norm = _draw_clip_norm(draw, plan.clipping)
     loss = draw(st.sampled_from(plan.losses))
-    model, model_kwargs = draw(plan.models[loss, many])
-    frozen = draw(plan.frozen)
-    optimizer, optimizer_kwargs = draw(plan.optimizers)
-    if optimizer in MATRIX_ONLY_OPTIMIZERS:
-        # Every parameter a matrix: an MLP without biases or norms (a function of the
-        # draw, so shrinking the optimizer back to SGD gives the drawn model back).
-        assume(model == "mlp")
-        model_kwargs = {**model_kwargs, "bias": False, "norm": "none"}
-    groups = draw(plan.groups)
-    # "no_decay" splits off biases and norm weights, which a matrix-only model has none of.
-    assume(not (optimizer in MATRIX_ONLY_OPTIMIZERS and groups == "no_decay"))
+    trained = _draw_model_and_optimizer(draw, plan, loss=loss, tiny=count > FEW_MICRO_BATCHES)
     scheduler = draw(st.sampled_from(plan.schedulers))
     steps = draw(st.integers(plan.min_steps, plan.max_steps))
     dtype = draw(st.sampled_from(plan.dtypes))
@@ -904,22 +642,17 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
     seed = draw(st.integers(0, plan.max_seed))
     # Before the cut (whose number of choices follows the count), so that
     # lowering the count leaves these choices where they were.
-    scaled = _draw_loss_scaling(draw, plan.scaling, model=model, steps=steps, batch_size=batch_size)
+    scaled = _draw_loss_scaling(draw, plan.scaling, model=trained["model"], steps=steps, batch_size=batch_size)
     sizes = _cut_into(draw, batch_size, count)
-    if many and even:
+    if count > FEW_MICRO_BATCHES and even:
         sizes = tuple(even_sizes(batch_size, count))
     # BatchNorm1d after a linear layer cannot train on a single sample
     # (one value per channel): such a micro-batch is no case at all.
-    assume(not (model == "mlp" and model_kwargs.get("norm") == "batch" and min(sizes) < 2))
+    assume(not (trained["model"] == "mlp" and trained["model_kwargs"].get("norm") == "batch" and min(sizes) < 2))
     return Case(
         batch_size=batch_size,
         micro_batch_sizes=sizes,
-        model=model,
-        model_kwargs=model_kwargs,
-        frozen_layers=frozen,
-        optimizer=optimizer,
-        optimizer_kwargs=optimizer_kwargs,
-        param_groups=groups,
+        **trained,
         loss=loss,
         steps=steps,
         max_grad_norm=max_grad_norm,
@@ -930,6 +663,32 @@ def _draw_case(draw: st.DrawFn, plan: _CasePlan) -> Case:
         device=device,
         seed=seed,
     )
+
+
+def _draw_model_and_optimizer(draw: st.DrawFn, plan: _CasePlan, *, loss: str, tiny: bool) -> dict[str, Any]:
+    """The case's model, its frozen layers, its optimizer and parameter groups, as
+    :class:`~equiv.cases.case.Case` fields: the model is drawn for the loss (its
+    tiny shapes for a case with many micro-batches), and a matrix-only optimizer
+    takes a bias-free, norm-free MLP."""
+    model, model_kwargs = draw(plan.models[loss, tiny])
+    frozen = draw(plan.frozen)
+    optimizer, optimizer_kwargs = draw(plan.optimizers)
+    if optimizer in MATRIX_ONLY_OPTIMIZERS:
+        # Every parameter a matrix: an MLP without biases or norms (a function of the
+        # draw, so shrinking the optimizer back to SGD gives the drawn model back).
+        assume(model == "mlp")
+        model_kwargs = {**model_kwargs, "bias": False, "norm": "none"}
+    groups = draw(plan.groups)
+    # "no_decay" splits off biases and norm weights, which a matrix-only model has none of.
+    assume(not (optimizer in MATRIX_ONLY_OPTIMIZERS and groups == "no_decay"))
+    return {
+        "model": model,
+        "model_kwargs": model_kwargs,
+        "frozen_layers": frozen,
+        "optimizer": optimizer,
+        "optimizer_kwargs": optimizer_kwargs,
+        "param_groups": groups,
+    }
 
 
 def _draw_clip_norm(draw: st.DrawFn, clipping: tuple[str, ...]) -> float | None:
