@@ -41,7 +41,7 @@ from equiv.judging.inherent import inherent_non_equivalences
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot, snapshot_of, state_snapshot
 from equiv.results.audit import AuditFailure, RankVerdict, WindowAudit  # the result's; named here as before
-from equiv.results.verdict import Tier
+from equiv.results.verdict import TensorDiff, Tier
 
 __all__ = [
     "AuditFailure",
@@ -321,6 +321,23 @@ def judge_window(
             inherent=reasons,
             hint=inherent_advice(replay.model),
         )
+    rows = _judged_rows(window, replay, working, tier)
+    worst = max(rows, key=lambda row: row.ratio, default=None)
+    mismatches = tuple(row for row in rows if not row.ok)
+    return WindowAudit(
+        step=window.step,
+        micro_batches=len(window.calls),
+        items=items,
+        tier=tier,
+        mismatches=mismatches,
+        worst=worst,
+        usual_micro_batches=usual_micro_batches,
+        ranks=() if replay.ranks is None else _rank_verdicts(replay.ranks, mismatches, worst),
+    )
+
+
+def _judged_rows(window: RecordedWindow, replay: WindowReplay, working: torch.dtype, tier: Tier) -> list[TensorDiff]:
+    """The rows of the user's step against the window's float64 full-batch replay, in ``tier``."""
     # The engine's floor plan over three roundings of the same mathematics: in order, in reverse,
     # normalised after backward, run only while the verdict depends on them (Judge.judge_tier, as a
     # check's): a window within half the roundoff term alone replays the float64 truth only.  Its worst
@@ -337,32 +354,24 @@ def judge_window(
 
     # The ranks run each floor sample together (its replay sums gradients across them) while any one
     # still has a row past its allowance.
-    rows = judge.judge_tier(tier, the_users_step, agree=None if replay.ranks is None else replay.ranks.any_of)
-    worst = max(rows, key=lambda row: row.ratio, default=None)
-    mismatches = tuple(row for row in rows if not row.ok)
-    ranks: tuple[RankVerdict, ...] = ()
-    if replay.ranks is not None:
-        furthest = max(mismatches, key=lambda row: row.relative_error, default=None)
-        ranks = replay.ranks.gather(
-            RankVerdict(
-                rank=replay.ranks.rank,
-                equivalent=not mismatches,
-                furthest=None if furthest is None else furthest.label,
-                relative_error=0.0 if furthest is None else furthest.relative_error,
-                worst_ratio=0.0 if worst is None else worst.ratio,
-            )
+    return judge.judge_tier(tier, the_users_step, agree=None if replay.ranks is None else replay.ranks.any_of)
+
+
+def _rank_verdicts(
+    ranks: Ranks, mismatches: tuple[TensorDiff, ...], worst: TensorDiff | None
+) -> tuple[RankVerdict, ...]:
+    """Every rank's verdict on the window, gathered from all ranks (this rank's marked ``mine``)."""
+    furthest = max(mismatches, key=lambda row: row.relative_error, default=None)
+    gathered = ranks.gather(
+        RankVerdict(
+            rank=ranks.rank,
+            equivalent=not mismatches,
+            furthest=None if furthest is None else furthest.label,
+            relative_error=0.0 if furthest is None else furthest.relative_error,
+            worst_ratio=0.0 if worst is None else worst.ratio,
         )
-        ranks = tuple(dataclasses.replace(rank, mine=rank.rank == replay.ranks.rank) for rank in ranks)
-    return WindowAudit(
-        step=window.step,
-        micro_batches=len(window.calls),
-        items=items,
-        tier=tier,
-        mismatches=mismatches,
-        worst=worst,
-        usual_micro_batches=usual_micro_batches,
-        ranks=ranks,
     )
+    return tuple(dataclasses.replace(rank, mine=rank.rank == ranks.rank) for rank in gathered)
 
 
 def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:

@@ -13,7 +13,7 @@ a fault may leave a rank mid-collective).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,6 +87,18 @@ class CaseLoop:
     #: Skip the remaining cases after any rank fault, not only after a hang (under torchrun).
     stop_on_fault: bool = False
 
+    def check(self, candidate: Candidate, dcase: DistributedCase) -> DistributedVerdict | RankFault:
+        """:func:`check_distributed_case` on ``dcase`` with this loop's settings."""
+        return check_distributed_case(
+            candidate,
+            dcase,
+            engine=self.engine,
+            timeout_s=self.timeout_s,
+            train_dtype=self.train_dtype,
+            strict=self.strict,
+            launcher=self.launcher,
+        )
+
 
 def check_distributed_cases(
     candidate: Candidate,
@@ -116,53 +128,59 @@ def check_distributed_cases(
         As :func:`~equiv.checking.distributed.check_distributed` does for a case no rank could run.
     """
     loop = CaseLoop() if loop is None else loop
-    verdicts: dict[str, DistributedVerdict] = {}
-    errors: dict[str, str] = {}
-    faults: dict[str, Fault] = {}
-    not_run: dict[str, str] = {}
-    order: list[str] = []
-    setting = f"on {next(iter(cases.values())).world_size} ranks ({loop.engine})"
-
-    def so_far() -> CaseVerdicts[DistributedVerdict]:
-        return CaseVerdicts(
-            name,
-            dict(verdicts),
-            dict(errors),
-            tuple(order),
-            setting=setting,
-            faults=dict(faults),
-            not_run=dict(not_run),
-        )
-
+    tally = _Tally(name, f"on {next(iter(cases.values())).world_size} ranks ({loop.engine})")
     for index, (case_name, dcase) in enumerate(cases.items(), start=1):
         if starting is not None:
             starting(index, case_name, dcase)
-        outcome = check_distributed_case(
-            candidate,
-            dcase,
-            engine=loop.engine,
-            timeout_s=loop.timeout_s,
-            train_dtype=loop.train_dtype,
-            strict=loop.strict,
-            launcher=loop.launcher,
-        )
-        if isinstance(outcome, RankFault):
-            errors[case_name], faults[case_name] = outcome.error, outcome.fault
-        else:
-            verdicts[case_name] = outcome
-        order.append(case_name)
+        tally.add(case_name, loop.check(candidate, dcase))
         if shown is not None:
-            shown(so_far().row(case_name))
-        fault = faults.get(case_name)
+            shown(tally.result().row(case_name))
+        fault = tally.faults.get(case_name)
         if fault is not None and (loop.stop_on_fault or fault is Fault.HUNG) and index < len(cases):
             rest = list(cases)[index:]
             why, line = _not_run(case_name, fault is Fault.HUNG, loop.timeout_s)
-            not_run.update(dict.fromkeys(rest, why))
-            order.extend(rest)
+            tally.skip(rest, why)
             if shown is not None:
                 shown(f"      the other {len(rest)} case(s) were not run: {line}")
             break
-    return so_far()
+    return tally.result()
+
+
+@dataclass
+class _Tally:
+    """The cases of :func:`check_distributed_cases` so far: each one's verdict, rank fault or
+    why it was not run, in the order met, for the result and each row shown as it is judged."""
+
+    name: str
+    setting: str
+    verdicts: dict[str, DistributedVerdict] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    faults: dict[str, Fault] = field(default_factory=dict)
+    not_run: dict[str, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+
+    def add(self, case_name: str, outcome: DistributedVerdict | RankFault) -> None:
+        if isinstance(outcome, RankFault):
+            self.errors[case_name], self.faults[case_name] = outcome.error, outcome.fault
+        else:
+            self.verdicts[case_name] = outcome
+        self.order.append(case_name)
+
+    def skip(self, rest: list[str], why: str) -> None:
+        self.not_run.update(dict.fromkeys(rest, why))
+        self.order.extend(rest)
+
+    def result(self) -> CaseVerdicts[DistributedVerdict]:
+        """The result as it stands (copies: later cases do not change it)."""
+        return CaseVerdicts(
+            self.name,
+            dict(self.verdicts),
+            dict(self.errors),
+            tuple(self.order),
+            setting=self.setting,
+            faults=dict(self.faults),
+            not_run=dict(self.not_run),
+        )
 
 
 def _not_run(case_name: str, hung: bool, timeout_s: float) -> tuple[str, str]:

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from equiv.cases.case import Case
 from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict
 from equiv.checking.distributed_cases import RankFault, check_distributed_case
-from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchRun, run_search
+from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchOutcome, SearchRun, run_search
 from equiv.distributed.engines import DATA_PARALLEL_ENGINES, DEFAULT_ENGINE, engine_named
 from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
 from equiv.judging.contract import BoundCandidate, Candidate, bind
@@ -476,18 +476,43 @@ def verify_distributed(
     """
     bound = bind(candidate)
     precision_fails_because(train_dtype, strict)  # a bad value is refused before any case runs
-    if space is not None and bounds:
-        raise TypeError(f"give the search space or its keywords, not both (got space and {sorted(bounds)})")
-    space = DistributedSearchSpace(**bounds) if space is None else space
+    space = _search_space(space, bounds)
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
         raise ValueError(f"max_examples must be a positive integer, got {max_examples!r}")
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
-    precision_notes = [0]
+    judge = _CaseJudge(candidate, timeout_s=timeout_s, train_dtype=train_dtype, strict=strict)
+    run = SearchRun(max_examples=max_examples, seed=seed, progress=progress)
+    searched = _search(space, judge, run, clipping="max_grad_norm" in bound.keywords, name=bound.name)
+    return searched.result(bound.name, space, seed, precision_notes=judge.precision_notes)
 
-    def judge(drawn: tuple[DistributedCase, str]) -> Failure[DistributedVerdict] | Discard | None:
+
+def _search_space(space: DistributedSearchSpace | None, bounds: _Bounds) -> DistributedSearchSpace:
+    """The space searched: ``space``, or one made of its keywords (refused when both are given)."""
+    if space is not None and bounds:
+        raise TypeError(f"give the search space or its keywords, not both (got space and {sorted(bounds)})")
+    return DistributedSearchSpace(**bounds) if space is None else space
+
+
+@dataclass
+class _CaseJudge:
+    """A search's judge: one drawn (case, engine) checked on spawned ranks, the
+    cases that passed with only a precision note counted."""
+
+    candidate: Candidate | BoundCandidate
+    timeout_s: float
+    train_dtype: torch.dtype | str | None
+    strict: bool
+    precision_notes: int = 0
+
+    def __call__(self, drawn: tuple[DistributedCase, str]) -> Failure[DistributedVerdict] | Discard | None:
         dcase, engine = drawn
         verdict = check_distributed_case(
-            candidate, dcase, engine=engine, timeout_s=timeout_s, train_dtype=train_dtype, strict=strict
+            self.candidate,
+            dcase,
+            engine=engine,
+            timeout_s=self.timeout_s,
+            train_dtype=self.train_dtype,
+            strict=self.strict,
         )
         if isinstance(verdict, RankFault):
             return Failure(error=verdict.error, fault=verdict.fault, cause=verdict.cause)
@@ -496,50 +521,69 @@ def verify_distributed(
         if not verdict:
             return Failure(verdict=verdict)
         if verdict.precision_note or any(rank.precision_note for rank in verdict.ranks):
-            precision_notes[0] += 1
+            self.precision_notes += 1
         return None
 
-    clipping = "max_grad_norm" in bound.keywords
-    run = SearchRun(max_examples=max_examples, seed=seed, progress=progress)
-    outcome = run_search(space.strategy(clipping=clipping), judge, run, name=bound.name)
-    started, examples = outcome.started, outcome.examples
+
+@dataclass(frozen=True)
+class _Searched:
+    """What the searches met: the one whose finding is reported (the first, or the
+    equal-count one that found a mismatch), with the examples of both."""
+
+    outcome: SearchOutcome[tuple[DistributedCase, str], DistributedVerdict]
+    #: Examples of both searches, and ``time.perf_counter()`` when the first started.
+    examples: int
+    started: float
     also: UnequalCountsFault | None = None
     equal_counts_examples: int | None = None
-    unequal = _unequal_counts_fault(outcome.example, outcome.failure)
-    if unequal is not None:
-        # Unequal micro-batch counts hang this step or mismatch its collectives: search on among the
-        # cases it can run (every rank as many micro-batches) for a mathematical mismatch, the same budget.
-        def more(done: int, seconds: float) -> None:
-            if progress is not None:
-                progress(examples + done, time.perf_counter() - started)
 
-        equal = dataclasses.replace(space, equal_micro_batch_counts=True)
-        again = run_search(
-            equal.strategy(clipping=clipping),
-            judge,
-            SearchRun(max_examples=max_examples, seed=seed, progress=more),
-            name=bound.name,
+    def result(
+        self, candidate: str, space: DistributedSearchSpace, seed: int, *, precision_notes: int
+    ) -> DistributedSearchResult:
+        dcase, engine = self.outcome.example if self.outcome.example is not None else (None, None)
+        failure = self.outcome.failure
+        return DistributedSearchResult(
+            candidate=candidate,
+            engines=tuple(space.engines),
+            examples=self.examples,
+            seed=seed,
+            elapsed_s=time.perf_counter() - self.started,
+            counterexample=dcase,
+            engine=engine,
+            verdict=None if failure is None else failure.verdict,
+            error=None if failure is None else failure.error,
+            precision_notes=precision_notes,
+            fault=None if failure is None else failure.fault,
+            also=self.also,
+            equal_counts_examples=self.equal_counts_examples,
         )
-        examples += again.examples
-        equal_counts_examples = again.examples
-        if again.found:
-            outcome, also = again, unequal
-    dcase, engine = outcome.example if outcome.example is not None else (None, None)
-    failure = outcome.failure
-    return DistributedSearchResult(
-        candidate=bound.name,
-        engines=tuple(space.engines),
-        examples=examples,
-        seed=seed,
-        elapsed_s=time.perf_counter() - started,
-        counterexample=dcase,
-        engine=engine,
-        verdict=None if failure is None else failure.verdict,
-        error=None if failure is None else failure.error,
-        precision_notes=precision_notes[0],
-        fault=None if failure is None else failure.fault,
-        also=also,
-        equal_counts_examples=equal_counts_examples,
+
+
+def _search(
+    space: DistributedSearchSpace, judge: _CaseJudge, run: SearchRun, *, clipping: bool, name: str
+) -> _Searched:
+    """Search ``space``; when unequal micro-batch counts hang the step or mismatch its collectives,
+    search on among the cases it can run (every rank as many micro-batches) for a mathematical
+    mismatch, with the same budget."""
+    outcome = run_search(space.strategy(clipping=clipping), judge, run, name=name)
+    unequal = _unequal_counts_fault(outcome.example, outcome.failure)
+    if unequal is None:
+        return _Searched(outcome, outcome.examples, outcome.started)
+    started, examples, progress = outcome.started, outcome.examples, run.progress
+
+    def more(done: int, seconds: float) -> None:
+        if progress is not None:
+            progress(examples + done, time.perf_counter() - started)
+
+    equal = dataclasses.replace(space, equal_micro_batch_counts=True)
+    again = run_search(equal.strategy(clipping=clipping), judge, dataclasses.replace(run, progress=more), name=name)
+    found = again if again.found else outcome
+    return _Searched(
+        found,
+        examples + again.examples,
+        started,
+        also=unequal if again.found else None,
+        equal_counts_examples=again.examples,
     )
 
 

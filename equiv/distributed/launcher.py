@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -286,16 +286,7 @@ def run_on_ranks(
     timeout.  It costs a few file-store operations per collective: leave it
     off where steps are timed.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not (timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    _refuse_launch_while_bootstrapping()
-    device_type = torch.device(device).type
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"{world_size} ranks on {device!r} need as many GPUs, {torch.cuda.device_count()} visible")
-    if backend is None:
-        backend = "nccl" if device_type == "cuda" else "gloo"
+    device_type, backend = _launch_settings(world_size, device, backend, timeout_s)
     context = _context()
     with tempfile.TemporaryDirectory(prefix="equiv-ranks-") as workdir:
         out = Path(workdir)
@@ -310,51 +301,107 @@ def run_on_ranks(
         try:
             for process in processes:
                 process.start()
-            # Start-up (spawning, importing torch, joining the group) has its own
-            # bound; the check's timeout runs from when every rank is ready.
-            deadline = time.monotonic() + _STARTUP_S + timeout_s
-            started = False
-            first_failure: float | None = None
-            while True:
-                if not started and all((out / f"rank{r}.progress").exists() for r in range(len(processes))):
-                    started = True
-                    deadline = min(deadline, time.monotonic() + timeout_s)
-                codes = [_exit_code(out, rank, p) for rank, p in enumerate(processes)]
-                if all(code == 0 for code in codes):
-                    break
-                if _UNGUARDED_MAIN_EXIT in codes and not started:
-                    raise _unguarded_main(describe)
-                failed = any(code not in (None, 0) for code in codes)
-                if failed and first_failure is None:
-                    first_failure = time.monotonic()
-                grace_over = first_failure is not None and time.monotonic() - first_failure > _GRACE_S
-                # A collective mismatch is the root cause: the peers are left waiting, no grace needed.
-                grace_over = grace_over or (
-                    failed and any((out / f"rank{r}.mismatch").exists() for r in range(len(processes)))
-                )
-                if (failed and all(code is not None for code in codes)) or grace_over:
-                    raise _fault(out, processes, describe)
-                if time.monotonic() > deadline:
-                    raise _fault(
-                        out,
-                        processes,
-                        describe,
-                        hung=f"the distributed check did not finish within "
-                        f"{timeout_s:g} s{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: ",
-                    )
-                time.sleep(0.05)
+            _wait(out, processes, LaunchClock(timeout_s), describe)
             return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
         finally:
-            # No worker outlives the call, whatever happened.
-            launched = [process for process in processes if process.pid is not None]  # start() may have raised
-            for process in launched:
-                if process.is_alive():
-                    process.terminate()
-            for process in launched:
-                process.join(timeout=5)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+            _stop(processes)
+
+
+def _launch_settings(world_size: int, device: str, backend: str | None, timeout_s: float) -> tuple[str, str]:
+    """The device type and backend of a launch, refused (a ValueError naming the value)
+    when no rank could run it."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    _refuse_launch_while_bootstrapping()
+    device_type = torch.device(device).type
+    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"{world_size} ranks on {device!r} need as many GPUs, {torch.cuda.device_count()} visible")
+    return device_type, backend if backend is not None else "nccl" if device_type == "cuda" else "gloo"
+
+
+@dataclass
+class LaunchClock:
+    """When a launch's ranks have taken too long.  Start-up (spawning, importing
+    torch, joining the group) has ``startup_s`` of its own; the check's
+    ``timeout_s`` runs from when every rank is ready.  A rank that failed gives
+    the others ``grace_s`` to report theirs before all are stopped."""
+
+    timeout_s: float
+    startup_s: float = _STARTUP_S
+    grace_s: float = _GRACE_S
+    #: Every rank is ready (the check's timeout runs).
+    started: bool = False
+    #: ``time.monotonic()`` when the first failure was seen (None: none yet).
+    first_failure: float | None = None
+    deadline: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.startup_s + self.timeout_s
+
+    def started_if(self, ready: Callable[[], bool]) -> None:
+        """Start the check's timeout once every rank is ``ready`` (asked only until they are)."""
+        if not self.started and ready():
+            self.started = True
+            self.deadline = min(self.deadline, time.monotonic() + self.timeout_s)
+
+    def failing(self, failed: bool) -> None:
+        """Start the grace at the first poll that saw a rank ``failed``."""
+        if failed and self.first_failure is None:
+            self.first_failure = time.monotonic()
+
+    @property
+    def grace_over(self) -> bool:
+        return self.first_failure is not None and time.monotonic() - self.first_failure > self.grace_s
+
+    @property
+    def hung(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def hung_words(self) -> str:
+        """The start of a hang's report: how long the ranks had."""
+        to_start = "" if self.started else f" (+ {self.startup_s:g} s to start)"
+        return f"the distributed check did not finish within {self.timeout_s:g} s{to_start}: "
+
+
+def _wait(out: Path, processes: list[Any], clock: LaunchClock, describe: str) -> None:
+    """Poll the spawned ranks until every one exited cleanly; raise the fault of ranks
+    that raised, died, mismatched their collectives or hung (past ``clock``'s deadline)."""
+    ranks = range(len(processes))
+
+    def ready() -> bool:
+        return all((out / f"rank{r}.progress").exists() for r in ranks)
+
+    while True:
+        clock.started_if(ready)
+        codes = [_exit_code(out, rank, p) for rank, p in enumerate(processes)]
+        if all(code == 0 for code in codes):
+            return
+        if _UNGUARDED_MAIN_EXIT in codes and not clock.started:
+            raise _unguarded_main(describe)
+        failed = any(code not in (None, 0) for code in codes)
+        clock.failing(failed)
+        # A collective mismatch is the root cause: the peers are left waiting, no grace needed.
+        mismatch = failed and any((out / f"rank{r}.mismatch").exists() for r in ranks)
+        if (failed and all(code is not None for code in codes)) or clock.grace_over or mismatch:
+            raise _fault(out, processes, describe)
+        if clock.hung:
+            raise _fault(out, processes, describe, hung=clock.hung_words())
+        time.sleep(0.05)
+
+
+def _stop(processes: list[Any]) -> None:
+    """No worker outlives the call, whatever happened."""
+    launched = [process for process in processes if process.pid is not None]  # start() may have raised
+    for process in launched:
+        if process.is_alive():
+            process.terminate()
+    for process in launched:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from equiv.distributed.launcher import (
     DistributedCheckError,
+    LaunchClock,
     RankOutcome,
     RankState,
     RankTask,
@@ -258,35 +259,34 @@ class TorchrunRanks:
         self._store.set(f"task/{launch}", posted)
         # Rank 0 runs what every rank runs: the task as posted, unpickled (a step sent by name is loaded).
         self._start_share(launch, _loads(posted))
+        return self._results(launch, LaunchClock(timeout_s, startup_s=_STARTUP_S, grace_s=_GRACE_S), describe)
+
+    def _results(self, launch: int, clock: LaunchClock, describe: str) -> list[Any]:
+        """What every rank returned from ``launch``, in rank order, once all have; raises the
+        :class:`DistributedCheckError` of ranks that raised, died, mismatched or hung."""
         key = f"{launch}/"
         ranks = range(self.env.world_size)
-        deadline = time.monotonic() + _STARTUP_S + timeout_s
-        started = False
-        first_failure: float | None = None
         outcomes: dict[int, RankOutcome] = {}
+
+        def ready() -> bool:
+            return all(self._has(f"{key}ready/{r}") for r in ranks)
+
         while True:
-            if not started and all(self._has(f"{key}ready/{r}") for r in ranks):
-                started = True
-                deadline = min(deadline, time.monotonic() + timeout_s)
+            clock.started_if(ready)
             for r in ranks:
                 if r not in outcomes and self._has(f"{key}outcome/{r}"):
                     outcomes[r] = _loads(self._store.get(f"{key}outcome/{r}"))
             failed = any(o.error is not None for o in outcomes.values())
             if len(outcomes) == len(ranks) and not failed:
                 return [outcomes[r].result for r in ranks]
-            if failed and first_failure is None:
-                first_failure = time.monotonic()
+            clock.failing(failed)
             stop = len(outcomes) == len(ranks) or any(o.mismatch is not None for o in outcomes.values())
-            stop = stop or (first_failure is not None and time.monotonic() - first_failure > _GRACE_S)
-            hung = time.monotonic() > deadline
-            if (failed and stop) or hung:
+            hung = clock.hung
+            if (failed and (stop or clock.grace_over)) or hung:
                 states = self._states(launch, outcomes)
                 report = fault_report(states, describe, hung=hung and not failed)
                 if hung and not failed:
-                    report = (
-                        f"the distributed check did not finish within {timeout_s:g} s"
-                        f"{'' if started else f' (+ {_STARTUP_S:g} s to start)'}: {report}"
-                    )
+                    report = clock.hung_words() + report
                 raise DistributedCheckError(report, fault_of(states, hung=hung and not failed))
             time.sleep(_POLL_S)
 

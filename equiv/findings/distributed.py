@@ -52,6 +52,23 @@ _MIB = 2**20
 def measure_distributed() -> DistributedFindings:
     """DDP verdicts on uneven shards, all-reduces as N grows, the loss-scale
     windows, then FSDP2 (:func:`measure_fsdp2`), in the order the report shows them."""
+    verdicts = _uneven_shard_verdicts()
+    communication = _allreduce_sweep()
+    scaled = _BASE.replace(batch_size=6, micro_batch_sizes=[1, 2, 3], steps=3, loss_scale=2.0**10)
+    loss_scale = _loss_scale_windows(scaled)
+    return DistributedFindings(
+        shards=_UNEVEN,
+        case=repr(DistributedCase.of(_BASE, _UNEVEN)),
+        verdicts=verdicts,
+        communication=communication,
+        fsdp2=measure_fsdp2(),
+        loss_scale_case=repr(scaled),
+        loss_scale=loss_scale,
+    )
+
+
+def _uneven_shard_verdicts() -> pd.DataFrame:
+    """The reference accumulator and each distributed bug on the uneven shards, under DDP."""
     candidates: dict[str, Callable[..., Any]] = {"accumulator_step": accumulator_step, **DISTRIBUTED_BUGS}
     rows = []
     for name, candidate in candidates.items():
@@ -68,8 +85,11 @@ def measure_distributed() -> DistributedFindings:
                 "reproduces": _reproduces(verdict.kind, upstream_report(candidate)),
             }
         )
-    verdicts = pd.DataFrame(rows)
+    return pd.DataFrame(rows)
 
+
+def _allreduce_sweep() -> pd.DataFrame:
+    """All-reduces and bytes per step as the micro-batches per rank grow, with and without no_sync."""
     sweep = []
     for per_rank in (1, 2, 4, 8):
         shards = [[1] * per_rank, [1] * per_rank]
@@ -88,9 +108,11 @@ def measure_distributed() -> DistributedFindings:
                     "bytes per step per rank": verdict.bytes_per_step(),
                 }
             )
-    communication = pd.DataFrame(sweep).sort_values(["candidate", "N per rank"], kind="stable")
+    return pd.DataFrame(sweep).sort_values(["candidate", "N per rank"], kind="stable")
 
-    scaled = _BASE.replace(batch_size=6, micro_batch_sizes=[1, 2, 3], steps=3, loss_scale=2.0**10)
+
+def _loss_scale_windows(scaled: Case) -> pd.DataFrame:
+    """The reference and each loss-scale bug with an overflow in the first, second or last micro-batch."""
     loss_rows = []
     for sample, where in ((0, "first micro-batch"), (2, "second micro-batch"), (5, "last micro-batch")):
         for name, candidate in (("accumulator_step", accumulator_step), *LOSS_SCALE_BUGS.items()):
@@ -103,17 +125,7 @@ def measure_distributed() -> DistributedFindings:
                     "worst exact / allowed": ratio_band(single.worst["exact"].ratio),
                 }
             )
-    loss_scale = pd.DataFrame(loss_rows)
-
-    return DistributedFindings(
-        shards=_UNEVEN,
-        case=repr(DistributedCase.of(_BASE, _UNEVEN)),
-        verdicts=verdicts,
-        communication=communication,
-        fsdp2=measure_fsdp2(),
-        loss_scale_case=repr(scaled),
-        loss_scale=loss_scale,
-    )
+    return pd.DataFrame(loss_rows)
 
 
 # ---------------------------------------------------------------------- FSDP2

@@ -138,7 +138,12 @@ class Peer:
 
 def peers() -> list[Peer]:
     """The peers to report; optional frameworks only when installed."""
-    out = [
+    return [*_tutorial_loops(), *_accelerate(), *_lightning()]
+
+
+def _tutorial_loops() -> list[Peer]:
+    """nanoGPT's loop and the MindSpore tutorials' accumulators, ported (always reported)."""
+    return [
         Peer(
             "nanoGPT's loop: loss / N",
             lambda n: textbook_step,
@@ -179,11 +184,16 @@ def peers() -> list[Peer]:
             "loss scaling",
         ),
     ]
+
+
+def _accelerate() -> list[Peer]:
+    """Accelerate's accumulate() with and without dataloader sync, and its guide's
+    variable-size recipe (none when Accelerate is not installed)."""
     try:
         from equiv.adapters.accelerate import AccelerateStep, AccelerateVariableSizeStep
 
         version = importlib.metadata.version("accelerate")
-        out += [
+        return [
             Peer(
                 f"Accelerate {version}: accumulate()",
                 lambda n: AccelerateStep(n),
@@ -210,12 +220,16 @@ def peers() -> list[Peer]:
             ),
         ]
     except ImportError:
-        pass
+        return []
+
+
+def _lightning() -> list[Peer]:
+    """Lightning's Trainer(accumulate_grad_batches=N) (none when it is not installed)."""
     try:
         from equiv.adapters.lightning import LightningStep
 
         version = importlib.metadata.version("pytorch-lightning")
-        out.append(
+        return [
             Peer(
                 f"Lightning {version}",
                 lambda n: LightningStep(n),
@@ -225,10 +239,9 @@ def peers() -> list[Peer]:
                 issues={"tail divided by N": "Lightning #19987, #21808", "mean of means": "Lightning #20350"},
                 documented="mean of per-batch means (Lightning #20350); tail divided by N (#19987)",
             )
-        )
+        ]
     except ImportError:
-        pass
-    return out
+        return []
 
 
 def own() -> list[Peer]:

@@ -95,93 +95,107 @@ def full_finetune_run(
 ) -> dict[str, Audit]:
     """The recipe's ``train()`` for 3 optimizer steps over ``LENGTHS``, audited against the
     window's next-token mean (``"documented"``) and against :class:`UnshiftedCount` (``"unshifted count"``)."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        recipe = recipe_class()(_config(output_dir, gradient_accumulation_steps, seed))
+        _set_components(recipe, output_dir, seed=seed, first_label_masked=first_label_masked)
+        return _train_audited(recipe)
+
+
+#: Samples per micro-batch, and optimizer steps run.
+_MICRO_BATCH, _STEPS = 2, 3
+
+
+def _config(output_dir: str, gradient_accumulation_steps: int, seed: int) -> Any:
+    """The recipe's config: float32 on the CPU, SGD steps with no clipping, no checkpoint to resume."""
     from omegaconf import OmegaConf
+
+    return OmegaConf.create(
+        {
+            "device": "cpu",
+            "dtype": "fp32",
+            "output_dir": output_dir,
+            "resume_from_checkpoint": False,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "optimizer_in_bwd": False,
+            "clip_grad_norm": None,
+            "seed": seed,
+            "epochs": 1,
+            "max_steps_per_epoch": _STEPS,
+            "batch_size": _MICRO_BATCH,
+            "checkpointer": {"model_type": "LLAMA3"},
+            "log_every_n_steps": 1,
+        }
+    )
+
+
+def _set_components(recipe: Any, output_dir: str, *, seed: int, first_label_masked: bool) -> None:
+    """What the recipe's ``setup`` would build from checkpoint and tokenizer files, set on it:
+    the model, the loss, the data loader, the optimizer, the logger and the step counters."""
     from torchtune import training
     from torchtune.data import padded_collate_sft
     from torchtune.models.llama3 import llama3
     from torchtune.modules.loss import CEWithChunkedOutputLoss
     from torchtune.training.metric_logging import DiskLogger
 
-    micro_batch, steps = 2, 3
-    with tempfile.TemporaryDirectory() as output_dir:
-        cfg = OmegaConf.create(
-            {
-                "device": "cpu",
-                "dtype": "fp32",
-                "output_dir": output_dir,
-                "resume_from_checkpoint": False,
-                "gradient_accumulation_steps": gradient_accumulation_steps,
-                "optimizer_in_bwd": False,
-                "clip_grad_norm": None,
-                "seed": seed,
-                "epochs": 1,
-                "max_steps_per_epoch": steps,
-                "batch_size": micro_batch,
-                "checkpointer": {"model_type": "LLAMA3"},
-                "log_every_n_steps": 1,
-            }
-        )
-        recipe = recipe_class()(cfg)
-        torch.manual_seed(seed)
-        model = llama3(
-            vocab_size=VOCAB,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            embed_dim=16,
-            max_seq_len=32,
-            intermediate_dim=32,
-        )
-        loss_fn = CEWithChunkedOutputLoss(num_output_chunks=2)
-        model.set_num_output_chunks(loss_fn.num_output_chunks)
-        generator = torch.Generator().manual_seed(seed)
-        data = []
-        for length in LENGTHS:
-            tokens = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
-            data.append(
-                {"tokens": tokens, "labels": [loss_fn.ignore_index, *tokens[1:]] if first_label_masked else tokens}
-            )
-        sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=False)  # type: ignore[var-annotated,arg-type]
-        recipe._model, recipe._loss_fn = model, loss_fn
-        recipe._dataloader = torch.utils.data.DataLoader(
-            data,  # type: ignore[arg-type]
-            batch_size=micro_batch,
-            sampler=sampler,
-            collate_fn=padded_collate_sft,
-        )
-        recipe._optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        recipe._lr_scheduler, recipe._compile, recipe.profiler_profile_memory = None, False, False
-        recipe._metric_logger, recipe._profiler = DiskLogger(log_dir=output_dir), training.DummyProfiler()
-        recipe._steps_per_epoch, recipe.global_step, recipe.epochs_run = steps, 0, 0
-        recipe.ignore_labels_cache = torch.full((micro_batch, 1), loss_fn.ignore_index)
-        recipe.activations_handling_ctx = training.get_act_offloading_ctx_manager(model, False)
-        recipe.save_checkpoint = lambda epoch: None  # no checkpoint files: nothing was loaded from one
-        settings: dict[str, Any] = {
-            "record_forward": False,
-            "call_model": _call,
-            "output": _output,
-            "targets": _targets,
-        }
-        audits = {
-            "documented": audit(model, recipe._optimizer, loss=NextTokenCrossEntropy(), **settings),
-            "unshifted count": audit(model, recipe._optimizer, loss=UnshiftedCount(), **settings),
-        }
-        loss_step = recipe._loss_step
+    torch.manual_seed(seed)
+    model = llama3(
+        vocab_size=VOCAB, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16, max_seq_len=32, intermediate_dim=32
+    )
+    loss_fn = CEWithChunkedOutputLoss(num_output_chunks=2)
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    data = _dataset(seed, first_label_masked, loss_fn.ignore_index)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=False)  # type: ignore[var-annotated,arg-type]
+    recipe._model, recipe._loss_fn = model, loss_fn
+    recipe._dataloader = torch.utils.data.DataLoader(
+        data,  # type: ignore[arg-type]
+        batch_size=_MICRO_BATCH,
+        sampler=sampler,
+        collate_fn=padded_collate_sft,
+    )
+    recipe._optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recipe._lr_scheduler, recipe._compile, recipe.profiler_profile_memory = None, False, False
+    recipe._metric_logger, recipe._profiler = DiskLogger(log_dir=output_dir), training.DummyProfiler()
+    recipe._steps_per_epoch, recipe.global_step, recipe.epochs_run = _STEPS, 0, 0
+    recipe.ignore_labels_cache = torch.full((_MICRO_BATCH, 1), loss_fn.ignore_index)
+    recipe.activations_handling_ctx = training.get_act_offloading_ctx_manager(model, False)
+    recipe.save_checkpoint = lambda epoch: None  # no checkpoint files: nothing was loaded from one
 
-        def recording(batch: dict[str, Tensor]) -> Tensor:
-            for watching in audits.values():
-                watching.record(dict(batch))
-            return loss_step(batch)
 
-        recipe._loss_step = recording
+def _dataset(seed: int, first_label_masked: bool, ignore_index: int) -> list[dict[str, list[int]]]:
+    """One sample of random tokens per length in ``LENGTHS``; its first label ``ignore_index``
+    when ``first_label_masked`` (an SFT prompt), else the labels are the tokens (text completion)."""
+    generator = torch.Generator().manual_seed(seed)
+    data = []
+    for length in LENGTHS:
+        tokens = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+        data.append({"tokens": tokens, "labels": [ignore_index, *tokens[1:]] if first_label_masked else tokens})
+    return data
+
+
+def _train_audited(recipe: Any) -> dict[str, Audit]:
+    """Run the recipe's ``train()`` with two audits watching, each micro-batch recorded as
+    ``_loss_step`` receives it."""
+    settings: dict[str, Any] = {"record_forward": False, "call_model": _call, "output": _output, "targets": _targets}
+    audits = {
+        "documented": audit(recipe._model, recipe._optimizer, loss=NextTokenCrossEntropy(), **settings),
+        "unshifted count": audit(recipe._model, recipe._optimizer, loss=UnshiftedCount(), **settings),
+    }
+    loss_step = recipe._loss_step
+
+    def recording(batch: dict[str, Tensor]) -> Tensor:
         for watching in audits.values():
-            watching.__enter__()
-        try:
-            recipe.train()
-        finally:
-            for watching in audits.values():
-                watching.__exit__(None, None, None)
-            recipe.cleanup()
+            watching.record(dict(batch))
+        return loss_step(batch)
+
+    recipe._loss_step = recording
+    for watching in audits.values():
+        watching.__enter__()
+    try:
+        recipe.train()
+    finally:
+        for watching in audits.values():
+            watching.__exit__(None, None, None)
+        recipe.cleanup()
     return audits
 
 

@@ -316,63 +316,13 @@ def grpo_run(
     (``"documented"``) and against each hypothesis (default: every one that
     applies to a token-normalised loss type)."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     if hypotheses is None:
         hypotheses = tuple(HYPOTHESES) if loss_type in _TOKEN_NORMALISED else ()
     with tempfile.TemporaryDirectory() as output_dir, _quiet():
-        extra: dict[str, Any] = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
-        if setting.equal_lengths:
-            extra["generation_kwargs"] = {"min_new_tokens": 8}
-        if loss_type == "cispo":
-            extra["epsilon_high"] = 5.0  # the MiniMax-M1 / ScaleRL setting TRL's docs cite
-        args = GRPOConfig(
-            output_dir=output_dir,
-            loss_type=loss_type,
-            beta=0.0,
-            num_iterations=1,
-            per_device_train_batch_size=setting.per_device_train_batch_size,
-            num_generations=setting.num_generations,
-            gradient_accumulation_steps=setting.gradient_accumulation_steps,
-            steps_per_generation=setting.steps_per_generation,
-            max_completion_length=8,
-            max_steps=setting.max_steps,
-            learning_rate=0.1,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            max_grad_norm=0.0,
-            temperature=1.0,
-            seed=seed,
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            **extra,
-        )
-        ga, spg = setting.gradient_accumulation_steps, setting.generation_steps
-        eps_low, eps_high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
-        settings: dict[str, Any] = {
-            "epsilon_low": eps_low,
-            "epsilon_high": eps_high,
-            "max_completion_length": 8,
-            "sapo_temperature_pos": args.sapo_temperature_pos,
-            "sapo_temperature_neg": args.sapo_temperature_neg,
-        }
-
-        def documented_targets(call: Call) -> Tensor:
-            return pack(call[0][0])
-
-        def hypothesis_targets(name: str) -> Callable[[Call], Tensor]:
-            normaliser = HYPOTHESES[name][1]
-            return lambda call: pack(call[0][0], normaliser(call[0][0], ga, spg), ga)
-
-        objectives: dict[str, tuple[Any, Callable[[Call], Tensor]]] = {
-            "documented": (GRPOObjective(loss_type, **settings), documented_targets)
-        }
-        for name in hypotheses:
-            objectives[name] = (GRPOObjective(loss_type, per_micro_batch=True, **settings), hypothesis_targets(name))
+        args = _grpo_config(loss_type, setting, output_dir, seed)
+        objectives = _objectives(loss_type, setting, args, hypotheses)
         recorder = _Recorder(objectives, lambda model, call: completion_log_probs(model, call[0][0], 1.0))
         # enough prompts for every window in one epoch (the Trainer ends a window at an epoch's end)
         needed = setting.gradient_accumulation_steps * setting.per_device_train_batch_size * setting.max_steps
@@ -389,6 +339,80 @@ def grpo_run(
         _audited(trainer, recorder, _micro_batch)
         trainer.train()
     return recorder.audits
+
+
+#: The Trainer arguments every run here shares: SGD at a constant rate, no clipping, float32
+#: on the CPU, nothing saved, logged or reported.
+_TRAINER_ARGS: dict[str, Any] = {
+    "learning_rate": 0.1,
+    "optim": "sgd",
+    "lr_scheduler_type": "constant",
+    "max_grad_norm": 0.0,
+    "use_cpu": True,
+    "bf16": False,
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_strategy": "no",
+    "disable_tqdm": True,
+}
+
+
+def _grpo_config(loss_type: str, setting: Setting, output_dir: str, seed: int) -> Any:
+    """``GRPOConfig`` of a run: ``setting``'s accumulation, SGD at a constant rate, no clipping,
+    no KL term, one iteration per generation, float32 on the CPU, nothing saved or logged."""
+    from trl import GRPOConfig
+
+    extra: dict[str, Any] = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    if setting.equal_lengths:
+        extra["generation_kwargs"] = {"min_new_tokens": 8}
+    if loss_type == "cispo":
+        extra["epsilon_high"] = 5.0  # the MiniMax-M1 / ScaleRL setting TRL's docs cite
+    return GRPOConfig(
+        output_dir=output_dir,
+        loss_type=loss_type,
+        beta=0.0,
+        num_iterations=1,
+        per_device_train_batch_size=setting.per_device_train_batch_size,
+        num_generations=setting.num_generations,
+        gradient_accumulation_steps=setting.gradient_accumulation_steps,
+        steps_per_generation=setting.steps_per_generation,
+        max_completion_length=8,
+        max_steps=setting.max_steps,
+        temperature=1.0,
+        seed=seed,
+        **_TRAINER_ARGS,
+        **extra,
+    )
+
+
+def _objectives(
+    loss_type: str, setting: Setting, args: Any, hypotheses: Sequence[str]
+) -> dict[str, tuple[Any, Callable[[Call], Tensor]]]:
+    """What each audit replays the window against, with its targets: the documented objective
+    (``"documented"``) and each hypothesis's per-micro-batch normaliser."""
+    ga, spg = setting.gradient_accumulation_steps, setting.generation_steps
+    eps_low, eps_high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    settings: dict[str, Any] = {
+        "epsilon_low": eps_low,
+        "epsilon_high": eps_high,
+        "max_completion_length": 8,
+        "sapo_temperature_pos": args.sapo_temperature_pos,
+        "sapo_temperature_neg": args.sapo_temperature_neg,
+    }
+
+    def documented_targets(call: Call) -> Tensor:
+        return pack(call[0][0])
+
+    def hypothesis_targets(name: str) -> Callable[[Call], Tensor]:
+        normaliser = HYPOTHESES[name][1]
+        return lambda call: pack(call[0][0], normaliser(call[0][0], ga, spg), ga)
+
+    objectives: dict[str, tuple[Any, Callable[[Call], Tensor]]] = {
+        "documented": (GRPOObjective(loss_type, **settings), documented_targets)
+    }
+    for name in hypotheses:
+        objectives[name] = (GRPOObjective(loss_type, per_micro_batch=True, **settings), hypothesis_targets(name))
+    return objectives
 
 
 def _sft_call(model: nn.Module, call: Call) -> Any:
@@ -445,17 +469,8 @@ def sft_run(loss_type: str = "nll", *, gradient_accumulation_steps: int = 2, see
             per_device_train_batch_size=2,
             gradient_accumulation_steps=gradient_accumulation_steps,
             max_steps=3,
-            learning_rate=0.1,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            max_grad_norm=0.0,
             seed=seed,
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
+            **_TRAINER_ARGS,
             packing=False,
             dataset_text_field="text",
         )
