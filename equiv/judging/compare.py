@@ -537,8 +537,9 @@ class StepComparer:
         return rows
 
     def compare(self, step: int, candidate: Snapshot, start: _RunStart) -> list[TensorDiff]:
+        """Every compared tensor's row after ``step``, ``candidate`` being the run's
+        snapshot then; the rows a verdict shows detailed (unless :attr:`details` is False)."""
         truth = self.floors.truth
-        device = truth.device
         compared = truth.values[step]
         extra_state = sorted(n for n in candidate.optimizer_state if ("state", n) not in compared)
         truth_state = sorted(n for k, n in compared if k == "state")
@@ -547,73 +548,61 @@ class StepComparer:
             *(("buffer", n) for n in truth.names(step, "buffer")),
             *(("state", n) for n in sorted([*truth_state, *extra_state])),
         ]
-
-        def difference(key: Key) -> Tensor | None:
-            return start.difference(candidate, key, compared.get(key), device)
-
         # Into one scratch buffer: only each tensor's 0-d maximum is kept.
-        maxima = start.max_differences(candidate, keys, compared, device)
+        maxima = start.max_differences(candidate, keys, compared, truth.device)
         floats = iter(_host_floats([m for m in maxima if m is not None]))
+        out = [
+            self._row(step, key, candidate, None if maximum is None else next(floats))
+            for key, maximum in zip(keys, maxima, strict=True)
+        ]
+        if self.details:
+            self._detail(step, candidate, start, keys, out)
+        return out
 
-        out = []
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        for key, maximum in zip(keys, maxima, strict=True):
-            kind, name = key
-            truth_value = compared.get(key)
-            # Scales: the parameter (at least the global update) for updates, the
-            # tensor's own magnitude for buffers and state (0 for state the truth lacks).
-            scale = truth.scales[step].get(key, 0.0)
-            if kind == "update":
-                scale = max(scale, truth.global_update[step])
-            budget = allowance(floor=self.floors.floor(step, key), dtype=self.dtype, scale=scale, steps=step)
-            shape = (
-                tuple(truth_value.shape) if truth_value is not None else tuple(candidate.optimizer_state[name].shape)
-            )
-            numel = math.prod(shape)
-            if maximum is None:
-                # Missing state (e.g. the optimizer never stepped) or a reshaped tensor.
-                size = max(numel, 1)
-                row = TensorDiff(
-                    step,
-                    name,
-                    kind,  # type: ignore[arg-type]
-                    self.tier,
-                    dtype_name,
-                    math.inf,
-                    (),
-                    math.inf,
-                    (),
-                    budget.allowed,
-                    budget.explain(),
-                    size,
-                    size,
-                    scale,
-                )
-            else:
-                max_abs = next(floats)
-                if math.isnan(max_abs):  # NaN anywhere is as far from the truth as it gets
-                    max_abs = math.inf
-                row = TensorDiff(
-                    step=step,
-                    name=name,
-                    kind=kind,  # type: ignore[arg-type]
-                    tier=self.tier,
-                    dtype=dtype_name,
-                    max_abs_diff=max_abs,
-                    index=(),
-                    max_rel_diff=math.nan,
-                    rel_index=(),
-                    allowed=budget.allowed,
-                    explanation=budget.explain(),
-                    mismatched=0,
-                    numel=numel,
-                    scale=scale,
-                )
-            out.append(row)
-        if not self.details:
-            return out
-        # Details for the rows a verdict shows: every row past its allowance, and the
-        # step's worst (the first of greatest ratio) when it beats the tier's worst so far.
+    def _row(self, step: int, key: Key, candidate: Snapshot, max_abs: float | None) -> TensorDiff:
+        """The row of ``key`` (not detailed) whose greatest difference is ``max_abs``; None:
+        the run lacks the tensor (e.g. the optimizer never stepped) or reshaped it."""
+        truth = self.floors.truth
+        kind, name = key
+        truth_value = truth.values[step].get(key)
+        # Scales: the parameter (at least the global update) for updates, the
+        # tensor's own magnitude for buffers and state (0 for state the truth lacks).
+        scale = truth.scales[step].get(key, 0.0)
+        if kind == "update":
+            scale = max(scale, truth.global_update[step])
+        budget = allowance(floor=self.floors.floor(step, key), dtype=self.dtype, scale=scale, steps=step)
+        shape = tuple(truth_value.shape) if truth_value is not None else tuple(candidate.optimizer_state[name].shape)
+        numel = math.prod(shape)
+        if max_abs is None:  # as far from the truth as it gets, every element mismatched
+            max_abs, max_rel, mismatched = math.inf, math.inf, max(numel, 1)
+            numel = mismatched
+        else:
+            max_rel, mismatched = math.nan, 0  # (filled in only where detailed)
+            if math.isnan(max_abs):  # NaN anywhere is as far from the truth as it gets
+                max_abs = math.inf
+        return TensorDiff(
+            step=step,
+            name=name,
+            kind=kind,  # type: ignore[arg-type]
+            tier=self.tier,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_abs_diff=max_abs,
+            index=(),
+            max_rel_diff=max_rel,
+            rel_index=(),
+            allowed=budget.allowed,
+            explanation=budget.explain(),
+            mismatched=mismatched,
+            numel=numel,
+            scale=scale,
+        )
+
+    def _detail(self, step: int, candidate: Snapshot, start: _RunStart, keys: list[Key], out: list[TensorDiff]) -> None:
+        """Details, in ``out`` (the rows of ``keys``), for the rows a verdict shows: every
+        row past its allowance, and the step's worst (the first of greatest ratio) when it
+        beats the tier's worst so far."""
+        truth = self.floors.truth
+        compared = truth.values[step]
         worst = max(range(len(out)), key=lambda i: out[i].ratio, default=None)
         for position, row in enumerate(out):
             new_worst = position == worst and (self._worst_ratio is None or row.ratio > self._worst_ratio)
@@ -622,7 +611,7 @@ class StepComparer:
                 continue
             key = keys[position]
             truth_compared = truth.compared(step, key, start.scratch) if key in compared else None
-            again = difference(key)
+            again = start.difference(candidate, key, compared.get(key), truth.device)
             assert again is not None
             out[position] = _detailed(row, again, truth_compared, start.scratch)
         if worst is not None and (self._worst_ratio is None or out[worst].ratio > self._worst_ratio):
@@ -630,7 +619,6 @@ class StepComparer:
         # The details' buffers go before the run's next step: not held while its
         # gradients and optimizer temporaries are (a failing check's peak).
         start.scratch.release(*_DETAIL_SLOTS)
-        return out
 
 
 def compare_trajectories(
