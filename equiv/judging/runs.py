@@ -260,9 +260,9 @@ def _run(
     batches = case.batches(bundle)
     stepped_model = _Autocast(model, case.autocast) if case.autocast is not None else model
     rank = rank or {}
-    if "wrap_model" in rank:
-        stepped_model = rank["wrap_model"](stepped_model)
-    batch_slice = rank.get("batch_slice")
+    wrap_model, batch_slice = rank.get("wrap_model"), rank.get("batch_slice")
+    if wrap_model is not None:
+        stepped_model = wrap_model(stepped_model)
     optimizer = case.build_optimizer(stepped_model)
     extras = RunExtras(
         scheduler=case.build_scheduler(optimizer),
@@ -542,7 +542,8 @@ def run_candidate(
     candidate = bind(candidate)
     keywords = _keywords_for(candidate, case)
     dtype_name = str(dtype).removeprefix("torch.")
-    sizes = tuple(rank.get("micro_batch_sizes", case.micro_batch_sizes))
+    cut = rank.get("micro_batch_sizes")
+    sizes = case.micro_batch_sizes if cut is None else tuple(cut)
     on_step = rank.get("on_step")
     promoted = functools.partial(_PromoteLowPrecision, dtype) if promote_low_precision else contextlib.nullcontext
     os_exit = _os_exit_raises if rank.get("catch_os_exit", True) else contextlib.nullcontext
