@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 import equiv
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
-from equiv.judging.compare import _first_argmax
 from equiv.judging.contract import Candidate
+from equiv.judging.details import _first_argmax
 from equiv.judging.judge import _SHUFFLE_SEED_OFFSETS, ReferenceRuns
 from equiv.judging.runs import Snapshot, run_candidate, run_reference
 from equiv.judging.tolerances import allowance, unit_roundoff

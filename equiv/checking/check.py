@@ -15,9 +15,11 @@ repeat the exact tier).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import overload
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypedDict, Unpack, overload
 
 import torch
 
@@ -42,6 +44,17 @@ from equiv.outcomes import Fault, Outcome
 from equiv.results.verdict import CaseVerdicts, FailureKind, PrecisionFinding, TensorDiff, Tier, Verdict
 
 __all__ = ["check", "check_cases"]
+
+
+class CheckOptions(TypedDict, total=False):
+    """:func:`check`'s keywords, as :func:`check_cases` passes them on to each case's check."""
+
+    tiers: Sequence[Tier]
+    timeout: float | None
+    train_dtype: torch.dtype | str | None
+    strict: bool
+    details: bool
+    threads: int | None
 
 
 @overload
@@ -121,25 +134,27 @@ def check(
     """
     __tracebackhide__ = True
     precision_fails_because(train_dtype, strict)  # a bad value is refused before anything runs
-
-    def fails_because(sized: torch.dtype) -> str:
-        return precision_fails_because(train_dtype, strict, sized)
-
     if case is None:
-        return check_cases(
-            candidate,
-            STANDARD_CASES,
-            tiers=tiers,
-            timeout=timeout,
-            train_dtype=train_dtype,
-            strict=strict,
-            details=details,
-            threads=threads,
+        options = CheckOptions(
+            tiers=tiers, timeout=timeout, train_dtype=train_dtype, strict=strict, details=details, threads=threads
         )
+        return check_cases(candidate, STANDARD_CASES, **options)
+
+    fails_because = functools.partial(precision_fails_because, train_dtype, strict)
+    with running_threads(chosen_threads(threads, [case] if isinstance(case, Case) else [])), _in_time(timeout, case):
+        return _check(bind(candidate), case, tiers, fails_because, details)
+
+
+@contextlib.contextmanager
+def _in_time(timeout: float | None, case: Case) -> Iterator[None]:
+    """The block under a ``timeout`` deadline, which equiv's own runs (not the candidate:
+    that is a :class:`~equiv.judging.contract.CandidateTimeout`) ran past when it raises
+    :class:`~equiv.judging.deadline.CheckTimeout`: said so, naming the case."""
+    __tracebackhide__ = True
     try:
-        with running_threads(chosen_threads(threads, [case] if isinstance(case, Case) else [])), deadline(timeout):
-            return _check(bind(candidate), case, tiers, fails_because, details)
-    except CheckTimeout as exc:  # not inside the candidate (that is a CandidateTimeout): in equiv's own runs
+        with deadline(timeout):
+            yield
+    except CheckTimeout as exc:
         raise CheckTimeout(
             exc.seconds,
             f"the check of {case!r} took over its limit of {exc.seconds:g} s in "
@@ -353,15 +368,11 @@ def check_cases(
     candidate: Candidate,
     cases: Mapping[str, Case],
     *,
-    tiers: Sequence[Tier] = TIERS,
-    timeout: float | None = DEFAULT_TIMEOUT_S,
     on_case: Callable[[str, CaseVerdicts], None] | None = None,
-    train_dtype: torch.dtype | str | None = None,
-    strict: bool = False,
-    details: bool = True,
-    threads: int | None = None,
+    **options: Unpack[CheckOptions],
 ) -> CaseVerdicts:
-    """:func:`check` on each named case; a case where the step raises is recorded,
+    """:func:`check` on each named case, with :func:`check`'s keywords (``options``:
+    :class:`CheckOptions`, the same defaults); a case where the step raises is recorded,
     not raised.  After a case where the step hangs past ``timeout`` the rest are
     not run (each would wait as long): recorded as not run, and counted so (never as
     not equivalent).  ``on_case(name, so_far)`` hears each case as it ends (progress).
@@ -386,7 +397,9 @@ def check_cases(
             setting=_own_autocast(cases, verdicts),
         )
 
-    count = chosen_threads(threads, cases.values())
+    count = chosen_threads(options.get("threads"), cases.values())
+    # The count chosen for all, passed on: each case's check need not choose again.
+    each: CheckOptions = {**options, "threads": count}
     hung: str | None = None
     with running_threads(count):
         for name, case in cases.items():
@@ -394,17 +407,7 @@ def check_cases(
                 not_run[name] = f"the step hung on {hung!r}"
             else:
                 try:
-                    # The count chosen for all, passed on: each case's check need not choose again.
-                    verdicts[name] = check(
-                        candidate,
-                        case,
-                        tiers=tiers,
-                        timeout=timeout,
-                        train_dtype=train_dtype,
-                        strict=strict,
-                        details=details,
-                        threads=count,
-                    )
+                    verdicts[name] = check(candidate, case, **each)
                 except CandidateError as exc:
                     errors[name] = str(exc)
                     faults[name] = Fault.HUNG if isinstance(exc, CandidateTimeout) else Fault.RAISED

@@ -243,43 +243,39 @@ def verify(
 ) -> VerifyResult:
     """Search for a case where ``candidate`` is not the full-batch step.
 
-    A found case is replayed alone in a fresh Python process (when the candidate is
-    importable by name): if it passes there, the step keeps state across calls and the
-    result says so.  A case whose only difference is float32 roundoff inside the float64
-    run (a "precision" verdict) never stands in for a mathematical mismatch: the search
-    goes on, and reports it only when it finds no mismatch.  Warnings raised by the
-    checks are shown once per search.  Cases clip (none / inactive / active) only if the
-    candidate takes ``max_grad_norm``, and step an LR scheduler only if it takes
-    ``scheduler``.  Shrinking: a failure shrinks towards fewer steps, samples and
-    micro-batches, the smallest model and the plainest optimizer.
+    A found case is replayed alone in a fresh Python process (when the candidate is importable by name): if
+    it passes there, the step keeps state across calls and the result says so.  A case whose only difference
+    is float32 roundoff inside the float64 run (a "precision" verdict) never stands in for a mathematical
+    mismatch: the search goes on, and reports it only when it finds no mismatch.  Warnings raised by the
+    checks are shown once per search.  Cases clip (none / inactive / active) only if the candidate takes
+    ``max_grad_norm``, and step an LR scheduler only if it takes ``scheduler``.  Shrinking: a failure shrinks
+    towards fewer steps, samples and micro-batches, the smallest model and the plainest optimizer.
 
     Args:
         candidate: the step, as :func:`equiv.check` takes it.
-        space: what cases are drawn from (:class:`SearchSpace`: model families, optimizers,
-            losses, bounds on the batch and the micro-batch count, the device; default:
-            everything the strategy draws, on the CPU, with sample-mean losses, no
-            BatchNorm or dropout).
+        space: what cases are drawn from (:class:`SearchSpace`: model families, optimizers, losses, bounds on
+            the batch and the micro-batch count, the device; default: everything the strategy draws, on the
+            CPU, with sample-mean losses, no BatchNorm or dropout).
         max_examples: cases to try (default: the profile's).
-        seed: fixes the search (a derandomized profile is already fixed; otherwise a seed
-            is drawn and reported so the search can be replayed).
-        profile: equiv's "dev", "ci" or "thorough" (:mod:`equiv.checking.profiles`), or any
-            registered Hypothesis profile (default: the one loaded).
+        seed: fixes the search (a derandomized profile is already fixed; otherwise a seed is drawn and
+            reported so the search can be replayed).
+        profile: equiv's "dev", "ci" or "thorough" (:mod:`equiv.checking.profiles`), or any registered
+            Hypothesis profile (default: the one loaded).
         reproduce: a blob printed by an earlier search, replayed.
         progress: called after every check with (checks so far, seconds elapsed).
         replay_in_fresh_process: replay a found case alone in a fresh process.
-        timeout: seconds one case's check may take (None: no limit); a step that hangs
-            past it ends the search at once with that case, as an error (not shrunk:
-            each shrink step would wait out the limit again).
-        train_dtype, strict: as in :func:`equiv.check`; a case with only a precision
-            note passes and is counted (``precision_notes``) unless the user trains in
-            float64 or asks for strict precision.
-        threads: torch's CPU thread count during the search (None: equiv chooses one thread,
-            the drawn cases being small, unless ``OMP_NUM_THREADS`` is set; see
-            :mod:`equiv.checking.threads`); the count before is restored afterwards.
+        timeout: seconds one case's check may take (None: no limit); a step that hangs past it ends the
+            search at once with that case, as an error (not shrunk: each shrink step would wait out the
+            limit again).
+        train_dtype, strict: as in :func:`equiv.check`; a case with only a precision note passes and is
+            counted (``precision_notes``) unless the user trains in float64 or asks for strict precision.
+        threads: torch's CPU thread count during the search (None: equiv chooses one thread, the drawn cases
+            being small, unless ``OMP_NUM_THREADS`` is set; see :mod:`equiv.checking.threads`); the count
+            before is restored afterwards.
 
     Returns:
-        A :class:`VerifyResult`: the smallest counterexample and its verdict (or the
-        error of a step that raised or hung), or nothing found; cases tried, seed, time.
+        A :class:`VerifyResult`: the smallest counterexample and its verdict (or the error of a step that
+        raised or hung), or nothing found; cases tried, seed, time.
 
     Raises:
         ContractError: the candidate cannot take ``(model, optimizer, micro_batches, loss_fn)``.
@@ -287,39 +283,9 @@ def verify(
         ValueError: ``reproduce`` no longer reproduces a failure.
     """
     candidate = bind(candidate)
-    precision_fails_because(train_dtype, strict)  # a bad value is refused before the search starts
-    space = SearchSpace() if space is None else space
-    strategy, run = space.strategy(candidate), _search_run(profile, max_examples, seed, reproduce, progress)
-    count = chosen_threads(threads)  # the drawn cases are equiv's own, small models
-    judge = _Judge(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict, threads=count)
-    with running_threads(count):
-        outcome = run_search(strategy, judge, run, name=candidate.name)
-        case, failure, first_failure_at = judge.finding(outcome)
-    elapsed_s, state_across_calls, fresh_replay = time.perf_counter() - outcome.started, None, ""
-    if case is not None and not outcome.flaky and not outcome.hung and replay_in_fresh_process:
-        state_across_calls, fresh_replay = _replay_alone(candidate, case)
-    return VerifyResult(
-        candidate=candidate.name,
-        examples=outcome.examples,
-        first_failure_at=first_failure_at,
-        counterexample=case,
-        verdict=None if failure is None else failure.verdict,
-        seed=run.seed,
-        error=None if failure is None else failure.error,
-        error_traceback=None if failure is None else failure.traceback,
-        profile=profile or getattr(settings, "_current_profile", None) or "default",
-        max_examples=run.max_examples,
-        blob=outcome.blob if outcome.blob is not None or case is None else reproduce,
-        elapsed_s=elapsed_s,
-        checking_s=outcome.judging_s,
-        flaky=outcome.flaky,
-        state_across_calls=state_across_calls,
-        fresh_replay=fresh_replay,
-        search=space,
-        **judge.passing(),
-        train_dtype=None if train_dtype is None else str(train_dtype).removeprefix("torch."),
-        strict=strict,
-    )
+    judge = _Judge(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict, threads=chosen_threads(threads))
+    run = _search_run(profile, max_examples, seed, reproduce, progress)
+    return judge.search(SearchSpace() if space is None else space, run, replay_in_fresh_process, profile)
 
 
 def _search_run(
@@ -357,6 +323,8 @@ class _Judge:
     and what the passing ones showed, counted."""
 
     def __init__(self, candidate: BoundCandidate, **check_options: Any) -> None:
+        # A bad train_dtype or strict is refused before the search starts.
+        precision_fails_because(check_options.get("train_dtype"), check_options.get("strict", False))
         self.candidate, self.check_options = candidate, check_options
         self.examples = 0
         self.inherent_cases = 0
@@ -425,6 +393,41 @@ class _Judge:
         if case is None or failure is None or failure.verdict is None or outcome.flaky:
             return case, failure, at
         return case, self._in_full(case, failure), at
+
+    def search(self, space: SearchSpace, run: SearchRun, replay: bool, profile: str | None) -> VerifyResult:
+        """:func:`verify`'s search of ``space`` as ``run`` says (``profile``: its name, as
+        given), with :attr:`check_options`' thread count (the drawn cases are equiv's own,
+        small models); the case found is replayed alone in a fresh process if ``replay``
+        and it stood (not flaky, not hung)."""
+        with running_threads(self.check_options["threads"]):
+            outcome = run_search(space.strategy(self.candidate), self, run, name=self.candidate.name)
+            case, failure, first_failure_at = self.finding(outcome)
+        elapsed_s, state_across_calls, fresh_replay = time.perf_counter() - outcome.started, None, ""
+        if case is not None and not outcome.flaky and not outcome.hung and replay:
+            state_across_calls, fresh_replay = _replay_alone(self.candidate, case)
+        train_dtype = self.check_options["train_dtype"]
+        return VerifyResult(
+            candidate=self.candidate.name,
+            examples=outcome.examples,
+            first_failure_at=first_failure_at,
+            counterexample=case,
+            verdict=None if failure is None else failure.verdict,
+            seed=run.seed,
+            error=None if failure is None else failure.error,
+            error_traceback=None if failure is None else failure.traceback,
+            profile=profile or getattr(settings, "_current_profile", None) or "default",
+            max_examples=run.max_examples,
+            blob=outcome.blob if outcome.blob is not None or case is None else run.reproduce,
+            elapsed_s=elapsed_s,
+            checking_s=outcome.judging_s,
+            flaky=outcome.flaky,
+            state_across_calls=state_across_calls,
+            fresh_replay=fresh_replay,
+            search=space,
+            **self.passing(),
+            train_dtype=None if train_dtype is None else str(train_dtype).removeprefix("torch."),
+            strict=self.check_options["strict"],
+        )
 
     def _in_full(self, case: Case, failure: Failure[Verdict]) -> Failure[Verdict]:
         """The found case with its verdict in full (where in each tensor).  Its truth

@@ -16,6 +16,7 @@ synthetic memory and time curves.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -203,15 +204,7 @@ def plan(
         NothingFitsError: no N fits the budget.
         ValueError: an argument is out of range (named, with the value given).
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1 (the time line needs a timing), got {repeats}")
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-    device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {str(device)!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} asked for, but torch.cuda.is_available() is False")
+    device = _measuring_device(device, repeats, global_batch_size)
     options = StepOptions(
         loss_sum=loss_sum or _default_loss_sum(batch[1]),
         count_items=count_items or (lambda targets: int(targets.shape[0])),
@@ -228,6 +221,20 @@ def plan(
         safety_margin=safety_margin,
         device=str(device),
     )
+
+
+def _measuring_device(device: torch.device | str, repeats: int, global_batch_size: int) -> torch.device:
+    """:func:`plan`'s ``device``, refused (with ``repeats`` and ``global_batch_size``) before anything is measured."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1 (the time line needs a timing), got {repeats}")
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but torch.cuda.is_available() is False")
+    return device
 
 
 def search_plan(
@@ -258,47 +265,27 @@ def search_plan(
        while there is one: the recommendation is the fastest *measured* step
        around the predicted optimum, not the line's guess.
     """
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-    if memory_budget_bytes <= 0:
-        raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
-    if not 0 <= safety_margin < 1:
-        raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin}")
-    if probes < 2:
-        raise ValueError(f"probes must be >= 2 (a line needs two points), got {probes}")
-    candidates = sorted(set(candidates if candidates is not None else default_candidates(global_batch_size)))
-    bad = [n for n in candidates if not 1 <= n <= global_batch_size]
-    if bad:
-        raise ValueError(f"candidates must be in 1..{global_batch_size} (the global batch size), got {bad}")
+    _check_search(global_batch_size, memory_budget_bytes, safety_margin, probes)
+    size_of = _sizes_of(candidates, global_batch_size)
+    candidates = list(size_of)
     budget = _Budget(memory_budget_bytes, memory_budget_bytes * (1 - safety_margin))
-    size_of = {n: _micro_batch_size(global_batch_size, n) for n in candidates}
     sizes = sorted(set(size_of.values()))
-    if len(sizes) < 2:
-        raise ValueError(f"candidates {candidates} give fewer than 2 micro-batch sizes; nothing to fit")
-
     probed = _probe_phase(measure, sizes, global_batch_size, budget, probes, max(candidates))
     recommended, confirmed, memory_model, time_model = _confirm_phase(
         measure, probed, candidates, size_of, global_batch_size, budget
     )
 
     rows = []
-    for n in candidates:
-        m = size_of[n]
-        whole = confirmed.get(n)
-        rows.append(
-            PlanRow(
-                n_micro_batches=n,
-                micro_batch_size=m,
-                predicted_peak_bytes=memory_model.peak_bytes(m),
-                predicted_samples_per_s=time_model.samples_per_s(n, global_batch_size),
-                fits=whole.memory.peak_bytes <= memory_budget_bytes if whole else budget.fits(m, probed, memory_model),
-                probed_peak_bytes=probed[m].memory.peak_bytes if m in probed else None,
-                measured_peak_bytes=whole.memory.peak_bytes if whole else None,
-                measured_forward_backward_peak_bytes=whole.memory.forward_backward_peak_bytes if whole else None,
-                measured_optimizer_step_peak_bytes=whole.memory.optimizer_step_peak_bytes if whole else None,
-                measured_samples_per_s=global_batch_size / whole.median_step_seconds if whole else None,
-            )
+    for n, m in size_of.items():
+        predicted = PlanRow(
+            n_micro_batches=n,
+            micro_batch_size=m,
+            predicted_peak_bytes=memory_model.peak_bytes(m),
+            predicted_samples_per_s=time_model.samples_per_s(n, global_batch_size),
+            fits=budget.fits(m, probed, memory_model),
+            probed_peak_bytes=probed[m].memory.peak_bytes if m in probed else None,
         )
+        rows.append(_measured(predicted, confirmed[n], global_batch_size, budget) if n in confirmed else predicted)
     return Plan(
         global_batch_size=global_batch_size,
         memory_budget_bytes=memory_budget_bytes,
@@ -308,6 +295,44 @@ def search_plan(
         memory_model=memory_model,
         time_model=time_model,
         probed_micro_batch_sizes=list(probed),
+    )
+
+
+def _check_search(global_batch_size: int, memory_budget_bytes: int, safety_margin: float, probes: int) -> None:
+    """:func:`search_plan`'s arguments, refused before anything is measured."""
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+    if memory_budget_bytes <= 0:
+        raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
+    if not 0 <= safety_margin < 1:
+        raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin}")
+    if probes < 2:
+        raise ValueError(f"probes must be >= 2 (a line needs two points), got {probes}")
+
+
+def _sizes_of(candidates: Sequence[int] | None, global_batch_size: int) -> dict[int, int]:
+    """The micro-batch size of each candidate N (default: :func:`default_candidates`), in
+    increasing N; candidates out of range or giving fewer than two sizes (no line through
+    them) are refused."""
+    ordered = sorted(set(candidates if candidates is not None else default_candidates(global_batch_size)))
+    bad = [n for n in ordered if not 1 <= n <= global_batch_size]
+    if bad:
+        raise ValueError(f"candidates must be in 1..{global_batch_size} (the global batch size), got {bad}")
+    size_of = {n: _micro_batch_size(global_batch_size, n) for n in ordered}
+    if len(set(size_of.values())) < 2:
+        raise ValueError(f"candidates {ordered} give fewer than 2 micro-batch sizes; nothing to fit")
+    return size_of
+
+
+def _measured(predicted: PlanRow, whole: StepMeasurement, global_batch_size: int, budget: _Budget) -> PlanRow:
+    """A row whose whole step was measured: it fits as measured, not as predicted."""
+    return dataclasses.replace(
+        predicted,
+        fits=whole.memory.peak_bytes <= budget.budget_bytes,
+        measured_peak_bytes=whole.memory.peak_bytes,
+        measured_forward_backward_peak_bytes=whole.memory.forward_backward_peak_bytes,
+        measured_optimizer_step_peak_bytes=whole.memory.optimizer_step_peak_bytes,
+        measured_samples_per_s=global_batch_size / whole.median_step_seconds,
     )
 
 

@@ -9,7 +9,10 @@ check, an audited window, a peer's whole run) is made here, one way:
   mathematics (dtypes x named variants: an order of the batch, normalising after
   backward) measure a tier's floor, and in which order they run;
 - :mod:`~equiv.judging.compare`: the truth's trajectory, the floors' distances
-  from it and the candidate's rows, streaming;
+  from it and the candidate's rows, streaming; :mod:`~equiv.judging.details`: a
+  shown row's details (where, how many, NaN and inf, an update's cosine);
+  :mod:`~equiv.judging.reductions`: the maxima read in few host transfers and the
+  scratch buffers both reuse;
 - :mod:`~equiv.judging.tolerances`: the allowance derived from a floor and the
   roundoff of the tier's dtype (nothing outside this package computes one);
 - :mod:`~equiv.judging.judge`: :class:`~equiv.judging.judge.Judge`, which asks a

@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from equiv.judging.details import _DETAIL_SLOTS, _detailed
+from equiv.judging.reductions import _host_floats, _max_abs, _max_abs_each, _Scratch
 from equiv.judging.runs import Snapshot
 from equiv.judging.tolerances import allowance
 from equiv.results.verdict import TensorDiff, Tier
@@ -41,101 +43,11 @@ Key = tuple[str, str]
 LOSS_SCALE_KEY = "grad_scaler:scale"
 
 
-def _unravel(flat_index: int, shape: Sequence[int]) -> tuple[int, ...]:
-    """The multi-index of a flat (row-major) index, in Python: no device call."""
-    index = []
-    for size in reversed(shape):
-        flat_index, position = divmod(flat_index, size)
-        index.append(position)
-    return tuple(reversed(index))
-
-
-def _max_abs(tensor: Tensor) -> Tensor:
-    """max |tensor| as a 0-d float64 tensor where the tensor lives (0 for an empty one)."""
-    if tensor.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=tensor.device)
-    # min and max in one fused pass (no |tensor| temporary): max|t| = max(|min|, |max|), NaN kept.
-    low, high = tensor.aminmax()
-    return torch.maximum(low.abs(), high.abs()).to(torch.float64)
-
-
-def _max_abs_each(tensors: list[Tensor]) -> list[Tensor]:
-    """:func:`_max_abs` of every tensor, NaN kept.  On a GPU one multi-tensor
-    reduction per dtype (``torch._foreach_norm``, infinity norm: max |t|) and one
-    conversion for the whole list, instead of four kernels per tensor; on the
-    CPU per tensor, where a foreach op loops over the tensors anyway and the
-    fused min/max pass reads each tensor once."""
-    out: list[Tensor] = [tensor for tensor in tensors]  # each replaced by its maximum below
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for position, tensor in enumerate(tensors):
-        if tensor.device.type == "cpu" or tensor.numel() == 0:  # (the infinity norm of nothing is undefined)
-            out[position] = _max_abs(tensor)
-        else:
-            groups.setdefault((tensor.device, tensor.dtype), []).append(position)
-    for positions in groups.values():
-        norms = torch._foreach_norm([tensors[p] for p in positions], ord=math.inf)
-        for position, norm in zip(positions, torch.stack(norms).to(torch.float64).unbind(), strict=True):
-            out[position] = norm
-    return out
-
-
-def _host_floats(values: list[Tensor]) -> list[float]:
-    """Many 0-d tensors as Python floats, in one device-to-host transfer per device.
-
-    Host tensors are read where they are: moving them to the GPU to stack them
-    is a synchronising copy each (Adam's ``step`` counters live on the host)."""
-    out = [0.0] * len(values)
-    by_device: dict[torch.device, list[int]] = {}
-    for position, value in enumerate(values):
-        by_device.setdefault(value.device, []).append(position)
-    for device, positions in by_device.items():
-        stacked = torch.stack([values[p] for p in positions])
-        read = stacked.tolist() if device.type == "cpu" else stacked.cpu().tolist()
-        for position, number in zip(positions, read, strict=True):
-            out[position] = float(number)
-    return out
-
-
 def _float64(tensor: Tensor, device: torch.device | None) -> Tensor:
     """A 0-d or lent tensor as float64 where the truth lives (a copy only when it must)."""
     if device is not None and tensor.dim():
         tensor = tensor.to(device)
     return tensor.to(torch.float64)
-
-
-class _Scratch:
-    """Reusable float64 (and bool) buffers for the comparison's temporaries.
-
-    A fresh large tensor per compared tensor is mostly page faults (the
-    allocator hands big blocks back to the system and gets zeroed pages the
-    next time): one buffer per slot, grown to the largest tensor compared and
-    viewed in each tensor's shape, keeps the comparison to its arithmetic.
-    Memory: two float64 tensors and one bool tensor of the largest size.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
-        #: Views already made, per slot and shape (a model has few shapes; a view costs a call).
-        self._views: dict[tuple[str, torch.dtype, torch.device, torch.Size], Tensor] = {}
-
-    def release(self, *slots: str) -> None:
-        """Let the buffers of ``slots`` go (the next :meth:`get` makes them again)."""
-        self._buffers = {key: buffer for key, buffer in self._buffers.items() if key[0] not in slots}
-        self._views = {key: view for key, view in self._views.items() if key[0] not in slots}
-
-    def get(self, slot: str, shape: torch.Size, device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
-        view = self._views.get((slot, dtype, device, shape))
-        if view is not None:
-            return view
-        key = (slot, dtype, device)
-        numel = math.prod(shape)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            # A larger buffer: views of the old one would outlive it, so they go.
-            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-            self._views = {k: v for k, v in self._views.items() if k[:3] != key}
-        view = self._views[(slot, dtype, device, shape)] = buffer[:numel].view(shape)
-        return view
 
 
 def _compact(tensor: Tensor, own: Tensor | None = None) -> Tensor:
@@ -625,8 +537,9 @@ class StepComparer:
         return rows
 
     def compare(self, step: int, candidate: Snapshot, start: _RunStart) -> list[TensorDiff]:
+        """Every compared tensor's row after ``step``, ``candidate`` being the run's
+        snapshot then; the rows a verdict shows detailed (unless :attr:`details` is False)."""
         truth = self.floors.truth
-        device = truth.device
         compared = truth.values[step]
         extra_state = sorted(n for n in candidate.optimizer_state if ("state", n) not in compared)
         truth_state = sorted(n for k, n in compared if k == "state")
@@ -635,73 +548,61 @@ class StepComparer:
             *(("buffer", n) for n in truth.names(step, "buffer")),
             *(("state", n) for n in sorted([*truth_state, *extra_state])),
         ]
-
-        def difference(key: Key) -> Tensor | None:
-            return start.difference(candidate, key, compared.get(key), device)
-
         # Into one scratch buffer: only each tensor's 0-d maximum is kept.
-        maxima = start.max_differences(candidate, keys, compared, device)
+        maxima = start.max_differences(candidate, keys, compared, truth.device)
         floats = iter(_host_floats([m for m in maxima if m is not None]))
+        out = [
+            self._row(step, key, candidate, None if maximum is None else next(floats))
+            for key, maximum in zip(keys, maxima, strict=True)
+        ]
+        if self.details:
+            self._detail(step, candidate, start, keys, out)
+        return out
 
-        out = []
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        for key, maximum in zip(keys, maxima, strict=True):
-            kind, name = key
-            truth_value = compared.get(key)
-            # Scales: the parameter (at least the global update) for updates, the
-            # tensor's own magnitude for buffers and state (0 for state the truth lacks).
-            scale = truth.scales[step].get(key, 0.0)
-            if kind == "update":
-                scale = max(scale, truth.global_update[step])
-            budget = allowance(floor=self.floors.floor(step, key), dtype=self.dtype, scale=scale, steps=step)
-            shape = (
-                tuple(truth_value.shape) if truth_value is not None else tuple(candidate.optimizer_state[name].shape)
-            )
-            numel = math.prod(shape)
-            if maximum is None:
-                # Missing state (e.g. the optimizer never stepped) or a reshaped tensor.
-                size = max(numel, 1)
-                row = TensorDiff(
-                    step,
-                    name,
-                    kind,  # type: ignore[arg-type]
-                    self.tier,
-                    dtype_name,
-                    math.inf,
-                    (),
-                    math.inf,
-                    (),
-                    budget.allowed,
-                    budget.explain(),
-                    size,
-                    size,
-                    scale,
-                )
-            else:
-                max_abs = next(floats)
-                if math.isnan(max_abs):  # NaN anywhere is as far from the truth as it gets
-                    max_abs = math.inf
-                row = TensorDiff(
-                    step=step,
-                    name=name,
-                    kind=kind,  # type: ignore[arg-type]
-                    tier=self.tier,
-                    dtype=dtype_name,
-                    max_abs_diff=max_abs,
-                    index=(),
-                    max_rel_diff=math.nan,
-                    rel_index=(),
-                    allowed=budget.allowed,
-                    explanation=budget.explain(),
-                    mismatched=0,
-                    numel=numel,
-                    scale=scale,
-                )
-            out.append(row)
-        if not self.details:
-            return out
-        # Details for the rows a verdict shows: every row past its allowance, and the
-        # step's worst (the first of greatest ratio) when it beats the tier's worst so far.
+    def _row(self, step: int, key: Key, candidate: Snapshot, max_abs: float | None) -> TensorDiff:
+        """The row of ``key`` (not detailed) whose greatest difference is ``max_abs``; None:
+        the run lacks the tensor (e.g. the optimizer never stepped) or reshaped it."""
+        truth = self.floors.truth
+        kind, name = key
+        truth_value = truth.values[step].get(key)
+        # Scales: the parameter (at least the global update) for updates, the
+        # tensor's own magnitude for buffers and state (0 for state the truth lacks).
+        scale = truth.scales[step].get(key, 0.0)
+        if kind == "update":
+            scale = max(scale, truth.global_update[step])
+        budget = allowance(floor=self.floors.floor(step, key), dtype=self.dtype, scale=scale, steps=step)
+        shape = tuple(truth_value.shape) if truth_value is not None else tuple(candidate.optimizer_state[name].shape)
+        numel = math.prod(shape)
+        if max_abs is None:  # as far from the truth as it gets, every element mismatched
+            max_abs, max_rel, mismatched = math.inf, math.inf, max(numel, 1)
+            numel = mismatched
+        else:
+            max_rel, mismatched = math.nan, 0  # (filled in only where detailed)
+            if math.isnan(max_abs):  # NaN anywhere is as far from the truth as it gets
+                max_abs = math.inf
+        return TensorDiff(
+            step=step,
+            name=name,
+            kind=kind,  # type: ignore[arg-type]
+            tier=self.tier,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_abs_diff=max_abs,
+            index=(),
+            max_rel_diff=max_rel,
+            rel_index=(),
+            allowed=budget.allowed,
+            explanation=budget.explain(),
+            mismatched=mismatched,
+            numel=numel,
+            scale=scale,
+        )
+
+    def _detail(self, step: int, candidate: Snapshot, start: _RunStart, keys: list[Key], out: list[TensorDiff]) -> None:
+        """Details, in ``out`` (the rows of ``keys``), for the rows a verdict shows: every
+        row past its allowance, and the step's worst (the first of greatest ratio) when it
+        beats the tier's worst so far."""
+        truth = self.floors.truth
+        compared = truth.values[step]
         worst = max(range(len(out)), key=lambda i: out[i].ratio, default=None)
         for position, row in enumerate(out):
             new_worst = position == worst and (self._worst_ratio is None or row.ratio > self._worst_ratio)
@@ -710,7 +611,7 @@ class StepComparer:
                 continue
             key = keys[position]
             truth_compared = truth.compared(step, key, start.scratch) if key in compared else None
-            again = difference(key)
+            again = start.difference(candidate, key, compared.get(key), truth.device)
             assert again is not None
             out[position] = _detailed(row, again, truth_compared, start.scratch)
         if worst is not None and (self._worst_ratio is None or out[worst].ratio > self._worst_ratio):
@@ -718,134 +619,6 @@ class StepComparer:
         # The details' buffers go before the run's next step: not held while its
         # gradients and optimizer temporaries are (a failing check's peak).
         start.scratch.release(*_DETAIL_SLOTS)
-        return out
-
-
-#: Scratch slots only detailing uses (see :func:`_detailed`), besides the difference itself.
-_DETAIL_SLOTS = ("truth", "absolute", "flags")
-
-
-#: Row width of :func:`_first_argmax`'s two-pass search (any width gives the same index).
-_ARGMAX_ROW = 1024
-
-
-def _first_argmax(values: Tensor) -> Tensor:
-    """``values.argmax()`` (the flat index of the first greatest value; ``values``
-    hold no NaN) as a 0-d long tensor.  On the CPU an argmax tracks an index per
-    element and runs several times slower than a max: there, the greatest of each
-    row of a flat view (one vectorised pass), the first row holding the greatest,
-    and the argmax inside it (and a tail shorter than a row) give the same index."""
-    flat = values.reshape(-1)
-    rows = flat.numel() // _ARGMAX_ROW
-    if flat.device.type != "cpu" or rows < 2:
-        return flat.argmax()
-    body = flat[: rows * _ARGMAX_ROW].view(rows, _ARGMAX_ROW)
-    top = int(body.amax(dim=1).argmax())
-    best = top * _ARGMAX_ROW + int(body[top].argmax())
-    if rows * _ARGMAX_ROW < flat.numel():
-        tail = rows * _ARGMAX_ROW + int(flat[rows * _ARGMAX_ROW :].argmax())
-        best = best if bool(flat[best] >= flat[tail]) else tail  # equal: the body's comes first
-    return torch.tensor(best, device=flat.device)
-
-
-def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch: _Scratch) -> TensorDiff:
-    """``row`` with where its greatest differences are, its greatest relative
-    difference, its count of mismatched elements, and what diagnoses it: the
-    expected and actual value where the difference is greatest, NaN and inf
-    counted apart (with the first one's index), and for an update its size
-    against the full batch's (``<c, t> / <t, t>``) and its cosine; all from the
-    candidate-minus-truth ``difference`` (a scratch buffer the next call reuses)."""
-    if difference.numel() == 0:
-        return dataclasses.replace(row, index=(), max_rel_diff=0.0, rel_index=())
-    shape = tuple(difference.shape)
-    device = difference.device
-    abs_diff = torch.abs(difference, out=scratch.get("absolute", difference.shape, device))
-    if not math.isfinite(row.max_abs_diff):  # (a finite greatest difference: no NaN, no inf to map)
-        abs_diff.nan_to_num_(nan=math.inf, posinf=math.inf)
-    flat_abs = _first_argmax(abs_diff)
-    zeros = truth is None
-    if truth is None:  # state the truth never has, compared with zeros: relative difference inf where not 0
-        truth = torch.zeros_like(abs_diff)
-    flags = scratch.get("flags", abs_diff.shape, device, torch.bool)
-    # (A bool tensor's sum is several times slower on the CPU than counting its non-zeros.)
-    # Elements not within the allowance: past it, not finite, or against an allowance that is
-    # not a number (a NaN truth's scale; NaN differences are inf by now).
-    if row.ok:
-        mismatched = torch.zeros((), dtype=torch.long, device=device)
-    else:
-        within = torch.le(abs_diff, row.allowed, out=flags)
-        if not math.isfinite(row.max_abs_diff):
-            within.logical_and_(torch.isfinite(abs_diff))
-        mismatched = abs_diff.numel() - torch.count_nonzero(within)
-    # Whether the truth is finite, read on the CPU only (a GPU would wait for it: there
-    # the masked pass below is cheap).  Finite where both ends are (NaN spreads to them).
-    truth_finite = device.type == "cpu" and bool(torch.isfinite(torch.stack(truth.aminmax())).all())
-    # |diff| / |truth|, 0 where the two agree (0 / 0 included), inf where only
-    # the truth is 0.  |diff / truth| is |diff| / |truth| bit for bit; divided in
-    # place (|diff| is not needed after this): no buffer of its own.
-    agree = None if truth_finite else torch.eq(abs_diff, 0, out=flags)
-    rel_diff = torch.div(abs_diff, truth, out=abs_diff)
-    if agree is None:
-        # |diff| holds no NaN and the truth is finite: a NaN quotient is 0 / 0 (the two
-        # agree) and nothing else, so it is 0, with no mask and no masked pass.
-        rel_diff.abs_().nan_to_num_(nan=0.0, posinf=math.inf)
-    else:
-        rel_diff.abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
-        rel_diff.masked_fill_(agree, 0.0)
-    flat_rel = _first_argmax(rel_diff)
-    # NaN and inf apart (the truth is finite: a non-finite difference is the candidate's);
-    # none to count when the greatest difference is finite (NaN makes it inf).
-    if math.isfinite(row.max_abs_diff):
-        nan_count = inf_count = first_not_finite = torch.zeros((), dtype=torch.long, device=device)
-    else:
-        not_finite = torch.logical_not(torch.isfinite(difference), out=flags)
-        nan_count = torch.count_nonzero(torch.isnan(difference))
-        inf_count = torch.count_nonzero(not_finite) - nan_count
-        first_not_finite = not_finite.flatten().to(torch.uint8).argmax()  # the first True (argmax takes the first)
-    # An update c = t + d against the truth t: <d, t>, <t, t>, <d, d> give its scale and cosine.
-    is_update = row.kind == "update" and not zeros
-    if is_update:
-        flat_difference, flat_truth = difference.flatten(), truth.flatten()
-        products = [
-            torch.dot(flat_difference, flat_truth),
-            torch.dot(flat_truth, flat_truth),
-            torch.dot(flat_difference, flat_difference),
-        ]
-    else:
-        products = [torch.zeros((), dtype=torch.float64, device=device)] * 3
-    # All on the device, read in one transfer (torch.take: no host-side index).
-    floats = _host_floats(
-        [
-            flat_abs.to(torch.float64),
-            torch.take(rel_diff, flat_rel),
-            flat_rel.to(torch.float64),
-            mismatched.to(torch.float64),
-            torch.take(truth, flat_abs),
-            torch.take(difference, flat_abs),
-            nan_count.to(torch.float64),
-            inf_count.to(torch.float64),
-            first_not_finite.to(torch.float64),
-            *products,
-        ]
-    )
-    index_abs, max_rel, index_rel, count, expected, signed, nans, infs, first_bad, dt, tt, dd = floats
-    ct, cc = tt + dt, tt + 2 * dt + dd
-    ratio = ct / tt if is_update and tt > 0 else math.nan
-    cosine = ct / math.sqrt(cc * tt) if is_update and cc > 0 and tt > 0 else math.nan
-    return dataclasses.replace(
-        row,
-        index=_unravel(int(index_abs), shape),
-        max_rel_diff=max_rel,
-        rel_index=_unravel(int(index_rel), shape),
-        mismatched=int(count),
-        expected=expected,
-        actual=expected + signed,
-        nan_count=int(nans),
-        inf_count=int(infs),
-        first_not_finite=_unravel(int(first_bad), shape) if nans or infs else (),
-        update_ratio=ratio,
-        cosine=cosine,
-    )
 
 
 def compare_trajectories(

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -153,6 +153,21 @@ def full_batch_step(
         here (a check's reference runs raise :class:`NonFiniteLossError` for one).
     """
     optimizer.zero_grad(set_to_none=True)
+    loss = _full_batch_backward(model, batch, loss_fn, grad_scaler, normalise_after_backward)
+    stepped = _clipped_step(model, optimizer, max_grad_norm, grad_scaler)
+    if scheduler is not None and stepped:
+        scheduler.step()
+    return loss.detach()
+
+
+def _full_batch_backward(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Loss,
+    grad_scaler: torch.amp.GradScaler | None,
+    normalise_after_backward: bool,
+) -> Tensor:
+    """The whole batch's mean loss, back-propagated (scaled, under a loss scaler)."""
     inputs, targets = batch
     if normalise_after_backward:
         # The same mathematics rounded the other legitimate way: back-propagate
@@ -164,26 +179,32 @@ def full_batch_step(
         (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_div_(grads, count.to(grads[0].dtype) if isinstance(count, Tensor) else float(count))
-        loss = loss / count
-    else:
-        loss = loss_fn(model(inputs), targets)
-        (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+        return loss / count
+    loss = loss_fn(model(inputs), targets)
+    (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+    return loss
+
+
+def _clipped_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None,
+    grad_scaler: torch.amp.GradScaler | None,
+) -> bool:
+    """The optimizer step, clipped once if asked (after unscaling, under a loss scaler);
+    whether it stepped (a loss scaler skips the step of an overflowing gradient)."""
     if grad_scaler is None:
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
         optimizer.step()
-        stepped = True
-    else:
-        grad_scaler.unscale_(optimizer)
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
-        scale_before = grad_scaler.get_scale()
-        grad_scaler.step(optimizer)
-        grad_scaler.update()
-        stepped = grad_scaler.get_scale() >= scale_before
-    if scheduler is not None and stepped:
-        scheduler.step()
-    return loss.detach()
+        return True
+    grad_scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    scale_before = grad_scaler.get_scale()
+    grad_scaler.step(optimizer)
+    grad_scaler.update()
+    return grad_scaler.get_scale() >= scale_before
 
 
 StepRunner = Callable[[nn.Module, torch.optim.Optimizer, Batch, "RunExtras", int], None]
@@ -197,24 +218,39 @@ class RunExtras:
     grad_scaler: torch.amp.GradScaler | None
 
 
+class RankOptions(TypedDict, total=False):
+    """How one rank of a distributed run runs the candidate: :func:`run_candidate`'s
+    keywords for it (a single-process run gives none)."""
+
+    #: wraps the model the step sees (DistributedDataParallel, FSDP); snapshots read the unwrapped one
+    wrap_model: Callable[[nn.Module], nn.Module]
+    #: keeps the rank's part of every batch (with a tuple, further dimensions too: a
+    #: context-parallel rank's slice of every sequence's positions)
+    batch_slice: slice | tuple[slice, ...]
+    #: cut the rank's part into these micro-batches (default: the case's)
+    micro_batch_sizes: Sequence[int]
+    #: hears each step start (progress for fault reports)
+    on_step: Callable[[int], None]
+    #: ``os._exit`` called by the step raises (a raised step) instead of ending this process
+    #: (default True); False where the process is a spawned rank, whose death is reported
+    catch_os_exit: bool
+
+
 def _run(
     case: Case,
     dtype: torch.dtype,
     run_step: StepRunner,
     permutation_seed: int | None = None,
     *,
-    wrap_model: Callable[[nn.Module], nn.Module] | None = None,
-    batch_slice: slice | tuple[slice, ...] | None = None,
+    rank: RankOptions | None = None,
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
     initial: ModelBundle | None = None,
     on_note: Callable[[str], None] | None = None,
 ) -> list[Snapshot]:
     """Snapshots before the first step and after each step, computing in ``dtype``.
 
-    ``wrap_model`` (e.g. DistributedDataParallel) wraps the model the step
-    sees; snapshots read the unwrapped one.  ``batch_slice`` keeps one part of
-    every batch (one rank's shard; a tuple indexes further dimensions too: a
-    context-parallel rank's slice of every sequence's positions).  ``initial``: the case's model as
+    ``rank``: one rank's model wrapper and part of every batch
+    (:class:`RankOptions`; its other keys are :func:`run_candidate`'s).  ``initial``: the case's model as
     ``case.build_model()`` makes it, built once for many runs (a copy is
     trained; initialising a large model costs more than copying it).
     """
@@ -223,6 +259,8 @@ def _run(
     model = bundle.module.to(device=device, dtype=dtype)
     batches = case.batches(bundle)
     stepped_model = _Autocast(model, case.autocast) if case.autocast is not None else model
+    rank = rank or {}
+    wrap_model, batch_slice = rank.get("wrap_model"), rank.get("batch_slice")
     if wrap_model is not None:
         stepped_model = wrap_model(stepped_model)
     optimizer = case.build_optimizer(stepped_model)
@@ -241,14 +279,7 @@ def _run(
             on_snapshot(step, snapshot)
 
     record(0)
-    # Dropout draws from the global RNG: seed it so every run of a case is repeatable.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        # The CPU generator alone unless on CUDA: torch.manual_seed also queues
-        # seeding of every accelerator backend, a measurable cost per run.
-        if device.type == "cuda":
-            torch.manual_seed(case.seed)
-        else:
-            torch.default_generator.manual_seed(case.seed)
+    with _seeded(device, case.seed):
         for step, (inputs, targets) in enumerate(batches):
             if permutation_seed is not None:
                 order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(permutation_seed + step))
@@ -262,6 +293,20 @@ def _run(
                     on_note(note)
             record(step + 1)
     return snapshots
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """The global RNG seeded with ``seed`` for the block, and as it was after: dropout
+    draws from it, so every run of a case is repeatable."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # The CPU generator alone unless on CUDA: torch.manual_seed also queues
+        # seeding of every accelerator backend, a measurable cost per run.
+        if device.type == "cuda":
+            torch.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        yield
 
 
 def _what_the_step_changed(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> list[str]:
@@ -472,85 +517,81 @@ def run_candidate(
     candidate: Callable[..., Any] | BoundCandidate,
     dtype: torch.dtype,
     *,
-    wrap_model: Callable[[nn.Module], nn.Module] | None = None,
-    batch_slice: slice | tuple[slice, ...] | None = None,
-    micro_batch_sizes: Sequence[int] | None = None,
-    on_step: Callable[[int], None] | None = None,
     default_dtype: torch.dtype | None = None,
     on_snapshot: Callable[[int, Snapshot], None] | None = None,
     initial: ModelBundle | None = None,
     on_note: Callable[[str], None] | None = None,
     promote_low_precision: bool = False,
-    catch_os_exit: bool = True,
+    **rank: Unpack[RankOptions],
 ) -> list[Snapshot]:
     """The candidate's trajectory: called once per step on the same model and
     optimizer, with the step's batch cut into ``case.micro_batch_sizes``.
 
-    For one rank of a distributed run: ``wrap_model`` wraps the model in DDP,
-    ``batch_slice`` selects the rank's shard (with a tuple, its positions too), ``micro_batch_sizes`` cuts it,
-    and ``on_step`` hears each step start (progress for fault reports).
+    For one rank of a distributed run, ``rank``'s keywords (:class:`RankOptions`):
+    ``wrap_model`` wraps the model in DDP, ``batch_slice`` selects the rank's shard
+    (with a tuple, its positions too), ``micro_batch_sizes`` cuts it, ``on_step`` hears
+    each step start (progress for fault reports), and ``catch_os_exit=False`` lets
+    ``os._exit`` called by the step end the process (a spawned rank's death is reported;
+    by default it raises, a raised step).
     ``default_dtype`` sets torch's default dtype while the candidate runs
     (how :func:`equiv.check` tells a precision finding from a mismatch);
     ``promote_low_precision`` runs it with the bfloat16 and float16 it asks for
     lifted to ``dtype`` (how it tells a low-precision buffer from a mismatch).
-    ``catch_os_exit``: ``os._exit`` called by the step raises (a raised step) instead of
-    ending this process; off where the process is a spawned rank, whose death is reported.
     """
     loss_fn = case.build_loss()
     candidate = bind(candidate)
     keywords = _keywords_for(candidate, case)
     dtype_name = str(dtype).removeprefix("torch.")
-    sizes = case.micro_batch_sizes if micro_batch_sizes is None else tuple(micro_batch_sizes)
+    cut = rank.get("micro_batch_sizes")
+    sizes = case.micro_batch_sizes if cut is None else tuple(cut)
+    on_step = rank.get("on_step")
+    promoted = functools.partial(_PromoteLowPrecision, dtype) if promote_low_precision else contextlib.nullcontext
+    os_exit = _os_exit_raises if rank.get("catch_os_exit", True) else contextlib.nullcontext
 
     def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, extras: RunExtras, step: int) -> None:
         if on_step is not None:
             on_step(step)
         micro_batches = split_batch(batch, sizes, copy=True)  # copies: a step may write into its inputs
-        started = time.monotonic()
-        interrupts_before = interrupts_received()
+        started, interrupts_before = time.monotonic(), interrupts_received()
         try:
-            promoted = _PromoteLowPrecision(dtype) if promote_low_precision else contextlib.nullcontext()
-            os_exit = _os_exit_raises() if catch_os_exit else contextlib.nullcontext()
-            with counting_interrupts(), os_exit, _default_dtype(default_dtype), promoted:
+            with counting_interrupts(), os_exit(), _default_dtype(default_dtype), promoted():
                 candidate(model, optimizer, micro_batches, loss_fn, **keywords(extras))
-        except CheckTimeout as exc:
-            raise CandidateTimeout(
-                f"candidate {candidate.name} did not finish step {step} in {dtype_name} within the "
-                f"check's limit of {exc.seconds:g} s (it ran {time.monotonic() - started:.1f} s of it; it hangs, "
-                f"or needs a longer timeout); reproduce with {case!r}",
-                case=case,
-                step=step,
-                dtype=dtype_name,
-            ) from None
-        except (SystemExit, KeyboardInterrupt) as exc:
-            # BaseExceptions, which `except Exception` lets through: a step's sys.exit(0) would
+        except (SystemExit, KeyboardInterrupt, Exception) as exc:
+            # BaseExceptions too, which `except Exception` lets through: a step's sys.exit(0) would
             # otherwise end the check, and the command, with nothing judged and exit code 0.
+            error = _step_error(exc, candidate.name, case, step, dtype_name, time.monotonic() - started)
             # A KeyboardInterrupt is the user's Ctrl-C (propagated) only when a SIGINT came.
             if isinstance(exc, KeyboardInterrupt) and interrupts_received() != interrupts_before:
                 raise
-            raise CandidateError(
-                f"candidate {candidate.name} {_what_ended(exc)} at step {step} in {dtype_name}, so nothing was "
-                f"judged there; reproduce with {case!r}",
-                case=case,
-                step=step,
-                dtype=dtype_name,
-            ) from exc
-        except Exception as exc:
-            raise CandidateError(
-                f"candidate {candidate.name} raised {type(exc).__name__}: {exc} "
-                f"at step {step} in {dtype_name}; reproduce with {case!r}",
-                case=case,
-                step=step,
-                dtype=dtype_name,
-            ) from exc
+            raise error from (None if isinstance(exc, CheckTimeout) else exc)
 
-    return _run(
-        case,
-        dtype,
-        run_step,
-        wrap_model=wrap_model,
-        batch_slice=batch_slice,
-        on_snapshot=on_snapshot,
-        initial=initial,
-        on_note=on_note,
+    return _run(case, dtype, run_step, rank=rank, on_snapshot=on_snapshot, initial=initial, on_note=on_note)
+
+
+def _step_error(exc: BaseException, name: str, case: Case, step: int, dtype_name: str, ran_s: float) -> CandidateError:
+    """What the candidate ``name``'s step raised (``exc``, after ``ran_s`` seconds), as the
+    :class:`~equiv.judging.contract.CandidateError` naming the case, step and dtype
+    (:class:`~equiv.judging.contract.CandidateTimeout` past the check's limit)."""
+    if isinstance(exc, CheckTimeout):
+        return CandidateTimeout(
+            f"candidate {name} did not finish step {step} in {dtype_name} within the "
+            f"check's limit of {exc.seconds:g} s (it ran {ran_s:.1f} s of it; it hangs, "
+            f"or needs a longer timeout); reproduce with {case!r}",
+            case=case,
+            step=step,
+            dtype=dtype_name,
+        )
+    if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        return CandidateError(
+            f"candidate {name} {_what_ended(exc)} at step {step} in {dtype_name}, so nothing was "
+            f"judged there; reproduce with {case!r}",
+            case=case,
+            step=step,
+            dtype=dtype_name,
+        )
+    return CandidateError(
+        f"candidate {name} raised {type(exc).__name__}: {exc} at step {step} in {dtype_name}; reproduce with {case!r}",
+        case=case,
+        step=step,
+        dtype=dtype_name,
     )
