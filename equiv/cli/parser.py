@@ -82,6 +82,46 @@ def _autocast_flag(parser: argparse._ActionsContainer) -> None:
     )
 
 
+#: What a step target is, in every subcommand that checks one.
+_CONTRACT = "MODULE:FUNC or path/to/file.py:FUNC following the candidate contract"
+
+
+def _target_arg(parser: argparse.ArgumentParser) -> None:
+    """The step to check, ``MODULE:FUNC`` (check, verify and their distributed forms)."""
+    parser.add_argument("target", help=_CONTRACT)
+
+
+def _json_flag(parser: argparse.ArgumentParser, what: str, where: str = "") -> None:
+    """``--json PATH``: ``what`` (the verdicts, the result) also written there as JSON (by ``where``)."""
+    parser.add_argument("--json", help=f"also write {what} as JSON to this path{where}")
+
+
+def _tb_flag(parser: argparse.ArgumentParser) -> None:
+    """``--tb``: the step's own traceback too, where it raised (check, verify)."""
+    parser.add_argument("--tb", action="store_true", help="where the step raised, also print its own traceback")
+
+
+def _seed_flag(parser: argparse.ArgumentParser) -> None:
+    """``--seed``: the search fixed (verify, verify-distributed)."""
+    parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
+
+
+def _case_timeout_flag(parser: argparse.ArgumentParser, then: str) -> None:
+    """``--timeout`` of one case's check in this process (check, verify); ``then``: what a step still running does."""
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
+        f"a step still running then {then} (exit 3)",
+    )
+
+
+def _allow_import_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--allow-import MODULE``: a module a ``--case`` may import its factories from (repeatable)."""
+    parser.add_argument("--allow-import", action="append", default=[], metavar="MODULE", help=help_text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``equiv`` command's parser: every subcommand, each with its handler as ``handler``.
 
@@ -96,59 +136,67 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"equiv {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    contract = "MODULE:FUNC or path/to/file.py:FUNC following the candidate contract"
+    # In this order in ``equiv --help``.
+    _add_check(commands)
+    _add_verify(commands)
+    _add_check_distributed(commands)
+    _add_verify_distributed(commands)
+    _add_plan(commands)
+    _add_report(commands)
+    return parser
 
+
+def _add_check(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     check_parser = commands.add_parser("check", help="check a step on the standard cases (or one --case)")
-    check_parser.add_argument("target", help=contract)
+    _target_arg(check_parser)
     check_parser.add_argument("--case", help="one case as JSON (Case.to_dict()), or @file.json")
-    check_parser.add_argument("--json", help="also write the verdicts as JSON to this path")
-    check_parser.add_argument(
-        "--allow-import",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="a module the --case may import its model, loss or data from, besides the step's "
+    _json_flag(check_parser, "the verdicts")
+    _allow_import_flag(
+        check_parser,
+        "a module the --case may import its model, loss or data from, besides the step's "
         "own (repeatable; a case pasted from a log imports nothing else)",
     )
-    check_parser.add_argument("--tb", action="store_true", help="where the step raised, also print its own traceback")
-    check_parser.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
-        "a step still running then is reported as hung (exit 3)",
-    )
+    _tb_flag(check_parser)
+    _case_timeout_flag(check_parser, then="is reported as hung")
     _precision_flags(check_parser)
     _autocast_flag(check_parser)
     _threads_flag(check_parser)
     _format_flag(check_parser)
     check_parser.set_defaults(handler=_cmd_check)
 
+
+def _add_verify(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     verify_parser = commands.add_parser(
         "verify",
         help="search drawn cases for a counterexample to a step (Hypothesis, shrunk)",
         description="Hypothesis draws cases (models x splits x optimizers), checks the step on each and shrinks "
         "the first mismatch to the smallest case that still shows it.",
     )
-    verify_parser.add_argument("target", help=contract)
+    _target_arg(verify_parser)
     verify_parser.add_argument(
         "--max-examples", type=_positive_int, default=None, help="cases to draw (default: the profile's)"
     )
-    verify_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
+    _seed_flag(verify_parser)
     verify_parser.add_argument(
         "--profile",
         default=None,
         help="Hypothesis profile: equiv's dev, ci or thorough (shipped in the package), or one you registered",
     )
-    verify_parser.add_argument("--json", help="also write the result as JSON to this path")
-    verify_parser.add_argument("--tb", action="store_true", help="where the step raised, also print its own traceback")
-    verify_parser.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help=f"seconds one case's check may take (default {DEFAULT_TIMEOUT_S:g}; 0: no limit); "
-        "a step still running then ends the search (exit 3)",
-    )
+    _json_flag(verify_parser, "the result")
+    _tb_flag(verify_parser)
+    _case_timeout_flag(verify_parser, then="ends the search")
+    _search_space_flags(verify_parser)
+    verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
+    verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
+    _precision_flags(verify_parser)
+    _threads_flag(verify_parser)
+    _format_flag(verify_parser)
+    verify_parser.set_defaults(handler=_cmd_verify)
+
+
+def _search_space_flags(verify_parser: argparse.ArgumentParser) -> None:
+    """What ``verify`` draws cases from: a flag per field of :class:`~equiv.checking.search_space.SearchSpace`,
+    named after it (the handler builds the space from those names)."""
     space = verify_parser.add_argument_group("what cases are drawn from (equiv.checking.search_space.SearchSpace)")
     space.add_argument(
         "--families", type=_names, default=(), help=f"comma-separated model families ({','.join(eqst.MODEL_FAMILIES)})"
@@ -177,13 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     space.add_argument("--device", default="cpu", help="where to run the cases (default cpu; e.g. cuda)")
     _autocast_flag(space)
-    verify_parser.add_argument("--reproduce", metavar="BLOB", help="replay the shrunk draw an earlier search printed")
-    verify_parser.add_argument("--progress-every", type=float, default=2.0, help=argparse.SUPPRESS)
-    _precision_flags(verify_parser)
-    _threads_flag(verify_parser)
-    _format_flag(verify_parser)
-    verify_parser.set_defaults(handler=_cmd_verify)
 
+
+def _add_check_distributed(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ddp_parser = commands.add_parser(
         "check-distributed",
         help="check a step on W ranks: spawned here, or the ranks torchrun started",
@@ -193,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checks and prints the verdict; without torchrun, --nproc ranks are spawned here. With no --split or --case, "
         "standard splits are checked (ranks holding different samples, micro-batch counts and real tokens).",
     )
-    ddp_parser.add_argument("target", help=contract)
+    _target_arg(ddp_parser)
     ddp_parser.add_argument(
         "--split",
         type=_split,
@@ -216,24 +260,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ranks to spawn without torchrun (default 2); under torchrun, its world size",
     )
-    ddp_parser.add_argument(
-        "--timeout",
-        type=_positive_seconds,
-        default=120.0,
-        help="seconds the ranks may take per case once started (default 120)",
-    )
-    ddp_parser.add_argument("--json", help="also write the verdicts as JSON to this path (rank 0)")
-    ddp_parser.add_argument(
-        "--allow-import",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="a module the --case may name factories from (besides the step's own)",
-    )
+    _ranks_timeout_flag(ddp_parser, 120.0, "the ranks may take per case once started (default 120)")
+    _json_flag(ddp_parser, "the verdicts", where=" (rank 0)")
+    _allow_import_flag(ddp_parser, "a module the --case may name factories from (besides the step's own)")
     _precision_flags(ddp_parser)
     _format_flag(ddp_parser)
     ddp_parser.set_defaults(handler=_cmd_check_distributed)
 
+
+def _ranks_timeout_flag(parser: argparse.ArgumentParser, default_s: float, what: str) -> None:
+    """``--timeout`` of spawned or torchrun ranks: finite and above zero (the ranks' own deadline)."""
+    parser.add_argument("--timeout", type=_positive_seconds, default=default_s, help=f"seconds {what}")
+
+
+def _add_verify_distributed(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     search_parser = commands.add_parser(
         "verify-distributed",
         help="search rank splits for a distributed counterexample (spawned gloo/NCCL ranks, shrunk)",
@@ -241,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         "different real-token counts), optimizers and clipping, checks the step on spawned ranks and shrinks the "
         "first mismatch to the smallest split. The step must be importable by name (MODULE:FUNC): the ranks import it.",
     )
-    search_parser.add_argument("target", help=contract)
+    _target_arg(search_parser)
     search_parser.add_argument(
         "--engines", type=_names, default=(), help=f"comma-separated engines to draw ({','.join(ENGINES)}; default ddp)"
     )
@@ -252,18 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-examples", type=_positive_int, default=25, help="distributed cases to draw (default 25)"
     )
     search_parser.add_argument("--max-world-size", type=int, default=3, help="most ranks drawn (default 3)")
-    search_parser.add_argument("--seed", type=int, default=None, help="fix the search (default: drawn and printed)")
-    search_parser.add_argument(
-        "--timeout",
-        type=_positive_seconds,
-        default=20.0,
-        help="seconds one case's ranks may take (default 20); a hung rank ends the search",
-    )
-    search_parser.add_argument("--json", help="also write the result as JSON to this path")
+    _seed_flag(search_parser)
+    _ranks_timeout_flag(search_parser, 20.0, "one case's ranks may take (default 20); a hung rank ends the search")
+    _json_flag(search_parser, "the result")
     _precision_flags(search_parser)
     _format_flag(search_parser)
     search_parser.set_defaults(handler=_cmd_verify_distributed)
 
+
+def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plan_parser = commands.add_parser(
         "plan",
         help="recommend the number of micro-batches N for a memory budget",
@@ -296,8 +333,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)
 
+
+def _add_report(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     report_parser = commands.add_parser("report", help="write a markdown report (equivalence, peers, benchmarks)")
     reports = report_parser.add_subparsers(dest="report", required=True, metavar="REPORT")
+    _add_report_equivalence(reports)
+    _add_report_peers(reports)
+    _add_report_benchmarks(reports)
+
+
+def _add_report_equivalence(reports: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     equivalence = reports.add_parser(
         "equivalence", help="standard cases, searches, distributed and loss-scale sections (tox -e equivalence)"
     )
@@ -306,9 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-search", action="store_true", help="only the fixed cases (skip the seeded searches and spawned ranks)"
     )
     equivalence.set_defaults(handler=_cmd_report_equivalence)
+
+
+def _add_report_peers(reports: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     peers = reports.add_parser("peers", help="Accelerate, Lightning and hand-written loops under equiv (tox -e peers)")
     peers.add_argument("--out", type=Path, default=Path("reports/peers.md"))
     peers.set_defaults(handler=_cmd_report_peers)
+
+
+def _add_report_benchmarks(reports: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     benchmarks = reports.add_parser("benchmarks", help="pytest --benchmark-json output as markdown (tox -e bench)")
     benchmarks.add_argument("--json", type=Path, required=True, help="pytest --benchmark-json output")
     benchmarks.add_argument("--out", type=Path, default=Path("reports/benchmarks.md"), help="markdown file to write")
@@ -324,4 +375,3 @@ def build_parser() -> argparse.ArgumentParser:
         "one (repeat it for several, e.g. a CPU and a GPU run)",
     )
     benchmarks.set_defaults(handler=_cmd_report_benchmarks)
-    return parser
