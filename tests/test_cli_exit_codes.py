@@ -133,7 +133,7 @@ def test_a_distributed_fault_stops_the_torchrun_cases_and_counts_the_rest_as_not
     steps: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from equiv.checking.distributed_search import standard_distributed_cases
-    from equiv.cli import _check_distributed_cases
+    from equiv.cli.distributed import _check_distributed_cases
     from equiv.distributed.launcher import DistributedCheckError
 
     def hangs_on_every_rank(task: object, world_size: int, **options: object) -> list[object]:
@@ -166,7 +166,7 @@ def test_an_unwritable_json_path_is_a_usage_error_before_any_work(
 
 
 def test_the_json_path_check_leaves_an_existing_file_alone_and_creates_none(steps: Path, tmp_path: Path) -> None:
-    from equiv.cli import _output
+    from equiv.cli.inputs import _output
 
     kept = tmp_path / "kept.json"
     kept.write_text("old")
@@ -275,7 +275,7 @@ def test_a_failure_of_equiv_itself_is_exit_4_with_the_traceback(
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("an equiv bug")
 
-    monkeypatch.setattr("equiv.cli.check_cases", broken)
+    monkeypatch.setattr("equiv.cli.checks.check_cases", broken)
     assert main(["check", f"{steps}:textbook"]) == EXIT_INTERNAL_ERROR
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError: 'an equiv bug'" in err
