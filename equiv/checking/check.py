@@ -25,8 +25,9 @@ import torch
 
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
-from equiv.checking.failure_kinds import classify
+from equiv.checking.failure_kinds import agreeing, classify
 from equiv.checking.threads import chosen_threads, running_threads
+from equiv.checking.witnessing import step_witness
 from equiv.judging.autocast import autocast_of
 from equiv.judging.contract import BoundCandidate, Candidate, CandidateError, CandidateTimeout, bind
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S, CheckTimeout, deadline
@@ -42,6 +43,7 @@ from equiv.judging.judge import (
 )
 from equiv.outcomes import Fault, Outcome
 from equiv.results.verdict import CaseVerdicts, FailureKind, PrecisionFinding, TensorDiff, Tier, Verdict
+from equiv.results.witness import Witness
 
 __all__ = ["check", "check_cases"]
 
@@ -300,16 +302,34 @@ def _judged(
     if finding is not None:
         return dataclasses.replace(verdict, precision=finding)
     if details and verdict.status is Outcome.NOT_EQUIVALENT:
-        return dataclasses.replace(verdict, failure_kind=_failure_kind(candidate, case, verdict))
+        # Only now, after the verdict: a passing check runs nothing more.
+        witness, configured_n = _witness(candidate, case, verdict)
+        kind = agreeing(_failure_kind(candidate, case, verdict, configured_n), witness)
+        return dataclasses.replace(verdict, failure_kind=kind, witness=witness)
     return verdict
 
 
-def _failure_kind(candidate: BoundCandidate, case: Case, verdict: Verdict) -> FailureKind:
+def _witness(candidate: BoundCandidate, case: Case, verdict: Verdict) -> tuple[Witness | None, int | None]:
+    """The witness of the first step failing in the exact tier (None: none fails there, or the time limit ended
+    the run that reads it), and the N the step divided by where its weights imply one."""
+    exact = [d.step for d in verdict.mismatches if d.tier == "exact"]
+    if not exact:
+        return None, None  # only the working dtype's run differs: no weighting to read
+    try:
+        return step_witness(candidate, case, min(exact) - 1)  # a row's step is 1-based: after that step
+    except CheckTimeout:
+        return None, None
+
+
+def _failure_kind(
+    candidate: BoundCandidate, case: Case, verdict: Verdict, configured_n: int | None = None
+) -> FailureKind:
     """The kind of a mathematical mismatch (:mod:`equiv.checking.failure_kinds`),
     or unclassified, saying why, when the time limit or the step ended the runs
-    that tell (the verdict stands either way)."""
+    that tell (the verdict stands either way).  ``configured_n``: the N the step's
+    weights say it divides by (a "tail divided by N" is tried only with one)."""
     try:
-        return classify(candidate, case, verdict).failure_kind()
+        return classify(candidate, case, verdict, configured_n=configured_n).failure_kind()
     except CheckTimeout as exc:
         return FailureKind.unclassified(f"not classified: {exc}")
     except CandidateError as exc:

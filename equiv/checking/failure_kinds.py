@@ -35,6 +35,7 @@ from equiv.judging.judge import case_key
 from equiv.judging.runs import Snapshot, run_candidate, run_reference
 from equiv.judging.trajectories import References, StepMagnitude, Trajectories, flat_params, judge, magnitude
 from equiv.results.verdict import FailureKind, TensorDiff, Verdict
+from equiv.results.witness import Witness
 from equiv.zoo.bugs import clip_per_micro_batch
 from equiv.zoo.kinds import (
     KINDS,
@@ -46,7 +47,7 @@ from equiv.zoo.kinds import (
     weighted_step,
 )
 
-__all__ = ["Classification", "classify"]
+__all__ = ["Classification", "agreeing", "classify"]
 
 
 @dataclass(frozen=True)
@@ -224,3 +225,33 @@ def classify(
         own = _own_clipping(own_limit) if own_limit is not None else None
         return Classification(None, gap, first, tried=tuple(tried), own_clipping=own)
     return Classification(matching[0], gap, first, also=tuple(matching[1:]), tried=tuple(tried))
+
+
+def agreeing(kind: FailureKind, witness: Witness | None) -> FailureKind:
+    """The failure kind, made to say what the witness says (one classifier, never two answers).
+
+    The witness names the weights of the first failing step from the table that holds :data:`KINDS` under
+    their own names (:data:`~equiv.zoo.kinds.NORMALISERS`); the classifier runs each kind's whole trajectory.
+    Where the witness names a kind that the classifier also found (as ``also``: the case cannot tell them
+    apart), that kind leads.  Where the witness names a kind that no kind's trajectory reproduces (later steps
+    differ), the kind stays unclassified and says so.  A witness that names no kind of :data:`KINDS` (the
+    full batch up to a scale, a per-rank mean, not a re-weighting) leaves the kind as the classifier found it.
+    """
+    if witness is None:
+        return kind
+    named = [name for name in witness.normaliser.split(" or ") if name in _KIND_NAMES]
+    if not named or kind.name in named:
+        return kind
+    if kind.classified:
+        matched = (kind.name, *kind.also)
+        lead = next((name for name in named if name in matched), None)
+        if lead is None:
+            return kind  # the trajectories decide; the witness's clause still shows the first step's weights
+        return FailureKind(lead, _KIND_NAMES[lead].means, also=tuple(name for name in matched if name != lead))
+    return FailureKind.unclassified(
+        f"{kind.means}; the first failing step's weights are the {named[0]}'s (the witness), but that kind's step "
+        "does not reproduce every step"
+    )
+
+
+_KIND_NAMES = {kind.name: kind for kind in KINDS}

@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, TypeVar
 from equiv.cases.case import Case
 from equiv.outcomes import Fault, Outcome, outcome_words
 from equiv.results.protocol import EquivalenceError, ResultBase, headed
+from equiv.results.witness import Witness
 
 __all__ = ["CaseVerdicts", "EquivalenceError", "FailureKind", "Judgement", "PrecisionFinding", "TensorDiff", "Verdict"]
 
@@ -366,6 +367,10 @@ class Verdict(Judgement):
     #: The kind of a mathematical mismatch (mean of means, ... or unclassified), named by
     #: :func:`equiv.check`; None for a verdict that is not one (or made without its details).
     failure_kind: FailureKind | None = None
+    #: The weight the step gave each micro-batch's loss at its first failing step, named (issue 44), read by
+    #: :func:`equiv.check` after a mathematical mismatch; None for a verdict that is not one (or made without
+    #: its details, or a step that never stepped its optimizer there).
+    witness: Witness | None = None
 
     @property
     def status(self) -> Outcome:
@@ -456,6 +461,8 @@ class Verdict(Judgement):
                 lines.append(f"Not equivalent to full-batch training ({head}).")
                 if self.failure_kind is not None:
                     lines.append(f"Kind of failure: {self.failure_kind.describe()}")
+                if self.witness is not None:
+                    lines.append(f"What the loop did: {self.witness.clause()}")
             lines += [f"Note: {note}" for note in self.notes]  # what the step did besides training
             lines.append(f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):")
             lines.append(first.describe(len(self.case.micro_batch_sizes)))
@@ -523,10 +530,11 @@ class Verdict(Judgement):
             worst = max(self.worst.values(), key=lambda d: d.ratio, default=None)
             ratio = "" if worst is None else f", worst {worst.ratio:.2g} of its allowance"
             return ratio + (", with a precision note" if self.note() else "")
+        witnessed = "" if self.witness is None else f"; {self.witness.clause()}"
         return (
             f": {first.label} at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}), off by "
             f"{first.relative_error:.3g} of its scale ({first.ratio:.3g} x allowed; {len(self.mismatches)} "
-            "tensor(s) past their allowance)"
+            f"tensor(s) past their allowance){witnessed}"
         )
 
     def _fields(self) -> dict[str, Any]:
@@ -546,6 +554,8 @@ class Verdict(Judgement):
                 "note": self.precision_note,
             },
             "failure_kind": None if self.failure_kind is None else self.failure_kind.to_dict(),
+            # only where a witness was read: a passing verdict's JSON is unchanged
+            **({} if self.witness is None else {"weights": self.witness.to_dict()}),
         }
 
 

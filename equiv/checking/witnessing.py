@@ -1,0 +1,165 @@
+"""The witness of a failing ``equiv.check`` step: the weight the step gave each micro-batch's loss (issue 44).
+
+Run only after a verdict fails in the exact (float64) tier, so that a passing
+check pays nothing.  The candidate runs once more in float64 up to the first
+failing step: at that step's start equiv copies the model and the micro-batches
+it is given, and at its optimizer's pre-step (``register_step_pre_hook``) reads
+``G``, the gradient the step accumulated; the run stops there.  ``g_i`` is the
+float64 gradient of micro-batch i's loss SUM (the case's loss) at the
+parameters the step started from, on the copy.  Then
+:func:`equiv.judging.witness.recover_weights` solves ``G ≈ Σ w_i g_i`` and
+:func:`equiv.judging.witness.witness` names ``w``.
+
+A check has no configured N (every window of a case has the case's
+micro-batches), so a step that divides by an N of its own ("tail divided by N"
+on a window shorter than it) is recognised from the weights themselves: when no
+normaliser explains them and they are ``1/(N n_i)`` for a whole N larger than
+the window, that N is the one the step divided by (:func:`implied_n`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from equiv.cases.case import Case
+from equiv.judging.contract import BoundCandidate, CandidateError
+from equiv.judging.runs import run_candidate
+from equiv.judging.witness import NAMING_TOLERANCE, recover_weights, witness
+from equiv.results.witness import UNEXPLAINED, Witness
+
+__all__ = ["implied_n", "step_witness"]
+
+
+class _Captured(BaseException):
+    """Ends the witness's run at the first failing step's optimizer step, once ``G`` is read.
+
+    A BaseException that is neither an Exception, SystemExit nor KeyboardInterrupt: the run's own
+    handlers (which turn what a step raises into a CandidateError) let it through, as a step's
+    ``except Exception`` does."""
+
+
+@dataclasses.dataclass
+class _Window:
+    """What the witness reads of one step: the micro-batches, a copy of the model at the step's start
+    and the gradient its optimizer saw."""
+
+    micro_batches: list[tuple[Any, Any]]
+    replica: nn.Module
+    names: list[str]
+    accumulated: list[Tensor | None] | None = None
+
+
+def _cloned(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+
+def _hookless(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` without the forward and backward hooks the step registered on it (a hook that counts
+    calls or writes into the step's state must not see the witness's replay)."""
+    replica = copy.deepcopy(model)
+    for module in replica.modules():
+        for hooks in (
+            module._forward_hooks,
+            module._forward_pre_hooks,
+            module._backward_hooks,
+            module._backward_pre_hooks,
+        ):
+            hooks.clear()
+    return replica
+
+
+def _capture(candidate: BoundCandidate, case: Case, step: int) -> _Window | None:
+    """The candidate run in float64 up to ``step``'s optimizer step (None: it never stepped its optimizer there)."""
+    seen: list[_Window] = []
+    calls = [0]
+
+    def watched(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, *args: Any, **kw: Any) -> Any:
+        index, calls[0] = calls[0], calls[0] + 1
+        if index != step:
+            return candidate.step(model, optimizer, micro_batches, *args, **kw)
+        named = [(name, p) for name, p in model.named_parameters()]
+        window = _Window([(_cloned(x), _cloned(y)) for x, y in micro_batches], _hookless(model), [n for n, _ in named])
+        seen.append(window)
+
+        def pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            # The first optimizer step of the window: what the step accumulated, after any unscaling and clipping.
+            window.accumulated = [None if p.grad is None else p.grad.detach().to(torch.float64, copy=True) for _, p in named]
+            raise _Captured
+
+        handle = optimizer.register_step_pre_hook(pre_step)
+        try:
+            return candidate.step(model, optimizer, micro_batches, *args, **kw)
+        finally:
+            handle.remove()
+
+    try:
+        run_candidate(case, dataclasses.replace(candidate, step=watched), torch.float64, on_snapshot=lambda *_: None)
+    except _Captured:
+        pass
+    return seen[0] if seen and seen[0].accumulated is not None else None
+
+
+def _sum_gradients(window: _Window, case: Case) -> tuple[list[list[Tensor | None]], list[float]]:
+    """Each micro-batch's float64 gradient of its loss SUM at the step's starting parameters, and its items."""
+    loss_fn = case.build_loss()
+    replica = window.replica
+    params = dict(replica.named_parameters())
+    gradients: list[list[Tensor | None]] = []
+    items: list[float] = []
+    with torch.random.fork_rng(devices=[]):  # dropout draws here must not move any later run's
+        for inputs, targets in window.micro_batches:
+            leaves = {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in params.items()}
+            buffers = {name: b.detach().clone() for name, b in replica.named_buffers()}  # BatchNorm stats untouched
+            output = functional_call(replica, {**leaves, **buffers}, (inputs,))
+            loss = loss_fn.sum(output, targets)
+            wanted = [leaves[name] for name in window.names if leaves[name].requires_grad]
+            grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True)) if wanted else iter(())
+            gradients.append([next(grads) if leaves[name].requires_grad else None for name in window.names])
+            items.append(float(loss_fn.count(targets)))
+    return gradients, items
+
+
+def implied_n(weights: Sequence[float], items: Sequence[float]) -> int | None:
+    """The N a step divided each micro-batch's mean by when its weights are ``1/(N n_i)`` (within the naming
+    tolerance) for a whole N larger than the window's micro-batches; None otherwise."""
+    inverse = [1.0 / count for count in items]
+    scale = sum(w * r for w, r in zip(weights, inverse, strict=True)) / sum(r * r for r in inverse)
+    if scale <= 0 or any(abs(w - scale * r) > NAMING_TOLERANCE * scale * r for w, r in zip(weights, inverse, strict=True)):
+        return None
+    n = round(1.0 / scale)
+    if n <= len(items) or abs(n * scale - 1.0) > NAMING_TOLERANCE:
+        return None
+    return n
+
+
+def step_witness(candidate: BoundCandidate, case: Case, step: int) -> tuple[Witness | None, int | None]:
+    """The witness of ``candidate``'s ``step`` on ``case`` (a failing step), and the N it divided by where the
+    weights imply one (:func:`implied_n`).
+
+    Returns:
+        (None, None) when the step never called its optimizer's ``step()`` there (a window boundary: nothing
+        accumulated to read), or raised when run again.
+    """
+    try:
+        window = _capture(candidate, case, step)
+    except CandidateError:
+        return None, None  # the step raised when run again: the verdict stands without a witness
+    if window is None or window.accumulated is None:
+        return None, None
+    gradients, items = _sum_gradients(window, case)
+    recovered = recover_weights(gradients, window.accumulated)
+    clipped = case.max_grad_norm is not None
+    found = witness(recovered, items, configured_n=None, clipped=clipped)
+    if found.normaliser != UNEXPLAINED or recovered.weights is None or clipped:
+        return found, None
+    n = implied_n(recovered.weights, items)
+    if n is None:
+        return found, None
+    return witness(recovered, items, configured_n=n, clipped=clipped), n
