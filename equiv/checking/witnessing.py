@@ -90,7 +90,9 @@ def _capture(candidate: BoundCandidate, case: Case, step: int) -> _Window | None
 
         def pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             # The first optimizer step of the window: what the step accumulated, after any unscaling and clipping.
-            window.accumulated = [None if p.grad is None else p.grad.detach().to(torch.float64, copy=True) for _, p in named]
+            window.accumulated = [
+                None if p.grad is None else p.grad.detach().to(torch.float64, copy=True) for _, p in named
+            ]
             raise _Captured
 
         handle = optimizer.register_step_pre_hook(pre_step)
@@ -131,7 +133,9 @@ def implied_n(weights: Sequence[float], items: Sequence[float]) -> int | None:
     tolerance) for a whole N larger than the window's micro-batches; None otherwise."""
     inverse = [1.0 / count for count in items]
     scale = sum(w * r for w, r in zip(weights, inverse, strict=True)) / sum(r * r for r in inverse)
-    if scale <= 0 or any(abs(w - scale * r) > NAMING_TOLERANCE * scale * r for w, r in zip(weights, inverse, strict=True)):
+    if scale <= 0 or any(
+        abs(w - scale * r) > NAMING_TOLERANCE * scale * r for w, r in zip(weights, inverse, strict=True)
+    ):
         return None
     n = round(1.0 / scale)
     if n <= len(items) or abs(n * scale - 1.0) > NAMING_TOLERANCE:

@@ -3,7 +3,7 @@
 (:class:`~equiv.results.verdict.Verdict`), the verdict on W ranks
 (:class:`~equiv.results.distributed.DistributedVerdict`), what of a verdict holds on every
 machine (:mod:`~equiv.results.facts`), an audit's windows and counts (:mod:`~equiv.results.audit`), and the
-weights a failing window gave its micro-batches (:mod:`~equiv.results.witness`, not yet in a result).
+weights a failing step gave its micro-batches (:mod:`~equiv.results.witness`, a failing check's ``weights``).
 
 One protocol, one schema
 ------------------------
@@ -15,7 +15,7 @@ versioned schema ``equiv/results/schema.json`` (shipped with the package;
 :func:`equiv.results.protocol.schema` loads it), which is also what the
 ``equiv`` command's ``--json`` files hold::
 
-    {"schema": "equiv.result/1",        # this schema's version
+    {"schema": "equiv.result/2",        # this schema's version
      "kind":   "verdict",               # which result (below)
      "status": "not_equivalent",        # an Outcome value
      "line":   "not equivalent: ...",   # line(): the result in one line

@@ -32,7 +32,7 @@ __all__ = ["SCHEMA", "EquivalenceError", "Result", "ResultBase", "SearchBase", "
 
 #: The version of the JSON every ``to_dict()`` writes (``"schema"``); a change
 #: that renames or drops a field, or changes its meaning, is a new version.
-SCHEMA = "equiv.result/1"
+SCHEMA = "equiv.result/2"
 
 
 class EquivalenceError(AssertionError):

@@ -1,0 +1,124 @@
+"""The witness in ``equiv.check`` (issue 44): a failing verdict says which weight its step gave each micro-batch.
+
+Each buggy step records the weight it applied to each micro-batch's loss SUM from its own divisor (its weight of
+the micro-batch's mean over the micro-batch's items), never typed in; the verdict's recovered weights must equal
+them within 1 % and name the normaliser, and the failure kind must say the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import equiv
+import equiv.checking.check as check_module
+from equiv.results.witness import Witness
+from equiv.zoo import bugs
+from equiv.zoo.correct import scales_by_inverse_item_count
+from equiv.zoo.kinds import KINDS
+
+UNEVEN = equiv.Case(batch_size=10, micro_batch_sizes=(2, 3, 5), steps=2)
+TOKENS = equiv.Case(
+    batch_size=8,
+    micro_batch_sizes=(1, 3, 4),
+    steps=2,
+    model="token_mlp",
+    loss="token_cross_entropy",
+    optimizer="Adam",
+    optimizer_kwargs={"lr": 1e-2},
+)
+
+
+def _dividing(divisor: Callable[[int], float], applied: list[list[float]]) -> Callable[..., None]:
+    """A step that weights each micro-batch's mean by 1/divisor(k), recording the weight of its loss sum."""
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, loss_fn: Any) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        window = []
+        for inputs, targets in micro_batches:
+            weight = 1.0 / divisor(len(micro_batches))
+            (loss_fn(model(inputs), targets) * weight).backward()
+            window.append(weight / float(loss_fn.count(targets)))  # a mean is its sum / n_i
+        applied.append(window)
+        optimizer.step()
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("divisor", "normaliser"),
+    [
+        (lambda k: k, "mean of means"),
+        (lambda k: 1.0, "sum without division"),
+        (lambda k: 4.0, "tail divided by N"),  # N = 4 configured, windows of k = 3 micro-batches
+    ],
+    ids=["mean of means", "sum of means", "tail divided by N"],
+)
+@pytest.mark.parametrize("case", [UNEVEN, TOKENS], ids=["samples", "tokens"])
+def test_failing_check_recovers_the_applied_weights(
+    divisor: Callable[[int], float], normaliser: str, case: equiv.Case
+) -> None:
+    applied: list[list[float]] = []
+    verdict = equiv.check(_dividing(divisor, applied), case)
+    assert not verdict
+    witness = verdict.witness
+    assert isinstance(witness, Witness)
+    assert witness.run is not None
+    first = min(d.step for d in verdict.mismatches if d.tier == "exact")
+    truth = applied[first - 1]  # that step of the first run: a step's weights are its divisors, in every run
+    assert witness.run == pytest.approx(truth, rel=0.01)
+    assert witness.normaliser == normaliser
+    assert verdict.failure_kind is not None and verdict.failure_kind.name == normaliser  # one classifier
+    assert verdict.to_dict()["weights"] == witness.to_dict()
+    assert witness.clause() in verdict.line()
+    assert f"What the loop did: {witness.clause()}" in verdict.message()
+
+
+def test_correct_step_carries_no_witness_and_runs_nothing_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: object, **kwargs: object) -> object:
+        raise AssertionError("the witness ran on a passing check")
+
+    monkeypatch.setattr(check_module, "step_witness", never)
+    verdict = equiv.check(scales_by_inverse_item_count, UNEVEN)
+    assert verdict
+    assert verdict.witness is None
+    assert "weights" not in verdict.to_dict()
+    assert "weights" not in verdict.line() and "What the loop did" not in verdict.message()
+
+
+@pytest.mark.parametrize("bug", [bugs.mean_of_means, bugs.unscaled_sum, bugs.divides_twice, bugs.clip_per_micro_batch])
+def test_zoo_failure_kind_and_witness_agree(bug: Callable[..., None]) -> None:
+    """Where the witness names one of equiv check's kinds, the failure kind is that kind: never two answers."""
+    case = (
+        UNEVEN
+        if bug is not bugs.clip_per_micro_batch
+        else equiv.Case(batch_size=10, micro_batch_sizes=(2, 3, 5), steps=2, max_grad_norm=0.1)
+    )
+    verdict = equiv.check(bug, case)
+    assert not verdict and verdict.witness is not None and verdict.failure_kind is not None
+    named = [name for name in verdict.witness.normaliser.split(" or ") if name in {k.name for k in KINDS}]
+    if named:
+        assert verdict.failure_kind.name == named[0]
+    else:  # a kind the weights cannot show (clipping per micro-batch): the classifier's own
+        assert verdict.failure_kind.name not in {k.name for k in KINDS}
+
+
+def test_witness_in_json_schema_and_github_annotation() -> None:
+    """The weights travel in the versioned JSON (equiv.result/2 validates them) and in --format github."""
+    import jsonschema
+
+    from equiv.results.annotations import escape_data, github_annotations
+    from equiv.results.protocol import SCHEMA, schema
+
+    verdicts = equiv.checking.check.check_cases(bugs.mean_of_means, {"uneven": UNEVEN})
+    verdict = verdicts.failed["uneven"]
+    assert verdict.witness is not None
+    written = verdicts.to_dict()
+    assert written["schema"] == SCHEMA == "equiv.result/2"
+    jsonschema.validate(written, schema())
+    assert written["cases"][0]["weights"]["normaliser"] == "mean of means"
+    (line,) = github_annotations(verdicts, None, command="equiv check")
+    assert "(mean of means)" in line and escape_data(verdict.witness.clause()) in line
