@@ -67,6 +67,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from equiv.cases.case import InvalidCase
 from equiv.cases.distributed import DistributedCase
+from equiv.checking.distributed_witness import failure_kind_of, rank_witnesses
 from equiv.distributed.collectives import CollectiveCounts, StepCollectives
 from equiv.distributed.context_parallel import clear_layout, install_layout
 from equiv.distributed.engines import DEFAULT_ENGINE, STEP_ENGINES, Apply, Wrapping, engine_named
@@ -459,6 +460,13 @@ class _Ranks:
         finding = precision_finding(verdicts, references, rerun_on_the_ranks, fails_because)
         if finding is not None:
             verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
+        if finding is None and not all(verdicts):
+            # Only after a failing verdict: which weight each rank's update gave each micro-batch (issue 44).
+            witnesses = rank_witnesses(self.sent, self.dcase, self.engine, verdicts, self.launcher, self.timeout_s)
+            verdicts = [
+                v if w is None else dataclasses.replace(v, witness=w, failure_kind=failure_kind_of(w))
+                for v, w in zip(verdicts, witnesses, strict=True)
+            ]
         precision_note = None
         if (
             not all(verdicts)

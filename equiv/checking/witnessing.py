@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -30,11 +30,11 @@ from torch.func import functional_call
 
 from equiv.cases.case import Case
 from equiv.judging.contract import BoundCandidate, CandidateError
-from equiv.judging.runs import run_candidate
+from equiv.judging.runs import RankOptions, run_candidate
 from equiv.judging.witness import NAMING_TOLERANCE, recover_weights, witness
 from equiv.results.witness import UNEXPLAINED, Witness
 
-__all__ = ["implied_n", "step_witness"]
+__all__ = ["CapturedStep", "capture", "implied_n", "step_witness", "sum_gradients"]
 
 
 class _Captured(BaseException):
@@ -46,7 +46,7 @@ class _Captured(BaseException):
 
 
 @dataclasses.dataclass
-class _Window:
+class CapturedStep:
     """What the witness reads of one step: the micro-batches, a copy of the model at the step's start
     and the gradient its optimizer saw."""
 
@@ -75,17 +75,32 @@ def _hookless(model: nn.Module) -> nn.Module:
     return replica
 
 
-def _capture(candidate: BoundCandidate, case: Case, step: int) -> _Window | None:
-    """The candidate run in float64 up to ``step``'s optimizer step (None: it never stepped its optimizer there)."""
-    seen: list[_Window] = []
+def capture(candidate: BoundCandidate, case: Case, step: int, **rank: Unpack[RankOptions]) -> CapturedStep | None:
+    """The candidate run in float64 up to ``step``'s (0-based) optimizer step: what the witness reads there (None:
+    the step never stepped its optimizer).  ``rank``: one rank's options (:class:`~equiv.judging.runs.RankOptions`);
+    the replica is then the model before its engine wrapped it (DDP's parameters are the model's own)."""
+    seen: list[CapturedStep] = []
     calls = [0]
+    unwrapped: list[nn.Module] = []
+    wrap_model = rank.get("wrap_model")
+    if wrap_model is not None:
+        engine = wrap_model
+
+        def remembered(model: nn.Module) -> nn.Module:
+            unwrapped.append(model)
+            return engine(model)
+
+        rank = {**rank, "wrap_model": remembered}
 
     def watched(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Any, *args: Any, **kw: Any) -> Any:
         index, calls[0] = calls[0], calls[0] + 1
         if index != step:
             return candidate.step(model, optimizer, micro_batches, *args, **kw)
-        named = [(name, p) for name, p in model.named_parameters()]
-        window = _Window([(_cloned(x), _cloned(y)) for x, y in micro_batches], _hookless(model), [n for n, _ in named])
+        plain = unwrapped[-1] if unwrapped else model
+        named = list(plain.named_parameters())
+        window = CapturedStep(
+            [(_cloned(x), _cloned(y)) for x, y in micro_batches], _hookless(plain), [n for n, _ in named]
+        )
         seen.append(window)
 
         def pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -102,13 +117,15 @@ def _capture(candidate: BoundCandidate, case: Case, step: int) -> _Window | None
             handle.remove()
 
     try:
-        run_candidate(case, dataclasses.replace(candidate, step=watched), torch.float64, on_snapshot=lambda *_: None)
+        run_candidate(
+            case, dataclasses.replace(candidate, step=watched), torch.float64, on_snapshot=lambda *_: None, **rank
+        )
     except _Captured:
         pass
     return seen[0] if seen and seen[0].accumulated is not None else None
 
 
-def _sum_gradients(window: _Window, case: Case) -> tuple[list[list[Tensor | None]], list[float]]:
+def sum_gradients(window: CapturedStep, case: Case) -> tuple[list[list[Tensor | None]], list[float]]:
     """Each micro-batch's float64 gradient of its loss SUM at the step's starting parameters, and its items."""
     loss_fn = case.build_loss()
     replica = window.replica
@@ -152,12 +169,12 @@ def step_witness(candidate: BoundCandidate, case: Case, step: int) -> tuple[Witn
         accumulated to read), or raised when run again.
     """
     try:
-        window = _capture(candidate, case, step)
+        window = capture(candidate, case, step)
     except CandidateError:
         return None, None  # the step raised when run again: the verdict stands without a witness
     if window is None or window.accumulated is None:
         return None, None
-    gradients, items = _sum_gradients(window, case)
+    gradients, items = sum_gradients(window, case)
     recovered = recover_weights(gradients, window.accumulated)
     clipped = case.max_grad_norm is not None
     found = witness(recovered, items, configured_n=None, clipped=clipped)
