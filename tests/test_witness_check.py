@@ -15,9 +15,12 @@ import torch
 
 import equiv
 import equiv.checking.check as check_module
+from equiv.cases.distributed import DistributedCase
+from equiv.checking.distributed import check_distributed
 from equiv.results.witness import Witness
 from equiv.zoo import bugs
 from equiv.zoo.correct import scales_by_inverse_item_count
+from equiv.zoo.distributed_bugs import global_item_count, local_token_mean_per_rank
 from equiv.zoo.kinds import KINDS
 
 UNEVEN = equiv.Case(batch_size=10, micro_batch_sizes=(2, 3, 5), steps=2)
@@ -122,3 +125,53 @@ def test_witness_in_json_schema_and_github_annotation() -> None:
     assert written["cases"][0]["weights"]["normaliser"] == "mean of means"
     (line,) = github_annotations(verdicts, None, command="equiv check")
     assert "(mean of means)" in line and escape_data(verdict.witness.clause()) in line
+
+
+TOKEN_CASE = equiv.Case(
+    batch_size=7,
+    micro_batch_sizes=(7,),
+    steps=2,
+    model="token_mlp",
+    loss="token_cross_entropy",
+    optimizer="SGD",
+    optimizer_kwargs={"lr": 0.1},
+)
+
+
+def _per_rank_mean_weights(dcase: DistributedCase, step: int) -> list[float]:
+    """Each micro-batch's loss-sum weight under a per-rank token mean averaged by DDP, counted from the case's own
+    batch: 1 / (ranks x the rank's tokens)."""
+    case = dcase.case
+    loss_fn = case.build_loss()
+    _, targets = case.batches(case.build_model())[step]
+    weights = []
+    for rank in range(dcase.world_size):
+        shard = targets[dcase.rank_slice(rank)]
+        rank_items = float(loss_fn.count(shard))
+        weights += [1.0 / (dcase.world_size * rank_items)] * len(dcase.rank_micro_batches(rank))
+    return weights
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sizes", [((1, 2), (4,)), ((1,), (2, 1), (3,))], ids=["2 ranks", "3 ranks"])
+def test_check_distributed_names_a_per_rank_token_mean(sizes: tuple[tuple[int, ...], ...]) -> None:
+    dcase = DistributedCase.of(TOKEN_CASE, sizes)
+    verdict = check_distributed(local_token_mean_per_rank, dcase)
+    assert not verdict
+    first = min(d.step for v in verdict.ranks for d in v.mismatches if d.tier == "exact")
+    applied = _per_rank_mean_weights(dcase, first - 1)
+    for rank in verdict.ranks:
+        assert rank.witness is not None and rank.witness.run is not None
+        assert rank.witness.run == pytest.approx(applied, rel=0.01)
+        assert rank.witness.normaliser == "per-rank mean"
+        assert rank.failure_kind is not None and rank.failure_kind.name == "per-rank mean"  # one name
+        assert rank.to_dict()["weights"]["normaliser"] == "per-rank mean"
+    assert verdict.ranks[0].witness is not None and verdict.ranks[0].witness.clause() in verdict.line()
+    assert "Kind of failure: per-rank mean" in verdict.message()
+
+
+@pytest.mark.distributed
+def test_check_distributed_correct_step_carries_no_witness() -> None:
+    verdict = check_distributed(global_item_count, DistributedCase.of(TOKEN_CASE, ((1, 2), (4,))))
+    assert verdict
+    assert all(rank.witness is None and "weights" not in rank.to_dict() for rank in verdict.ranks)

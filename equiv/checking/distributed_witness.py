@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from equiv.cases.distributed import DistributedCase
-from equiv.checking.witnessing import capture, sum_gradients
+from equiv.checking.witnessing import capture, finite, sum_gradients
 from equiv.distributed.collectives import CollectiveCounts
 from equiv.distributed.context_parallel import clear_layout
 from equiv.distributed.engines import Apply, Wrapping, engine_named
@@ -114,8 +114,8 @@ def rank_witnesses(
         )
     except DistributedCheckError:
         return [None] * len(verdicts)  # the step raised when run again: the verdicts stand without a witness
-    if any(window is None for window in windows):
-        return [None] * len(verdicts)
+    if any(window is None or not finite([window[0], *window[1]]) for window in windows):
+        return [None] * len(verdicts)  # a rank never stepped there, or its window overflowed: nothing to read
     gradients = [g for window in windows if window is not None for g in window[1]]
     items = [count for window in windows if window is not None for count in window[2]]
     ranks = [rank for rank, window in enumerate(windows) if window is not None for _ in window[2]]

@@ -34,7 +34,7 @@ from equiv.judging.runs import RankOptions, run_candidate
 from equiv.judging.witness import NAMING_TOLERANCE, recover_weights, witness
 from equiv.results.witness import UNEXPLAINED, Witness
 
-__all__ = ["CapturedStep", "capture", "implied_n", "step_witness", "sum_gradients"]
+__all__ = ["CapturedStep", "capture", "finite", "implied_n", "step_witness", "sum_gradients"]
 
 
 class _Captured(BaseException):
@@ -145,6 +145,11 @@ def sum_gradients(window: CapturedStep, case: Case) -> tuple[list[list[Tensor | 
     return gradients, items
 
 
+def finite(gradients: Sequence[Sequence[Tensor | None]]) -> bool:
+    """Whether every gradient is finite (a least-squares fit of inf or NaN has no answer)."""
+    return all(bool(torch.isfinite(g).all()) for gradient in gradients for g in gradient if g is not None)
+
+
 def implied_n(weights: Sequence[float], items: Sequence[float]) -> int | None:
     """The N a step divided each micro-batch's mean by when its weights are ``1/(N n_i)`` (within the naming
     tolerance) for a whole N larger than the window's micro-batches; None otherwise."""
@@ -175,6 +180,8 @@ def step_witness(candidate: BoundCandidate, case: Case, step: int) -> tuple[Witn
     if window is None or window.accumulated is None:
         return None, None
     gradients, items = sum_gradients(window, case)
+    if not finite([window.accumulated, *gradients]):
+        return None, None  # an overflowing window: no weighting to read from inf or NaN
     recovered = recover_weights(gradients, window.accumulated)
     clipped = case.max_grad_norm is not None
     found = witness(recovered, items, configured_n=None, clipped=clipped)
