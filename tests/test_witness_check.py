@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -17,6 +18,9 @@ import equiv
 import equiv.checking.check as check_module
 from equiv.cases.distributed import DistributedCase
 from equiv.checking.distributed import check_distributed
+from equiv.checking.pipeline import PipelineSetting, check_pipeline
+from equiv.checking.pipeline import _batches as _pipeline_batches
+from equiv.results.protocol import SCHEMA, schema
 from equiv.results.witness import Witness
 from equiv.zoo import bugs
 from equiv.zoo.correct import scales_by_inverse_item_count
@@ -111,10 +115,7 @@ def test_zoo_failure_kind_and_witness_agree(bug: Callable[..., None]) -> None:
 
 def test_witness_in_json_schema_and_github_annotation() -> None:
     """The weights travel in the versioned JSON (equiv.result/2 validates them) and in --format github."""
-    import jsonschema
-
     from equiv.results.annotations import escape_data, github_annotations
-    from equiv.results.protocol import SCHEMA, schema
 
     verdicts = equiv.checking.check.check_cases(bugs.mean_of_means, {"uneven": UNEVEN})
     verdict = verdicts.failed["uneven"]
@@ -168,6 +169,7 @@ def test_check_distributed_names_a_per_rank_token_mean(sizes: tuple[tuple[int, .
         assert rank.to_dict()["weights"]["normaliser"] == "per-rank mean"
     assert verdict.ranks[0].witness is not None and verdict.ranks[0].witness.clause() in verdict.line()
     assert "Kind of failure: per-rank mean" in verdict.message()
+    jsonschema.validate(verdict.to_dict(), schema())
 
 
 @pytest.mark.distributed
@@ -175,3 +177,38 @@ def test_check_distributed_correct_step_carries_no_witness() -> None:
     verdict = check_distributed(global_item_count, DistributedCase.of(TOKEN_CASE, ((1, 2), (4,))))
     assert verdict
     assert all(rank.witness is None and "weights" not in rank.to_dict() for rank in verdict.ranks)
+
+
+def _chunk_weights(setting: PipelineSetting, divisor: Callable[[float, int], float]) -> list[float]:
+    """Each chunk's loss-sum weight when its mean over its real items is divided by divisor(items, chunks): counted
+    from the setting's own first batch (NaN targets are padding)."""
+    _, targets = _pipeline_batches(setting)[0][0]
+    chunks = targets.tensor_split(setting.n_microbatches)
+    return [1.0 / (float((~c.isnan()).sum()) * divisor(float((~c.isnan()).sum()), len(chunks))) for c in chunks]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("scale_grads", "normaliser", "divisor"),
+    [(True, "mean of means", lambda items, k: k), (False, "sum without division", lambda items, k: 1.0)],
+    ids=["scaled: mean of means", "unscaled: sum of means"],
+)
+def test_pipeline_check_names_its_chunk_weights(
+    scale_grads: bool, normaliser: str, divisor: Callable[[float, int], float]
+) -> None:
+    setting = PipelineSetting(schedule="GPipe", scale_grads=scale_grads, loss="mean")
+    verdict = check_pipeline(setting)
+    assert not verdict and verdict.witness is not None and verdict.witness.run is not None
+    assert verdict.witness.run == pytest.approx(_chunk_weights(setting, divisor), rel=0.01)
+    assert verdict.witness.normaliser == normaliser
+    assert verdict.failure_kind is not None and verdict.failure_kind.name == normaliser
+    assert verdict.to_dict()["weights"]["normaliser"] == normaliser
+    jsonschema.validate(verdict.to_dict(), schema())
+    assert verdict.witness.clause() in verdict.line() and f"Kind of failure: {normaliser}" in verdict.message()
+
+
+@pytest.mark.distributed
+def test_pipeline_check_correct_setting_carries_no_witness() -> None:
+    verdict = check_pipeline(PipelineSetting(schedule="GPipe", scale_grads=False, loss="window_sum"))
+    assert verdict and verdict.witness is None and verdict.failure_kind is None
+    assert "weights" not in verdict.to_dict() and "failure_kind" not in verdict.to_dict()

@@ -67,7 +67,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from equiv.cases.case import InvalidCase
 from equiv.cases.distributed import DistributedCase
-from equiv.checking.distributed_witness import failure_kind_of, rank_witnesses
+from equiv.checking.distributed_witness import rank_witnesses
+from equiv.checking.failure_kinds import named_by
 from equiv.distributed.collectives import CollectiveCounts, StepCollectives
 from equiv.distributed.context_parallel import clear_layout, install_layout
 from equiv.distributed.engines import DEFAULT_ENGINE, STEP_ENGINES, Apply, Wrapping, engine_named
@@ -464,7 +465,7 @@ class _Ranks:
             # Only after a failing verdict: which weight each rank's update gave each micro-batch (issue 44).
             witnesses = rank_witnesses(self.sent, self.dcase, self.engine, verdicts, self.launcher, self.timeout_s)
             verdicts = [
-                v if w is None else dataclasses.replace(v, witness=w, failure_kind=failure_kind_of(w))
+                v if w is None else dataclasses.replace(v, witness=w, failure_kind=named_by(w))
                 for v, w in zip(verdicts, witnesses, strict=True)
             ]
         precision_note = None

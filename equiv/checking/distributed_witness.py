@@ -31,11 +31,10 @@ from equiv.distributed.engines import Apply, Wrapping, engine_named
 from equiv.distributed.launcher import DistributedCheckError, Launcher
 from equiv.judging.contract import bind
 from equiv.judging.witness import recover_weights, witness
-from equiv.results.verdict import FailureKind, Verdict
+from equiv.results.verdict import Verdict
 from equiv.results.witness import Witness
-from equiv.zoo.kinds import FULL_BATCH, KINDS, NORMALISERS
 
-__all__ = ["failure_kind_of", "rank_witnesses"]
+__all__ = ["rank_witnesses", "witnessable"]
 
 #: What a rank sends back: (G_r, each micro-batch's loss-sum gradient, each micro-batch's items), or None.
 RankWindow = tuple[list[Tensor | None], list[list[Tensor | None]], list[float]] | None
@@ -128,20 +127,3 @@ def rank_witnesses(
         recovered = recover_weights(gradients, window[0])
         out.append(witness(recovered, items, configured_n=None, ranks=ranks, clipped=clipped))
     return out
-
-
-_MEANS = {kind.name: kind.means for kind in KINDS} | {n.name: n.means for n in NORMALISERS}
-
-
-def failure_kind_of(witness: Witness) -> FailureKind:
-    """The failure kind a distributed verdict carries, named by its witness: the same name (``equiv check``'s
-    kinds under their own names and meanings), or unclassified saying what the weights are."""
-    names = [name for name in witness.normaliser.split(" or ") if name.split(" x")[0] in _MEANS]
-    if names and names[0] == FULL_BATCH.name:
-        return FailureKind.unclassified(
-            "the weights are the full batch's: the difference is not in how the micro-batches are weighted"
-        )
-    if not names:
-        return FailureKind.unclassified(f"the weights are {witness.normaliser}")
-    first = names[0]
-    return FailureKind(first, _MEANS[first.split(" x")[0]], also=tuple(names[1:]))

@@ -38,7 +38,9 @@ from equiv.results.verdict import FailureKind, TensorDiff, Verdict
 from equiv.results.witness import Witness
 from equiv.zoo.bugs import clip_per_micro_batch
 from equiv.zoo.kinds import (
+    FULL_BATCH,
     KINDS,
+    NORMALISERS,
     ORDERS,
     PER_MICRO_BATCH_CLIPPING,
     WINDOW_BOUNDARY,
@@ -47,7 +49,7 @@ from equiv.zoo.kinds import (
     weighted_step,
 )
 
-__all__ = ["Classification", "agreeing", "classify"]
+__all__ = ["Classification", "agreeing", "classify", "named_by"]
 
 
 @dataclass(frozen=True)
@@ -255,3 +257,22 @@ def agreeing(kind: FailureKind, witness: Witness | None) -> FailureKind:
 
 
 _KIND_NAMES = {kind.name: kind for kind in KINDS}
+
+
+#: What each name means: equiv check's kinds with their upstream reports (as its verdicts say), the others the table's.
+_MEANS = {n.name: n.means for n in NORMALISERS} | {kind.name: kind.means for kind in KINDS}
+
+
+def named_by(witness: Witness) -> FailureKind:
+    """The failure kind where no kind's trajectory is run (``check_distributed``, the pipeline check), named by
+    the witness: the same names as ``equiv check``'s (its kinds under their own names and meanings, then the
+    witness's other normalisers: a per-rank mean, a uniform scale), or unclassified saying what the weights are."""
+    names = [name for name in witness.normaliser.split(" or ") if name.split(" x")[0] in _MEANS]
+    if names and names[0] == FULL_BATCH.name:
+        return FailureKind.unclassified(
+            "the weights are the full batch's: the difference is not in how the micro-batches are weighted"
+        )
+    if not names:
+        return FailureKind.unclassified(f"the weights are {witness.normaliser}")
+    first = names[0]
+    return FailureKind(first, _MEANS[first.split(" x")[0]], also=tuple(names[1:]))

@@ -27,6 +27,7 @@ Ranks are spawned gloo processes (:func:`equiv.distributed.launcher.run_on_ranks
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -43,13 +44,17 @@ from equiv.cases.pipeline import (
     V_SHAPED_SCHEDULES,
     PipelineSetting,
 )
+from equiv.checking.failure_kinds import named_by
+from equiv.checking.witnessing import finite
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot
+from equiv.judging.witness import recover_weights, witness
 from equiv.outcomes import Fault, Outcome, outcome_words
 from equiv.results.protocol import ResultBase, headed
-from equiv.results.verdict import TensorDiff
+from equiv.results.verdict import FailureKind, TensorDiff
+from equiv.results.witness import Witness
 
 __all__ = [
     "LOSS_MODES",
@@ -70,6 +75,17 @@ class PipelineRank:
     worst_ratio: float
     #: Which parameter, and the allowance's terms there.
     worst_where: str
+    #: The first step (1-based) where a parameter is past its allowance (None: none is).
+    first_failing: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _StageWindow:
+    """What one rank sends back for the witness: its stages' parameters at the failing step's start and the
+    gradients its optimizer saw there, named as :func:`_stage_snapshot` names them."""
+
+    params: dict[str, Tensor]
+    grads: dict[str, Tensor | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +106,10 @@ class PipelineVerdict(ResultBase):
     error: str | None = None
     #: How the ranks failed to give a verdict (with ``error``), as data: read it, never the error's text.
     fault: Fault | None = None
+    #: The weight each chunk's loss got at the first failing step, named (issue 44); None unless not equivalent.
+    witness: Witness | None = None
+    #: The kind of failure the witness names (the same names as ``equiv check``'s); None with no witness.
+    failure_kind: FailureKind | None = None
 
     def __bool__(self) -> bool:
         return self.status is Outcome.EQUIVALENT
@@ -97,17 +117,25 @@ class PipelineVerdict(ResultBase):
     def message(self) -> str:
         if self.error is not None:
             return f"{self.setting.describe()}: could not run on these ranks: {self.error}"
-        return (
+        text = (
             f"{self.setting.describe()}: {outcome_words(self.status)} (worst parameter {self.worst_ratio:.3g} "
             f"x allowed: {self.worst_where})"
         )
+        if self.failure_kind is not None:
+            text += f"\nKind of failure: {self.failure_kind.describe()}"
+        if self.witness is not None:
+            text += f"\nWhat the loop did: {self.witness.clause()}"
+        return text
 
     def line(self) -> str:
         """One line: the outcome, the setting, and the worst parameter against its allowance."""
         if self.error is not None:
             # One line, as the schema wants it (a rank's report may hold a collective mismatch's lines).
             return headed(self.status, f"{self.setting.describe()}: could not run: {' '.join(self.error.split())}")
-        return headed(self.status, f"{self.setting.describe()}, worst {self.worst_ratio:.3g} of its allowance")
+        witnessed = "" if self.witness is None else f"; {self.witness.clause()}"
+        return headed(
+            self.status, f"{self.setting.describe()}, worst {self.worst_ratio:.3g} of its allowance{witnessed}"
+        )
 
     def _fields(self) -> dict[str, Any]:
         return {
@@ -117,6 +145,9 @@ class PipelineVerdict(ResultBase):
             "worst_where": self.worst_where,
             "error": self.error,
             "fault": None if self.fault is None else self.fault.value,
+            # optional, as in a verdict's: a failure kind and weights only where the witness was read
+            **({} if self.failure_kind is None else {"failure_kind": self.failure_kind.to_dict()}),
+            **({} if self.witness is None else {"weights": self.witness.to_dict()}),
         }
 
 
@@ -223,8 +254,11 @@ def _stage_indices(setting: PipelineSetting, rank: int) -> list[int]:
 @dataclass(frozen=True)
 class _PipelineTask:
     setting: PipelineSetting
+    #: Run to this step (0-based) and send back its :class:`_StageWindow` at the optimizer step (the witness's
+    #: run), judging nothing; None: every step, judged.
+    witness_step: int | None = None
 
-    def __call__(self, rank: int, world_size: int, progress: Any) -> PipelineRank:
+    def __call__(self, rank: int, world_size: int, progress: Any) -> PipelineRank | _StageWindow:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as pipelining
 
@@ -253,17 +287,24 @@ class _PipelineTask:
             scale_grads=setting.scale_grads,
         )
         first, last = 0 in indices, stages - 1 in indices
-        judge = Judge(
-            _full_batch_source(setting, stages, indices),
-            working=torch.float64,
-            tiers=("exact",),
-            roundings=_ROUNDINGS,
-            steps=setting.steps,
-        ).with_floors()
-        comparer = judge.comparer("exact")
-        comparer.add(0, _stage_snapshot(blocks, indices))
+        judging = self.witness_step is None
+        if judging:
+            comparer = (
+                Judge(
+                    _full_batch_source(setting, stages, indices),
+                    working=torch.float64,
+                    tiers=("exact",),
+                    roundings=_ROUNDINGS,
+                    steps=setting.steps,
+                )
+                .with_floors()
+                .comparer("exact")
+            )
+            comparer.add(0, _stage_snapshot(blocks, indices))
         for step, calls in enumerate(_batches(setting)):
             current["step"] = step
+            if step == self.witness_step:
+                started = {name: p.clone() for name, p in _stage_snapshot(blocks, indices).params.items()}
             optimizer.zero_grad(set_to_none=True)
             for call, (inputs, targets) in enumerate(calls):
                 progress(f"step {step}, call {call}")
@@ -276,11 +317,20 @@ class _PipelineTask:
                 except RuntimeError as exc:
                     # torch's stage errors span lines; one line keeps the cause in the fault report.
                     raise RuntimeError(" ".join(str(exc).split())) from None
+            if step == self.witness_step:
+                grads = {
+                    f"stage {i}.{name}": None if p.grad is None else p.grad.detach().clone()
+                    for i in indices
+                    for name, p in blocks[i].named_parameters()
+                }
+                return _StageWindow(started, grads)
             optimizer.step()
-            comparer.add(step + 1, _stage_snapshot(blocks, indices))
+            if judging:
+                comparer.add(step + 1, _stage_snapshot(blocks, indices))
         comparer.end_run()
         worst, where = _worst(comparer.diffs)
-        return PipelineRank(worst, where)
+        failing = [row.step for row in comparer.diffs if not row.ok]
+        return PipelineRank(worst, where, min(failing, default=None))
 
 
 def check_pipeline(
@@ -319,7 +369,53 @@ def check_pipeline(
         return PipelineVerdict(setting, Outcome.STEP_ERROR, error=str(exc), fault=exc.fault)
     worst = max(results, key=lambda r: r.worst_ratio)
     status = Outcome.EQUIVALENT if worst.worst_ratio <= 1.0 else Outcome.NOT_EQUIVALENT
-    return PipelineVerdict(setting, status, worst_ratio=worst.worst_ratio, worst_where=worst.worst_where)
+    verdict = PipelineVerdict(setting, status, worst_ratio=worst.worst_ratio, worst_where=worst.worst_where)
+    failing = [r.first_failing for r in results if r.first_failing is not None]
+    if status is not Outcome.NOT_EQUIVALENT or not failing:
+        return verdict  # a passing setting runs nothing more
+    witness = _witness(setting, min(failing), launcher, timeout_s)
+    if witness is None:
+        return verdict
+    return dataclasses.replace(verdict, witness=witness, failure_kind=named_by(witness))
+
+
+def _witness(setting: PipelineSetting, step: int, launcher: Launcher, timeout_s: float) -> Witness | None:
+    """The witness of ``step`` (1-based, the first failing): the ranks run to its optimizer step and send their
+    stages' parameters and gradients; each chunk's loss-sum gradient is taken here, on the whole model at those
+    parameters (every chunk of every ``schedule.step`` call of the window is a micro-batch)."""
+    try:
+        windows = launcher(
+            _PipelineTask(setting, witness_step=step - 1),
+            setting.ranks,
+            timeout_s=timeout_s,
+            describe=f"the witness of pipeline {setting.describe()}",
+        )
+    except DistributedCheckError:
+        return None  # the verdict stands without a witness
+    params = {name: p for window in windows for name, p in window.params.items()}
+    grads = {name: g for window in windows for name, g in window.grads.items()}
+    blocks = _layers(setting.ranks * setting.stages_per_rank)
+    named = [(f"stage {i}.{name}", p) for i, block in enumerate(blocks) for name, p in block.named_parameters()]
+    with torch.no_grad():
+        for name, p in named:
+            p.copy_(params[name])
+    model = nn.Sequential(*blocks)
+    chunks = [
+        chunk
+        for inputs, targets in _batches(setting)[step - 1]
+        for chunk in zip(
+            inputs.tensor_split(setting.n_microbatches), targets.tensor_split(setting.n_microbatches), strict=True
+        )
+    ]
+    leaves = [p for _, p in named]
+    gradients: list[list[Tensor | None]] = [
+        list(torch.autograd.grad(_squared_error_sum(model(x), y), leaves)) for x, y in chunks
+    ]
+    accumulated = [grads[name] for name, _ in named]
+    if not finite([accumulated, *gradients]):
+        return None
+    items = [float(_real_items(y)) for _, y in chunks]
+    return witness(recover_weights(gradients, accumulated), items, configured_n=None)
 
 
 def settings_grid(schedules: Sequence[str] = SCHEDULES) -> list[PipelineSetting]:
