@@ -212,3 +212,16 @@ def test_pipeline_check_correct_setting_carries_no_witness() -> None:
     verdict = check_pipeline(PipelineSetting(schedule="GPipe", scale_grads=False, loss="window_sum"))
     assert verdict and verdict.witness is None and verdict.failure_kind is None
     assert "weights" not in verdict.to_dict() and "failure_kind" not in verdict.to_dict()
+
+
+@pytest.mark.distributed
+def test_check_distributed_kind_in_github_annotation() -> None:
+    """check-distributed names the kind as equiv check does: in the annotation's title, the same FailureKind."""
+    from equiv.results.annotations import github_annotations
+    from equiv.results.verdict import CaseVerdicts
+
+    verdict = check_distributed(local_token_mean_per_rank, DistributedCase.of(TOKEN_CASE, ((1, 2), (4,))))
+    assert verdict.failure_kind is not None and verdict.failure_kind == verdict.ranks[0].failure_kind
+    results = CaseVerdicts(verdict.candidate, {"2 ranks": verdict}, {}, ("2 ranks",))
+    (line,) = github_annotations(results, None, command="equiv check-distributed")
+    assert "title=equiv check-distributed%3A not equivalent (per-rank mean)%3A 2 ranks::" in line

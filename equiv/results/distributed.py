@@ -15,7 +15,7 @@ from equiv.distributed.engines import DEFAULT_ENGINE
 from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
 from equiv.outcomes import Outcome
 from equiv.results.protocol import headed
-from equiv.results.verdict import Judgement, TensorDiff, Verdict
+from equiv.results.verdict import FailureKind, Judgement, TensorDiff, Verdict
 
 __all__ = ["CommStats", "DistributedVerdict"]
 
@@ -69,6 +69,12 @@ class DistributedVerdict(Judgement):
 
     def __bool__(self) -> bool:
         return all(self.ranks)
+
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        """The first failing rank's kind of failure (named by its witness, as ``equiv check`` names one), for
+        what reads a verdict's kind (``--format github``, the JUnit properties); None where none was named."""
+        return next((v.failure_kind for v in self.ranks if not v and v.failure_kind is not None), None)
 
     @property
     def status(self) -> Outcome:
