@@ -17,6 +17,7 @@ import torch
 import equiv
 import equiv.checking.check as check_module
 from equiv.cases.distributed import DistributedCase
+from equiv.cases.standard import STANDARD_CASES
 from equiv.checking.distributed import check_distributed
 from equiv.checking.pipeline import PipelineSetting, check_pipeline
 from equiv.checking.pipeline import _batches as _pipeline_batches
@@ -25,7 +26,7 @@ from equiv.results.witness import Witness
 from equiv.zoo import bugs
 from equiv.zoo.correct import scales_by_inverse_item_count
 from equiv.zoo.distributed_bugs import global_item_count, local_token_mean_per_rank
-from equiv.zoo.kinds import KINDS
+from equiv.zoo.kinds import KINDS, NORMALISERS
 
 UNEVEN = equiv.Case(batch_size=10, micro_batch_sizes=(2, 3, 5), steps=2)
 TOKENS = equiv.Case(
@@ -96,20 +97,26 @@ def test_correct_step_carries_no_witness_and_runs_nothing_more(monkeypatch: pyte
     assert "weights" not in verdict.line() and "What the loop did" not in verdict.message()
 
 
-@pytest.mark.parametrize("bug", [bugs.mean_of_means, bugs.unscaled_sum, bugs.divides_twice, bugs.clip_per_micro_batch])
-def test_zoo_failure_kind_and_witness_agree(bug: Callable[..., None]) -> None:
-    """Where the witness names one of equiv check's kinds, the failure kind is that kind: never two answers."""
-    case = (
-        UNEVEN
-        if bug is not bugs.clip_per_micro_batch
-        else equiv.Case(batch_size=10, micro_batch_sizes=(2, 3, 5), steps=2, max_grad_norm=0.1)
-    )
-    verdict = equiv.check(bug, case)
+@pytest.mark.parametrize(
+    ("bug", "case_name"),
+    [
+        (bug, case_name)
+        for bug in (bugs.mean_of_means, bugs.unscaled_sum)
+        for case_name in ("SGD, active clipping 3+5", "AdamW, head at its own lr, clipped 1+4", "Adam, uneven 1+2")
+    ]
+    + [(bugs.divides_twice, "Adam, uneven 1+2"), (bugs.clip_per_micro_batch, "SGD, active clipping 3+5")],
+    ids=lambda value: getattr(value, "__name__", value),
+)
+def test_zoo_failure_kind_and_witness_agree(bug: Callable[..., None], case_name: str) -> None:
+    """Where the witness names one of equiv check's kinds, the failure kind is that kind, first: never two
+    answers (under clipping a sum of means and a mean of means fit one window's weights: the same order)."""
+    verdict = equiv.check(bug, STANDARD_CASES[case_name])
     assert not verdict and verdict.witness is not None and verdict.failure_kind is not None
     named = [name for name in verdict.witness.normaliser.split(" or ") if name in {k.name for k in KINDS}]
     if named:
         assert verdict.failure_kind.name == named[0]
-    else:  # a kind the weights cannot show (clipping per micro-batch): the classifier's own
+        assert verdict.witness.means.startswith(next(n.means for n in NORMALISERS if n.name == named[0]))
+    else:  # a kind the weights cannot show (clipping per micro-batch, a uniform scale): never one of KINDS
         assert verdict.failure_kind.name not in {k.name for k in KINDS}
 
 

@@ -304,7 +304,7 @@ def _judged(
     if details and verdict.status is Outcome.NOT_EQUIVALENT:
         # Only now, after the verdict: a passing check runs nothing more.
         witness, configured_n = _witness(candidate, case, verdict)
-        kind = agreeing(_failure_kind(candidate, case, verdict, configured_n), witness)
+        kind, witness = agreeing(_failure_kind(candidate, case, verdict, configured_n), witness)
         return dataclasses.replace(verdict, failure_kind=kind, witness=witness)
     return verdict
 

@@ -21,6 +21,7 @@ clips), is tried against the full-batch step clipped to that default:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -229,30 +230,52 @@ def classify(
     return Classification(matching[0], gap, first, also=tuple(matching[1:]), tried=tuple(tried))
 
 
-def agreeing(kind: FailureKind, witness: Witness | None) -> FailureKind:
-    """The failure kind, made to say what the witness says (one classifier, never two answers).
+def agreeing(kind: FailureKind, witness: Witness | None) -> tuple[FailureKind, Witness | None]:
+    """The failure kind and the witness, made to say the same name (one classifier, never two answers).
 
     The witness names the weights of the first failing step from the table that holds :data:`KINDS` under
-    their own names (:data:`~equiv.zoo.kinds.NORMALISERS`); the classifier runs each kind's whole trajectory.
-    Where the witness names a kind that the classifier also found (as ``also``: the case cannot tell them
-    apart), that kind leads.  Where the witness names a kind that no kind's trajectory reproduces (later steps
-    differ), the kind stays unclassified and says so.  A witness that names no kind of :data:`KINDS` (the
-    full batch up to a scale, a per-rank mean, not a re-weighting) leaves the kind as the classifier found it.
+    their own names (:data:`~equiv.zoo.kinds.NORMALISERS`); the classifier runs each kind's whole trajectory,
+    so where both name several kinds (under active clipping a sum of means and a mean of means clip to one
+    update) the classifier's lead is the better-informed one and the witness names it first.  Where the
+    witness names a kind the classifier found only as ``also``, that kind leads the failure kind.  Where the
+    witness names a kind that no kind's trajectory reproduces (later steps differ), the kind stays unclassified
+    and says so.  A witness that names no kind of :data:`KINDS` (the full batch up to a scale, not a
+    re-weighting) leaves both as they were found.
     """
     if witness is None:
-        return kind
+        return kind, None
     named = [name for name in witness.normaliser.split(" or ") if name in _KIND_NAMES]
-    if not named or kind.name in named:
-        return kind
+    if not named:
+        return kind, witness
+    if kind.name in named:
+        return kind, witness if named[0] == kind.name else _led_by(witness, kind.name)
     if kind.classified:
         matched = (kind.name, *kind.also)
         lead = next((name for name in named if name in matched), None)
         if lead is None:
-            return kind  # the trajectories decide; the witness's clause still shows the first step's weights
-        return FailureKind(lead, _KIND_NAMES[lead].means, also=tuple(name for name in matched if name != lead))
-    return FailureKind.unclassified(
-        f"{kind.means}; the first failing step's weights are the {named[0]}'s (the witness), but that kind's step "
-        "does not reproduce every step"
+            return kind, witness  # the trajectories decide; the witness's clause still shows the first step's weights
+        others = tuple(name for name in matched if name != lead)
+        return FailureKind(lead, _KIND_NAMES[lead].means, also=others), _led_by(witness, lead)
+    return (
+        FailureKind.unclassified(
+            f"{kind.means}; the first failing step's weights are the {named[0]}'s (the witness), but that kind's "
+            "step does not reproduce every step"
+        ),
+        witness,
+    )
+
+
+def _led_by(witness: Witness, name: str) -> Witness:
+    """``witness`` naming ``name`` first among the normalisers that fit its weights (its clause that one's)."""
+    others = [other for other in witness.normaliser.split(" or ") if other != name]
+    normaliser = next(n for n in NORMALISERS if n.name == name)
+    clip = " (up to the clip's scale)" if "(up to the clip's scale)" in witness.means else ""
+    same = f"; on this window the same weights as {', '.join(others)}" if others else ""
+    return dataclasses.replace(
+        witness,
+        normaliser=" or ".join([name, *others]),
+        means=normaliser.means + clip + same,
+        formula=normaliser.formula,
     )
 
 
