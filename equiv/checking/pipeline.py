@@ -47,6 +47,7 @@ from equiv.cases.pipeline import (
 from equiv.checking.failure_kinds import named_by
 from equiv.checking.witnessing import finite
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
+from equiv.judging.compare import StepComparer
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot
@@ -251,6 +252,27 @@ def _stage_indices(setting: PipelineSetting, rank: int) -> list[int]:
     return [rank + setting.ranks * k for k in range(setting.stages_per_rank)]
 
 
+def _comparer(setting: PipelineSetting, indices: list[int]) -> StepComparer:
+    """The exact tier's comparer of stages ``indices`` against the full-batch run (its floors run first)."""
+    judge = Judge(
+        _full_batch_source(setting, setting.ranks * setting.stages_per_rank, indices),
+        working=torch.float64,
+        tiers=("exact",),
+        roundings=_ROUNDINGS,
+        steps=setting.steps,
+    )
+    return judge.with_floors().comparer("exact")
+
+
+def _stage_grads(blocks: list[nn.Module], indices: list[int]) -> dict[str, Tensor | None]:
+    """The gradients of stages ``indices``, copied, named as :func:`_stage_snapshot` names their parameters."""
+    return {
+        f"stage {i}.{name}": None if p.grad is None else p.grad.detach().clone()
+        for i in indices
+        for name, p in blocks[i].named_parameters()
+    }
+
+
 @dataclass(frozen=True)
 class _PipelineTask:
     setting: PipelineSetting
@@ -258,21 +280,17 @@ class _PipelineTask:
     #: run), judging nothing; None: every step, judged.
     witness_step: int | None = None
 
-    def __call__(self, rank: int, world_size: int, progress: Any) -> PipelineRank | _StageWindow:
+    def _schedule(self, blocks: list[nn.Module], indices: list[int], current: dict[str, int]) -> Any:
+        """The setting's schedule over this rank's stages, its loss reading the step ``current`` holds."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as pipelining
 
         setting = self.setting
-        stages = setting.ranks * setting.stages_per_rank
-        blocks = _layers(stages)
-        indices = _stage_indices(setting, rank)
+        stages = len(blocks)
         pipeline_stages = [
             PipelineStage(blocks[i], i, stages, torch.device("cpu"), group=dist.group.WORLD) for i in indices
         ]
-        params = [p for i in indices for p in blocks[i].parameters()]
-        optimizer = torch.optim.SGD(params, lr=_LR)
         window_items = [sum(_real_items(y) for _, y in calls) for calls in _batches(setting)]
-        current = {"step": 0}
 
         def loss_fn(output: Tensor, target: Tensor) -> Tensor:
             if setting.loss == "mean":  # this chunk's mean over its real items
@@ -280,26 +298,26 @@ class _PipelineTask:
             return _squared_error_sum(output, target) / window_items[current["step"]]
 
         schedule_class = getattr(pipelining, f"Schedule{setting.schedule}")
-        schedule = schedule_class(
+        return schedule_class(
             pipeline_stages if setting.stages_per_rank > 1 else pipeline_stages[0],
             setting.n_microbatches,
             loss_fn=loss_fn,
             scale_grads=setting.scale_grads,
         )
+
+    def __call__(self, rank: int, world_size: int, progress: Any) -> PipelineRank | _StageWindow:
+        setting = self.setting
+        stages = setting.ranks * setting.stages_per_rank
+        blocks = _layers(stages)
+        indices = _stage_indices(setting, rank)
+        params = [p for i in indices for p in blocks[i].parameters()]
+        optimizer = torch.optim.SGD(params, lr=_LR)
+        current = {"step": 0}
+        schedule = self._schedule(blocks, indices, current)
         first, last = 0 in indices, stages - 1 in indices
         judging = self.witness_step is None
         if judging:
-            comparer = (
-                Judge(
-                    _full_batch_source(setting, stages, indices),
-                    working=torch.float64,
-                    tiers=("exact",),
-                    roundings=_ROUNDINGS,
-                    steps=setting.steps,
-                )
-                .with_floors()
-                .comparer("exact")
-            )
+            comparer = _comparer(setting, indices)
             comparer.add(0, _stage_snapshot(blocks, indices))
         for step, calls in enumerate(_batches(setting)):
             current["step"] = step
@@ -318,12 +336,7 @@ class _PipelineTask:
                     # torch's stage errors span lines; one line keeps the cause in the fault report.
                     raise RuntimeError(" ".join(str(exc).split())) from None
             if step == self.witness_step:
-                grads = {
-                    f"stage {i}.{name}": None if p.grad is None else p.grad.detach().clone()
-                    for i in indices
-                    for name, p in blocks[i].named_parameters()
-                }
-                return _StageWindow(started, grads)
+                return _StageWindow(started, _stage_grads(blocks, indices))
             optimizer.step()
             if judging:
                 comparer.add(step + 1, _stage_snapshot(blocks, indices))
