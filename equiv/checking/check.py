@@ -304,8 +304,8 @@ def _judged(
     if details and verdict.status is Outcome.NOT_EQUIVALENT:
         # Only now, after the verdict: a passing check runs nothing more.
         witness, configured_n = _witness(candidate, case, verdict)
-        kind, witness = agreeing(_failure_kind(candidate, case, verdict, configured_n), witness)
-        return dataclasses.replace(verdict, failure_kind=kind, witness=witness)
+        failure, witness = agreeing(_failure_kind(candidate, case, verdict, configured_n), witness)
+        return dataclasses.replace(verdict, failure_kind=failure, witness=witness)
     return verdict
 
 

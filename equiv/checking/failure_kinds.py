@@ -230,7 +230,7 @@ def classify(
     return Classification(matching[0], gap, first, also=tuple(matching[1:]), tried=tuple(tried))
 
 
-def agreeing(kind: FailureKind, witness: Witness | None) -> tuple[FailureKind, Witness | None]:
+def agreeing(failure: FailureKind, witness: Witness | None) -> tuple[FailureKind, Witness | None]:
     """The failure kind and the witness, made to say the same name (one classifier, never two answers).
 
     The witness names the weights of the first failing step from the table that holds :data:`KINDS` under
@@ -243,22 +243,22 @@ def agreeing(kind: FailureKind, witness: Witness | None) -> tuple[FailureKind, W
     re-weighting) leaves both as they were found.
     """
     if witness is None:
-        return kind, None
+        return failure, None
     named = [name for name in witness.normaliser.split(" or ") if name in _KIND_NAMES]
     if not named:
-        return kind, witness
-    if kind.name in named:
-        return kind, witness if named[0] == kind.name else _led_by(witness, kind.name)
-    if kind.classified:
-        matched = (kind.name, *kind.also)
+        return failure, witness
+    if failure.name in named:
+        return failure, witness if named[0] == failure.name else _led_by(witness, failure.name)
+    if failure.classified:
+        matched = (failure.name, *failure.also)
         lead = next((name for name in named if name in matched), None)
         if lead is None:
-            return kind, witness  # the trajectories decide; the witness's clause still shows the first step's weights
+            return failure, witness  # the trajectories decide; the witness's clause still shows the first step's weights
         others = tuple(name for name in matched if name != lead)
         return FailureKind(lead, _KIND_NAMES[lead].means, also=others), _led_by(witness, lead)
     return (
         FailureKind.unclassified(
-            f"{kind.means}; the first failing step's weights are the {named[0]}'s (the witness), but that kind's "
+            f"{failure.means}; the first failing step's weights are the {named[0]}'s (the witness), but that kind's "
             "step does not reproduce every step"
         ),
         witness,
