@@ -524,3 +524,89 @@ def test_the_raises_sections_are_read() -> None:
         "CheckTimeout",
     }
     assert any(error is not None and error.__name__ == "NothingFitsError" for _, error in _raised("equiv.plan"))
+
+
+# -- Sizes that fit a screen ------------------------------------------------------------------------
+# A module, a function and a parameter list each have a size past which a reader stops holding them in
+# mind.  The limits are the issue-43 house rules: no module over 800 lines; at most 10 functions over 60
+# lines (the whole ``def`` span, docstring included: a long public docstring is a cost too); at most 8
+# functions taking more than 8 parameters (an options record where a keyword list grew).  ``python
+# tests/test_layout.py`` prints the numbers this file enforces, with the import graph's.
+
+MODULE_LINES, FUNCTION_LINES, PARAMETERS = 800, 60, 8
+MOST_LONG_FUNCTIONS, MOST_WIDE_FUNCTIONS = 10, 8
+
+
+def _typed_dict_fields() -> dict[str, int]:
+    """Class name -> annotated fields of every class that subclasses ``TypedDict`` in the package."""
+    fields = {}
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("TypedDict") for b in node.bases):
+                fields[node.name] = sum(isinstance(item, ast.AnnAssign) for item in node.body)
+    return fields
+
+
+def _functions() -> list[tuple[str, int, int]]:
+    """(dotted name, lines of its ``def`` span, parameters) of every function.  Parameters leave out
+    ``self``/``cls`` and count each key of a ``**options: Unpack[SomeTypedDict]``: a caller still
+    passes them one by one, so a typed keyword record is no shorter a list than the keywords."""
+    typed = _typed_dict_fields()
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                named = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+                bound = 1 if named and named[0].arg in ("self", "cls") else 0
+                unpacked = args.kwarg.annotation if args.kwarg is not None else None
+                keys = 0
+                if isinstance(unpacked, ast.Subscript) and ast.unparse(unpacked.value).endswith("Unpack"):
+                    keys = typed[ast.unparse(unpacked.slice).strip("'\"")]
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                found.append((f"{module}.{node.name}", lines, len(named) - bound + keys))
+    return found
+
+
+FUNCTIONS = _functions()
+
+
+def _over(limit: int, column: int) -> list[tuple[str, int]]:
+    return sorted(((row[0], row[column]) for row in FUNCTIONS if row[column] > limit), key=lambda r: -r[1])
+
+
+def test_no_module_is_longer_than_800_lines() -> None:
+    long = {module: n for module, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MODULE_LINES}
+    assert not long, f"modules over {MODULE_LINES} lines (split along an idea they hold): {long}"
+
+
+def test_at_most_ten_functions_are_longer_than_60_lines() -> None:
+    long = _over(FUNCTION_LINES, 1)
+    assert len(long) <= MOST_LONG_FUNCTIONS, f"{len(long)} functions over {FUNCTION_LINES} lines: {long}"
+
+
+def test_at_most_eight_functions_take_more_than_8_parameters() -> None:
+    wide = _over(PARAMETERS, 2)
+    assert len(wide) <= MOST_WIDE_FUNCTIONS, f"{len(wide)} functions over {PARAMETERS} parameters: {wide}"
+
+
+def graph_numbers() -> dict[str, Any]:
+    """The import graph's and the sizes' numbers, as the closing notes of the house issues state them."""
+    between = [(a, b) for a, targets in GRAPH.items() for b in targets if _subpackage(a) != _subpackage(b)]
+    return {
+        "modules": len(MODULES),
+        "top-level modules": sum(1 for m, p in MODULES.items() if m.count(".") == 1 and p.name != "__init__.py"),
+        "imports between modules": sum(len(targets) for targets in GRAPH.values()),
+        "imports between packages": len(between),
+        "imports against the layer order": sum(1 for a, ts in GRAPH.items() for b in ts if _layer(b) > _layer(a)),
+        f"modules over {MODULE_LINES} lines": sum(
+            1 for path in MODULES.values() if len(path.read_text().splitlines()) > MODULE_LINES
+        ),
+        f"functions over {FUNCTION_LINES} lines": _over(FUNCTION_LINES, 1),
+        f"functions over {PARAMETERS} parameters": _over(PARAMETERS, 2),
+    }
+
+
+if __name__ == "__main__":
+    for name, value in graph_numbers().items():
+        print(f"{name}: {len(value)} {value}" if isinstance(value, list) else f"{name}: {value}")
