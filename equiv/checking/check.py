@@ -19,9 +19,10 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TypedDict, Unpack, overload
+from typing import TypedDict, overload
 
 import torch
+from typing_extensions import Unpack  # typing's from Python 3.11; equiv supports 3.10
 
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES

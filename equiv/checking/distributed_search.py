@@ -24,10 +24,11 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict
 
 import torch
 from hypothesis import strategies as st
+from typing_extensions import Unpack  # typing's from Python 3.11; equiv supports 3.10
 
 from equiv.cases.case import Case
 from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict
