@@ -28,6 +28,9 @@ from equiv.results.witness import Witness
 
 __all__ = ["window_witness"]
 
+#: A run's clipped gradient norm is the limit up to its rounding; a norm this far below it was not clipped.
+_CLIP_ACTIVE_TOLERANCE = 1e-3
+
 
 def _flat_gradient(params: list[nn.Parameter]) -> Tensor:
     """The parameters' gradients as one float64 vector (zeros where a parameter got none)."""
@@ -94,7 +97,12 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
         return None
     gradients, items = _micro_batch_gradients(window, replay)
     accumulated = _flat_gradient(list(replay.model.parameters()))
-    clipped = replay.max_grad_norm is not None or replay.max_grad_value is not None
+    # A clip by norm leaves G at exactly the limit when it acts: below it (0.1 % for the run's rounding) it did
+    # not, and the weights are compared as they are, not only in direction (the scale is the clip's only then).
+    clipped = replay.max_grad_value is not None or (
+        replay.max_grad_norm is not None
+        and float(accumulated.norm()) >= replay.max_grad_norm * (1 - _CLIP_ACTIVE_TOLERANCE)
+    )
     if ranks is None:
         if not gradients:
             return None
