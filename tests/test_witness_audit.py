@@ -180,3 +180,45 @@ def test_a_forward_without_loss_keywords_under_the_trainer_is_a_mean_of_means_na
         assert _direction(window.witness.run) == pytest.approx(_direction(applied), rel=0.01), window.line()
         assert "mean of means" in window.witness.normaliser.split(" or "), window.line()
         assert window.setting is not None and "model_accepts_loss_kwargs=False" in window.setting
+
+
+def _torchrun_script() -> Any:
+    """tests/data/audit_under_torchrun.py as a module (its data: each rank's windows)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "audit_under_torchrun.py"
+    spec = importlib.util.spec_from_file_location("audit_under_torchrun", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_per_rank_token_mean_under_ddp_is_witnessed_on_every_rank_count(world: int, tmp_path: Any) -> None:
+    from tests.test_audit_torchrun import audits_under_torchrun
+
+    script = _torchrun_script()
+    audits = audits_under_torchrun(world, ("ddp_rank_token_mean", "ddp_global_tokens"), tmp_path)
+    failing = audits["ddp_rank_token_mean"]["audit"]["windows"]
+    assert len(failing) == script.WINDOWS and all(w["status"] == "not_equivalent" for w in failing)
+    for index, window in enumerate(failing):
+        # each rank's micro-batch sums over its own tokens, DDP's mean over the ranks: 1/(R N_r); a micro-batch
+        # with no token has no gradient to weigh (left out)
+        applied = []
+        for rank in range(world):
+            counts = [script.tokens(labels) for _, labels in script.rank_windows(rank, world)[index]]
+            applied += [1 / (world * sum(counts)) for count in counts if count]
+        weights = window["weights"]
+        assert weights["run"] == pytest.approx(applied, rel=0.01), audits["ddp_rank_token_mean"]["summary"]
+        # the data's micro-batches hold equal counts within a rank (but one): there a mean of means is the same
+        # weights, and both are named
+        named = weights["normaliser"].split(" or ")
+        assert "per-rank mean" in named, weights
+        kind = window["failure_kind"]
+        assert [kind["name"], *kind["also"]] == named
+        line = window["line"]
+        assert "per-rank mean" in line or "each rank's loss divided by its own items" in line, line
+    assert all("weights" not in w for w in audits["ddp_global_tokens"]["audit"]["windows"])

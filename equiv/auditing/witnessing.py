@@ -11,7 +11,7 @@ the window's starting parameters; :func:`equiv.judging.witness.recover_weights` 
 Under DDP every rank holds the same ``G`` and its own micro-batches: the ranks' ``g_i`` are summed
 into one zero-padded stack by the audit's own all-reduce, each rank then takes the Gram of one
 slice of the elements and the slices' Gram sums are reduced with the same all-reduce, so every
-rank names the same weights.  A micro-batch with no item to count has a zero gradient (any weight
+rank names the same weights (none when the ranks hold different gradients: a sync left off).  A micro-batch with no item to count has a zero gradient (any weight
 fits it): it is left out.  An FSDP2 run (sharded replica) gets no witness yet.
 """
 
@@ -80,6 +80,17 @@ def _gathered(ranks: Ranks, gradients: list[Tensor], items: list[float], size: i
     return stack[:, :size], stack[:, size], owners
 
 
+def _same_on_every_rank(ranks: Ranks, accumulated: Tensor) -> bool:
+    """Whether every rank holds the same accumulated gradient (DDP's all-reduce ran), by one projection on a
+    fixed random direction: R Σ x_r² = (Σ x_r)² only when every x_r is the same (two numbers sent)."""
+    direction = torch.randn(accumulated.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    projection = float(direction @ accumulated)
+    sums = torch.tensor([projection, projection * projection], dtype=torch.float64)
+    ranks.all_reduce(sums)
+    spread = ranks.world_size * float(sums[1]) - float(sums[0]) ** 2  # R² times the projections' variance
+    return spread <= 1e-12 * ranks.world_size * float(sums[1])
+
+
 def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n: int | None) -> Witness | None:
     """The witness of a failing window: the weights the run applied to its micro-batches, named.
 
@@ -107,6 +118,8 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
         if not gradients:
             return None
         return witness(recover_weights(gradients, accumulated), items, configured_n=configured_n, clipped=clipped)
+    if not _same_on_every_rank(ranks, accumulated):
+        return None  # the ranks stepped different gradients (a sync left off): no one G to re-weight
     stack, counts, owners = _gathered(ranks, gradients, items, accumulated.numel())
     if not owners:
         return None
