@@ -222,3 +222,18 @@ def test_a_per_rank_token_mean_under_ddp_is_witnessed_on_every_rank_count(world:
         line = window["line"]
         assert "per-rank mean" in line or "each rank's loss divided by its own items" in line, line
     assert all("weights" not in w for w in audits["ddp_global_tokens"]["audit"]["windows"])
+
+
+def test_a_remedy_for_the_whole_run_is_said_once_in_the_summary() -> None:
+    model, optimizer = tiny_lm_and_optimizer("SGD")
+    model.dropout = nn.Dropout(0.1)  # dropout on: no window can be replayed
+    with audit(model, optimizer, loss=TOKENS, allow_nothing_judged=True) as watched:
+        for window in windows(token_loader(LENGTHS[:6]), 1):
+            for ids, labels in window:
+                TOKENS(model(ids, labels), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    remedy = watched.windows[0].hint
+    assert remedy is not None and "turn dropout off" in remedy and len(watched.windows) == 3
+    assert all(window.hint == remedy and remedy in window.line() for window in watched.windows)  # each alone
+    assert watched.summary().count(remedy) == 1, watched.summary()
