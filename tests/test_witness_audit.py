@@ -237,3 +237,54 @@ def test_a_remedy_for_the_whole_run_is_said_once_in_the_summary() -> None:
     assert remedy is not None and "turn dropout off" in remedy and len(watched.windows) == 3
     assert all(window.hint == remedy and remedy in window.line() for window in watched.windows)  # each alone
     assert watched.summary().count(remedy) == 1, watched.summary()
+
+
+def test_the_writers_carry_the_witness(tmp_path: Any) -> None:
+    import json
+
+    scalars: list[tuple[str, float, int | None]] = []
+    texts: list[str] = []
+
+    class Writer:
+        def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> None:
+            scalars.append((tag, scalar_value, global_step))
+
+        def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> None:
+            texts.append(text_string)
+
+    streamed = tmp_path / "windows.jsonl"
+    on_window = equiv.auditing.jsonl_writer(streamed, then=equiv.auditing.tensorboard_writer(Writer()))
+    model, optimizer = tiny_lm_and_optimizer("SGD")
+    with audit(model, optimizer, loss=TOKENS, on_window=on_window) as watched:
+        for window in windows(token_loader(LENGTHS), 3):
+            for ids, labels in window:
+                TOKENS(model(ids, labels), labels).backward()  # each mean summed: x(mean of N / n_i)
+            optimizer.step()
+            optimizer.zero_grad()
+    lines = [json.loads(line) for line in streamed.read_text().splitlines()]
+    failing = [window for window in watched.windows if window.witness is not None]
+    assert len(failing) == 2 and [line.get("weights") for line in lines] == [
+        None if window.witness is None else window.witness.to_dict() for window in watched.windows
+    ]
+    ratios = {step: value for tag, value, step in scalars if tag == "equiv/audit/weight_ratio"}
+    for window in failing:
+        assert window.witness is not None
+        expected = sum(sum(window.items) / n for n in window.items) / len(window.items)
+        assert ratios[window.step] == pytest.approx(expected, rel=0.01)
+        assert any(window.witness.clause() in text for text in texts)
+    assert set(ratios) == {window.step for window in failing}  # none for the passing tail
+
+
+def test_a_witnessed_window_fits_the_results_schema() -> None:
+    import json
+    from pathlib import Path
+
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(equiv.__file__).parent / "results" / "schema.json").read_text())
+    watched = _run(lambda items, labels: TOKENS.count(labels))
+    assert watched.failures
+    jsonschema.validate(json.loads(json.dumps(watched.to_dict())), schema)
+    broken = watched.failures[0].to_dict()
+    broken["weights"]["residual"] = "small"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
