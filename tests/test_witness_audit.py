@@ -19,7 +19,6 @@ import equiv
 from equiv.auditing import audit
 from equiv.auditing.runs import tiny_lm_and_optimizer, token_loader, windows
 from equiv.losses import NextTokenCrossEntropy, TokenCrossEntropy
-from equiv.results.audit import WindowAudit
 
 TOKENS = NextTokenCrossEntropy()
 #: 7 micro-batches of 2 sequences, uneven real-token counts: in windows of 3, the last is a tail of 1
@@ -162,7 +161,7 @@ def test_a_transformers_head_that_ignores_num_items_in_batch_is_witnessed_under_
         assert _direction(witness.run) == pytest.approx(_direction(applied), rel=0.01), window.line()
         assert "sum without division" in witness.normaliser.split(" or "), window.line()
         scale = witness.run[0] * window.items[0]  # the clip's factor, 1 when it did not act
-        assert all(math.isclose(w * n, scale, rel_tol=0.01) for w, n in zip(witness.run, window.items))
+        assert all(math.isclose(w * n, scale, rel_tol=0.01) for w, n in zip(witness.run, window.items, strict=True))
         assert window.setting is not None and window.setting.startswith(
             "model_accepts_loss_kwargs=True but the model's loss ignored num_items_in_batch"
         )

@@ -36,19 +36,27 @@ def _flat_gradient(params: list[nn.Parameter]) -> Tensor:
     """The parameters' gradients as one float64 vector (zeros where a parameter got none)."""
     return torch.cat(
         [
-            (torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.detach().to(torch.float64))
-            .reshape(-1)
+            (torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.detach().to(torch.float64)).reshape(
+                -1
+            )
             for p in params
         ]
     )
 
 
-def _micro_batch_gradients(window: RecordedWindow, replay: WindowReplay) -> tuple[list[Tensor], list[float]]:
-    """Each micro-batch's float64 gradient of its loss sum at the window's start (one flat vector each),
-    and its items; micro-batches with no item to count left out."""
+def _zero_or(gradient: Tensor | None, param: Tensor) -> Tensor:
+    return torch.zeros_like(param, dtype=torch.float64) if gradient is None else gradient
+
+
+def _micro_batch_gradients(
+    window: RecordedWindow, replay: WindowReplay
+) -> tuple[list[list[Tensor | None]], list[float]]:
+    """Each micro-batch's float64 gradient of its loss sum at the window's start (its own tensors, one per
+    parameter: set to None before each backward, so none is copied), and its items; micro-batches with no
+    item to count left out."""
     model = model_at(replay.template, window, torch.float64)
     params = list(model.parameters())
-    gradients: list[Tensor] = []
+    gradients: list[list[Tensor | None]] = []
     items: list[float] = []
     for call in window.calls:
         target = cast_to(replay.targets_of(call), torch.float64)
@@ -58,7 +66,7 @@ def _micro_batch_gradients(window: RecordedWindow, replay: WindowReplay) -> tupl
         model.zero_grad(set_to_none=True)
         output = replay.output_of(replay.call_model(model, cast_to(call, torch.float64)))
         replay.loss.sum(output.to(torch.float64), target).backward()
-        gradients.append(_flat_gradient(params))
+        gradients.append([p.grad for p in params])
         items.append(count)
     return gradients, items
 
@@ -107,7 +115,8 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
     if ranks is not None and ranks.sharded:
         return None
     gradients, items = _micro_batch_gradients(window, replay)
-    accumulated = _flat_gradient(list(replay.model.parameters()))
+    run_params = list(replay.model.parameters())
+    accumulated = _flat_gradient(run_params)
     # A clip by norm leaves G at exactly the limit when it acts: below it (0.1 % for the run's rounding) it did
     # not, and the weights are compared as they are, not only in direction (the scale is the clip's only then).
     clipped = replay.max_grad_value is not None or (
@@ -117,16 +126,18 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
     if ranks is None:
         if not gradients:
             return None
-        return witness(recover_weights(gradients, accumulated), items, configured_n=configured_n, clipped=clipped)
+        recovered = recover_weights(gradients, [p.grad for p in run_params])  # per parameter: nothing copied
+        return witness(recovered, items, configured_n=configured_n, clipped=clipped)
     if not _same_on_every_rank(ranks, accumulated):
         return None  # the ranks stepped different gradients (a sync left off): no one G to re-weight
-    stack, counts, owners = _gathered(ranks, gradients, items, accumulated.numel())
+    flat = [
+        torch.cat([_zero_or(g, p).reshape(-1) for g, p in zip(pieces, run_params, strict=True)]) for pieces in gradients
+    ]
+    stack, counts, owners = _gathered(ranks, flat, items, accumulated.numel())
     if not owners:
         return None
     # each rank the Gram of its slice of the elements, the slices' sums reduced by the audit's all-reduce
     size = accumulated.numel()
     low, high = size * ranks.rank // ranks.world_size, size * (ranks.rank + 1) // ranks.world_size
-    recovered = recover_weights(
-        [row[low:high] for row in stack], accumulated[low:high], all_reduce=ranks.all_reduce
-    )
+    recovered = recover_weights([row[low:high] for row in stack], accumulated[low:high], all_reduce=ranks.all_reduce)
     return witness(recovered, counts.tolist(), configured_n=None, ranks=owners, clipped=clipped)
