@@ -17,6 +17,8 @@ fits it): it is left out.  An FSDP2 run (sharded replica) gets no witness yet.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -116,18 +118,18 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
         return None
     gradients, items = _micro_batch_gradients(window, replay)
     run_params = list(replay.model.parameters())
-    accumulated = _flat_gradient(run_params)
+    norm = math.sqrt(sum(float(p.grad.detach().double().square().sum()) for p in run_params if p.grad is not None))
     # A clip by norm leaves G at exactly the limit when it acts: below it (0.1 % for the run's rounding) it did
     # not, and the weights are compared as they are, not only in direction (the scale is the clip's only then).
     clipped = replay.max_grad_value is not None or (
-        replay.max_grad_norm is not None
-        and float(accumulated.norm()) >= replay.max_grad_norm * (1 - _CLIP_ACTIVE_TOLERANCE)
+        replay.max_grad_norm is not None and norm >= replay.max_grad_norm * (1 - _CLIP_ACTIVE_TOLERANCE)
     )
     if ranks is None:
         if not gradients:
             return None
         recovered = recover_weights(gradients, [p.grad for p in run_params])  # per parameter: nothing copied
         return witness(recovered, items, configured_n=configured_n, clipped=clipped)
+    accumulated = _flat_gradient(run_params)
     if not _same_on_every_rank(ranks, accumulated):
         return None  # the ranks stepped different gradients (a sync left off): no one G to re-weight
     flat = [
