@@ -24,6 +24,7 @@ from equiv.auditing.recording import CLIPS, OutputSpec, WindowRecord, first_not_
 from equiv.auditing.replay import Call, RecordedWindow, WindowReplay, judge_window, model_at
 from equiv.auditing.schedules import schedule_verdict
 from equiv.auditing.settings import AuditSettings, _where_targets_were_found, default_targets
+from equiv.auditing.witnessing import window_witness
 from equiv.results.audit import WindowAudit
 
 __all__ = ["WindowJudge"]
@@ -83,7 +84,12 @@ class WindowJudge:
             verdict = dataclasses.replace(verdict, schedule=schedule, note=note)
         if window.averaged is not None and verdict.judged:
             verdict = self._judge_averaged(verdict, window.averaged, recorded)
-        return self._finite(verdict, window.not_finite)
+        verdict = self._finite(verdict, window.not_finite)
+        # Only now, on a window already failed by its gradient's step (the same decision on every rank: ranks_off
+        # is gathered), the witness: a passing window, a schedule's or a NaN's failure pays nothing for it.
+        if verdict.judged and verdict.not_finite is None and (verdict.mismatches or verdict.ranks_off):
+            verdict = dataclasses.replace(verdict, witness=window_witness(recorded, replay, configured_n=usual))
+        return verdict
 
     def _judge_averaged(self, verdict: WindowAudit, start: dict[str, Tensor], recorded: RecordedWindow) -> WindowAudit:
         """``verdict`` with the averaged model's rows: moved once, by its rule, towards the window-start weights."""

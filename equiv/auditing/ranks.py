@@ -190,6 +190,16 @@ class Ranks:
             dist.all_gather_object(gathered, verdict, group=self.group)
         return tuple(gathered)
 
+    def all_reduce(self, tensor: Tensor) -> None:
+        """``tensor`` summed over the ranks in place by the audit's own group (on its device, counted)."""
+        device = self._device()
+        if tensor.device == device:
+            self._all_reduce(tensor)
+            return
+        moved = tensor.to(device)
+        self._all_reduce(moved)
+        tensor.copy_(moved)
+
     def _all_reduce(self, tensor: Tensor) -> None:
         import torch.distributed as dist
 
