@@ -287,3 +287,16 @@ def test_a_witnessed_window_fits_the_results_schema() -> None:
     broken["weights"]["residual"] = "small"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
+
+
+def test_a_witness_that_cannot_be_made_is_said_and_the_verdict_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An error inside the witness (in one process) never replaces the window's verdict: it is said in its note.
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the loss cannot be replayed per micro-batch")
+
+    monkeypatch.setattr("equiv.auditing.judging.window_witness", broken)
+    watched = _run(lambda items, labels: TOKENS.count(labels))
+    assert [window.micro_batches for window in watched.failures] == [3, 3], watched.summary()
+    for window in watched.failures:
+        assert window.witness is None and not window
+        assert window.note is not None and "no witness of the weights (RuntimeError: the loss cannot" in window.note
