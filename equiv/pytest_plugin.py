@@ -87,7 +87,7 @@ def junit_properties(verdicts: list[Verdict]) -> list[tuple[str, object]]:
     values: tuple[object, ...] = (
         len(verdicts),
         shown.status.value,
-        shown.kind.value,
+        shown.outcome.value,
         failure_kind,
         tier,
         f"{ratio:.3g}" if not math.isnan(ratio) else "",

@@ -103,7 +103,7 @@ def test_a_verdict_without_details_is_the_same_verdict(case_name: str) -> None:
     case = STANDARD_CASES[case_name]
     full = equiv.check(BUGS["mean_of_means"], case)
     quick = equiv.check(BUGS["mean_of_means"], case, details=False)
-    assert quick.status == full.status and quick.kind == full.kind
+    assert quick.status == full.status and quick.outcome == full.outcome
     assert [(d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in quick.mismatches] == [
         (d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in full.mismatches
     ]

@@ -65,7 +65,7 @@ def first_update_mismatch(candidate: object, case: equiv.Case) -> TensorDiff:
     verdict = equiv.check(candidate, case)  # type: ignore[arg-type]
     assert verdict.status == "not_equivalent", verdict.message()
     first = verdict.first_mismatch
-    assert first is not None and first.kind == "update"
+    assert first is not None and first.quantity == "update"
     return first
 
 
@@ -96,7 +96,7 @@ def test_mindspore_r13_port_sums_without_scaling() -> None:
     assert abs(first_update_mismatch(MindSporeGradientAccumulation(), EVEN).max_rel_diff - 2.0) < 1e-6
     # ... and under Adam only eps sees it: caught in the float64 tier.
     verdict = equiv.check(MindSporeGradientAccumulation(), ADAM)
-    assert any(d.tier == "exact" and d.kind == "update" for d in verdict.mismatches)
+    assert any(d.tier == "exact" and d.quantity == "update" for d in verdict.mismatches)
 
 
 def test_mindspore_2_port_cannot_clip_and_misses_short_tails() -> None:

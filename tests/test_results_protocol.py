@@ -86,7 +86,7 @@ def _diff(ok: bool = True) -> TensorDiff:
     return TensorDiff(
         step=1,
         name="0.weight",
-        kind="update",
+        quantity="update",
         tier="exact",
         dtype="torch.float64",
         max_abs_diff=1e-17 if ok else 0.5,

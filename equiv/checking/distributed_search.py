@@ -272,7 +272,7 @@ class DistributedSearchResult(SearchBase):
         return self.counterexample is not None
 
     @property
-    def kind(self) -> Outcome | None:
+    def outcome(self) -> Outcome | None:
         """None (nothing found), STEP_ERROR (a rank raised, hung, died or its
         collectives did not match its peers'), or the verdict's kind."""
         if not self.found:
@@ -280,7 +280,7 @@ class DistributedSearchResult(SearchBase):
         if self.error is not None:
             return Outcome.STEP_ERROR
         assert self.verdict is not None
-        return self.verdict.kind
+        return self.verdict.outcome
 
     def _searched(self) -> str:
         return f"{self.candidate}, {self.examples} distributed case(s) searched ({', '.join(self.engines)})"
@@ -297,7 +297,7 @@ class DistributedSearchResult(SearchBase):
             "seed": self.seed,
             "elapsed_s": self.elapsed_s,
             "found": self.found,
-            "outcome": (self.kind or self.status).value,
+            "outcome": (self.outcome or self.status).value,
             "engine": self.engine,
             "counterexample": None if found is None else found.to_dict(),
             "verdict": None if self.verdict is None else self.verdict.to_dict(),

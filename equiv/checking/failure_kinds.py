@@ -193,7 +193,7 @@ def classify(
     exact = [d for d in verdict.mismatches if d.tier == "exact"]
     if not exact:
         return Classification(None, None, verdict.first_mismatch)
-    first = min(exact, key=lambda d: (d.step, d.kind != "update"))
+    first = min(exact, key=lambda d: (d.step, d.quantity != "update"))
     trajectories = _trajectories(case, candidate)
     full = [flat_params(s.params) for s in run_reference(case, torch.float64)]
     gap = magnitude(first.step, trajectories.exact, full)

@@ -102,14 +102,14 @@ class VerifyResult(SearchBase):
         return self.counterexample is not None
 
     @property
-    def kind(self) -> Outcome | None:
+    def outcome(self) -> Outcome | None:
         """None (nothing found), STEP_ERROR (the candidate raised or hung), PRECISION
         (float32 roundoff inside the float64 run only) or NOT_EQUIVALENT (mathematically different)."""
         if not self.found:
             return None
         if self.error is not None:
             return Outcome.STEP_ERROR
-        if self.verdict is not None and self.verdict.kind is Outcome.PRECISION:
+        if self.verdict is not None and self.verdict.outcome is Outcome.PRECISION:
             return Outcome.PRECISION
         return Outcome.NOT_EQUIVALENT
 
@@ -166,7 +166,7 @@ class VerifyResult(SearchBase):
                 text += "".join(f"\n  - {reason}" for reason in self.inherent_reasons)
             return text
         assert self.counterexample is not None
-        if self.kind is Outcome.PRECISION:
+        if self.outcome is Outcome.PRECISION:
             head = (
                 f"precision finding after {self.first_failure_at} case(s) (no mathematical mismatch found; "
                 f"not shrunk):\n  {self.counterexample!r}"
@@ -207,7 +207,7 @@ class VerifyResult(SearchBase):
             "max_examples": self.max_examples,
             "blob": self.blob,
             "flaky": self.flaky,
-            "outcome": (self.kind or self.status).value,
+            "outcome": (self.outcome or self.status).value,
             "state_across_calls": self.state_across_calls,
             "fresh_replay": self.fresh_replay,
             "elapsed_s": self.elapsed_s,
@@ -352,7 +352,7 @@ class _Judge:
             self.inherent_cases += 1
             self.inherent_reasons.update(dict.fromkeys(verdict.inherent))
             return None
-        if verdict.kind is Outcome.PRECISION:
+        if verdict.outcome is Outcome.PRECISION:
             # Not a failure: the shrinker must not trade a mathematical mismatch for this class.
             self.precision_findings.append((self.examples, case, verdict))
             return None
@@ -438,7 +438,7 @@ class _Judge:
             verdict = check(self.candidate, case, **self.check_options)
         except CandidateError:
             return failure
-        if verdict.kind is not failure.verdict.kind:
+        if verdict.outcome is not failure.verdict.outcome:
             return failure
         return dataclasses.replace(failure, verdict=verdict)
 

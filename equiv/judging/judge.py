@@ -561,7 +561,7 @@ def precision_finding(
 _NOT_RUN = TensorDiff(
     step=1,
     name="(not run)",
-    kind="update",
+    quantity="update",
     tier="exact",
     dtype="float64",
     max_abs_diff=math.inf,

@@ -173,7 +173,7 @@ class RunVerdict(ResultBase):
         """The first tensor past its allowance at the first failing step (the exact tier's first)."""
         step = self.first_failure
         rows = [d for d in self.mismatches if d.step == step]
-        return min(rows, key=lambda d: (d.tier != "exact", d.kind != "update"), default=None)
+        return min(rows, key=lambda d: (d.tier != "exact", d.quantity != "update"), default=None)
 
     @property
     def status(self) -> Outcome:

@@ -504,7 +504,7 @@ def versions() -> dict[str, str]:
 def _scales(windows: Sequence[WindowAudit]) -> dict[str, list[float]]:
     """Per step past its allowance, its first update row's size along the full batch's and cosine."""
     rows = [
-        next((row for row in window.mismatches if row.kind == "update"), window.mismatches[0])
+        next((row for row in window.mismatches if row.quantity == "update"), window.mismatches[0])
         for window in windows
         if window.mismatches
     ]
@@ -515,7 +515,7 @@ def _magnitude(windows: Sequence[WindowAudit]) -> str:
     """The update's size along the full batch's and its cosine, over the windows past their allowance
     (the first update row of each, as the audit's line shows it); the worst allowance use otherwise."""
     rows = [
-        next((row for row in window.mismatches if row.kind == "update"), window.mismatches[0])
+        next((row for row in window.mismatches if row.quantity == "update"), window.mismatches[0])
         for window in windows
         if window.mismatches
     ]
