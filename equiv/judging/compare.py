@@ -532,7 +532,10 @@ class StepComparer:
         rows = []
         for row in self.diffs:
             budget = allowance(
-                floor=floors.floor(row.step, (row.quantity, row.name)), dtype=self.dtype, scale=row.scale, steps=row.step
+                floor=floors.floor(row.step, (row.quantity, row.name)),
+                dtype=self.dtype,
+                scale=row.scale,
+                steps=row.step,
             )
             rows.append(dataclasses.replace(row, allowed=budget.allowed, explanation=budget.explain()))
         return rows
