@@ -193,14 +193,14 @@ def loss_target(args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> Ten
 
 def functional_losses(loss: Any) -> frozenset[Callable[..., Tensor]]:
     """The ``torch.nn.functional`` losses whose calls compute ``loss`` (a shipped cross-entropy or MSE), else none."""
-    kinds = {
+    families = {
         MSE: "mse",
         CrossEntropy: "cross_entropy",
         TokenCrossEntropy: "cross_entropy",
         NextTokenCrossEntropy: "cross_entropy",
     }
-    kind = kinds.get(type(loss))
-    return frozenset(function for function, mapped in FUNCTIONAL.items() if kind is not None and mapped == kind)
+    family = families.get(type(loss))
+    return frozenset(function for function, mapped in FUNCTIONAL.items() if family is not None and mapped == family)
 
 
 class Replaying:
