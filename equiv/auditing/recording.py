@@ -173,7 +173,7 @@ def first_not_finite(named: Iterable[tuple[str, Tensor | None]], what: str, *, s
         infs = int(bad.sum()) - nans
         first = int(bad.flatten().to(torch.uint8).argmax())
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape)) if tensor.dim() else ()
-        found = " and ".join(f"{n} {kind}" for n, kind in ((nans, "NaN"), (infs, "inf")) if n)
+        found = " and ".join(f"{n} {value}" for n, value in ((nans, "NaN"), (infs, "inf")) if n)
         return f"the {what} of '{name}' at step {step} is not finite ({found}), the first at index {index}"
     return None
 

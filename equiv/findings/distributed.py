@@ -155,9 +155,9 @@ def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: Distribu
     }
 
 
-def _reproduces(kind: Outcome, upstream: str) -> str:
+def _reproduces(outcome: Outcome, upstream: str) -> str:
     """The upstream report a failing row reproduces (each NOT names one, or says there is none)."""
-    if kind is Outcome.EQUIVALENT:
+    if outcome is Outcome.EQUIVALENT:
         return "-"
     return upstream or "equiv's zoo, no upstream report"
 

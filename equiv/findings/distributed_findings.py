@@ -64,10 +64,10 @@ _TORCHRUN = (
 )
 
 
-def _found(kind: Outcome | None) -> str:
-    if kind is None:
+def _found(outcome: Outcome | None) -> str:
+    if outcome is None:
         return "nothing"
-    return RANK_FAULT if kind is Outcome.STEP_ERROR else outcome_words(kind)
+    return RANK_FAULT if outcome is Outcome.STEP_ERROR else outcome_words(outcome)
 
 
 def _upstream(entry: SearchEntry) -> str:

@@ -60,8 +60,8 @@ _NO_REPORT = "equiv's zoo, no upstream report"
 SEARCH_SEED = 0
 
 
-def _outcome(kind: Outcome | None) -> str:
-    return "nothing" if kind is None else kind.label
+def _outcome(outcome: Outcome | None) -> str:
+    return "nothing" if outcome is None else outcome.label
 
 
 def _cause(result: VerifyResult) -> str:
@@ -72,8 +72,8 @@ def _cause(result: VerifyResult) -> str:
     return verdict.precision.cause
 
 
-def _with_cause(kind: Outcome | None, cause: str) -> str:
-    return _outcome(kind) + (f" ({outcome_words(cause)})" if cause else "")
+def _with_cause(outcome: Outcome | None, cause: str) -> str:
+    return _outcome(outcome) + (f" ({outcome_words(cause)})" if cause else "")
 
 
 def _search_row(name: str, result: VerifyResult, expected: Outcome, cause: str = "") -> dict[str, str]:

@@ -237,6 +237,10 @@ class Measure:
             names.append("window boundary")
         return " + ".join(names) or "unclassified"
 
+    def kind_name(self) -> str:
+        """The same as :meth:`failure_name`; kept for code written before it."""
+        return self.failure_name()
+
     @property
     def boundary(self) -> bool:
         return (self.steps is not None and self.steps[0] != self.steps[1]) or self.later is not None
