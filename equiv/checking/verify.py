@@ -283,9 +283,9 @@ def verify(
         ValueError: ``reproduce`` no longer reproduces a failure.
     """
     candidate = bind(candidate)
-    judge = _Judge(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict, threads=chosen_threads(threads))
+    decider = _CaseDecider(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict, threads=threads)
     run = _search_run(profile, max_examples, seed, reproduce, progress)
-    return judge.search(SearchSpace() if space is None else space, run, replay_in_fresh_process, profile)
+    return decider.search(SearchSpace() if space is None else space, run, replay_in_fresh_process, profile)
 
 
 def _search_run(
@@ -317,13 +317,15 @@ def _search_run(
     )
 
 
-class _Judge:
+class _CaseDecider:
     """Each drawn case checked with :func:`equiv.check` (pass or fail is all a
     search needs; the details of the one it finds are filled in at the end),
     and what the passing ones showed, counted."""
 
-    def __init__(self, candidate: BoundCandidate, **check_options: Any) -> None:
-        # A bad train_dtype or strict is refused before the search starts.
+    def __init__(self, candidate: BoundCandidate, *, threads: int | None, **check_options: Any) -> None:
+        # The thread count by the module's rule (a bad one refused first), then a bad
+        # train_dtype or strict refused: all before the search starts.
+        check_options["threads"] = chosen_threads(threads)
         precision_fails_because(check_options.get("train_dtype"), check_options.get("strict", False))
         self.candidate, self.check_options = candidate, check_options
         self.examples = 0

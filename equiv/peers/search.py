@@ -55,7 +55,7 @@ def smallest_counterexample(
     the ported framework refuses (:class:`UnsupportedWindow`) are not counted."""
     tried = 0
 
-    def judge(case: Case) -> Failure[Verdict] | None:
+    def decide(case: Case) -> Failure[Verdict] | None:
         nonlocal tried
         try:
             verdict = check(candidate, case)
@@ -72,5 +72,5 @@ def smallest_counterexample(
         return Failure(verdict=verdict) if measured.gap is not None and measured.failure_name() == failure else None
 
     run = SearchRun(max_examples=max_examples, seed=SEED, phases=(Phase.generate, Phase.shrink))
-    found = run_search(_search_space(candidate), judge, run)
+    found = run_search(_search_space(candidate), decide, run)
     return found.example, tried
