@@ -43,7 +43,7 @@ def eager(candidate: object, case: equiv.Case) -> Verdict:
     """The verdict with every tier's floors run first (how equiv.check judged before)."""
     references = ReferenceRuns.of(case)
     diffs = [d for tier in references.tiers for d in references.run_and_compare(tier, case, candidate)]  # type: ignore[arg-type]
-    return references.judge(getattr(candidate, "__name__", "step"), diffs)
+    return references.verdict_from_diffs(getattr(candidate, "__name__", "step"), diffs)
 
 
 @pytest.mark.parametrize("case_name", CASES)

@@ -370,7 +370,7 @@ class Audit(AuditResult):
     def _judge(self, window: WindowRecord, step: int) -> None:
         """Judge the window just stepped (its verdict kept, handed to ``on_window``, raised if asked)."""
         assert self._judging is not None
-        verdict = self._judging.judge(window, step, hyperparameters=self._hyper, position=self.position)
+        verdict = self._judging.window_verdict(window, step, hyperparameters=self._hyper, position=self.position)
         self.windows.append(verdict)
         if self.settings.on_window is not None:
             self.settings.on_window(verdict)

@@ -33,7 +33,14 @@ from equiv.cases.case import Case
 from equiv.judging.contract import BoundCandidate, bind
 from equiv.judging.judge import case_key
 from equiv.judging.runs import Snapshot, run_candidate, run_reference
-from equiv.judging.trajectories import References, StepMagnitude, Trajectories, flat_params, judge, magnitude
+from equiv.judging.trajectories import (
+    References,
+    StepMagnitude,
+    Trajectories,
+    flat_params,
+    magnitude,
+    trajectory_verdict,
+)
 from equiv.results.verdict import FailureKind, TensorDiff, Verdict
 from equiv.zoo.bugs import clip_per_micro_batch
 from equiv.zoo.kinds import (
@@ -224,7 +231,7 @@ def classify(
         if references is None:
             continue  # the suspect cannot take the case
         tried.append(failure_kind)
-        if judge(trajectories, references).equivalent:
+        if trajectory_verdict(trajectories, references).equivalent:
             matching.append(failure_kind)
     if not matching:
         own = _own_clipping(own_limit) if own_limit is not None else None

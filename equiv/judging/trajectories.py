@@ -47,10 +47,10 @@ __all__ = [
     "StepMagnitude",
     "Trajectories",
     "flat_params",
-    "judge",
     "magnitude",
     "record",
     "step_scales",
+    "trajectory_verdict",
     "update_gap",
 ]
 
@@ -214,7 +214,7 @@ class RunVerdict(ResultBase):
         }
 
 
-def judge(trajectories: Trajectories, references: References) -> RunVerdict:
+def trajectory_verdict(trajectories: Trajectories, references: References) -> RunVerdict:
     """Every step of both of the peer's runs against ``references``, in its tier."""
     diffs: list[TensorDiff] = []
     tiers: tuple[tuple[Tier, list[Snapshot], torch.dtype], ...] = (

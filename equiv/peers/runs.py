@@ -35,10 +35,10 @@ from equiv.judging.trajectories import (
     References,
     StepMagnitude,
     Trajectories,
-    judge,
     magnitude,
     record,
     step_scales,
+    trajectory_verdict,
 )
 from equiv.losses import Loss
 from equiv.results.verdict import TensorDiff, Verdict
@@ -339,7 +339,7 @@ def measure(drive: Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None]
         _run(drive, problem, torch.float64), _run(drive, problem, problem.working_dtype), problem.working_dtype
     )
     full = _references(problem, None)
-    verdict = judge(trajectories, full)
+    verdict = trajectory_verdict(trajectories, full)
     scales = tuple(step_scales(trajectories.exact, full.flat))
     step = verdict.first_failure
     if step is None:
@@ -349,7 +349,7 @@ def measure(drive: Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None]
     for failure_kind in KINDS:
         # The kind whose steps explain the first failing step; a later departure
         # from it too is a window in the wrong place (a leak across epochs).
-        later = judge(trajectories, _references(problem, failure_kind)).first_failure
+        later = trajectory_verdict(trajectories, _references(problem, failure_kind)).first_failure
         if trajectories.steps >= step and (later is None or later > step):
             return Measure(gap, failure_kind, verdict.steps, later, first, scales=scales)
     return Measure(gap, None, verdict.steps, first=first, scales=scales)
