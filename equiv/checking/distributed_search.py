@@ -274,7 +274,7 @@ class DistributedSearchResult(SearchBase):
     @property
     def outcome(self) -> Outcome | None:
         """None (nothing found), STEP_ERROR (a rank raised, hung, died or its
-        collectives did not match its peers'), or the verdict's kind."""
+        collectives did not match its peers'), or the verdict's outcome."""
         if not self.found:
             return None
         if self.error is not None:

@@ -61,7 +61,7 @@ class DistributedVerdict(Judgement):
     #: FSDP2: the ``MixedPrecisionPolicy`` the model was sharded with (None: full precision).
     mp_policy: MixedPrecisionPolicy | None = None
     #: Set when the mismatch is the mixed-precision policy's: the same step
-    #: without the policy matches (a precision finding, see :attr:`kind`).
+    #: without the policy matches (a precision finding, see :attr:`outcome`).
     precision_note: str | None = None
     #: tier -> per rank, per step: the collectives the step issued itself
     #: (name -> calls; a token count all-reduced...), apart from the gradient syncs.

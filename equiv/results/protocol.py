@@ -140,7 +140,7 @@ class SearchBase(ResultBase):
     @property
     def status(self) -> Outcome:
         """EQUIVALENT (nothing found), STEP_ERROR (the step raised or hung, a rank died) or
-        NOT_EQUIVALENT (a counterexample; :attr:`kind` tells a precision finding apart)."""
+        NOT_EQUIVALENT (a counterexample; :attr:`outcome` tells a precision finding apart)."""
         if not self.found:
             return Outcome.EQUIVALENT
         return Outcome.STEP_ERROR if self.error is not None else Outcome.NOT_EQUIVALENT
