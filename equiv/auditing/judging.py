@@ -47,7 +47,7 @@ class WindowJudge:
     #: the windows judged, by their micro-batch count (the run's usual window: the commonest)
     sizes: Counter[int] = field(default_factory=Counter)
 
-    def judge(
+    def window_verdict(
         self, window: WindowRecord, step: int, *, hyperparameters: tuple[dict[str, Any], ...], position: str | None
     ) -> WindowAudit:
         """The verdict on the step the run just took at the end of ``window`` (read before the run goes on)."""
@@ -110,7 +110,7 @@ class WindowJudge:
         """``verdict`` with the averaged model's rows: moved once, by its rule, towards the window-start weights."""
         assert self.averaged is not None
         template = self.template
-        rows, moved = self.averaged.judge(start, lambda dtype: model_at(template, recorded, dtype))
+        rows, moved = self.averaged.rows_and_move(start, lambda dtype: model_at(template, recorded, dtype))
         worst = max(
             [*rows, *([verdict.worst] if verdict.worst is not None else [])], key=lambda row: row.ratio, default=None
         )

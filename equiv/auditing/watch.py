@@ -374,7 +374,7 @@ class Audit(AuditResult):
     def _judge(self, window: WindowRecord, step: int) -> None:
         """Judge the window just stepped (its verdict kept, handed to ``on_window``, raised if asked)."""
         assert self._judging is not None
-        verdict = self._judging.judge(window, step, hyperparameters=self._hyper, position=self.position)
+        verdict = self._judging.window_verdict(window, step, hyperparameters=self._hyper, position=self.position)
         if verdict.witness is not None and self.setting_at_fault is not None:
             verdict = dataclasses.replace(verdict, setting=self.setting_at_fault(verdict.witness))
         self.windows.append(verdict)
