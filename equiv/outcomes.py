@@ -1,7 +1,7 @@
 """The one vocabulary of results: :class:`Outcome` (and :class:`Fault`: what a step error was).
 
 Every result's ``status`` (see :mod:`equiv.results.protocol`), a verdict's
-finer ``kind``, the CLI's JSON and exit codes and the zoo's expectations all
+finer ``outcome``, the CLI's JSON and exit codes and the zoo's expectations all
 use these values, so a result means the same word everywhere.  A ``str`` enum:
 it compares equal to its value (``verdict.status == "equivalent"``) and is
 written to JSON as it; each member carries its :attr:`~Outcome.label` (the
@@ -103,7 +103,7 @@ def outcome_words(value: str) -> str:
 
     Args:
         value: an :class:`Outcome`, a :class:`Fault`, or a word of the same kind (a verdict's
-            ``kind``, a precision finding's ``cause`` such as ``"bfloat16_arithmetic"``).
+            ``outcome``, a precision finding's ``cause`` such as ``"bfloat16_arithmetic"``).
 
     Returns:
         Its value with spaces for underscores: ``"not equivalent"``, ``"collective mismatch"``,

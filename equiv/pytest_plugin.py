@@ -8,7 +8,7 @@
 - records what :func:`equiv.testing.assert_equivalent` found in a test as the
   test's user properties, which ``pytest --junitxml`` writes as
   ``<property name="equiv_..." value="..."/>`` (:data:`PROPERTIES`): CI shows
-  the status, the kind, the tier and the worst ratio without parsing messages.
+  the status, the outcome, the tier and the worst ratio without parsing messages.
 
 Disable with ``-p no:equiv``.
 """
@@ -61,7 +61,7 @@ def junit_properties(verdicts: list[Verdict]) -> list[tuple[str, object]]:
 
     The verdict shown is the last that failed (under Hypothesis, the shrunk case it
     replays last), else the one closest to its allowance: ``equiv_status`` its
-    status, ``equiv_kind`` its kind (a failing precision finding told apart),
+    status, ``equiv_kind`` its outcome (a failing precision finding told apart),
     ``equiv_failure_kind`` the kind of failure a mathematical mismatch amounts to
     (:class:`~equiv.results.verdict.FailureKind`: "mean of means", ..., "unclassified";
     with the kinds the case cannot tell apart after "/"; empty when none), ``equiv_tier`` where it diverged first (passing: the tier closest to its
@@ -87,7 +87,7 @@ def junit_properties(verdicts: list[Verdict]) -> list[tuple[str, object]]:
     values: tuple[object, ...] = (
         len(verdicts),
         shown.status.value,
-        shown.kind.value,
+        shown.outcome.value,
         failure_kind,
         tier,
         f"{ratio:.3g}" if not math.isnan(ratio) else "",

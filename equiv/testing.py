@@ -67,7 +67,7 @@ def assert_equivalent(
     verdict; a step that raises propagates as :class:`equiv.CandidateError`.
     Returns the verdict of an equivalent step.  ``train_dtype`` / ``strict``: as in
     :func:`equiv.check` (a precision note passes unless you train in float64).
-    Under equiv's pytest plugin the test's JUnit XML gets the verdict's status, kind,
+    Under equiv's pytest plugin the test's JUnit XML gets the verdict's status, outcome,
     tier and worst ratio as properties (:func:`equiv.pytest_plugin.junit_properties`).
     """
     __tracebackhide__ = True

@@ -45,4 +45,4 @@ def test_for_float64_training_it_is_a_precision_finding_not_a_mismatch() -> None
         replay_in_fresh_process=False,
         train_dtype="float64",
     )
-    assert result.kind is Outcome.PRECISION, result.message()
+    assert result.outcome is Outcome.PRECISION, result.message()

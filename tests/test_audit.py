@@ -55,7 +55,7 @@ def test_a_short_tail_window_divided_by_n_is_flagged_and_named() -> None:
     assert tail.micro_batches == 1 and tail.usual_micro_batches == 3
     assert "a window of 1 where the run's others have 3" in tail.line()
     first = tail.mismatches[0]
-    assert first.kind == "update" and abs(first.update_ratio - 1 / 3) < 1e-3
+    assert first.quantity == "update" and abs(first.update_ratio - 1 / 3) < 1e-3
 
 
 def test_a_users_own_bug_hidden_by_the_loss_curve_is_found() -> None:
@@ -65,7 +65,7 @@ def test_a_users_own_bug_hidden_by_the_loss_curve_is_found() -> None:
     # The loss curve cannot tell: AdamW absorbs a constant gradient scale (to eps's share).
     assert max(abs(a - b) for a, b in zip(logged, clean, strict=True)) < 1e-3
     assert watched.windows and not any(w.equivalent for w in watched.windows), watched.summary()
-    assert any(row.kind == "state" for row in watched.windows[0].mismatches)  # Adam's moments hold the 2x
+    assert any(row.quantity == "state" for row in watched.windows[0].mismatches)  # Adam's moments hold the 2x
 
 
 def test_every_audits_one_window_in_k_and_records_nothing_in_between() -> None:

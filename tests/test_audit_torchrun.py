@@ -111,11 +111,21 @@ def _window_bytes(floor_samples: int) -> int:
     return (PARAMETERS + 1) * 8 + floor_samples * (PARAMETERS * 4 + 8) + (floor_samples + 1) * 8
 
 
+def _witness_bytes(world: int, micro_batches: int) -> int:
+    """What a rank sends for a failing window's witness (issue 44), all float64: the check that every rank holds
+    the same gradient (2), each rank's micro-batch count (the world), the ranks' micro-batch gradients with
+    their items in one zero-padded stack, and its slice's Gram, right-hand side and norm with its element count."""
+    k = micro_batches
+    return (2 + world + k * (PARAMETERS + 1) + k * k + k + 1 + 1) * 8
+
+
 def test_the_audit_sends_a_known_number_of_bytes_per_window(two_ranks: dict[str, Any]) -> None:
-    # a correct run is within the roundoff term at once: the truth alone, no floor sample
+    # a correct run is within the roundoff term at once: the truth alone, no floor sample, no witness
     assert two_ranks["ddp_global_tokens"]["communicated"] == 3 * _window_bytes(0)
-    # a failing one runs the three floor samples (together on both ranks) before it is called off
-    assert two_ranks["ddp_rank_token_mean"]["communicated"] == 3 * _window_bytes(3)
+    # a failing one runs the three floor samples (together on both ranks) before it is called off, then its
+    # witness: 2 micro-batches a rank, but the second window's with no token on the last rank (left out)
+    witness = _witness_bytes(2, 4) + _witness_bytes(2, 3) + _witness_bytes(2, 4)
+    assert two_ranks["ddp_rank_token_mean"]["communicated"] == 3 * _window_bytes(3) + witness
 
 
 def test_fsdp2_ranks_compare_their_own_shards(two_ranks: dict[str, Any]) -> None:

@@ -595,3 +595,21 @@ def test_a_committed_full_false_alarm_run_is_shown_beside_this_one() -> None:
     assert "committed as reports/audit_false_alarms_full.json" in section and "This run" not in section
     assert _table_after(section, "Full run")[0]["windows (segments x steps)"] == "2,000 (2 x 1000)"
     assert "False alarms: **0** (target 0, met); the tail (p99 and max) below 0.9 of the allowance (met)" in section
+
+
+@pytest.mark.parametrize("ratio, said", [(1.17, "this run is within it"), (1.28, "this run is past it")])
+def test_the_witness_cost_is_shown_against_its_target(ratio: float, said: str) -> None:
+    from equiv.reporting.benchmarks_audit import _audit_witness_lines
+
+    info = {
+        "audit_witness": True,
+        "parameters": 700_000,
+        "rounds": 15,
+        "failing_without_witness_median_s": 0.197,
+        "failing_with_witness_median_s": 0.197 * ratio,
+        "failing_witness_ratio": ratio,
+        "passing_witness_ratio": 0.95,
+    }
+    text = "\n".join(_audit_witness_lines({"benchmarks": [{"extra_info": info}]}))
+    assert said in text and f"{ratio:.2f}x" in text and "0.95x" in text and "15 rounds" in text
+    assert _audit_witness_lines({"benchmarks": []}) == []

@@ -15,7 +15,7 @@ def case(**changes: object) -> equiv.Case:
 
 
 def update_mismatches(verdict: Verdict, tier: str) -> list[TensorDiff]:
-    return [d for d in verdict.mismatches if d.kind == "update" and d.tier == tier]
+    return [d for d in verdict.mismatches if d.quantity == "update" and d.tier == tier]
 
 
 def test_unscaled_sum_with_sgd_is_n_times_the_update() -> None:
@@ -23,7 +23,7 @@ def test_unscaled_sum_with_sgd_is_n_times_the_update() -> None:
     assert not verdict
     assert verdict.status == "not_equivalent"
     first = verdict.first_mismatch
-    assert first is not None and first.step == 1 and first.kind == "update"
+    assert first is not None and first.step == 1 and first.quantity == "update"
     # With SGD the whole update is N=2 times too large: relative error exactly 1.
     assert abs(first.max_rel_diff - 1.0) < 1e-6
     assert verdict.diverged_tiers() == ["exact", "noise"]
@@ -38,7 +38,7 @@ def test_unscaled_sum_with_adam_is_caught_in_the_float64_tier() -> None:
     exact_updates = max(update_mismatches(verdict, "exact"), key=lambda d: d.ratio)
     assert exact_updates.ratio > 1e3
     # The first moment is N times too large in any dtype.
-    assert any(d.kind == "state" and d.name.endswith(":exp_avg") for d in verdict.mismatches)
+    assert any(d.quantity == "state" and d.name.endswith(":exp_avg") for d in verdict.mismatches)
 
 
 def test_unscaled_sum_under_active_clipping_shows_only_in_the_exact_tier_below_float32_rounding() -> None:
@@ -47,7 +47,7 @@ def test_unscaled_sum_under_active_clipping_shows_only_in_the_exact_tier_below_f
     passing = equiv.check(zoo.unscaled_sum, case(max_grad_norm=1e-3))
     assert passing and passing.precision is not None and passing.precision.cause == "float32_sized"
     verdict = equiv.check(zoo.unscaled_sum, case(max_grad_norm=1e-3), strict=True)
-    assert not verdict and verdict.kind == "precision"
+    assert not verdict and verdict.outcome == "precision"
     assert verdict.diverged_tiers() == ["exact"]
     assert verdict.worst["noise"].ratio < 1
 
@@ -57,7 +57,7 @@ def test_mean_of_means_passes_even_splits_and_fails_uneven_ones() -> None:
     verdict = equiv.check(zoo.mean_of_means, case(micro_batch_sizes=(1, 7)))
     assert verdict.status == "not_equivalent"
     first = verdict.first_mismatch
-    assert first is not None and first.step == 1 and first.kind == "update"
+    assert first is not None and first.step == 1 and first.quantity == "update"
     assert first.ratio > 1e6
 
 
@@ -73,7 +73,7 @@ def test_leaked_gradients_show_at_the_second_step() -> None:
     assert not verdict
     # The first step is right; the leak is summed into the second.
     assert min(d.step for d in verdict.mismatches) == 2
-    assert verdict.first_mismatch is not None and verdict.first_mismatch.kind == "update"
+    assert verdict.first_mismatch is not None and verdict.first_mismatch.quantity == "update"
 
 
 def test_mismatch_message_reads_like_assert_close() -> None:

@@ -153,7 +153,7 @@ def test_the_streaming_check_measures_exactly_what_the_whole_trajectory_oracle_m
             continue
         for tier in references.tiers:
             streamed = [
-                (d.step, (d.kind, d.name), d.max_abs_diff, d.scale, d.allowed)
+                (d.step, (d.quantity, d.name), d.max_abs_diff, d.scale, d.allowed)
                 for d in references.run_and_compare(tier, case, candidate)
             ]
             assert streamed == oracle.judge(tier, candidate), f"{name} on {case_name!r}, {tier} tier"
@@ -200,7 +200,7 @@ def test_a_failing_rows_details_are_what_plain_torch_computes_from_the_whole_tra
     detailed = [row for row in verdict.mismatches if not (math.isinf(row.max_abs_diff) and not row.index)]
     assert detailed  # (a missing tensor has nothing to detail)
     for row in detailed:
-        key = (row.kind, row.name)
+        key = (row.quantity, row.name)
         run = runs[row.tier]
         difference = _values(run[row.step])[key] - _values(truth[row.step])[key]
         expected = _compared(truth[row.step], truth[0])[key]

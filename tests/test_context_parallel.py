@@ -178,7 +178,7 @@ def test_a_cp_undercount_is_found_by_the_search_and_shrunk() -> None:
     result = verify_distributed(
         token_count_over_data_ranks_only, engines=("cp",), models=("tokens",), max_examples=10, seed=0
     )
-    assert result.found and result.kind is Outcome.NOT_EQUIVALENT and result.engine == "cp", result.message()
+    assert result.found and result.outcome is Outcome.NOT_EQUIVALENT and result.engine == "cp", result.message()
     dcase = result.counterexample
     assert dcase is not None and dcase.context_parallel == 2 and dcase.data_ranks == 1, result.message()
     assert "context_parallel=2), engine='cp')" in result.message()
@@ -245,7 +245,7 @@ def test_under_ddp_a_skipped_synced_backward_is_named_and_shrunk_and_the_global_
     entry = SEARCH_ZOO["skip_backward_without_real_tokens (DDP)"]
     result = verify_distributed(entry.step, engines=("ddp",), models=entry.models, max_examples=25, seed=0)
     message = result.message()
-    assert result.fault is Fault.COLLECTIVE_MISMATCH and result.kind is entry.expected, message
+    assert result.fault is Fault.COLLECTIVE_MISMATCH and result.outcome is entry.expected, message
     dcase = result.counterexample
     assert dcase is not None and dcase.rank_micro_batch_sizes == ((1,), (1,)) and dcase.case.empty_samples, message
     # Named by the collective log (one rank's gradient all-reduce against its peer's next step), not a timeout.

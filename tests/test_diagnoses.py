@@ -61,7 +61,7 @@ def test_a_correct_step_shows_no_diagnosis_and_state_rows_have_no_update_ratio()
         BUGS["unscaled_sum"],
         equiv.Case(batch_size=4, micro_batch_sizes=(2, 2), optimizer="Adam", optimizer_kwargs={"lr": 1e-3}),
     )
-    state_rows = [d for d in verdict.mismatches if d.kind == "state"]
+    state_rows = [d for d in verdict.mismatches if d.quantity == "state"]
     assert state_rows and all(math.isnan(d.update_ratio) for d in state_rows)
     assert equiv.check(equiv.accumulator_step, TOY)
     assert torch.get_default_dtype() == torch.float32  # the precision re-run put it back

@@ -63,7 +63,7 @@ def test_local_mean_per_rank_is_caught_when_ranks_hold_different_counts() -> Non
     verdict = check_distributed(local_mean_per_rank, DistributedCase.of(BASE, [[1], [3]]))
     assert not verdict and verdict.status == "not_equivalent"
     first = verdict.ranks[0].first_mismatch
-    assert first is not None and first.step == 1 and first.kind == "update"
+    assert first is not None and first.step == 1 and first.quantity == "update"
     assert "rank 0 of 2: Not equivalent to full-batch training" in verdict.message()
 
 
@@ -102,7 +102,7 @@ def test_a_default_dtype_scale_factor_is_a_precision_note_across_ranks_and_fails
     dcase = DistributedCase.of(BASE.replace(optimizer="SGD", optimizer_kwargs={"lr": 0.1}), [[1, 2], [3, 1]])
     verdict = check_distributed(scale_made_in_the_default_dtype, dcase)
     verdict.assert_ok()
-    assert verdict.kind == "equivalent"
+    assert verdict.outcome == "equivalent"
     off = [v for v in verdict.ranks if v.mismatches]
     assert off, "the float64 run should differ by float32 rounding"
     assert {d.tier for v in off for d in v.mismatches} == {"exact"}
@@ -111,7 +111,7 @@ def test_a_default_dtype_scale_factor_is_a_precision_note_across_ranks_and_fails
     assert "Precision note: float32-sized differences inside the float64 run" in verdict.message()
 
     strict = check_distributed(scale_made_in_the_default_dtype, dcase, strict=True)
-    assert not strict and strict.kind == "precision" and strict.status == "not_equivalent"
+    assert not strict and strict.outcome == "precision" and strict.status == "not_equivalent"
     with pytest.raises(equiv.EquivalenceError, match="it fails because strict precision was asked for"):
         strict.assert_ok()
     reproduce = strict.message().splitlines()[-1]

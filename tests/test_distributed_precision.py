@@ -49,7 +49,7 @@ class Launches:
 
 
 def _assert_bfloat16_finding(verdict: DistributedVerdict) -> None:
-    assert verdict.status is Outcome.NOT_EQUIVALENT and verdict.kind is Outcome.PRECISION, verdict.message()
+    assert verdict.status is Outcome.NOT_EQUIVALENT and verdict.outcome is Outcome.PRECISION, verdict.message()
     failing = [v for v in verdict.ranks if v.mismatches]
     assert failing and all(v.precision is not None and v.precision.cause == "bfloat16_arithmetic" for v in failing)
     # The sensitivity, per dtype judged: far below bfloat16's rounding (3.9e-3) in both.
@@ -72,7 +72,7 @@ def test_a_bfloat16_buffer_under_ddp_is_a_precision_finding_told_apart_from_a_fl
     assert launches.lifted() == 1, launches.described  # the ranks ran the lifted rerun, once
     # A user training in bfloat16 rounds this much itself: a pass with the note.
     bf16_training = check_distributed(bfloat16_buffer_before_sync, SPLIT, train_dtype="bfloat16")
-    assert bf16_training and bf16_training.kind is Outcome.EQUIVALENT, bf16_training.message()
+    assert bf16_training and bf16_training.outcome is Outcome.EQUIVALENT, bf16_training.message()
     assert "Precision note: bfloat16-sized differences" in bf16_training.message()
     # A float32 buffer: exact in float32 training, a passing float32-sized note in the float64 run.
     f32 = check_distributed(float32_buffer_before_sync, SPLIT)
@@ -99,7 +99,7 @@ def test_a_mathematical_bug_computed_in_bfloat16_stays_a_mismatch() -> None:
     # ranks run it lifted, and it still fails there.
     launches = Launches()
     verdict = check_distributed(bfloat16_buffer_local_mean, DistributedCase.of(MLP, [[1, 2], [2]]), launcher=launches)
-    assert verdict.kind is Outcome.NOT_EQUIVALENT, verdict.message()
+    assert verdict.outcome is Outcome.NOT_EQUIVALENT, verdict.message()
     assert all(v.precision is None for v in verdict.ranks)
     assert launches.lifted() == 1, launches.described
 
@@ -110,7 +110,7 @@ def test_under_a_16_bit_mp_policy_the_policy_rerun_decides_not_the_lift() -> Non
     launches = Launches()
     policy = torch.distributed.fsdp.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
     verdict = check_distributed(equiv.accumulator_step, SPLIT, engine="fsdp2", mp_policy=policy, launcher=launches)
-    assert verdict.kind is Outcome.PRECISION and verdict.precision_note, verdict.message()
+    assert verdict.outcome is Outcome.PRECISION and verdict.precision_note, verdict.message()
     assert all(v.precision is None for v in verdict.ranks) and launches.lifted() == 0, launches.described
 
 
@@ -120,7 +120,7 @@ def test_under_a_16_bit_mp_policy_the_policy_rerun_decides_not_the_lift() -> Non
 def test_the_search_finds_a_bfloat16_buffer_as_a_precision_finding_and_shrinks_it(name: str) -> None:
     entry = SEARCH_ZOO[name]
     result = verify_distributed(entry.step, engines=(entry.engine,), models=entry.models, max_examples=25, seed=0)
-    assert result.found and result.kind is Outcome.PRECISION and result.engine == entry.engine, result.message()
+    assert result.found and result.outcome is Outcome.PRECISION and result.engine == entry.engine, result.message()
     dcase = result.counterexample
     assert dcase is not None and dcase.world_size == 2 and dcase.case.steps == 1, result.message()
     assert "Precision (candidate" in result.message() and "Not equivalent to full-batch" not in result.message()

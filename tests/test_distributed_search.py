@@ -25,7 +25,7 @@ def test_a_per_rank_mean_is_found_and_shrunk_to_two_ranks_holding_different_coun
     # transformers #34242: each rank back-propagates its own mean and DDP averages the
     # ranks; exact only when every rank holds as many items as the others.
     result = verify_distributed(local_mean_per_rank, models=("mlp",), max_examples=25, seed=0)
-    assert result.found and result.kind is Outcome.NOT_EQUIVALENT, result.message()
+    assert result.found and result.outcome is Outcome.NOT_EQUIVALENT, result.message()
     dcase = result.counterexample
     assert dcase is not None and dcase.world_size == 2
     held = [sum(sizes) for sizes in dcase.rank_micro_batch_sizes]
@@ -43,7 +43,7 @@ def test_ragged_real_tokens_show_a_per_rank_token_mean_with_equal_sample_counts(
     # torchtune PR #2980: the GA=1 shortcut is exact only when every rank contributed
     # the same number of tokens; padded sequences make them differ at equal sample counts.
     result = verify_distributed(local_mean_per_rank, models=("tokens",), max_examples=25, seed=0)
-    assert result.found and result.kind is Outcome.NOT_EQUIVALENT, result.message()
+    assert result.found and result.outcome is Outcome.NOT_EQUIVALENT, result.message()
     assert result.counterexample is not None and result.counterexample.world_size == 2
 
 
@@ -68,7 +68,7 @@ def test_a_hang_on_unequal_micro_batch_counts_does_not_hide_the_mismatch_equal_c
     # of micro-batches would wait on each other (the collective log names them at once,
     # DDP's gradient syncs and bucket rebuild included). Equal counts run, and show its real bug.
     result = verify_distributed(mean_of_means, models=("mlp",), max_examples=10, seed=0, timeout_s=5)
-    assert result.found and result.kind is Outcome.NOT_EQUIVALENT, result.message()
+    assert result.found and result.outcome is Outcome.NOT_EQUIVALENT, result.message()
     dcase = result.counterexample
     assert dcase is not None and len({len(sizes) for sizes in dcase.rank_micro_batch_sizes}) == 1
     assert result.verdict is not None and not result.verdict and result.error is None
@@ -146,7 +146,7 @@ def test_ragged_token_counts_across_ranks_part_the_shortcut_from_the_global_coun
     if expected is Outcome.EQUIVALENT:
         assert not result.found and result.examples == 12, result.message()
     else:
-        assert result.found and result.kind is expected, result.message()
+        assert result.found and result.outcome is expected, result.message()
 
 
 def _hooked_accumulator_step(model: object, optimizer: object, micro_batches: object, loss_fn: object) -> None:

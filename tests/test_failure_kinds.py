@@ -80,7 +80,7 @@ def test_tail_divided_by_n_needs_a_configured_n() -> None:
     tail = next(kind for kind in KINDS if kind.name == "tail divided by N")
     assert tail.needs_configured_n
     alone = classify(BUGS["mean_of_means"], UNEVEN, verdict)
-    assert alone.kind is not None and alone.kind.name == "mean of means" and alone.also == ()
+    assert alone.failure is not None and alone.failure.name == "mean of means" and alone.also == ()
     # With N configured as the window's own count (3) the two are one step: both named.
     assert classify(BUGS["mean_of_means"], UNEVEN, verdict, configured_n=3).also == (tail,)
 

@@ -72,7 +72,7 @@ def test_accumulator_is_exact_under_fsdp2_with_uneven_shards_and_one_reduce_scat
     dcase = DistributedCase.of(BASE.replace(steps=3), shards)
     verdict = check_distributed(equiv.accumulator_step, dcase, engine="fsdp2")
     verdict.assert_ok()
-    assert verdict.kind == "equivalent" and len(verdict.ranks) == len(shards)
+    assert verdict.outcome == "equivalent" and len(verdict.ranks) == len(shards)
     assert verdict.fsdp_units == UNITS
     assert verdict.reduce_scatters_per_step("exact") == {UNITS}  # one per unit per window...
     assert verdict.reduce_scatters_per_step("noise") == {UNITS}
@@ -87,7 +87,7 @@ def test_each_fsdp2_zoo_entry_is_found(name: str) -> None:
     entry = FSDP2_BUGS[name]
     dcase = DistributedCase.of(BASE, [[1, 2, 3], [2, 1, 1]])  # uneven: 6 and 4 samples, 3 micro-batches each
     verdict = check_distributed(entry.candidate, dcase, engine="fsdp2", mp_policy=entry.mp_policy)
-    assert verdict.kind == entry.expected, verdict.message()
+    assert verdict.outcome == entry.expected, verdict.message()
     if entry.expected == "equivalent":  # sync on every micro-batch: right, at N times the reduce-scatters
         verdict.assert_ok()
         assert verdict.reduce_scatters_per_step() == {3 * UNITS}
@@ -103,7 +103,7 @@ def test_each_fsdp2_zoo_entry_is_found(name: str) -> None:
         # the same step matching without the 16-bit policy.
         assert {d.tier for v in verdict.ranks for d in v.mismatches} == {"exact", "noise"}
         noise = verdict.measured_error("noise")
-        assert noise is not None and noise.kind == "update" and not noise.ok
+        assert noise is not None and noise.quantity == "update" and not noise.ok
         # bfloat16-sized (unit roundoff 2**-8), not float32's (2**-24)
         assert noise.max_rel_diff > 1e-4 and noise.max_abs_diff > 1e3 * noise.allowed
         assert "the policy's bfloat16 gradient reduction" in verdict.message()

@@ -43,7 +43,7 @@ def eager(candidate: object, case: equiv.Case) -> Verdict:
     """The verdict with every tier's floors run first (how equiv.check judged before)."""
     references = ReferenceRuns.of(case)
     diffs = [d for tier in references.tiers for d in references.run_and_compare(tier, case, candidate)]  # type: ignore[arg-type]
-    return references.judge(getattr(candidate, "__name__", "step"), diffs)
+    return references.verdict_from_diffs(getattr(candidate, "__name__", "step"), diffs)
 
 
 @pytest.mark.parametrize("case_name", CASES)
@@ -103,7 +103,7 @@ def test_a_verdict_without_details_is_the_same_verdict(case_name: str) -> None:
     case = STANDARD_CASES[case_name]
     full = equiv.check(BUGS["mean_of_means"], case)
     quick = equiv.check(BUGS["mean_of_means"], case, details=False)
-    assert quick.status == full.status and quick.kind == full.kind
+    assert quick.status == full.status and quick.outcome == full.outcome
     assert [(d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in quick.mismatches] == [
         (d.step, d.name, d.tier, d.max_abs_diff, d.allowed) for d in full.mismatches
     ]

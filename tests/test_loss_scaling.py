@@ -34,7 +34,7 @@ def test_overflow_flag_assigned_instead_of_ored_is_caught() -> None:
     assert verdict.status == "not_equivalent"
     first = verdict.first_mismatch
     # Step 1 (the overflowing window) is stepped instead of skipped.
-    assert first is not None and first.step == 2 and first.kind == "update"
+    assert first is not None and first.step == 2 and first.quantity == "update"
     # An overflow in the last micro-batch is the one case the bug still handles.
     assert equiv.check(overflow_checked_on_last_micro_batch, SCALED.replace(overflow_at=[1, 5]))
 

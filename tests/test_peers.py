@@ -65,7 +65,7 @@ def first_update_mismatch(candidate: object, case: equiv.Case) -> TensorDiff:
     verdict = equiv.check(candidate, case)  # type: ignore[arg-type]
     assert verdict.status == "not_equivalent", verdict.message()
     first = verdict.first_mismatch
-    assert first is not None and first.kind == "update"
+    assert first is not None and first.quantity == "update"
     return first
 
 
@@ -96,7 +96,7 @@ def test_mindspore_r13_port_sums_without_scaling() -> None:
     assert abs(first_update_mismatch(MindSporeGradientAccumulation(), EVEN).max_rel_diff - 2.0) < 1e-6
     # ... and under Adam only eps sees it: caught in the float64 tier.
     verdict = equiv.check(MindSporeGradientAccumulation(), ADAM)
-    assert any(d.tier == "exact" and d.kind == "update" for d in verdict.mismatches)
+    assert any(d.tier == "exact" and d.quantity == "update" for d in verdict.mismatches)
 
 
 def test_mindspore_2_port_cannot_clip_and_misses_short_tails() -> None:
@@ -127,13 +127,13 @@ def test_accelerate_one_dataloader_divides_the_epoch_tail_by_n() -> None:
     accelerate = pytest.importorskip("equiv.adapters.accelerate", reason=PEERS_EXTRA)
     assert measure_epochs(accelerate.AccelerateStep(3), MID_EPOCH).equivalent  # the mid-epoch counter is right
     tail = measure_epochs(accelerate.AccelerateStep(3), LONG_TAIL)
-    assert tail.kind_name() == "tail divided by N" and tail.gap is not None
+    assert tail.failure_name() == "tail divided by N" and tail.gap is not None
     assert tail.gap.step == 3 and abs(tail.gap.scale - 1 / 3) < 1e-9  # one micro-batch of a window of 3
     # The toy, one sample per micro-batch, one DataLoader, N=3: the 2-sample tail scaled by 2/3.
     assert abs(measure_epochs(accelerate.AccelerateStep(3), TOY_EPOCH).gap.scale - 2 / 3) < 1e-9  # type: ignore[union-attr]
     # Without sync_with_dataloader the tail is never stepped.
     missed = measure_epochs(accelerate.AccelerateStep(3, sync_with_dataloader=False), LONG_TAIL)
-    assert missed.steps == (2, 3) and missed.kind_name() == "window boundary"
+    assert missed.steps == (2, 3) and missed.failure_name() == "window boundary"
     for run in (LONG_TAIL, SHORT_EPOCH, TWO_EPOCHS, TOY_EPOCH):
         assert measure_epochs(accelerate.AccelerateVariableSizeStep(3), run).equivalent
 
@@ -143,10 +143,10 @@ def test_lightning_one_fit_divides_the_epoch_tail_by_n_and_averages_token_means(
     assert equiv.check(lightning.LightningStep(), EVEN)
     assert equiv.check(lightning.LightningStep(), CLIPPED)  # clips once, after accumulation
     assert round(toy_w(lightning.LightningStep()), 5) == 2.31556
-    assert classify_step(lightning.LightningStep(), TOKENS).kind_name() == "mean of means"  # Lightning #20350
+    assert classify_step(lightning.LightningStep(), TOKENS).failure_name() == "mean of means"  # Lightning #20350
     assert measure_epochs(lightning.LightningStep(3), MID_EPOCH).equivalent
     tail = measure_epochs(lightning.LightningStep(3), LONG_TAIL)  # Lightning #19987
-    assert tail.kind_name() == "tail divided by N" and tail.gap is not None and abs(tail.gap.scale - 1 / 3) < 1e-9
+    assert tail.failure_name() == "tail divided by N" and tail.gap is not None and abs(tail.gap.scale - 1 / 3) < 1e-9
     short = measure_epochs(lightning.LightningStep(3), SHORT_EPOCH)  # Lightning #21808: steps every epoch
     assert short.steps == (2, 2) and short.gap is not None and abs(short.gap.scale - 2 / 3) < 1e-9
 
@@ -168,7 +168,7 @@ def test_transformers_trainer_is_exact_with_num_items_in_batch_and_averages_toke
     # rounding (Llama's RMSNorm and transformers' loss compute in float32), the float32 run matches.
     assert exact.note is not None and exact.note.startswith("float32-sized differences inside the float64 run")
     fallback = trainer_measure(dataclasses.replace(uneven, loss_kwargs=False))  # transformers #37766
-    assert fallback.kind_name() == "mean of means" and fallback.gap is not None and fallback.gap.step == 1
+    assert fallback.failure_name() == "mean of means" and fallback.gap is not None and fallback.gap.step == 1
     # 8, 4 and 14 target tokens: each micro-batch's mean weighted 1/3 instead of 8/26, 4/26, 14/26.
     assert 0.5 < fallback.gap.cosine < 0.999
 
@@ -178,7 +178,7 @@ def test_mindspore_r13_port_leaks_a_partial_window_into_the_next_epoch() -> None
     # so epoch 2's first window also carries epoch 1's last micro-batch; 4 steps instead of 6.
     leak = measure_epochs(MindSporeGradientAccumulation(3), TWO_EPOCHS)
     assert leak.steps == (4, 6)
-    assert leak.kind_name() == "sum without division + window boundary"
+    assert leak.failure_name() == "sum without division + window boundary"
     assert leak.gap is not None and abs(leak.gap.scale - 3.0) < 1e-9 and leak.gap.cosine > 0.999
 
 
@@ -199,7 +199,7 @@ def test_mindspore_r26_grad_accumulation_recuts_the_batch_and_averages_its_slice
     with pytest.raises(equiv.CandidateError, match=r"input\(8\) must be divided by micro size\(3\)"):
         toy_w(MindSporeGradAccumulation())
     # Token means of equal-sized slices with unequal token counts: a mean of means.
-    assert classify_step(MindSporeGradAccumulation(), TOKENS).kind_name() == "mean of means"
+    assert classify_step(MindSporeGradAccumulation(), TOKENS).failure_name() == "mean of means"
 
 
 def test_mindspore_loss_scaled_ports_skip_the_overflowing_window_once_but_sum_without_division() -> None:
@@ -212,7 +212,7 @@ def test_mindspore_loss_scaled_ports_skip_the_overflowing_window_once_but_sum_wi
         # ... but neither divides by N under loss scaling: SGD's step 0 is 3x the full-batch one.
         assert abs(first_update_mismatch(port, LOSS_SCALED).max_rel_diff - 2.0) < 1e-6
         measured = classify_step(port, LOSS_SCALED)
-        assert measured.kind_name() == "sum without division" and measured.gap is not None
+        assert measured.failure_name() == "sum without division" and measured.gap is not None
         assert abs(measured.gap.scale - 3.0) < 1e-9
     # With a fixed scale_sense (no GradScaler) the ORed flag alone decides: a window whose FIRST micro-batch
     # overflows is skipped (assigning the flag from the last micro-batch would step on NaN), and the next
@@ -236,9 +236,9 @@ def test_mindspore_loss_scaled_ports_skip_the_overflowing_window_once_but_sum_wi
 
 
 def test_failures_are_named_by_kind() -> None:
-    assert classify_step(textbook_step, UNEVEN).kind_name() == "mean of means"
-    assert classify_step(unscaled_sum, EVEN).kind_name() == "sum without division"
-    assert classify_step(clip_per_micro_batch, CLIPPED).kind_name() == "per-micro-batch clipping"
+    assert classify_step(textbook_step, UNEVEN).failure_name() == "mean of means"
+    assert classify_step(unscaled_sum, EVEN).failure_name() == "sum without division"
+    assert classify_step(clip_per_micro_batch, CLIPPED).failure_name() == "per-micro-batch clipping"
     assert classify_step(equiv.accumulator_step, UNEVEN).gap is None
     # Adam's first step is about lr * sign(g): a flipped step is "2 relative" but reads as a sign flip here.
     before, full = torch.zeros(3), torch.tensor([0.01, -0.01, 0.01])
@@ -309,7 +309,7 @@ def test_whole_runs_judge_a_float32_sized_difference_as_equiv_check_does() -> No
     off = measure(_full_batch_loop(1 + 1e-3), LONG_TAIL)  # type: ignore[arg-type]
     assert not off.equivalent and off.note is None and off.gap is not None and off.gap.step == 1
     assert off.first is not None and off.first.tier == "exact" and off.first.ratio > 1
-    assert abs(off.gap.scale - (1 + 1e-3)) < 1e-6 and off.kind_name() == "unclassified"
+    assert abs(off.gap.scale - (1 + 1e-3)) < 1e-6 and off.failure_name() == "unclassified"
     # The same loop without the factor: no difference past any allowance, so no note either.
     clean = measure(_full_batch_loop(1.0), LONG_TAIL)  # type: ignore[arg-type]
     assert clean.equivalent and clean.note is None and clean.scales == pytest.approx((1.0, 1.0, 1.0))
@@ -329,7 +329,7 @@ def test_the_saved_transformers_4452_rows_read_as_cells() -> None:
     for _, cells in saved["rows"]:
         read = {column: Cell.from_dict(cell) for column, cell in cells.items()}
         assert set(read) == set(TRAINER_RUNS)
-        assert read["uneven token counts, one window: 3 micro-batches, N=3"].kind == "mean of means"
+        assert read["uneven token counts, one window: 3 micro-batches, N=3"].failure == "mean of means"
 
 
 def test_the_report_starts_with_a_table_read_at_a_glance_and_charts_measured_numbers() -> None:
@@ -345,7 +345,7 @@ def test_the_report_starts_with_a_table_read_at_a_glance_and_charts_measured_num
                 "Lightning",
                 cells={
                     "tail of a long epoch": Cell(
-                        "not equivalent", kind="tail divided by N", detail="step 3: update 0.333x"
+                        "not equivalent", failure="tail divided by N", detail="step 3: update 0.333x"
                     ),
                     "equal splits, SGD": Cell("equivalent"),
                 },

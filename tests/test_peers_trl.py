@@ -113,7 +113,7 @@ def test_the_dapo_update_scale_is_the_window_over_the_normaliser_tokens() -> Non
         normaliser = (
             generation * setting.gradient_accumulation_steps / setting.generation_steps if _rescaled() else generation
         )
-        row = next(row for row in window.mismatches if row.kind == "update")
+        row = next(row for row in window.mismatches if row.quantity == "update")
         # SGD without clipping: the update is the gradient's scale, tokens / normaliser, up to float32 rounding.
         assert row.update_ratio == pytest.approx(tokens[step] / normaliser, rel=1e-4), window.line()
         assert row.cosine == pytest.approx(1.0, abs=1e-4)

@@ -69,7 +69,7 @@ def test_it_fails_as_precision_for_float64_training_or_strict(
     steps: dict[str, object], train_dtype: object, strict: bool, why: str
 ) -> None:
     verdict = equiv.check(steps["token_scale"], SGD, train_dtype=train_dtype, strict=strict)  # type: ignore[arg-type]
-    assert not verdict and verdict.kind is Outcome.PRECISION
+    assert not verdict and verdict.outcome is Outcome.PRECISION
     assert f"it fails because {why}" in verdict.message()
     # The replay line carries what made it fail, so it fails again as printed.
     assert ("strict=True" if strict else "train_dtype='float64'") in verdict.message().splitlines()[-1]
@@ -122,7 +122,7 @@ def test_the_standard_cases_and_the_search_pass_a_correct_real_loop(
         replay_in_fresh_process=False,
         train_dtype="float64",
     )
-    assert strict.kind is Outcome.PRECISION
+    assert strict.outcome is Outcome.PRECISION
     assert "--train-dtype float64" in strict.replay_hint()
     # From the shell: exit 0 for float32 training, 1 for float64.
     case = ["--case", json.dumps(SGD.to_dict())]
@@ -145,7 +145,7 @@ def test_a_bfloat16_accumulation_buffer_is_a_precision_finding_told_apart_from_a
     from equiv.zoo.bugs import low_precision_buffer
 
     bf16 = equiv.check(low_precision_buffer, SGD)
-    assert bf16.status is Outcome.NOT_EQUIVALENT and bf16.kind is Outcome.PRECISION
+    assert bf16.status is Outcome.NOT_EQUIVALENT and bf16.outcome is Outcome.PRECISION
     assert bf16.precision is not None and bf16.precision.cause == "bfloat16_arithmetic"
     note = bf16.precision_note or ""
     assert "bfloat16-sized differences in the float32 and float64 runs" in note
@@ -170,4 +170,4 @@ def test_a_mathematical_bug_in_a_bfloat16_step_stays_a_mismatch() -> None:
         _buffered_step(model, optimizer, micro_batches[:1], loss_fn, torch.bfloat16, max_grad_norm)
 
     verdict = equiv.check(bf16_mean_of_means, SGD)
-    assert verdict.kind is Outcome.NOT_EQUIVALENT and verdict.precision is None
+    assert verdict.outcome is Outcome.NOT_EQUIVALENT and verdict.precision is None

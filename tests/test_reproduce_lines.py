@@ -95,4 +95,4 @@ def test_a_failing_tensor_parallel_verdict_replays_to_the_same_verdict() -> None
     exec(f"replayed = {line.split('; ')[-1]}" if "; " in line else f"replayed = {line}", namespace)
     replayed = namespace["replayed"]
     assert replayed.case == verdict.case and replayed.engine == "tp"
-    assert replayed.status is verdict.status and replayed.kind is verdict.kind
+    assert replayed.status is verdict.status and replayed.outcome is verdict.outcome

@@ -28,7 +28,10 @@ from equiv.checking.pipeline import PipelineVerdict
 from equiv.checking.verify import VerifyResult
 from equiv.cli import EXIT_CODES
 from equiv.judging.trajectories import RunVerdict
+from equiv.losses import LossOptions
 from equiv.outcomes import Fault
+from equiv.peers.results import Cell
+from equiv.results.facts import VerdictFacts
 from equiv.results.protocol import SCHEMA, EquivalenceError, Result, ResultBase, schema
 from equiv.results.verdict import CaseVerdicts, TensorDiff, Verdict
 from equiv.zoo.distributed_bugs import local_mean_per_rank
@@ -86,7 +89,7 @@ def _diff(ok: bool = True) -> TensorDiff:
     return TensorDiff(
         step=1,
         name="0.weight",
-        kind="update",
+        quantity="update",
         tier="exact",
         dtype="torch.float64",
         max_abs_diff=1e-17 if ok else 0.5,
@@ -286,3 +289,22 @@ def _classes(annotation: Any) -> set[type]:
 def test_every_front_door_returns_a_listed_kind(front_door: Any) -> None:
     returned = _classes(typing.get_type_hints(front_door)["return"])
     assert returned and returned <= set(KINDS), returned
+
+
+def test_the_old_kind_reads_as_each_new_name(verdicts: dict[str, Verdict]) -> None:
+    # issue 43, item 4: .outcome, .quantity, .family and .failure are the names; .kind, kept for code
+    # written before them, reads the same on every result, and the JSON keys are unchanged.
+    with_outcome = [(name, r) for name, r in _results(verdicts) if hasattr(type(r), "outcome")]
+    assert {name for name, _ in with_outcome} >= {"failing", "verify failing", "distributed failing"}
+    for name, result in with_outcome:
+        assert result.kind is result.outcome, name
+    assert verdicts["failing"].outcome is equiv.Outcome.NOT_EQUIVALENT
+    facts = VerdictFacts.of(verdicts["failing"])
+    assert facts.kind is facts.outcome and facts.to_dict()["kind"] is facts.outcome
+    diff = _diff(ok=False)
+    assert diff.kind == diff.quantity == "update" and diff.to_dict()["kind"] == "update"
+    options = LossOptions("mse", "MSELoss()")
+    assert options.kind == options.family == "mse"
+    cell = Cell("not equivalent", failure="mean of means")
+    assert cell.kind == cell.failure and cell.to_dict()["kind"] == "mean of means" and "failure" not in cell.to_dict()
+    assert Cell.from_dict(cell.to_dict()) == cell

@@ -1,5 +1,5 @@
 """The one search runner (equiv.checking.search): found, hung, flaky, discarded,
-decided from the judge's answer and its Fault, never from an error's text."""
+decided from decide's answer and its Fault, never from an error's text."""
 
 from __future__ import annotations
 
@@ -34,14 +34,14 @@ def test_nothing_found_and_discarded_examples_are_never_findings() -> None:
 
 @pytest.mark.parametrize("message", ["rank 1 hung (step 0)", "no words about it"])
 def test_a_hung_step_ends_the_search_at_once_whatever_its_message(message: str) -> None:
-    judged: list[int] = []
+    decided: list[int] = []
 
-    def judge(n: int) -> Failure[None] | None:
-        judged.append(n)
+    def decide(n: int) -> Failure[None] | None:
+        decided.append(n)
         return Failure(error=message, fault=Fault.HUNG) if n >= 10 else None
 
-    outcome = run_search(st.integers(0, 1000), judge, SearchRun(max_examples=100, seed=0))
-    assert outcome.hung and outcome.example == judged[-1] and outcome.examples == len(judged)
+    outcome = run_search(st.integers(0, 1000), decide, SearchRun(max_examples=100, seed=0))
+    assert outcome.hung and outcome.example == decided[-1] and outcome.examples == len(decided)
     assert outcome.failure is not None and outcome.failure.error == message
 
 
@@ -57,11 +57,11 @@ def test_a_raised_step_is_shrunk_even_when_its_message_says_hung() -> None:
 def test_a_failure_that_does_not_reproduce_is_flaky() -> None:
     calls = [0]
 
-    def judge(n: int) -> Failure[int] | None:
+    def decide(n: int) -> Failure[int] | None:
         calls[0] += 1
         return Failure(verdict=n) if calls[0] == 3 else None
 
-    outcome = run_search(st.integers(0, 1000), judge, SearchRun(max_examples=50, seed=0))
+    outcome = run_search(st.integers(0, 1000), decide, SearchRun(max_examples=50, seed=0))
     assert outcome.found and outcome.flaky
 
 

@@ -76,7 +76,7 @@ def test_the_per_token_path_short_of_the_tp_tokens_is_found_by_the_search_and_sh
     result = verify_distributed(
         per_token_router_loss_times_local_tokens, engines=("tp",), models=("moe",), max_examples=10, seed=0
     )
-    assert result.found and result.kind is Outcome.NOT_EQUIVALENT and result.engine == "tp", result.message()
+    assert result.found and result.outcome is Outcome.NOT_EQUIVALENT and result.engine == "tp", result.message()
     dcase = result.counterexample
     assert dcase is not None and dcase.rank_micro_batch_sizes == ((1,),) and dcase.sequence_slices == 2
     assert "tensor_parallel=2), engine='tp')" in result.message()

@@ -50,7 +50,7 @@ def test_search_finds_the_local_shard_norm_under_tp() -> None:
     result = verify_distributed(
         clip_tp_shard_with_local_norm, engines=("tp",), models=("mlp",), max_examples=10, seed=0
     )
-    assert result.found and result.kind is Outcome.NOT_EQUIVALENT, result.message()
+    assert result.found and result.outcome is Outcome.NOT_EQUIVALENT, result.message()
     assert result.counterexample is not None and result.counterexample.tensor_parallel == 2
     assert result.counterexample.case.max_grad_norm is not None  # clipping is what it gets wrong
     assert "tensor_parallel=2" in result.message()

@@ -198,7 +198,7 @@ def test_a_float32_computation_inside_the_float64_run_is_a_precision_finding_for
     passing = verify(step, space, max_examples=20, seed=1, replay_in_fresh_process=False)
     assert passing and passing.precision_notes > 0, passing.message()
     result = verify(step, space, max_examples=20, seed=1, replay_in_fresh_process=False, train_dtype="float64")
-    assert result.kind == "precision", result.message()
+    assert result.outcome == "precision", result.message()
     assert result.verdict is not None and {d.tier for d in result.verdict.mismatches} == {"exact"}
     assert result.message().startswith("precision finding after")
     assert "float32-sized differences inside the float64 run" in result.message()
@@ -222,9 +222,9 @@ def test_a_mathematical_difference_below_float32_rounding_is_a_note_not_blamed_o
     assert verdict.status == "equivalent" and verdict.precision is not None
     assert verdict.precision.cause == "float32_sized"
     assert "or a difference smaller than float32 rounding can show" in (verdict.precision_note or "")
-    assert equiv.check(unscaled_sum, case, strict=True).kind == "precision"
+    assert equiv.check(unscaled_sum, case, strict=True).outcome == "precision"
     # Without the clip it is N x the gradient, far past float32 rounding: a mismatch.
-    assert equiv.check(unscaled_sum, case.replace(optimizer="SGD", max_grad_norm=None)).kind == "not_equivalent"
+    assert equiv.check(unscaled_sum, case.replace(optimizer="SGD", max_grad_norm=None)).outcome == "not_equivalent"
 
 
 @pytest.mark.parametrize("blob", ["notablob", "AXicY2BgZGBkAAAAJgAF"], ids=["garbage", "truncated"])

@@ -124,7 +124,7 @@ class AveragedWeights:
             state["n_averaged"] = self.averaged.n_averaged.detach().clone()
         return state
 
-    def judge(self, start: dict[str, Tensor], model_at: ModelAt) -> tuple[list[TensorDiff], str | None]:
+    def rows_and_move(self, start: dict[str, Tensor], model_at: ModelAt) -> tuple[list[TensorDiff], str | None]:
         """The rows of the averaged model's move since ``start`` against one move by its
         rule towards the window-start weights (``model_at``), and what a failing one
         likely did (its count of updates, when it keeps one, or the moves its pull

@@ -24,6 +24,7 @@ from equiv.auditing.recording import CLIPS, OutputSpec, WindowRecord, first_not_
 from equiv.auditing.replay import Call, RecordedWindow, WindowReplay, judge_window, model_at
 from equiv.auditing.schedules import schedule_verdict
 from equiv.auditing.settings import AuditSettings, _where_targets_were_found, default_targets
+from equiv.auditing.witnessing import window_witness
 from equiv.results.audit import WindowAudit
 
 __all__ = ["WindowJudge"]
@@ -46,7 +47,7 @@ class WindowJudge:
     #: the windows judged, by their micro-batch count (the run's usual window: the commonest)
     sizes: Counter[int] = field(default_factory=Counter)
 
-    def judge(
+    def window_verdict(
         self, window: WindowRecord, step: int, *, hyperparameters: tuple[dict[str, Any], ...], position: str | None
     ) -> WindowAudit:
         """The verdict on the step the run just took at the end of ``window`` (read before the run goes on)."""
@@ -83,13 +84,33 @@ class WindowJudge:
             verdict = dataclasses.replace(verdict, schedule=schedule, note=note)
         if window.averaged is not None and verdict.judged:
             verdict = self._judge_averaged(verdict, window.averaged, recorded)
-        return self._finite(verdict, window.not_finite)
+        verdict = self._finite(verdict, window.not_finite)
+        # Only now, on a window already failed by its gradient's step (the same decision on every rank: ranks_off
+        # is gathered), the witness: a passing window, a schedule's or a NaN's failure pays nothing for it.
+        if verdict.judged and verdict.not_finite is None and (verdict.mismatches or verdict.ranks_off):
+            verdict = self._witnessed(verdict, recorded, replay, usual)
+        return verdict
+
+    @staticmethod
+    def _witnessed(
+        verdict: WindowAudit, recorded: RecordedWindow, replay: WindowReplay, usual: int | None
+    ) -> WindowAudit:
+        """``verdict`` with its witness.  In one process a witness that cannot be made (an error in the user's
+        loss replayed per micro-batch, say) is said in the window's note and never replaces the verdict; under
+        DDP every rank must reach the witness's collectives together, so an error there stays an error."""
+        if replay.ranks is not None:
+            return dataclasses.replace(verdict, witness=window_witness(recorded, replay, configured_n=usual))
+        try:
+            return dataclasses.replace(verdict, witness=window_witness(recorded, replay, configured_n=usual))
+        except Exception as error:  # the verdict stands; what the witness could not do is said, not hidden
+            said = f"no witness of the weights ({type(error).__name__}: {error})"
+            return dataclasses.replace(verdict, note=said if verdict.note is None else f"{verdict.note}; {said}")
 
     def _judge_averaged(self, verdict: WindowAudit, start: dict[str, Tensor], recorded: RecordedWindow) -> WindowAudit:
         """``verdict`` with the averaged model's rows: moved once, by its rule, towards the window-start weights."""
         assert self.averaged is not None
         template = self.template
-        rows, moved = self.averaged.judge(start, lambda dtype: model_at(template, recorded, dtype))
+        rows, moved = self.averaged.rows_and_move(start, lambda dtype: model_at(template, recorded, dtype))
         worst = max(
             [*rows, *([verdict.worst] if verdict.worst is not None else [])], key=lambda row: row.ratio, default=None
         )

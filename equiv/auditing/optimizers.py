@@ -83,9 +83,9 @@ def _wrapper_name(wrapper: Any) -> str:
     makes itself (the first class of its MRO that is not an optimizer), else its own class."""
     return next(
         (
-            kind.__name__
-            for kind in type(wrapper).__mro__
-            if kind is not object and not issubclass(kind, torch.optim.Optimizer)
+            wrapper_class.__name__
+            for wrapper_class in type(wrapper).__mro__
+            if wrapper_class is not object and not issubclass(wrapper_class, torch.optim.Optimizer)
         ),
         type(wrapper).__name__,
     )

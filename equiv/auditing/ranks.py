@@ -190,6 +190,16 @@ class Ranks:
             dist.all_gather_object(gathered, verdict, group=self.group)
         return tuple(gathered)
 
+    def all_reduce(self, tensor: Tensor) -> None:
+        """``tensor`` summed over the ranks in place by the audit's own group (on its device, counted)."""
+        device = self._device()
+        if tensor.device == device:
+            self._all_reduce(tensor)
+            return
+        moved = tensor.to(device)
+        self._all_reduce(moved)
+        tensor.copy_(moved)
+
     def _all_reduce(self, tensor: Tensor) -> None:
         import torch.distributed as dist
 
@@ -249,14 +259,14 @@ def plain_copy(model: nn.Module) -> nn.Module:
     }
     memo.update(shared)
     try:
-        for module, kind, _, _ in saved:
-            module.__class__ = next(c for c in kind.__mro__[1:] if not issubclass(c, FSDPModule))  # type: ignore[assignment]
+        for module, module_class, _, _ in saved:
+            module.__class__ = next(c for c in module_class.__mro__[1:] if not issubclass(c, FSDPModule))  # type: ignore[assignment]
             module._forward_pre_hooks.clear()
             module._forward_hooks.clear()
         copied = copy.deepcopy(model, memo)
     finally:
-        for module, kind, pre, post in saved:
-            module.__class__ = kind
+        for module, module_class, pre, post in saved:
+            module.__class__ = module_class
             module._forward_pre_hooks.update(pre)
             module._forward_hooks.update(post)
     for module in copied.modules():

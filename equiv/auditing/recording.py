@@ -173,7 +173,7 @@ def first_not_finite(named: Iterable[tuple[str, Tensor | None]], what: str, *, s
         infs = int(bad.sum()) - nans
         first = int(bad.flatten().to(torch.uint8).argmax())
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape)) if tensor.dim() else ()
-        found = " and ".join(f"{n} {kind}" for n, kind in ((nans, "NaN"), (infs, "inf")) if n)
+        found = " and ".join(f"{n} {value}" for n, value in ((nans, "NaN"), (infs, "inf")) if n)
         return f"the {what} of '{name}' at step {step} is not finite ({found}), the first at index {index}"
     return None
 
@@ -193,14 +193,14 @@ def loss_target(args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> Ten
 
 def functional_losses(loss: Any) -> frozenset[Callable[..., Tensor]]:
     """The ``torch.nn.functional`` losses whose calls compute ``loss`` (a shipped cross-entropy or MSE), else none."""
-    kinds = {
+    families = {
         MSE: "mse",
         CrossEntropy: "cross_entropy",
         TokenCrossEntropy: "cross_entropy",
         NextTokenCrossEntropy: "cross_entropy",
     }
-    kind = kinds.get(type(loss))
-    return frozenset(function for function, mapped in FUNCTIONAL.items() if kind is not None and mapped == kind)
+    family = families.get(type(loss))
+    return frozenset(function for function, mapped in FUNCTIONAL.items() if family is not None and mapped == family)
 
 
 class Replaying:

@@ -114,9 +114,11 @@ class ScheduleWatch:
         from torch.optim import lr_scheduler
 
         found = [
-            kind
-            for kind in vars(lr_scheduler).values()
-            if isinstance(kind, type) and issubclass(kind, lr_scheduler.LRScheduler) and "step" in vars(kind)
+            scheduler_class
+            for scheduler_class in vars(lr_scheduler).values()
+            if isinstance(scheduler_class, type)
+            and issubclass(scheduler_class, lr_scheduler.LRScheduler)
+            and "step" in vars(scheduler_class)
         ]
         accelerate = sys.modules.get("accelerate.scheduler")
         wrapper = getattr(accelerate, "AcceleratedScheduler", None)
@@ -127,9 +129,9 @@ class ScheduleWatch:
     @classmethod
     def open(cls, audit: _Watching) -> None:
         if not cls.audits:
-            for kind in cls.classes():
-                cls.originals[kind] = vars(kind)["step"]
-                setattr(kind, "step", cls.watching(kind, vars(kind)["step"]))  # noqa: B010
+            for scheduler_class in cls.classes():
+                cls.originals[scheduler_class] = vars(scheduler_class)["step"]
+                setattr(scheduler_class, "step", cls.watching(scheduler_class, vars(scheduler_class)["step"]))  # noqa: B010
         cls.audits.append(audit)
 
     @classmethod
@@ -137,12 +139,12 @@ class ScheduleWatch:
         if audit in cls.audits:
             cls.audits.remove(audit)
         if not cls.audits:
-            for kind, original in cls.originals.items():
-                setattr(kind, "step", original)  # noqa: B010
+            for scheduler_class, original in cls.originals.items():
+                setattr(scheduler_class, "step", original)  # noqa: B010
             cls.originals.clear()
 
     @classmethod
-    def watching(cls, kind: type, original: Callable[..., Any]) -> Callable[..., Any]:
+    def watching(cls, scheduler_class: type, original: Callable[..., Any]) -> Callable[..., Any]:
         from torch.optim.lr_scheduler import LRScheduler
 
         def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:

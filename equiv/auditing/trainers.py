@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from equiv.auditing.replay import Call
 from equiv.auditing.settings import clip_setting
 from equiv.auditing.watch import Audit, audit
+from equiv.results.witness import Witness
 
 __all__ = ["lightning_callback", "torch_optimizer", "transformers_callback"]
 
@@ -128,9 +129,9 @@ def transformers_callback(*, say: Callable[[str], None] | None = print, **settin
             optimizer: Any = None,
             **kwargs: Any,
         ) -> None:
-            self.audit = _start(
-                model, optimizer, settings, _read_training_arguments(args, model), "TrainingArguments", say
-            )
+            read = _read_training_arguments(args, model)
+            self.audit = _start(model, optimizer, settings, read, "TrainingArguments", say)
+            self.audit.setting_at_fault = _transformers_setting_at_fault(read[0])
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.audit is not None:  # the epoch as a fraction (the Trainer's own count)
@@ -159,6 +160,39 @@ def _read_training_arguments(args: Any, model: nn.Module | None) -> tuple[dict[s
     if getattr(args, "label_smoothing_factor", 0):
         shown["label_smoothing_factor"] = args.label_smoothing_factor
     return shown, {"max_grad_norm": clip_setting("max_grad_norm", norm)}
+
+
+#: The witness's names of a window whose micro-batch means were summed or averaged, not weighted by their items.
+_MEANS_SUMMED = ("sum without division", "mean of means", "tail divided by N")
+
+
+def _transformers_setting_at_fault(shown: dict[str, Any]) -> Callable[[Witness], str | None]:
+    """The Trainer's setting a failing window's witness points at, from what was read of its arguments: with
+    the loss keywords passed (``model_accepts_loss_kwargs=True``) the Trainer neither divides by the
+    accumulation steps nor normalises itself, so micro-batch means summed are the model's loss ignoring
+    ``num_items_in_batch`` (transformers #47688); without them the Trainer divides each micro-batch's mean by
+    ``gradient_accumulation_steps`` (transformers #37766)."""
+    accepts = shown.get("model_accepts_loss_kwargs")
+    steps = shown.get("gradient_accumulation_steps")
+
+    def at_fault(witness: Witness) -> str | None:
+        if not set(witness.normaliser.split(" or ")) & set(_MEANS_SUMMED):
+            return None
+        if accepts is True:
+            return (
+                "model_accepts_loss_kwargs=True but the model's loss ignored num_items_in_batch (the Trainer "
+                "passes it and leaves the normalising to the model, transformers #47688: have its loss divide "
+                "the summed item losses by num_items_in_batch)"
+            )
+        if accepts is False:
+            return (
+                f"model_accepts_loss_kwargs=False: the Trainer divides each micro-batch's mean loss by "
+                f"gradient_accumulation_steps={steps} (transformers #37766: a forward taking **kwargs lets it "
+                "pass num_items_in_batch)"
+            )
+        return None
+
+    return at_fault
 
 
 def _accepts_loss_kwargs(model: nn.Module | None) -> bool | None:

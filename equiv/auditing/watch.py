@@ -54,6 +54,7 @@ itself (``fused=True``) is called and skips inside: the audit reads the
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec
@@ -90,6 +91,7 @@ from equiv.judging.autocast import autocast_of
 from equiv.losses import FUNCTIONAL, options_of_call
 from equiv.outcomes import Outcome
 from equiv.results.audit import AuditFailure, AuditResult
+from equiv.results.witness import Witness
 
 # AuditSettings, clip_setting and default_targets are named here as before the parts were split (issue 43).
 __all__ = ["Audit", "AuditFailure", "AuditSettings", "audit", "clip_setting", "default_targets"]
@@ -135,6 +137,8 @@ class Audit(AuditResult):
         self.position: str | None = None
         #: what a trainer's callback read from the trainer's settings, one line (None: not started by one)
         self.read: str | None = None
+        #: the trainer's setting a failing window's witness points at, in words (a trainer's callback sets it)
+        self.setting_at_fault: Callable[[Witness], str | None] | None = None
         #: the ranks of a multi-process run (None: one process), set on entering
         self.ranks: Ranks | None = None
         self._open_state(settings)
@@ -370,7 +374,9 @@ class Audit(AuditResult):
     def _judge(self, window: WindowRecord, step: int) -> None:
         """Judge the window just stepped (its verdict kept, handed to ``on_window``, raised if asked)."""
         assert self._judging is not None
-        verdict = self._judging.judge(window, step, hyperparameters=self._hyper, position=self.position)
+        verdict = self._judging.window_verdict(window, step, hyperparameters=self._hyper, position=self.position)
+        if verdict.witness is not None and self.setting_at_fault is not None:
+            verdict = dataclasses.replace(verdict, setting=self.setting_at_fault(verdict.witness))
         self.windows.append(verdict)
         if self.settings.on_window is not None:
             self.settings.on_window(verdict)

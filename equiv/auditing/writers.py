@@ -72,12 +72,15 @@ def tensorboard_writer(
     * ``<tag>/equivalent``: 1 for an equivalent window, 0 for one that is not (not written for
       a window not judged: inherently not equivalent, or a full-batch step that is not finite);
     * ``<tag>/verdict``: the window's one-line verdict as text, for every window that is not
-      equivalent or not judged (an equivalent window writes scalars only).
+      equivalent or not judged (an equivalent window writes scalars only);
+    * ``<tag>/weight_ratio``: for a failing window whose witness recovered the run's weights (issue 44),
+      the run's weight of each micro-batch's loss over the full batch's ``1/N``, averaged (1 for the full
+      batch; 2 for a loss counted twice; the normaliser is named in the verdict's text).
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (or anything with its
             ``add_scalar(tag, value, global_step)`` and ``add_text(tag, text, global_step)``).
-        tag: the prefix of the three tags.
+        tag: the prefix of the tags.
         global_step: the step to plot a window at (e.g. ``lambda w: trainer.state.global_step``
             read when the window is judged); by default the window's optimizer step counted
             from the audit's start (``window.step``).
@@ -100,6 +103,9 @@ def tensorboard_writer(
             writer.add_scalar(f"{tag}/equivalent", 1.0 if window.status is Outcome.EQUIVALENT else 0.0, step)
         if window.status is not Outcome.EQUIVALENT:
             writer.add_text(f"{tag}/verdict", window.line(), step)
+        ratio = None if window.witness is None else window.witness.ratio()
+        if ratio is not None and math.isfinite(ratio):
+            writer.add_scalar(f"{tag}/weight_ratio", ratio, step)
         if then is not None:
             then(window)
 

@@ -232,7 +232,7 @@ class _ConvLayers:
 
 
 def _conv_stack(
-    kind: _ConvKind, spec: _ConvLayers, *, in_channels: int, spatial_numel: int, out_features: int
+    layer_classes: _ConvKind, spec: _ConvLayers, *, in_channels: int, spatial_numel: int, out_features: int
 ) -> nn.Module:
     layers: list[nn.Module] = []
     width = in_channels
@@ -241,12 +241,14 @@ def _conv_stack(
         # A bias right before a norm is removed by it (its gradient is zero in
         # exact arithmetic, rounding noise in practice): no bias then.
         layers += [
-            kind.conv(width, out_channels, spec.kernel_size, padding=spec.kernel_size // 2, bias=spec.norm == "none"),
-            _conv_norm(spec.norm, out_channels, spec.groups, kind.batch_norm),
+            layer_classes.conv(
+                width, out_channels, spec.kernel_size, padding=spec.kernel_size // 2, bias=spec.norm == "none"
+            ),
+            _conv_norm(spec.norm, out_channels, spec.groups, layer_classes.batch_norm),
             _activation(spec.activation),
         ]
         if spec.dropout > 0:
-            layers.append(kind.dropout(spec.dropout))
+            layers.append(layer_classes.dropout(spec.dropout))
         width = out_channels
     layers += [nn.Flatten(), nn.Linear(width * spatial_numel, out_features)]
     return nn.Sequential(*[layer for layer in layers if not isinstance(layer, nn.Identity)])

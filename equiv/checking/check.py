@@ -19,9 +19,10 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TypedDict, Unpack, overload
+from typing import TypedDict, overload
 
 import torch
+from typing_extensions import Unpack  # typing's from Python 3.11; equiv supports 3.10
 
 from equiv.cases.case import Case
 from equiv.cases.standard import STANDARD_CASES
@@ -275,7 +276,7 @@ def _judged(
     references = reference_runs(case, tiers)
     if _natural_overflow_possible(case):
         # Under loss scaling in float16 arithmetic a floor run may overflow where the
-        # float64 truth does not (a natural overflow, see ReferenceRuns.judge): its
+        # float64 truth does not (a natural overflow, see ReferenceRuns.verdict_from_diffs): its
         # skip decisions are part of every verdict, so every floor runs first.
         references.with_floors()
     # Each candidate run is compared step by step as it runs; nothing of it is kept.
@@ -297,7 +298,7 @@ def _judged(
         by_tier[tier] = references.judge_tier(tier, run, details=details)
     diffs = [diff for tier in references.tiers for diff in by_tier[tier]]
     every_note = [note for tier in references.tiers for note in notes[tier]]
-    verdict = dataclasses.replace(references.judge(name, diffs), notes=tuple(dict.fromkeys(every_note)))
+    verdict = dataclasses.replace(references.verdict_from_diffs(name, diffs), notes=tuple(dict.fromkeys(every_note)))
     finding = _precision_finding(references, case, candidate, verdict, fails_because)
     if finding is not None:
         return dataclasses.replace(verdict, precision=finding)

@@ -261,7 +261,7 @@ def check_distributed(
     every sequence's positions, under DDP over all ranks (``"fsdp2+cp"``: FSDP2 over
     all ranks; see :mod:`equiv.distributed.context_parallel`).  A candidate
     that fails only under a 16-bit ``mp_policy`` and matches without it is a
-    precision finding (``verdict.kind == "precision"``), reported with the
+    precision finding (``verdict.outcome == "precision"``), reported with the
     measured error.  Where the backend has no ``PREMUL_SUM`` (gloo), FSDP2
     reduces with a plain sum and divides after it (the same gradient), so a
     step may set its own divide factor (``set_gradient_divide_factor(1.0)``).

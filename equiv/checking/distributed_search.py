@@ -24,10 +24,11 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict
 
 import torch
 from hypothesis import strategies as st
+from typing_extensions import Unpack  # typing's from Python 3.11; equiv supports 3.10
 
 from equiv.cases.case import Case
 from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict
@@ -272,15 +273,15 @@ class DistributedSearchResult(SearchBase):
         return self.counterexample is not None
 
     @property
-    def kind(self) -> Outcome | None:
+    def outcome(self) -> Outcome | None:
         """None (nothing found), STEP_ERROR (a rank raised, hung, died or its
-        collectives did not match its peers'), or the verdict's kind."""
+        collectives did not match its peers'), or the verdict's outcome."""
         if not self.found:
             return None
         if self.error is not None:
             return Outcome.STEP_ERROR
         assert self.verdict is not None
-        return self.verdict.kind
+        return self.verdict.outcome
 
     def _searched(self) -> str:
         return f"{self.candidate}, {self.examples} distributed case(s) searched ({', '.join(self.engines)})"
@@ -297,7 +298,7 @@ class DistributedSearchResult(SearchBase):
             "seed": self.seed,
             "elapsed_s": self.elapsed_s,
             "found": self.found,
-            "outcome": (self.kind or self.status).value,
+            "outcome": (self.outcome or self.status).value,
             "engine": self.engine,
             "counterexample": None if found is None else found.to_dict(),
             "verdict": None if self.verdict is None else self.verdict.to_dict(),
@@ -480,10 +481,10 @@ def verify_distributed(
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
         raise ValueError(f"max_examples must be a positive integer, got {max_examples!r}")
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
-    judge = _CaseJudge(candidate, timeout_s=timeout_s, train_dtype=train_dtype, strict=strict)
+    decider = _CaseDecider(candidate, timeout_s=timeout_s, train_dtype=train_dtype, strict=strict)
     run = SearchRun(max_examples=max_examples, seed=seed, progress=progress)
-    searched = _search(space, judge, run, clipping="max_grad_norm" in bound.keywords, name=bound.name)
-    return searched.result(bound.name, space, seed, precision_notes=judge.precision_notes)
+    searched = _search(space, decider, run, clipping="max_grad_norm" in bound.keywords, name=bound.name)
+    return searched.result(bound.name, space, seed, precision_notes=decider.precision_notes)
 
 
 def _search_space(space: DistributedSearchSpace | None, bounds: _Bounds) -> DistributedSearchSpace:
@@ -494,8 +495,8 @@ def _search_space(space: DistributedSearchSpace | None, bounds: _Bounds) -> Dist
 
 
 @dataclass
-class _CaseJudge:
-    """A search's judge: one drawn (case, engine) checked on spawned ranks, the
+class _CaseDecider:
+    """A search's ``decide``: one drawn (case, engine) checked on spawned ranks, the
     cases that passed with only a precision note counted."""
 
     candidate: Candidate | BoundCandidate
@@ -560,12 +561,12 @@ class _Searched:
 
 
 def _search(
-    space: DistributedSearchSpace, judge: _CaseJudge, run: SearchRun, *, clipping: bool, name: str
+    space: DistributedSearchSpace, decider: _CaseDecider, run: SearchRun, *, clipping: bool, name: str
 ) -> _Searched:
     """Search ``space``; when unequal micro-batch counts hang the step or mismatch its collectives,
     search on among the cases it can run (every rank as many micro-batches) for a mathematical
     mismatch, with the same budget."""
-    outcome = run_search(space.strategy(clipping=clipping), judge, run, name=name)
+    outcome = run_search(space.strategy(clipping=clipping), decider, run, name=name)
     unequal = _unequal_counts_fault(outcome.example, outcome.failure)
     if unequal is None:
         return _Searched(outcome, outcome.examples, outcome.started)
@@ -576,7 +577,7 @@ def _search(
             progress(examples + done, time.perf_counter() - started)
 
     equal = dataclasses.replace(space, equal_micro_batch_counts=True)
-    again = run_search(equal.strategy(clipping=clipping), judge, dataclasses.replace(run, progress=more), name=name)
+    again = run_search(equal.strategy(clipping=clipping), decider, dataclasses.replace(run, progress=more), name=name)
     found = again if again.found else outcome
     return _Searched(
         found,

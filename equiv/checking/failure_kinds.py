@@ -34,7 +34,14 @@ from equiv.cases.case import Case
 from equiv.judging.contract import BoundCandidate, bind
 from equiv.judging.judge import case_key
 from equiv.judging.runs import Snapshot, run_candidate, run_reference
-from equiv.judging.trajectories import References, StepMagnitude, Trajectories, flat_params, judge, magnitude
+from equiv.judging.trajectories import (
+    References,
+    StepMagnitude,
+    Trajectories,
+    flat_params,
+    magnitude,
+    trajectory_verdict,
+)
 from equiv.results.verdict import FailureKind, TensorDiff, Verdict
 from equiv.results.witness import Witness
 from equiv.zoo.bugs import clip_per_micro_batch
@@ -55,11 +62,12 @@ __all__ = ["Classification", "agreeing", "classify", "named_by"]
 
 @dataclass(frozen=True)
 class Classification:
-    """A failing step's kind, measured: the kind (None: unclassified), the first
+    """A failing step's kind of failure, measured: the kind (None: unclassified), the first
     failing step's magnitude in float64 (None: the float64 run matches the full
     batch) and the checker's first row past its allowance there."""
 
-    kind: Kind | None
+    #: the kind of failure whose steps the run is equivalent to (None: unclassified)
+    failure: Kind | None
     gap: StepMagnitude | None
     first: TensorDiff | None
     #: other kinds whose steps make the same updates on this case (e.g. under active
@@ -70,16 +78,21 @@ class Classification:
     #: an unclassified step seen clipping by its own default where the case does not clip, in words
     own_clipping: str | None = None
 
+    @property
+    def kind(self) -> Kind | None:
+        """The same as :attr:`failure`; kept for code written before it."""
+        return self.failure
+
     def failure_kind(self) -> FailureKind:
         """The kind as a verdict carries it (name and meaning), "unclassified" saying why none fits."""
-        if self.kind is not None:
-            return FailureKind(self.kind.name, self.kind.means, also=tuple(kind.name for kind in self.also))
+        if self.failure is not None:
+            return FailureKind(self.failure.name, self.failure.means, also=tuple(other.name for other in self.also))
         if self.gap is None:
             return FailureKind.unclassified(
                 "the float64 run matches the full batch: the difference is the working dtype's rounding past its "
                 "floor (e.g. gradients accumulated in a lower precision), not a known kind of failure"
             )
-        tried = ", ".join(kind.name for kind in (*self.tried, WINDOW_BOUNDARY))
+        tried = ", ".join(suspect.name for suspect in (*self.tried, WINDOW_BOUNDARY))
         own = f"; {self.own_clipping}" if self.own_clipping is not None else ""
         return FailureKind.unclassified(f"none of the known kinds ({tried}) reproduces this step's updates{own}")
 
@@ -144,23 +157,23 @@ _SUSPECTS_KEPT = 64
 
 
 def _suspect_references(
-    case: Case, kind: Kind, configured_n: int | None, own_limit: float | None = None
+    case: Case, failure_kind: Kind, configured_n: int | None, own_limit: float | None = None
 ) -> References | None:
     """The references of one kind of failure on ``case`` (None when the suspect
     cannot take the case: per-micro-batch clipping under loss scaling).  ``own_limit``:
     the kind is a step clipping by its own default, to that norm.  Kept
     only for a case of names and numbers (:func:`~equiv.judging.judge.case_key`)."""
     key = case_key(case)
-    cache_key = None if key is None else (key, kind.name, configured_n, own_limit)
+    cache_key = None if key is None else (key, failure_kind.name, configured_n, own_limit)
     if cache_key is not None and cache_key in _SUSPECTS:
         return _SUSPECTS[cache_key]
-    if kind is PER_MICRO_BATCH_CLIPPING:
+    if failure_kind is PER_MICRO_BATCH_CLIPPING:
         # Clipping after each micro-batch depends on their order: only the in-order rounding is this kind's.
         steps: dict[str, Callable[..., Any]] = {"in order": clip_per_micro_batch}
     elif own_limit is not None:
         steps = {order: _clipped_at(own_limit, order) for order in ORDERS}
     else:
-        steps = {order: weighted_step(kind.weights, configured_n, order) for order in ORDERS}
+        steps = {order: weighted_step(failure_kind.weights, configured_n, order) for order in ORDERS}
     if bind(steps["in order"]).not_applicable_reasons(case):
         return None
 
@@ -197,7 +210,7 @@ def classify(
     exact = [d for d in verdict.mismatches if d.tier == "exact"]
     if not exact:
         return Classification(None, None, verdict.first_mismatch)
-    first = min(exact, key=lambda d: (d.step, d.kind != "update"))
+    first = min(exact, key=lambda d: (d.step, d.quantity != "update"))
     trajectories = _trajectories(case, candidate)
     full = [flat_params(s.params) for s in run_reference(case, torch.float64)]
     gap = magnitude(first.step, trajectories.exact, full)
@@ -211,19 +224,19 @@ def classify(
     suspects: list[tuple[Kind, float | None]] = []
     if own_limit is not None:
         suspects.append((_default_clipping(own_limit), own_limit))
-    suspects += [(kind, None) for kind in KINDS]
+    suspects += [(failure_kind, None) for failure_kind in KINDS]
     if case.max_grad_norm is not None and bound.takes("max_grad_norm"):
         suspects.append((PER_MICRO_BATCH_CLIPPING, None))
     matching, tried = [], []
-    for kind, limit in suspects:
-        if kind.needs_configured_n and configured_n is None:
+    for failure_kind, limit in suspects:
+        if failure_kind.needs_configured_n and configured_n is None:
             continue  # each window's own count as N: the mean of means, tried already
-        references = _suspect_references(case, kind, configured_n, limit)
+        references = _suspect_references(case, failure_kind, configured_n, limit)
         if references is None:
             continue  # the suspect cannot take the case
-        tried.append(kind)
-        if judge(trajectories, references).equivalent:
-            matching.append(kind)
+        tried.append(failure_kind)
+        if trajectory_verdict(trajectories, references).equivalent:
+            matching.append(failure_kind)
     if not matching:
         own = _own_clipping(own_limit) if own_limit is not None else None
         return Classification(None, gap, first, tried=tuple(tried), own_clipping=own)

@@ -1,10 +1,10 @@
-"""The one search runner: Hypothesis over a strategy, one judge per example.
+"""The one search runner: Hypothesis over a strategy, one decision per example.
 
 :func:`equiv.verify`, :func:`equiv.verify_distributed` and the peers' search
-(:mod:`equiv.peers.search`) each build a strategy and a judge and call
+(:mod:`equiv.peers.search`) each build a strategy and a ``decide`` callable and call
 :func:`run_search`; what a search meets is handled here, once:
 
-- a failure (the judge returns a :class:`Failure`): Hypothesis shrinks it to
+- a failure (``decide`` returns a :class:`Failure`): Hypothesis shrinks it to
   the smallest example that still fails, which the outcome carries with the
   failure seen on it;
 - a step that gave no verdict: the :class:`Failure` carries a
@@ -14,13 +14,13 @@
   never from an error's text;
 - a flaky failure (it failed once, passed when Hypothesis replayed it): still
   a finding, the example that failed, flagged ``flaky``;
-- an example that says nothing (the judge returns :data:`DISCARD`): rejected,
+- an example that says nothing (``decide`` returns :data:`DISCARD`): rejected,
   never a finding; a search that could draw nothing else finds nothing;
 - the settings (phases, example budget, seed, a reproduction blob to replay),
   progress after every example, the time spent judging, and Hypothesis's own
   report kept quiet (the caller says what was found, in its own terms).
 
-Which examples are drawn depends only on the seed and on what the judge
+Which examples are drawn depends only on the seed and on what ``decide``
 returned for each, so a seeded search meets the same examples on every machine.
 """
 
@@ -44,7 +44,7 @@ from hypothesis.strategies import SearchStrategy
 
 from equiv.outcomes import Fault
 
-__all__ = ["DISCARD", "Discard", "Failure", "Judged", "Progress", "SearchOutcome", "SearchRun", "run_search"]
+__all__ = ["DISCARD", "Decision", "Discard", "Failure", "Progress", "SearchOutcome", "SearchRun", "run_search"]
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -56,7 +56,7 @@ _BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
 
 class Discard:
-    """What a judge returns for an example that says nothing (it cannot apply, or
+    """What ``decide`` returns for an example that says nothing (it cannot apply, or
     diverges on its own): rejected, never a finding."""
 
     def __repr__(self) -> str:
@@ -68,7 +68,7 @@ DISCARD = Discard()
 
 @dataclass(frozen=True, slots=True)
 class Failure(Generic[V]):
-    """What a judge returns for a failing example: the ``verdict`` that found it
+    """What ``decide`` returns for a failing example: the ``verdict`` that found it
     wanting, or the ``error`` of a step that gave none, with its ``fault``
     (:class:`~equiv.outcomes.Fault`) and ``traceback``."""
 
@@ -82,8 +82,8 @@ class Failure(Generic[V]):
     cause: BaseException | None = field(default=None, compare=False, repr=False)
 
 
-#: A judge's answer: None (passed), DISCARD, or a Failure.
-Judged = Failure[V] | Discard | None
+#: What ``decide`` answers for one example: None (passed), DISCARD, or a Failure.
+Decision = Failure[V] | Discard | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +105,7 @@ class SearchRun:
     #: False: draw with no "local constants" (literals Hypothesis scrapes from the
     #: source of every module imported so far), so the draws depend only on the seed.
     local_constants: bool = True
-    #: Collect the warnings the judge raises and show each distinct one once.
+    #: Collect the warnings ``decide`` raises and show each distinct one once.
     warn_once: bool = False
 
     def hypothesis_settings(self) -> settings:
@@ -139,7 +139,7 @@ class SearchOutcome(Generic[T, V]):
     flaky: bool
     #: Hypothesis's reproduction blob (when asked for and given).
     blob: str | None
-    #: ``time.perf_counter()`` when the search started, and the seconds spent inside the judge.
+    #: ``time.perf_counter()`` when the search started, and the seconds spent inside ``decide``.
     started: float
     judging_s: float
 
@@ -171,12 +171,12 @@ class _Stop(BaseException):
 
 
 def run_search(
-    strategy: SearchStrategy[T], judge: Callable[[T], Judged[V]], run: SearchRun, *, name: str = "the step"
+    strategy: SearchStrategy[T], decide: Callable[[T], Decision[V]], run: SearchRun, *, name: str = "the step"
 ) -> SearchOutcome[T, V]:
-    """Search ``strategy`` for an example ``judge`` fails, as ``run`` says, and
+    """Search ``strategy`` for an example ``decide`` fails, as ``run`` says, and
     shrink it (see the module's docstring).  ``name`` names what was searched
     in the error of a ``reproduce`` blob that does not replay.  An exception
-    the judge raises is Hypothesis's: shrunk, then raised."""
+    ``decide`` raises is Hypothesis's: shrunk, then raised."""
     started = time.perf_counter()
     counts = {"examples": 0}
     judging = [0.0]
@@ -187,20 +187,20 @@ def run_search(
         try:
             judged_at = time.perf_counter()
             try:
-                judgement = judge(example)
+                decision = decide(example)
             finally:
                 judging[0] += time.perf_counter() - judged_at
-            if isinstance(judgement, Discard):
+            if isinstance(decision, Discard):
                 reject()
-            if isinstance(judgement, Failure):
+            if isinstance(decision, Failure):
                 first_failure_at.append(counts["examples"])
-                found = _Found(example, judgement)
-                if judgement.fault is Fault.HUNG:
+                found = _Found(example, decision)
+                if decision.fault is Fault.HUNG:
                     raise _Stop(found)
-                if judgement.fault is None:
+                if decision.fault is None:
                     raise found  # a verdict: one kind of failure
                 # A step error: its own kind, told apart by where it was raised.
-                found.__context__, found.__suppress_context__ = judgement.cause, True
+                found.__context__, found.__suppress_context__ = decision.cause, True
                 raise found
         finally:
             if run.progress is not None:
@@ -312,7 +312,7 @@ def _no_local_constants() -> Iterator[None]:
 
 
 def _warn_once(caught: list[warnings.WarningMessage]) -> None:
-    """Each distinct warning the judge raised, once per search (torch warns per call)."""
+    """Each distinct warning ``decide`` raised, once per search (torch warns per call)."""
     seen: dict[tuple[type[Warning], str], int] = {}
     for record in caught:
         key = (record.category, str(record.message))

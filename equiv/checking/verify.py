@@ -102,14 +102,14 @@ class VerifyResult(SearchBase):
         return self.counterexample is not None
 
     @property
-    def kind(self) -> Outcome | None:
+    def outcome(self) -> Outcome | None:
         """None (nothing found), STEP_ERROR (the candidate raised or hung), PRECISION
         (float32 roundoff inside the float64 run only) or NOT_EQUIVALENT (mathematically different)."""
         if not self.found:
             return None
         if self.error is not None:
             return Outcome.STEP_ERROR
-        if self.verdict is not None and self.verdict.kind is Outcome.PRECISION:
+        if self.verdict is not None and self.verdict.outcome is Outcome.PRECISION:
             return Outcome.PRECISION
         return Outcome.NOT_EQUIVALENT
 
@@ -166,7 +166,7 @@ class VerifyResult(SearchBase):
                 text += "".join(f"\n  - {reason}" for reason in self.inherent_reasons)
             return text
         assert self.counterexample is not None
-        if self.kind is Outcome.PRECISION:
+        if self.outcome is Outcome.PRECISION:
             head = (
                 f"precision finding after {self.first_failure_at} case(s) (no mathematical mismatch found; "
                 f"not shrunk):\n  {self.counterexample!r}"
@@ -207,7 +207,7 @@ class VerifyResult(SearchBase):
             "max_examples": self.max_examples,
             "blob": self.blob,
             "flaky": self.flaky,
-            "outcome": (self.kind or self.status).value,
+            "outcome": (self.outcome or self.status).value,
             "state_across_calls": self.state_across_calls,
             "fresh_replay": self.fresh_replay,
             "elapsed_s": self.elapsed_s,
@@ -283,9 +283,9 @@ def verify(
         ValueError: ``reproduce`` no longer reproduces a failure.
     """
     candidate = bind(candidate)
-    judge = _Judge(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict, threads=chosen_threads(threads))
+    decider = _CaseDecider(candidate, timeout=timeout, train_dtype=train_dtype, strict=strict, threads=threads)
     run = _search_run(profile, max_examples, seed, reproduce, progress)
-    return judge.search(SearchSpace() if space is None else space, run, replay_in_fresh_process, profile)
+    return decider.search(SearchSpace() if space is None else space, run, replay_in_fresh_process, profile)
 
 
 def _search_run(
@@ -317,13 +317,15 @@ def _search_run(
     )
 
 
-class _Judge:
+class _CaseDecider:
     """Each drawn case checked with :func:`equiv.check` (pass or fail is all a
     search needs; the details of the one it finds are filled in at the end),
     and what the passing ones showed, counted."""
 
-    def __init__(self, candidate: BoundCandidate, **check_options: Any) -> None:
-        # A bad train_dtype or strict is refused before the search starts.
+    def __init__(self, candidate: BoundCandidate, *, threads: int | None, **check_options: Any) -> None:
+        # The thread count by the module's rule (a bad one refused first), then a bad
+        # train_dtype or strict refused: all before the search starts.
+        check_options["threads"] = chosen_threads(threads)
         precision_fails_because(check_options.get("train_dtype"), check_options.get("strict", False))
         self.candidate, self.check_options = candidate, check_options
         self.examples = 0
@@ -352,7 +354,7 @@ class _Judge:
             self.inherent_cases += 1
             self.inherent_reasons.update(dict.fromkeys(verdict.inherent))
             return None
-        if verdict.kind is Outcome.PRECISION:
+        if verdict.outcome is Outcome.PRECISION:
             # Not a failure: the shrinker must not trade a mathematical mismatch for this class.
             self.precision_findings.append((self.examples, case, verdict))
             return None
@@ -438,7 +440,7 @@ class _Judge:
             verdict = check(self.candidate, case, **self.check_options)
         except CandidateError:
             return failure
-        if verdict.kind is not failure.verdict.kind:
+        if verdict.outcome is not failure.verdict.outcome:
             return failure
         return dataclasses.replace(failure, verdict=verdict)
 

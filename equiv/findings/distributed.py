@@ -82,7 +82,7 @@ def _uneven_shard_verdicts() -> pd.DataFrame:
                 "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
                 "all-reduces per step": ", ".join(map(str, sorted(verdict.allreduces_per_step()))),
                 "first divergence": "-" if first is None else Divergence.of(first).describe(),
-                "reproduces": _reproduces(verdict.kind, upstream_report(candidate)),
+                "reproduces": _reproduces(verdict.outcome, upstream_report(candidate)),
             }
         )
     return pd.DataFrame(rows)
@@ -131,7 +131,7 @@ def _loss_scale_windows(scaled: Case) -> pd.DataFrame:
 # ---------------------------------------------------------------------- FSDP2
 def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: DistributedVerdict) -> dict[str, str]:
     finding = "-"
-    if verdict.kind is Outcome.PRECISION:
+    if verdict.outcome is Outcome.PRECISION:
         parts = []
         for tier in ("exact", "noise"):
             diff = verdict.measured_error(tier)
@@ -147,17 +147,17 @@ def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: Distribu
         "W": str(world_size),
         "what": entry.what or "the reference",
         "expected": outcome_words(entry.expected),
-        "verdict": outcome_words(verdict.kind),
+        "verdict": outcome_words(verdict.outcome),
         "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
         "reduce-scatters per step": ", ".join(map(str, sorted(verdict.reduce_scatters_per_step()))),
         "finding": finding,
-        "reproduces": _reproduces(verdict.kind, entry.upstream or upstream_report(entry.candidate)),
+        "reproduces": _reproduces(verdict.outcome, entry.upstream or upstream_report(entry.candidate)),
     }
 
 
-def _reproduces(kind: Outcome, upstream: str) -> str:
+def _reproduces(outcome: Outcome, upstream: str) -> str:
     """The upstream report a failing row reproduces (each NOT names one, or says there is none)."""
-    if kind is Outcome.EQUIVALENT:
+    if outcome is Outcome.EQUIVALENT:
         return "-"
     return upstream or "equiv's zoo, no upstream report"
 
@@ -173,7 +173,7 @@ def fsdp2_verdict_table(world_sizes: Sequence[int] = (2, 3)) -> pd.DataFrame:
     for label, world_size, entry in runs:
         dcase = DistributedCase.of(_FSDP2_BASE, _FSDP2_UNEVEN[world_size])
         verdict = check_distributed(entry.candidate, dcase, engine="fsdp2", mp_policy=entry.mp_policy)
-        log.info("fsdp2: %s W=%d %s", label, world_size, verdict.kind)
+        log.info("fsdp2: %s W=%d %s", label, world_size, verdict.outcome)
         rows.append(_fsdp2_row(label, world_size, entry, verdict))
     return pd.DataFrame(rows)
 

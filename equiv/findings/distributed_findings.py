@@ -64,10 +64,10 @@ _TORCHRUN = (
 )
 
 
-def _found(kind: Outcome | None) -> str:
-    if kind is None:
+def _found(outcome: Outcome | None) -> str:
+    if outcome is None:
         return "nothing"
-    return RANK_FAULT if kind is Outcome.STEP_ERROR else outcome_words(kind)
+    return RANK_FAULT if outcome is Outcome.STEP_ERROR else outcome_words(outcome)
 
 
 def _upstream(entry: SearchEntry) -> str:
@@ -94,13 +94,13 @@ def search_zoo_rows(zoo: Mapping[str, SearchEntry], *, max_world_size: int = 3) 
             seed=_SEED,
             max_world_size=max_world_size,
         )
-        log.info("distributed search: %s: %s", name, result.kind)
+        log.info("distributed search: %s: %s", name, result.outcome)
         expected = None if entry.expected is Outcome.EQUIVALENT else entry.expected
         found = result.counterexample
         # A split is shown where it is the same on every machine: a mismatch, and mismatched
         # collectives (shrunk like one); not a hang (the search stops at it, unshrunk).
         named = result.fault is Fault.COLLECTIVE_MISMATCH
-        shown = found is not None and (result.kind is not Outcome.STEP_ERROR or named)
+        shown = found is not None and (result.outcome is not Outcome.STEP_ERROR or named)
         split = (
             "-"
             if not shown
@@ -117,8 +117,8 @@ def search_zoo_rows(zoo: Mapping[str, SearchEntry], *, max_world_size: int = 3) 
                 "models drawn": ", ".join(entry.models),
                 "what": entry.what,
                 "expected": _found(expected),
-                "found": _found(result.kind),
-                "as expected": "yes" if result.kind == expected else "NO",
+                "found": _found(result.outcome),
+                "as expected": "yes" if result.outcome == expected else "NO",
                 "shrunk split (samples per micro-batch, per rank)": split,
                 "upstream": _upstream(entry) if entry.expected is not Outcome.EQUIVALENT else (entry.upstream or "-"),
             }

@@ -92,7 +92,7 @@ def equivalence_table(results: Iterable[tuple[str, str, Verdict]]) -> pd.DataFra
             {
                 "case": case_name,
                 "candidate": candidate_name,
-                "verdict": outcome_words(facts.kind)
+                "verdict": outcome_words(facts.outcome)
                 + (f" (precision note: {outcome_words(facts.precision)})" if facts.precision else ""),
                 "worst exact / allowed": facts.tiers.get("exact", "-"),
                 "worst noise / allowed": facts.tiers.get("noise", "-"),

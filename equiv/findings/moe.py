@@ -63,7 +63,7 @@ def moe_table() -> pd.DataFrame:
                         "aux loss": f"{balance}-wise",
                         "step": f"`{name}`",
                         "split": split,
-                        "verdict": outcome_words(facts.kind),
+                        "verdict": outcome_words(facts.outcome),
                         "first divergence": "-" if first is None or verdict.inherent else first.describe(),
                         "NOT because": why,
                     }

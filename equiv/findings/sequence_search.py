@@ -60,30 +60,30 @@ _NO_REPORT = "equiv's zoo, no upstream report"
 SEARCH_SEED = 0
 
 
-def _outcome(kind: Outcome | None) -> str:
-    return "nothing" if kind is None else kind.label
+def _outcome(outcome: Outcome | None) -> str:
+    return "nothing" if outcome is None else outcome.label
 
 
 def _cause(result: VerifyResult) -> str:
     """A precision finding's cause ("bfloat16_arithmetic", ...), else ""."""
     verdict = result.verdict
-    if result.kind is not Outcome.PRECISION or verdict is None or verdict.precision is None:
+    if result.outcome is not Outcome.PRECISION or verdict is None or verdict.precision is None:
         return ""
     return verdict.precision.cause
 
 
-def _with_cause(kind: Outcome | None, cause: str) -> str:
-    return _outcome(kind) + (f" ({outcome_words(cause)})" if cause else "")
+def _with_cause(outcome: Outcome | None, cause: str) -> str:
+    return _outcome(outcome) + (f" ({outcome_words(cause)})" if cause else "")
 
 
 def _search_row(name: str, result: VerifyResult, expected: Outcome, cause: str = "") -> dict[str, str]:
     """The columns every zoo search shows: expected, found, how soon, the shrunk case, as expected."""
     want = None if expected is Outcome.EQUIVALENT else expected
-    matches = result.kind is want and (not cause or cause == _cause(result))
+    matches = result.outcome is want and (not cause or cause == _cause(result))
     return {
         "step": f"`{name}`",
         "expected": _with_cause(want, cause),
-        "found": _with_cause(result.kind, _cause(result)),
+        "found": _with_cause(result.outcome, _cause(result)),
         "cases to find": "-" if result.first_failure_at is None else str(result.first_failure_at),
         "shrunk counterexample": "-" if result.counterexample is None else f"`{result.counterexample!r}`",
         "as expected": "yes" if matches else "NO",
@@ -114,7 +114,7 @@ def sequence_rows(bugs: dict[str, tuple[Callable[..., Any], str]], losses: Itera
             seed=SEARCH_SEED,
             replay_in_fresh_process=False,
         )
-        log.info("sequence search: %s on %s: %s", name, loss, result.kind)
+        log.info("sequence search: %s on %s: %s", name, loss, result.outcome)
         row = _search_row(name, result, expected)
         rows.append({"step": row.pop("step"), "loss": f"`{loss}`", **row, "upstream": upstream})
     return pd.DataFrame(rows)
@@ -174,7 +174,7 @@ def precision_rows(entries: dict[str, PrecisionEntry]) -> pd.DataFrame:
             replay_in_fresh_process=False,
             train_dtype=entry.train_dtype,
         )
-        log.info("precision search: %s: %s", name, result.kind)
+        log.info("precision search: %s: %s", name, result.outcome)
         row = _search_row(name, result, entry.expected, entry.cause)
         rows.append(
             {

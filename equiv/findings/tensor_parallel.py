@@ -59,7 +59,7 @@ def tensor_parallel_table() -> pd.DataFrame:
             statuses.append(verdict.status)
             row[f"{engine.upper()} {split}"] = _cell(entry, verdict.status)
         result = verify_distributed(entry.step, engines=("tp",), models=("mlp",), max_examples=_EXAMPLES, seed=_SEED)
-        log.info("tensor parallel: %s: search %s", name, result.kind)
+        log.info("tensor parallel: %s: search %s", name, result.outcome)
         found = result.counterexample
         row["search under TP"] = (
             "nothing found"

@@ -37,7 +37,7 @@ from equiv.results.verdict import TensorDiff, Tier
 
 __all__ = ["FloorErrors", "FloorRun", "StepComparer", "TruthTrajectory", "compare_trajectories", "starts_exactly"]
 
-#: (kind, name): kind is "update", "buffer" or "state".
+#: (quantity, name): quantity is "update", "buffer" or "state".
 Key = tuple[str, str]
 #: The GradScaler's scale, recorded as optimizer state when a case scales losses.
 LOSS_SCALE_KEY = "grad_scaler:scale"
@@ -182,11 +182,11 @@ class TruthTrajectory:
         buffer's change since step 0 (t_k - t_0, in ``scratch``, which the next
         call may overwrite), or the optimizer state as it is."""
         value = (self.values[step] if values is None else values)[key]
-        kind, name = key
-        if kind == "state":
+        quantity, name = key
+        if quantity == "state":
             return value
         assert self.initial is not None
-        start = (self.initial.params if kind == "update" else self.initial.buffers)[name]
+        start = (self.initial.params if quantity == "update" else self.initial.buffers)[name]
         out = scratch.get("truth", value.shape, value.device)
         if start.dtype == value.dtype:
             return torch.sub(value, start, out=out)
@@ -202,8 +202,8 @@ class TruthTrajectory:
             held.append({("", n): t for n, t in [*self.initial.params.items(), *self.initial.buffers.items()]})
         return sum(t.numel() * t.element_size() for tensors in held for t in tensors.values())
 
-    def names(self, step: int, kind: str) -> list[str]:
-        return [name for k, name in self.values[step] if k == kind]
+    def names(self, step: int, quantity: str) -> list[str]:
+        return [name for k, name in self.values[step] if k == quantity]
 
     @property
     def device(self) -> torch.device | None:
@@ -253,8 +253,9 @@ class _RunStart:
     ) -> Tensor | None:
         """The run's tensor at ``key`` on the truth's device; None where the run
         lacks it or its shape differs from the truth's."""
-        kind, name = key
-        value = {"update": snapshot.params, "buffer": snapshot.buffers}.get(kind, snapshot.optimizer_state).get(name)
+        quantity, name = key
+        held = {"update": snapshot.params, "buffer": snapshot.buffers}.get(quantity, snapshot.optimizer_state)
+        value = held.get(name)
         if value is None:
             return None
         value = value.detach()
@@ -294,11 +295,11 @@ class _RunStart:
 
     def _starts(self, key: Key) -> tuple[Tensor, Tensor]:
         """The run's own start and the truth's at an update or buffer ``key``."""
-        kind, name = key
+        quantity, name = key
         initial = self.truth.initial
         assert initial is not None
-        own = (self.params if kind == "update" else self.buffers)[name]
-        return own, (initial.params if kind == "update" else initial.buffers)[name]
+        own = (self.params if quantity == "update" else self.buffers)[name]
+        return own, (initial.params if quantity == "update" else initial.buffers)[name]
 
     def max_differences(
         self,
@@ -531,7 +532,10 @@ class StepComparer:
         rows = []
         for row in self.diffs:
             budget = allowance(
-                floor=floors.floor(row.step, (row.kind, row.name)), dtype=self.dtype, scale=row.scale, steps=row.step
+                floor=floors.floor(row.step, (row.quantity, row.name)),
+                dtype=self.dtype,
+                scale=row.scale,
+                steps=row.step,
             )
             rows.append(dataclasses.replace(row, allowed=budget.allowed, explanation=budget.explain()))
         return rows
@@ -563,12 +567,12 @@ class StepComparer:
         """The row of ``key`` (not detailed) whose greatest difference is ``max_abs``; None:
         the run lacks the tensor (e.g. the optimizer never stepped) or reshaped it."""
         truth = self.floors.truth
-        kind, name = key
+        quantity, name = key
         truth_value = truth.values[step].get(key)
         # Scales: the parameter (at least the global update) for updates, the
         # tensor's own magnitude for buffers and state (0 for state the truth lacks).
         scale = truth.scales[step].get(key, 0.0)
-        if kind == "update":
+        if quantity == "update":
             scale = max(scale, truth.global_update[step])
         budget = allowance(floor=self.floors.floor(step, key), dtype=self.dtype, scale=scale, steps=step)
         shape = tuple(truth_value.shape) if truth_value is not None else tuple(candidate.optimizer_state[name].shape)
@@ -583,7 +587,7 @@ class StepComparer:
         return TensorDiff(
             step=step,
             name=name,
-            kind=kind,  # type: ignore[arg-type]
+            quantity=quantity,  # type: ignore[arg-type]
             tier=self.tier,
             dtype=str(self.dtype).removeprefix("torch."),
             max_abs_diff=max_abs,

@@ -60,7 +60,7 @@ def _detailed(row: TensorDiff, difference: Tensor, truth: Tensor | None, scratch
     if not math.isfinite(row.max_abs_diff):  # (a finite greatest difference: no NaN, no inf to map)
         abs_diff.nan_to_num_(nan=math.inf, posinf=math.inf)
     flat_abs = _first_argmax(abs_diff)
-    is_update = row.kind == "update" and truth is not None
+    is_update = row.quantity == "update" and truth is not None
     if truth is None:  # state the truth never has, compared with zeros: relative difference inf where not 0
         truth = torch.zeros_like(abs_diff)
     flags = scratch.get("flags", abs_diff.shape, device, torch.bool)

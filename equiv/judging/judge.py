@@ -365,9 +365,11 @@ class ReferenceRuns(Judge):
 
     def verdict(self, candidate: str, runs: Mapping[Tier, list[Snapshot]]) -> Verdict:
         """The verdict for one candidate trajectory per tier."""
-        return self.judge(candidate, [diff for tier, run in runs.items() for diff in self.compare(tier, run)])
+        return self.verdict_from_diffs(
+            candidate, [diff for tier, run in runs.items() for diff in self.compare(tier, run)]
+        )
 
-    def judge(self, candidate: str, diffs: list[TensorDiff]) -> Verdict:
+    def verdict_from_diffs(self, candidate: str, diffs: list[TensorDiff]) -> Verdict:
         """The verdict from every tensor's comparison, all tiers."""
         worst: dict[str, TensorDiff] = {}
         for diff in diffs:
@@ -561,7 +563,7 @@ def precision_finding(
 _NOT_RUN = TensorDiff(
     step=1,
     name="(not run)",
-    kind="update",
+    quantity="update",
     tier="exact",
     dtype="float64",
     max_abs_diff=math.inf,

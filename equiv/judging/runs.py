@@ -18,11 +18,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypedDict, Unpack
+from typing import Any, NoReturn, TypedDict
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from typing_extensions import Unpack  # typing's from Python 3.11; equiv supports 3.10
 
 from equiv.batches import Batch, split_batch
 from equiv.cases.case import Case

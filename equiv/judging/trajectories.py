@@ -47,10 +47,10 @@ __all__ = [
     "StepMagnitude",
     "Trajectories",
     "flat_params",
-    "judge",
     "magnitude",
     "record",
     "step_scales",
+    "trajectory_verdict",
     "update_gap",
 ]
 
@@ -173,7 +173,7 @@ class RunVerdict(ResultBase):
         """The first tensor past its allowance at the first failing step (the exact tier's first)."""
         step = self.first_failure
         rows = [d for d in self.mismatches if d.step == step]
-        return min(rows, key=lambda d: (d.tier != "exact", d.kind != "update"), default=None)
+        return min(rows, key=lambda d: (d.tier != "exact", d.quantity != "update"), default=None)
 
     @property
     def status(self) -> Outcome:
@@ -214,7 +214,7 @@ class RunVerdict(ResultBase):
         }
 
 
-def judge(trajectories: Trajectories, references: References) -> RunVerdict:
+def trajectory_verdict(trajectories: Trajectories, references: References) -> RunVerdict:
     """Every step of both of the peer's runs against ``references``, in its tier."""
     diffs: list[TensorDiff] = []
     tiers: tuple[tuple[Tier, list[Snapshot], torch.dtype], ...] = (

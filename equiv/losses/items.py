@@ -367,17 +367,23 @@ def item_count(loss_fn: Callable[..., Tensor], target: Tensor) -> int | Tensor:
 @dataclasses.dataclass(frozen=True)
 class LossOptions:
     """What a torch loss the run calls says about its objective: which shipped loss it maps onto
-    (``kind``: ``"cross_entropy"``, ``"mse"``) and the options that change its sum or its count.
+    (``family``: ``"cross_entropy"``, ``"mse"``) and the options that change its sum or its count.
     ``reduction`` is not among them: ``"sum"``, ``"mean"`` and ``"none"`` are how the loop
     reduces, not which items the full-batch mean is over (a loop dividing its sums by the
     window's count means the mean)."""
 
-    kind: str
+    #: which shipped loss it maps onto: "cross_entropy", "mse", or "unmapped" (another of torch's losses)
+    family: str
     #: how the run wrote it, for messages: ``CrossEntropyLoss(label_smoothing=0.1)``
     written: str
     weight: Tensor | None = None
     ignore_index: int = -100
     label_smoothing: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        """The same as :attr:`family`; kept for code written before it."""
+        return self.family
 
 
 #: torch's criteria that map onto a shipped loss, by class
@@ -408,9 +414,9 @@ def _written(name: str, options: dict[str, Any], defaults: dict[str, Any]) -> st
     return _options_repr(name, **shown)
 
 
-def _options(kind: str, name: str, found: dict[str, Any], defaults: dict[str, Any]) -> LossOptions:
+def _options(family: str, name: str, found: dict[str, Any], defaults: dict[str, Any]) -> LossOptions:
     """The options of a cross-entropy or MSE call; one an equiv loss cannot express refused by name."""
-    if kind == "mse":
+    if family == "mse":
         return LossOptions("mse", _written(name, found, defaults))
     probabilities = found.get("target")
     if isinstance(probabilities, Tensor) and probabilities.is_floating_point() and found.get("weight") is not None:
@@ -429,7 +435,7 @@ def _options(kind: str, name: str, found: dict[str, Any], defaults: dict[str, An
 
 
 def options_of_criterion(criterion: nn.Module) -> LossOptions | None:
-    """The options of an ``nn.Module`` criterion that maps onto a shipped loss; kind ``"unmapped"``
+    """The options of an ``nn.Module`` criterion that maps onto a shipped loss; family ``"unmapped"``
     for another of torch's losses (``L1Loss``, ``BCEWithLogitsLoss``: equiv ships nothing that
     computes them); None for the user's own module.
 
@@ -437,18 +443,18 @@ def options_of_criterion(criterion: nn.Module) -> LossOptions | None:
         criterion: the ``nn.Module`` the run computes its loss with.
 
     Returns:
-        Its :class:`LossOptions` (kind, weight, ignore_index, label_smoothing, and how it was
-        written), kind ``"unmapped"`` for another of torch's losses, or None for the user's own.
+        Its :class:`LossOptions` (family, weight, ignore_index, label_smoothing, and how it was
+        written), family ``"unmapped"`` for another of torch's losses, or None for the user's own.
 
     Raises:
         ValueError: a cross-entropy with class weights over class-probability targets, which no
             equiv loss computes.
     """
-    mapped = next(((cls, kind) for cls, kind in _CRITERIA.items() if isinstance(criterion, cls)), None)
+    mapped = next(((cls, family) for cls, family in _CRITERIA.items() if isinstance(criterion, cls)), None)
     if mapped is None:
         is_torchs = isinstance(criterion, nn.modules.loss._Loss)
         return LossOptions("unmapped", f"{type(criterion).__name__}()") if is_torchs else None
-    cls, kind = mapped  # a subclass (one that logs, say) read by the options of the torch loss it is
+    cls, family = mapped  # a subclass (one that logs, say) read by the options of the torch loss it is
     defaults = {
         key: param.default
         for key, param in inspect.signature(cls).parameters.items()
@@ -459,7 +465,7 @@ def options_of_criterion(criterion: nn.Module) -> LossOptions | None:
         for key in ("weight", "ignore_index", "label_smoothing", "reduction")
         if hasattr(criterion, key)
     }
-    return _options(kind, type(criterion).__name__, found, defaults)
+    return _options(family, type(criterion).__name__, found, defaults)
 
 
 def options_of_call(function: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossOptions:
@@ -498,14 +504,14 @@ def loss_of(options: LossOptions) -> Loss:
         An :class:`MSE` or a :class:`CrossEntropy` with those options.
 
     Raises:
-        ValueError: ``options`` are of a torch loss equiv ships nothing for (kind ``"unmapped"``).
+        ValueError: ``options`` are of a torch loss equiv ships nothing for (family ``"unmapped"``).
     """
-    if options.kind == "unmapped":
+    if options.family == "unmapped":
         raise ValueError(
             f"criterion={options.written}: equiv ships no loss that computes it (the audit derives one "
             f"from {_MAPPED}); pass loss=<an equiv.Loss offering sum(output, targets) and count(targets)>"
         )
-    if options.kind == "mse":
+    if options.family == "mse":
         return MSE()
     return CrossEntropy(
         weight=options.weight, ignore_index=options.ignore_index, label_smoothing=options.label_smoothing
@@ -523,20 +529,20 @@ def disagreement(loss: Any, options: LossOptions) -> str | None:
     Returns:
         The differences in words (``"label_smoothing 0 against 0.1"``), or None.
     """
-    kinds = {
+    families = {
         MSE: "mse",
         CrossEntropy: "cross_entropy",
         TokenCrossEntropy: "cross_entropy",
         NextTokenCrossEntropy: "cross_entropy",
     }
-    kind = kinds.get(type(loss))
-    if kind is None:
+    family = families.get(type(loss))
+    if family is None:
         return None
-    if options.kind == "unmapped":
+    if options.family == "unmapped":
         return f"{options.written} is not a loss {loss!r} computes"
-    if kind != options.kind:
-        return f"the one is {kind.replace('_', '-')}, the other {options.kind.replace('_', '-')}"
-    if kind == "mse":
+    if family != options.family:
+        return f"the one is {family.replace('_', '-')}, the other {options.family.replace('_', '-')}"
+    if family == "mse":
         return None
     differ = []
     if float(loss.label_smoothing) != options.label_smoothing:

@@ -30,7 +30,8 @@ class Cell:
     #: one of EQUIVALENT, NOT_EQUIVALENT, NOT_APPLICABLE, NOT_RUN
     outcome: str
     #: the kind(s) of failure ("tail divided by N + window boundary"); "" unless not equivalent
-    kind: str = ""
+    #: (saved as "kind", the key reports/peers-*.json hold)
+    failure: str = ""
     #: what happened: the first failing step's magnitude, the reason it does not apply or was not run
     detail: str = ""
     #: the upstream report(s) the failure matches
@@ -48,6 +49,11 @@ class Cell:
             )
 
     @property
+    def kind(self) -> str:
+        """The same as :attr:`failure`; kept for code written before it."""
+        return self.failure
+
+    @property
     def failed(self) -> bool:
         return self.outcome == NOT_EQUIVALENT
 
@@ -61,19 +67,21 @@ class Cell:
         if self.outcome == EQUIVALENT:
             return "✓"
         if self.outcome == NOT_EQUIVALENT:
-            return f"✗ ({self.kind})" if self.kind else "✗"
+            return f"✗ ({self.failure})" if self.failure else "✗"
         return "n/a" if self.outcome == NOT_APPLICABLE else "-"
 
     def to_dict(self) -> dict[str, str]:
-        return asdict(self)
+        # The saved key stays "kind" (reports/peers-*.json), in the field's place.
+        return {("kind" if key == "failure" else key): value for key, value in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cell:
         """A cell saved by :meth:`to_dict`; unknown keys are a ValueError naming them."""
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        fields = {("failure" if key == "kind" else key): value for key, value in data.items()}
+        unknown = sorted(set(data) - {("kind" if name == "failure" else name) for name in cls.__dataclass_fields__})
         if unknown:
             raise ValueError(f"a saved peers cell has unknown keys {unknown}: {data!r}")
-        return cls(**data)
+        return cls(**fields)
 
 
 @dataclass(frozen=True)

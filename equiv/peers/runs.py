@@ -35,10 +35,10 @@ from equiv.judging.trajectories import (
     References,
     StepMagnitude,
     Trajectories,
-    judge,
     magnitude,
     record,
     step_scales,
+    trajectory_verdict,
 )
 from equiv.losses import Loss
 from equiv.results.verdict import TensorDiff, Verdict
@@ -208,10 +208,10 @@ class Measure:
     :data:`~equiv.zoo.kinds.KINDS`) the checker finds the run equivalent to."""
 
     gap: StepMagnitude | None
-    kind: Kind | None = None
+    failure_kind: Kind | None = None
     #: optimizer steps taken / expected (differ: a window boundary in the wrong place)
     steps: tuple[int, int] | None = None
-    #: the first step where the run departs from ``kind``'s own steps too (a window boundary), if it does
+    #: the first step where the run departs from ``failure_kind``'s own steps too (a window boundary), if it does
     later: int | None = None
     #: the first tensor past its allowance (the checker's row: tier, allowance, ratio)
     first: TensorDiff | None = None
@@ -224,13 +224,22 @@ class Measure:
     def equivalent(self) -> bool:
         return self.gap is None and (self.steps is None or self.steps[0] == self.steps[1])
 
-    def kind_name(self) -> str:
+    @property
+    def kind(self) -> Kind | None:
+        """The same as :attr:`failure_kind`; kept for code written before it."""
+        return self.failure_kind
+
+    def failure_name(self) -> str:
         """The kind of failure; "window boundary" added when the run also steps
         at the wrong micro-batches (a window missing, or one spanning epochs)."""
-        names = [self.kind.name] if self.kind is not None else []
+        names = [self.failure_kind.name] if self.failure_kind is not None else []
         if self.boundary and "window boundary" not in names:
             names.append("window boundary")
         return " + ".join(names) or "unclassified"
+
+    def kind_name(self) -> str:
+        """The same as :meth:`failure_name`; kept for code written before it."""
+        return self.failure_name()
 
     @property
     def boundary(self) -> bool:
@@ -246,7 +255,7 @@ class Measure:
         return "; ".join(parts)
 
     def describe(self) -> str:
-        return "; ".join(part for part in (self.kind_name(), self.magnitude()) if part)
+        return "; ".join(part for part in (self.failure_name(), self.magnitude()) if part)
 
     def checker(self) -> str:
         """The checker's own words for the first tensor past its allowance."""
@@ -270,7 +279,7 @@ def classify_step(
     if verdict or not verdict.mismatches:
         return Measure(None, note=verdict.precision_note)
     found = classify(candidate, case, verdict, configured_n=configured_n)
-    return Measure(found.gap, found.kind, first=found.first)
+    return Measure(found.gap, found.failure, first=found.first)
 
 
 # -- runs spanning all windows ---------------------------------------------------------------------------
@@ -307,10 +316,10 @@ def _reference_run(
 _REFERENCES: dict[tuple[str, str], References] = {}
 
 
-def _references(problem: Problem, kind: Kind | None) -> References:
-    key = (repr(problem), kind.name if kind is not None else "full batch")
+def _references(problem: Problem, failure_kind: Kind | None) -> References:
+    key = (repr(problem), failure_kind.name if failure_kind is not None else "full batch")
     if key not in _REFERENCES:
-        weights = exact_weights if kind is None else kind.weights
+        weights = exact_weights if failure_kind is None else failure_kind.weights
         _REFERENCES[key] = References(_reference_run(problem, weights), problem.working_dtype)
     return _REFERENCES[key]
 
@@ -330,19 +339,19 @@ def measure(drive: Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None]
         _run(drive, problem, torch.float64), _run(drive, problem, problem.working_dtype), problem.working_dtype
     )
     full = _references(problem, None)
-    verdict = judge(trajectories, full)
+    verdict = trajectory_verdict(trajectories, full)
     scales = tuple(step_scales(trajectories.exact, full.flat))
     step = verdict.first_failure
     if step is None:
         return Measure(None, steps=verdict.steps, note=verdict.precision_note(), scales=scales)
     gap = magnitude(step, trajectories.exact, full.flat)
     first = verdict.first_mismatch()
-    for kind in KINDS:
+    for failure_kind in KINDS:
         # The kind whose steps explain the first failing step; a later departure
         # from it too is a window in the wrong place (a leak across epochs).
-        later = judge(trajectories, _references(problem, kind)).first_failure
+        later = trajectory_verdict(trajectories, _references(problem, failure_kind)).first_failure
         if trajectories.steps >= step and (later is None or later > step):
-            return Measure(gap, kind, verdict.steps, later, first, scales=scales)
+            return Measure(gap, failure_kind, verdict.steps, later, first, scales=scales)
     return Measure(gap, None, verdict.steps, first=first, scales=scales)
 
 

@@ -48,14 +48,14 @@ def _search_space(candidate: Callable[..., Any]) -> Any:
 
 
 def smallest_counterexample(
-    candidate: Callable[..., Any], *, kind: str | None = None, max_examples: int = 40
+    candidate: Callable[..., Any], *, failure: str | None = None, max_examples: int = 40
 ) -> tuple[Case | None, int]:
     """(the shrunk failing case or None, cases tried) over sample-mean MLP cases
-    the candidate can take; with ``kind``, only failures of that kind.  Cases
+    the candidate can take; with ``failure`` (a kind of failure's name), only failures of that kind.  Cases
     the ported framework refuses (:class:`UnsupportedWindow`) are not counted."""
     tried = 0
 
-    def judge(case: Case) -> Failure[Verdict] | None:
+    def decide(case: Case) -> Failure[Verdict] | None:
         nonlocal tried
         try:
             verdict = check(candidate, case)
@@ -66,11 +66,11 @@ def smallest_counterexample(
         tried += 1
         if verdict:
             return None
-        if kind is None:
+        if failure is None:
             return Failure(verdict=verdict)
         measured = classify_step(candidate, case, verdict=verdict)
-        return Failure(verdict=verdict) if measured.gap is not None and measured.kind_name() == kind else None
+        return Failure(verdict=verdict) if measured.gap is not None and measured.failure_name() == failure else None
 
     run = SearchRun(max_examples=max_examples, seed=SEED, phases=(Phase.generate, Phase.shrink))
-    found = run_search(_search_space(candidate), judge, run)
+    found = run_search(_search_space(candidate), decide, run)
     return found.example, tried

@@ -62,9 +62,9 @@ def _cell(result: Measure, issues: dict[str, str]) -> Cell:
     with the kind(s), the upstream report each matches, the magnitude."""
     if result.equivalent:
         return Cell(EQUIVALENT, note=result.note or "")
-    kind = result.kind_name()
-    upstream = "; ".join(issues[name] for name in kind.split(" + ") if issues.get(name))
-    return Cell(NOT_EQUIVALENT, kind=kind, detail=result.magnitude(), upstream=upstream, checker=result.checker())
+    failure = result.failure_name()
+    upstream = "; ".join(issues[name] for name in failure.split(" + ") if issues.get(name))
+    return Cell(NOT_EQUIVALENT, failure=failure, detail=result.magnitude(), upstream=upstream, checker=result.checker())
 
 
 def _window_cell(peer: Peer, case: Case) -> tuple[Cell, str | None]:
@@ -82,12 +82,12 @@ def _window_cell(peer: Peer, case: Case) -> tuple[Cell, str | None]:
         assert first is not None
         return Cell(
             NOT_EQUIVALENT,
-            kind="float32 rounding",
+            failure="float32 rounding",
             detail=f"step {first.step}, {first.label}",
             checker=result.checker(),
         ), "float32 rounding"
     cell = _cell(result, peer.issues)
-    return cell, cell.kind
+    return cell, cell.failure
 
 
 def _epoch_cell(peer: Peer, run: EpochRun) -> tuple[Cell, Measure | None]:
@@ -177,9 +177,9 @@ def _evaluate(peer: Peer, group: str, charted: list[tuple[str, Measure]]) -> tup
     row = PeerRow(peer.name, family=peer.family, drives=peer.drives, documented=peer.documented, group=group)
     kinds: set[str] = set()
     for column, case in CONFIGURATIONS.items():
-        row.cells[column], kind = _window_cell(peer, case)
-        if kind is not None:
-            kinds.update(kind.split(" + "))
+        row.cells[column], failure = _window_cell(peer, case)
+        if failure is not None:
+            kinds.update(failure.split(" + "))
     if group == "peer":
         for column, run in EPOCH_RUNS.items():
             row.cells[column], result = _epoch_cell(peer, run)
@@ -192,13 +192,13 @@ def _counterexamples(peer: Peer, kinds_seen: set[str]) -> list[dict[str, str]]:
     out = []
     candidate = peer.build(None)
     kinds: list[str | None] = [k for k in SEARCHABLE if k in kinds_seen]
-    for kind in kinds or [None]:
-        found, tried = smallest_counterexample(candidate, kind=kind)
-        log.info("%s, %s: %d search cases", peer.name, kind or "any failure", tried)
+    for failure in kinds or [None]:
+        found, tried = smallest_counterexample(candidate, failure=failure)
+        log.info("%s, %s: %d search cases", peer.name, failure or "any failure", tried)
         out.append(
             {
                 "implementation": peer.name,
-                "kind of failure": kind or "any",
+                "kind of failure": failure or "any",
                 "smallest counterexample (Hypothesis, shrunk)": f"`{found!r}`" if found else f"none in {tried} cases",
             }
         )
@@ -243,7 +243,9 @@ def _tail_chart(measured: list[tuple[str, Measure]]) -> Chart | None:
     """Each window's update against the full-batch one over the charted epoch, for
     every peer whose run there divides its tail by N, beside an equivalent one."""
     run = EPOCH_RUNS[_CHARTED]
-    shrunk = [(name, m) for name, m in measured if m.kind is not None and m.kind.name == "tail divided by N"]
+    shrunk = [
+        (name, m) for name, m in measured if m.failure_kind is not None and m.failure_kind.name == "tail divided by N"
+    ]
     exact = [(name, m) for name, m in measured if m.equivalent]
     if not shrunk:
         return None
@@ -291,7 +293,7 @@ def survey(saved: Path = Path("reports")) -> PeersResults:
         not_measured=not_measured(),
         situations=_situations(),
         rows=[row for row, _ in evaluated] + _trainer_rows(saved) + [row for row, _ in own_evaluated],
-        kinds=[(kind.name, kind.means) for kind in _ALL_KINDS],
+        kinds=[(failure.name, failure.means) for failure in _ALL_KINDS],
         known=list(KNOWN),
         searches=searches,
         audits=_audits(),

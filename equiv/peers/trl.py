@@ -504,7 +504,7 @@ def versions() -> dict[str, str]:
 def _scales(windows: Sequence[WindowAudit]) -> dict[str, list[float]]:
     """Per step past its allowance, its first update row's size along the full batch's and cosine."""
     rows = [
-        next((row for row in window.mismatches if row.kind == "update"), window.mismatches[0])
+        next((row for row in window.mismatches if row.quantity == "update"), window.mismatches[0])
         for window in windows
         if window.mismatches
     ]
@@ -515,7 +515,7 @@ def _magnitude(windows: Sequence[WindowAudit]) -> str:
     """The update's size along the full batch's and its cosine, over the windows past their allowance
     (the first update row of each, as the audit's line shows it); the worst allowance use otherwise."""
     rows = [
-        next((row for row in window.mismatches if row.kind == "update"), window.mismatches[0])
+        next((row for row in window.mismatches if row.quantity == "update"), window.mismatches[0])
         for window in windows
         if window.mismatches
     ]
@@ -572,7 +572,7 @@ def grpo_row(loss_type: str, setting: Setting, *, seed: int = 0) -> dict[str, An
     by_design = loss_type == "bnpo" and setting.gradient_accumulation_steps > 1
     if by_design:
         explained = _explained(audits)
-        kind = (
+        failure = (
             "not a full-batch objective by design; the local-batch normaliser confirmed by the judge"
             if "local tokens" in explained
             else "not a full-batch objective by design"
@@ -581,10 +581,10 @@ def grpo_row(loss_type: str, setting: Setting, *, seed: int = 0) -> dict[str, An
         verdict = "by design not full-batch"
     elif verdict == "NOT equivalent":
         kinds = [HYPOTHESES[name][0] for name in explained]
-        kind = "; ".join(kinds) if kinds else "unexplained by equiv's hypotheses"
+        failure = "; ".join(kinds) if kinds else "unexplained by equiv's hypotheses"
         measured = verdict
     else:
-        kind, measured = "", verdict
+        failure, measured = "", verdict
     return {
         "trainer": "GRPOTrainer",
         "loss_type": loss_type,
@@ -592,7 +592,7 @@ def grpo_row(loss_type: str, setting: Setting, *, seed: int = 0) -> dict[str, An
         "objective": GRPO_LOSS_TYPES[loss_type][1],
         "verdict": verdict,
         "measured_against_window": measured,
-        "kind": kind,
+        "kind": failure,
         "explained_by": explained,
         "magnitude": _magnitude(windows),
         **_scales(windows),

@@ -58,6 +58,42 @@ def audit_section(raw: dict[str, Any]) -> list[str]:
         "",
         *_audit_run_lines(raw),
         *_audit_ddp_lines(raw),
+        *_audit_witness_lines(raw),
+    ]
+
+
+#: Issue 44's target for a failing window's witness: at most 1.2x the window audited without it.
+WITNESS_TARGET = 1.2
+
+
+def _audit_witness_lines(raw: dict[str, Any]) -> list[str]:
+    """What the witness costs a failing window (benchmarks/test_audit_witness.py)."""
+    infos = [b["extra_info"] for b in raw.get("benchmarks", []) if b.get("extra_info", {}).get("audit_witness")]
+    if not infos:
+        return []
+    info = infos[0]
+    table = pd.DataFrame(
+        [
+            {
+                "parameters": f"{info['parameters'] / 1e6:.2f}M",
+                "failing window without the witness s (median)": f"{info['failing_without_witness_median_s']:.4f}",
+                "with the witness s (median)": f"{info['failing_with_witness_median_s']:.4f}",
+                "failing window, with / without": f"{info['failing_witness_ratio']:.2f}x",
+                "passing window, with / without": f"{info['passing_witness_ratio']:.2f}x",
+            }
+        ]
+    )
+    within = "within" if info["failing_witness_ratio"] <= WITNESS_TARGET else "past"
+    return [
+        "",
+        "The witness (what the loop did: the weight each micro-batch got, docs/witness.md) is computed only on a "
+        "failing window, after its verdict: each micro-batch's loss sum replayed in float64 on its own, the weights "
+        "recovered from the Gram matrix of their gradients. The same loop, a window that fails (each micro-batch's "
+        "mean summed, never divided) and one that passes, each audited with the witness and without it alternately "
+        f"in the same {info['rounds']} rounds (medians of per-round ratios; a passing window never calls it, "
+        f"counted). Issue 44's target for the failing window is {WITNESS_TARGET}x: this run is {within} it.",
+        "",
+        markdown_table(table),
     ]
 
 

@@ -34,7 +34,7 @@ def _detail(cell: Cell) -> str:
         return f"n/a: {cell.detail}"
     if cell.outcome != NOT_EQUIVALENT:
         return f"- ({cell.detail})" if cell.detail else "-"
-    parts = [cell.kind, cell.detail] if cell.detail else [cell.kind]
+    parts = [cell.failure, cell.detail] if cell.detail else [cell.failure]
     upstream = f" ({cell.upstream})" if cell.upstream else ""
     checker = f" [checker: {cell.checker}]" if cell.checker and cell.checker != "-" else ""
     return f"NOT equivalent: {'; '.join(parts)}{upstream}{checker}"

@@ -58,8 +58,8 @@ def _cells(row: dict[str, Any]) -> dict[str, str]:
 
 def _mark(row: dict[str, Any]) -> str:
     """✓ / ✗ (kind) / by design / not measured, as the report's first table writes them."""
-    verdict, kind = row.get("verdict", ""), str(row.get("kind") or "")
-    short = next((name for start, name in _SHORT_KINDS if kind.startswith(start)), kind or "unexplained")
+    verdict, failure = row.get("verdict", ""), str(row.get("kind") or "")
+    short = next((name for start, name in _SHORT_KINDS if failure.startswith(start)), failure or "unexplained")
     if verdict == "equivalent":
         return "✓"
     if verdict == "NOT equivalent":

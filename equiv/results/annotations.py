@@ -100,27 +100,28 @@ def github_annotations(
     if result.status is Outcome.EQUIVALENT or (not isinstance(result, CaseVerdicts) and bool(result)):
         return [_command("notice", where, command, result.line())]
     if not isinstance(result, CaseVerdicts):
-        kind = getattr(result, "kind", None) or result.status  # a search's precision finding told apart
-        title = f"{command}: {kind.label}"
+        outcome = getattr(result, "outcome", None) or result.status  # a search's precision finding told apart
+        title = f"{command}: {outcome.label}"
         return [_command("error", where, title, message if message is not None else result.message())]
     lines = []
     for name in result.names:
         if name in result.failed:
             verdict = result.failed[name]
-            kind = getattr(verdict, "kind", verdict.status)  # a failing precision finding told apart
+            outcome = getattr(verdict, "outcome", verdict.status)  # a failing precision finding told apart
             failure = getattr(verdict, "failure_kind", None)  # what wrong step it amounts to, where known
             named = f" ({failure.name})" if failure is not None and failure.classified else ""
-            lines.append(_command("error", where, f"{command}: {kind.label}{named}: {name}", verdict.message()))
+            lines.append(_command("error", where, f"{command}: {outcome.label}{named}: {name}", verdict.message()))
         elif name in result.errors:
             fault = outcome_words(result.fault(name))
             lines.append(_command("error", where, f"{command}: step error ({fault}): {name}", result.errors[name]))
     return lines or [_command("error", where, f"{command}: {result.status.label}", result.line())]
 
 
-def _command(kind: str, where: Location | None, title: str, message: str) -> str:
+def _command(level: str, where: Location | None, title: str, message: str) -> str:
+    """One GitHub workflow command; ``level`` is the annotation's level ("notice", "error")."""
     properties = [] if where is None else [f"file={escape_property(where[0])}", f"line={where[1]}"]
     properties.append(f"title={escape_property(title)}")
-    return f"::{kind} {','.join(properties)}::{escape_data(message)}"
+    return f"::{level} {','.join(properties)}::{escape_data(message)}"
 
 
 def _relative(path: str, cwd: str) -> str:

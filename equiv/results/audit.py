@@ -20,7 +20,8 @@ from typing import Any
 
 from equiv.outcomes import Outcome
 from equiv.results.protocol import ResultBase, headed
-from equiv.results.verdict import TensorDiff, Tier
+from equiv.results.verdict import FailureKind, TensorDiff, Tier
+from equiv.results.witness import NOT_A_REWEIGHTING, NOT_IDENTIFIABLE, UNEXPLAINED, Witness
 
 __all__ = ["AuditFailure", "AuditResult", "RankVerdict", "WindowAudit"]
 
@@ -81,6 +82,12 @@ class WindowAudit(ResultBase):
     #: what the loop did that is wrong but left this step the full-batch one (a constant schedule stepped per
     #: micro-batch), said after the verdict
     note: str | None = None
+    #: for a failing window, the weights the run gave each micro-batch's loss beside the full batch's, named
+    #: (issue 44); None for a passing window (never computed), an FSDP2 run, or a failure of another sort
+    witness: Witness | None = None
+    #: the trainer's setting the witness points at (e.g. "model_accepts_loss_kwargs=True but the model's loss
+    #: ignored num_items_in_batch"), said before the witness's clause; a remedy of the whole run
+    setting: str | None = None
 
     @property
     def equivalent(self) -> bool:
@@ -117,6 +124,17 @@ class WindowAudit(ResultBase):
     def __bool__(self) -> bool:
         return self.equivalent
 
+    @property
+    def failure_kind(self) -> FailureKind | None:
+        """The kind of this window's failure as the witness names it (one classifier: where its normaliser
+        is one of ``equiv check``'s kinds, the same name), or unclassified with why; None without a witness."""
+        if self.witness is None:
+            return None
+        if self.witness.normaliser in (NOT_A_REWEIGHTING, NOT_IDENTIFIABLE, UNEXPLAINED):
+            return FailureKind.unclassified(self.witness.normaliser + ": " + self.witness.means)
+        first, *also = self.witness.normaliser.split(" or ")
+        return FailureKind(first, self.witness.means, tuple(also))
+
     def _failure(self) -> AssertionError:
         return AuditFailure(self)
 
@@ -137,16 +155,22 @@ class WindowAudit(ResultBase):
             "ranks": [dataclasses.asdict(rank) for rank in self.ranks],
             "schedule": self.schedule,
             "note": self.note,
+            # only a failing window's witness: a passing window's JSON is as it was
+            **({} if self.witness is None else {"weights": self.witness.to_dict()}),
+            **({} if (kind := self.failure_kind) is None else {"failure_kind": kind.to_dict()}),
+            **({} if self.setting is None else {"setting": self.setting}),
         }
 
-    def line(self) -> str:
-        """One line: the step, the window, the verdict and its magnitude."""
+    def line(self, *, remedies: bool = True) -> str:
+        """One line: the step, the window, the verdict and its magnitude, and for a failing window what the
+        run weighted each micro-batch by (the witness).  ``remedies=False`` leaves out what applies to the
+        whole run (a not-replayed window's remedy, the trainer's setting at fault): the summary says it once."""
         at = f" ({self.position})" if self.position else ""
         where = (
             f"step {self.step}{at}: {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}, "
             f"items {list(self.items)}"
         )
-        advice = f"; {self.hint}" if self.hint else ""
+        advice = f"; {self.hint}" if self.hint and remedies else ""
         if self.not_finite is not None and not self.full_batch_not_finite:
             inherent = f" (and inherently not equivalent: {'; '.join(self.inherent)})" if self.inherent else ""
             return f"{where}: NOT equivalent, not finite: {self.not_finite}{inherent}"
@@ -167,8 +191,9 @@ class WindowAudit(ResultBase):
             return f"{where}: equivalent{ratio}" + (f"; note: {self.note}" if self.note else "")
         if not self.mismatches and self.schedule:  # the update is the one its hyperparameters give; they are not
             return f"{where}: NOT equivalent ({self.schedule})"
+        witnessed = self._witnessed(remedies)
         if not self.mismatches:  # this rank's step is right, another's is not
-            return f"{where}: NOT equivalent ({self._ranks_text()})"
+            return f"{where}: NOT equivalent ({self._ranks_text()}{witnessed})"
         first = self.mismatches[0]
         magnitude = ""
         if not math.isnan(first.update_ratio) and not math.isnan(first.cosine):
@@ -189,8 +214,15 @@ class WindowAudit(ResultBase):
         return (
             f"{where}: NOT equivalent ({len(self.mismatches)} tensors past their allowance, first "
             f"{first.label}, off by {first.relative_error:.3g} of its scale{magnitude}{furthest_text}{tail}"
-            f"{ranks}{hint})"
+            f"{ranks}{hint}{witnessed})"
         )
+
+    def _witnessed(self, remedies: bool) -> str:
+        """The witness's clause, after the trainer's setting it points at (a remedy of the whole run)."""
+        if self.witness is None:
+            return ""
+        setting = f"{self.setting}: " if self.setting and remedies else ""
+        return f"; {setting}{self.witness.clause()}"
 
     def _own_rank(self) -> int:
         return next((rank.rank for rank in self.ranks if rank.mine), 0)
@@ -370,9 +402,24 @@ class AuditResult(ResultBase):
             "windows": [window.to_dict() for window in self.windows],
         }
 
+    def remedies(self) -> list[str]:
+        """What applies to the whole run, each said once: a not-replayed window's remedy (turn dropout off),
+        the trainer's setting the witness points at."""
+        said = [window.hint for window in self.windows if window.inherent and window.hint]
+        said += [window.setting for window in self.windows if window.setting]
+        return list(dict.fromkeys(said))
+
     def summary(self) -> str:
-        """Every step counted, then every audited window, one line each."""
-        return "\n".join([f"equiv audit: {self._counted()}", *(f"  {window.line()}" for window in self.windows)])
+        """Every step counted, then every audited window, one line each, then what applies to the whole
+        run, once (not on every window's line)."""
+        counted = self._counted()  # says the remedy itself when no window was judged
+        return "\n".join(
+            [
+                f"equiv audit: {counted}",
+                *(f"  {window.line(remedies=False)}" for window in self.windows),
+                *(f"  for the whole run: {remedy}" for remedy in self.remedies() if remedy not in counted),
+            ]
+        )
 
     def write_jsonl(self, path: str | Path) -> Path:
         """Write each audited window's ``to_dict()`` (the schema's ``window_audit``) as one JSON line

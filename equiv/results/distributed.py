@@ -61,7 +61,7 @@ class DistributedVerdict(Judgement):
     #: FSDP2: the ``MixedPrecisionPolicy`` the model was sharded with (None: full precision).
     mp_policy: MixedPrecisionPolicy | None = None
     #: Set when the mismatch is the mixed-precision policy's: the same step
-    #: without the policy matches (a precision finding, see :attr:`kind`).
+    #: without the policy matches (a precision finding, see :attr:`outcome`).
     precision_note: str | None = None
     #: tier -> per rank, per step: the collectives the step issued itself
     #: (name -> calls; a token count all-reduced...), apart from the gradient syncs.
@@ -85,7 +85,7 @@ class DistributedVerdict(Judgement):
         return Outcome.EQUIVALENT
 
     @property
-    def kind(self) -> Outcome:
+    def outcome(self) -> Outcome:
         """The status, with a precision finding told apart from a mathematical
         mismatch: the mixed-precision policy's (16-bit reduction or
         accumulation), or the ranks' own (float32-sized differences inside the
@@ -93,10 +93,15 @@ class DistributedVerdict(Judgement):
         :func:`equiv.check`)."""
         failing = [v for v in self.ranks if not v]
         if self.status is Outcome.NOT_EQUIVALENT and (
-            self.precision_note or all(v.kind is Outcome.PRECISION for v in failing)
+            self.precision_note or all(v.outcome is Outcome.PRECISION for v in failing)
         ):
             return Outcome.PRECISION
         return self.status
+
+    @property
+    def kind(self) -> Outcome:
+        """The same as :attr:`outcome`; kept for code written before it."""
+        return self.outcome
 
     @property
     def collective(self) -> str:
@@ -146,7 +151,7 @@ class DistributedVerdict(Judgement):
         """How far off ``tier`` is, on any rank: the parameter update furthest
         past its allowance (what training feels), else the worst tensor."""
         diffs = [d for v in self.ranks for d in v.mismatches if d.tier == tier]
-        updates = [d for d in diffs if d.kind == "update"]
+        updates = [d for d in diffs if d.quantity == "update"]
         worst = [v.worst[tier] for v in self.ranks if tier in v.worst]
         return max(updates or diffs or worst, key=lambda d: d.ratio, default=None)
 
@@ -174,7 +179,7 @@ class DistributedVerdict(Judgement):
     def line(self) -> str:
         """One line: the outcome, the candidate, the ranks and engine, and the first failing rank's line."""
         where = f"{self.candidate} on {self.case.world_size} ranks ({self.engine}), {self.case!r}"
-        return headed(self.kind, where + self.detail())
+        return headed(self.outcome, where + self.detail())
 
     def detail(self) -> str:
         """What :meth:`line` says after the case: the first failing rank's detail, or a passing rank's."""
@@ -189,7 +194,7 @@ class DistributedVerdict(Judgement):
         return {
             "candidate": self.candidate,
             "case": self.case.to_dict(),
-            "outcome": self.kind.value,
+            "outcome": self.outcome.value,
             "engine": self.engine,
             "world_size": self.case.world_size,
             "ranks": [v.to_dict() for v in self.ranks],
@@ -206,7 +211,7 @@ class DistributedVerdict(Judgement):
             f"{self.case.world_size} ranks under {engine}, micro-batches per {per} "
             f"{[list(s) for s in self.case.rank_micro_batch_sizes]}"
         ]
-        if self.kind is Outcome.PRECISION and self.precision_note:
+        if self.outcome is Outcome.PRECISION and self.precision_note:
             lines.append(f"Precision ({self.candidate} under {self.mp_policy!r}): {self.precision_note}")
             for failing_tier in sorted({d.tier for v in self.ranks for d in v.mismatches}):
                 diff = self.measured_error(failing_tier)

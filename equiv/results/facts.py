@@ -97,19 +97,24 @@ class VerdictFacts:
 
     status: Outcome
     #: the status, with "precision" told apart from a mathematical mismatch
-    kind: Outcome
+    outcome: Outcome
     #: tier -> :func:`ratio_band` of its worst tensor
     tiers: dict[str, str]
     first_divergence: Divergence | None
     #: why the differences are a precision finding ("default_dtype", "float32_sized"), or None
     precision: str | None = None
 
+    @property
+    def kind(self) -> Outcome:
+        """The same as :attr:`outcome`; kept for code written before it."""
+        return self.outcome
+
     @classmethod
     def of(cls, verdict: Verdict) -> VerdictFacts:
         first = verdict.first_mismatch
         return cls(
             status=verdict.status,
-            kind=verdict.kind,
+            outcome=verdict.outcome,
             tiers={tier: ratio_band(diff.ratio) for tier, diff in sorted(verdict.worst.items())},
             first_divergence=None if first is None else Divergence.of(first),
             precision=None if verdict.precision is None else verdict.precision.cause,
@@ -118,7 +123,7 @@ class VerdictFacts:
     def to_dict(self) -> dict[str, Any]:
         return {
             "status": self.status,
-            "kind": self.kind,
+            "kind": self.outcome,
             "tiers": dict(self.tiers),
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
             "precision": self.precision,

@@ -116,9 +116,14 @@ class SearchBase(ResultBase):
         raise NotImplementedError
 
     @property
-    def kind(self) -> Outcome | None:
+    def outcome(self) -> Outcome | None:
         """None (nothing found), or the finer outcome of what was."""
         raise NotImplementedError
+
+    @property
+    def kind(self) -> Outcome | None:
+        """The same as :attr:`outcome`; kept for code written before it."""
+        return self.outcome
 
     def _searched(self) -> str:
         """The candidate and how much was searched, in words."""
@@ -135,7 +140,7 @@ class SearchBase(ResultBase):
     @property
     def status(self) -> Outcome:
         """EQUIVALENT (nothing found), STEP_ERROR (the step raised or hung, a rank died) or
-        NOT_EQUIVALENT (a counterexample; :attr:`kind` tells a precision finding apart)."""
+        NOT_EQUIVALENT (a counterexample; :attr:`outcome` tells a precision finding apart)."""
         if not self.found:
             return Outcome.EQUIVALENT
         return Outcome.STEP_ERROR if self.error is not None else Outcome.NOT_EQUIVALENT
@@ -151,7 +156,7 @@ class SearchBase(ResultBase):
         found = self._searched() + self._shrunk()
         if self.error is not None:
             return headed(self.status, f"{found}: {(self.error.splitlines() or [''])[0]}")
-        return headed(self.kind or self.status, found + self._detail())
+        return headed(self.outcome or self.status, found + self._detail())
 
 
 def headed(status: Outcome, text: str) -> str:

@@ -100,7 +100,8 @@ class TensorDiff:
 
     step: int  # 1-based: after the step-th optimizer step
     name: str
-    kind: Literal["update", "buffer", "state"]
+    #: what the tensor holds: a parameter's "update", a "buffer", or optimizer "state"
+    quantity: Literal["update", "buffer", "state"]
     tier: Tier
     dtype: str
     max_abs_diff: float
@@ -154,8 +155,13 @@ class TensorDiff:
         return math.isfinite(self.max_abs_diff) and self.max_abs_diff <= self.allowed
 
     @property
+    def kind(self) -> Literal["update", "buffer", "state"]:
+        """The same as :attr:`quantity`; kept for code written before it."""
+        return self.quantity
+
+    @property
     def label(self) -> str:
-        what = {"update": "the update of", "buffer": "the buffer", "state": "the optimizer state"}[self.kind]
+        what = {"update": "the update of", "buffer": "the buffer", "state": "the optimizer state"}[self.quantity]
         return f"{what} '{self.name}'"
 
     def describe(self, micro_batches: int | None = None) -> str:
@@ -184,12 +190,12 @@ class TensorDiff:
                 f"{self.first_not_finite or '()'}"
             )
         elif not math.isnan(self.expected):
-            what = {"update": "update", "buffer": "change", "state": "value"}[self.kind]
+            what = {"update": "update", "buffer": "change", "state": "value"}[self.quantity]
             out.append(
                 f"At index {self.index or '()'}: full-batch {what} {self.expected:.6g}, "
                 f"the candidate's {self.actual:.6g}"
             )
-        if self.kind == "update" and not (self.nan_count or self.inf_count) and not math.isnan(self.update_ratio):
+        if self.quantity == "update" and not (self.nan_count or self.inf_count) and not math.isnan(self.update_ratio):
             if self.update_ratio == 0 and math.isnan(self.cosine):
                 out.append(
                     "No update: the candidate did not move this parameter (is optimizer.step() called, "
@@ -206,7 +212,7 @@ class TensorDiff:
         return {
             "step": self.step,
             "name": self.name,
-            "kind": self.kind,
+            "kind": self.quantity,
             "tier": self.tier,
             "dtype": self.dtype,
             "max_abs_diff": self.max_abs_diff,
@@ -384,12 +390,17 @@ class Verdict(Judgement):
         return Outcome.NOT_EQUIVALENT
 
     @property
-    def kind(self) -> Outcome:
+    def outcome(self) -> Outcome:
         """What kind of result: the status, with a failing precision finding told
         apart from a mathematical mismatch (PRECISION)."""
         if self.status is Outcome.NOT_EQUIVALENT and self.precision is not None:
             return Outcome.PRECISION
         return self.status
+
+    @property
+    def kind(self) -> Outcome:
+        """The same as :attr:`outcome`; kept for code written before it."""
+        return self.outcome
 
     @property
     def precision_only(self) -> bool:
@@ -420,10 +431,10 @@ class Verdict(Judgement):
         if not self.mismatches:
             return None
         first_step = min(d.step for d in self.mismatches)
-        kind_rank = {"update": 2, "state": 1, "buffer": 0}
+        quantity_rank = {"update": 2, "state": 1, "buffer": 0}
         at_step = [d for d in self.mismatches if d.step == first_step]
-        rank = max((kind_rank[d.kind], d.tier == "exact") for d in at_step)
-        ranked = [d for d in at_step if (kind_rank[d.kind], d.tier == "exact") == rank]
+        rank = max((quantity_rank[d.quantity], d.tier == "exact") for d in at_step)
+        ranked = [d for d in at_step if (quantity_rank[d.quantity], d.tier == "exact") == rank]
         # Tensors the bug moves by the same relative amount (weight decay applied
         # to a frozen layer's weight and bias: lr x decay each) tie up to rounding:
         # the first in the model's order wins, not whichever rounded up here.
@@ -467,10 +478,10 @@ class Verdict(Judgement):
             lines.append(f"Diverged at step {first.step} of {self.case.steps}, {first.tier} tier ({first.dtype}):")
             lines.append(first.describe(len(self.case.micro_batch_sizes)))
             lines += self._step_count_diagnosis(first.step)
-            kind_order = {"update": 0, "state": 1, "buffer": 2}
+            quantity_order = {"update": 0, "state": 1, "buffer": 2}
             others = sorted(
-                {(kind_order[d.kind], d.label, d.tier) for d in self.mismatches if d.step == first.step}
-                - {(kind_order[first.kind], first.label, first.tier)}
+                {(quantity_order[d.quantity], d.label, d.tier) for d in self.mismatches if d.step == first.step}
+                - {(quantity_order[first.quantity], first.label, first.tier)}
             )
             if others:
                 shown = ", ".join(f"{label} [{tier}]" for _, label, tier in others[:4])
@@ -498,7 +509,7 @@ class Verdict(Judgement):
         for diff in self.mismatches:
             counted_twice = (
                 diff.step == step
-                and diff.kind == "state"
+                and diff.quantity == "state"
                 and diff.name.endswith(":step")
                 and diff.expected > 0
                 and diff.actual != diff.expected
@@ -519,7 +530,7 @@ class Verdict(Judgement):
 
     def line(self) -> str:
         """One line: the outcome, the candidate, the case, and how far off (or how close) it came."""
-        return headed(self.kind, f"{self.candidate} on {self.case!r}{self.detail()}")
+        return headed(self.outcome, f"{self.candidate} on {self.case!r}{self.detail()}")
 
     def detail(self) -> str:
         """What :meth:`line` says after the case: the reasons, the worst ratio, or the first mismatch."""
@@ -541,7 +552,7 @@ class Verdict(Judgement):
         return {
             "candidate": self.candidate,
             "case": self.case.to_dict(),
-            "outcome": self.kind.value,
+            "outcome": self.outcome.value,
             "inherent": list(self.inherent),
             "not_applicable": list(self.not_applicable),
             "mismatches": [d.to_dict() for d in self.mismatches],

@@ -192,14 +192,14 @@ def _full_batch_sums(window: Window) -> list[float]:
     return [1.0 / total] * len(window.counts)
 
 
-def _kind_sums(kind: Kind) -> SumWeighting:
+def _kind_sums(failure_kind: Kind) -> SumWeighting:
     """A kind's weights of micro-batch means as weights of their sums (a mean is its sum / n_i)."""
 
     def weights(window: Window) -> list[float] | None:
         steps = len(window.counts)
-        if kind.needs_configured_n and (window.configured_n is None or steps >= window.configured_n):
+        if failure_kind.needs_configured_n and (window.configured_n is None or steps >= window.configured_n):
             return None  # a full window divided by N is the mean of means: only a shorter one is this kind
-        of_means = kind.weights(list(window.counts), window.configured_n or steps)
+        of_means = failure_kind.weights(list(window.counts), window.configured_n or steps)
         return [weight / count for weight, count in zip(of_means, window.counts, strict=True)]
 
     return weights
@@ -236,7 +236,7 @@ FULL_BATCH = Normaliser("full batch", _full_batch_sums, "every item weighted ali
 #: weightings under their own names (what equiv check's classifier calls them), the rest after them.
 NORMALISERS: tuple[Normaliser, ...] = (
     FULL_BATCH,
-    *(Normaliser(kind.name, _kind_sums(kind), *_KIND_CLAUSES[kind.name]) for kind in KINDS),
+    *(Normaliser(failure.name, _kind_sums(failure), *_KIND_CLAUSES[failure.name]) for failure in KINDS),
     Normaliser(
         "per-rank mean",
         _per_rank_mean_sums,

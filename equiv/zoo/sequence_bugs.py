@@ -31,8 +31,8 @@ __all__ = [
 ]
 
 
-def _loss_of(loss_fn: Any, kind: type, needs: str) -> Any:
-    if not isinstance(loss_fn, kind):
+def _loss_of(loss_fn: Any, loss_class: type, needs: str) -> Any:
+    if not isinstance(loss_fn, loss_class):
         raise TypeError(f"this step needs {needs}, got {loss_fn!r}")
     return loss_fn
 
