@@ -172,3 +172,25 @@ def test_the_steps_own_collectives_are_counted_apart_and_it_may_bring_a_comm_hoo
     assert "the step's own collectives (exact tier, most on any rank): step 1: all_reduce x1" in verdict.message()
     hooked = equiv.check_distributed(_hooked_accumulator_step, dcase)
     assert hooked and hooked.allreduces_per_step() == {1}, hooked.message()
+
+
+@pytest.mark.distributed
+def test_the_search_reads_the_witness_once_for_the_example_it_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every failing example a search shrinks through would pay one more launch of its ranks for a witness
+    # nobody reads: it is deferred while the search shrinks, and read once for the counterexample reported.
+    import equiv.checking.distributed as distributed
+
+    read: list[int] = []
+    original = distributed.rank_witnesses
+
+    def counted(*args: object, **kwargs: object) -> object:
+        read.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(distributed, "rank_witnesses", counted)
+    result = verify_distributed(local_mean_per_rank, models=("mlp",), max_examples=25, seed=0)
+    assert result.found and result.verdict is not None, result.message()
+    assert read == [1]
+    failing = [rank for rank in result.verdict.ranks if not rank]
+    assert failing and all(rank.witness is not None for rank in failing), result.message()
+    assert result.verdict.failure_kind is not None and result.verdict.failure_kind.name == "per-rank mean"

@@ -67,7 +67,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from equiv.cases.case import InvalidCase
 from equiv.cases.distributed import DistributedCase
-from equiv.checking.distributed_witness import rank_witnesses
+from equiv.checking.distributed_witness import WITNESS_READ, rank_witnesses
 from equiv.checking.failure_kinds import named_by
 from equiv.distributed.collectives import CollectiveCounts, StepCollectives
 from equiv.distributed.context_parallel import clear_layout, install_layout
@@ -461,7 +461,7 @@ class _Ranks:
         finding = precision_finding(verdicts, references, rerun_on_the_ranks, fails_because)
         if finding is not None:
             verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
-        if finding is None and not all(verdicts):
+        if finding is None and not all(verdicts) and WITNESS_READ.get():
             # Only after a failing verdict: which weight each rank's update gave each micro-batch (issue 44).
             witnesses = rank_witnesses(self.sent, self.dcase, self.engine, verdicts, self.launcher, self.timeout_s)
             verdicts = [

@@ -33,6 +33,7 @@ from typing_extensions import Unpack  # typing's from Python 3.11; equiv support
 from equiv.cases.case import Case
 from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict
 from equiv.checking.distributed_cases import RankFault, check_distributed_case
+from equiv.checking.distributed_witness import witness_deferred
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchOutcome, SearchRun, run_search
 from equiv.distributed.engines import DATA_PARALLEL_ENGINES, DEFAULT_ENGINE, engine_named
 from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
@@ -483,7 +484,9 @@ def verify_distributed(
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
     decider = _CaseDecider(candidate, timeout_s=timeout_s, train_dtype=train_dtype, strict=strict)
     run = SearchRun(max_examples=max_examples, seed=seed, progress=progress)
-    searched = _search(space, decider, run, clipping="max_grad_norm" in bound.keywords, name=bound.name)
+    searched = decider.witnessed(
+        _search(space, decider, run, clipping="max_grad_norm" in bound.keywords, name=bound.name)
+    )
     return searched.result(bound.name, space, seed, precision_notes=decider.precision_notes)
 
 
@@ -506,15 +509,8 @@ class _CaseDecider:
     precision_notes: int = 0
 
     def __call__(self, drawn: tuple[DistributedCase, str]) -> Failure[DistributedVerdict] | Discard | None:
-        dcase, engine = drawn
-        verdict = check_distributed_case(
-            self.candidate,
-            dcase,
-            engine=engine,
-            timeout_s=self.timeout_s,
-            train_dtype=self.train_dtype,
-            strict=self.strict,
-        )
+        with witness_deferred():  # while the search shrinks: the reported example's is read once, at the end
+            verdict = self.check(drawn)
         if isinstance(verdict, RankFault):
             return Failure(error=verdict.error, fault=verdict.fault, cause=verdict.cause)
         if verdict.status is Outcome.NOT_APPLICABLE:
@@ -524,6 +520,30 @@ class _CaseDecider:
         if verdict.precision_note or any(rank.precision_note for rank in verdict.ranks):
             self.precision_notes += 1
         return None
+
+    def check(self, drawn: tuple[DistributedCase, str]) -> DistributedVerdict | RankFault:
+        """The drawn case's verdict (or the ranks' fault), as :func:`check_distributed_case` gives it."""
+        dcase, engine = drawn
+        return check_distributed_case(
+            self.candidate,
+            dcase,
+            engine=engine,
+            timeout_s=self.timeout_s,
+            train_dtype=self.train_dtype,
+            strict=self.strict,
+        )
+
+    def witnessed(self, searched: _Searched) -> _Searched:
+        """``searched`` with its counterexample's verdict read again, witness and all (skipped while shrinking);
+        kept as it was when the rerun does not fail the same way."""
+        failure, example = searched.outcome.failure, searched.outcome.example
+        if failure is None or failure.verdict is None or example is None:
+            return searched
+        again = self.check(example)
+        if isinstance(again, RankFault) or again.status is not failure.verdict.status:
+            return searched
+        outcome = dataclasses.replace(searched.outcome, failure=Failure(verdict=again))
+        return dataclasses.replace(searched, outcome=outcome)
 
 
 @dataclass(frozen=True)

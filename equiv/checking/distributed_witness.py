@@ -16,7 +16,9 @@ no witness is read (the verdict stands without one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +36,22 @@ from equiv.judging.witness import recover_weights, witness
 from equiv.results.verdict import Verdict
 from equiv.results.witness import Witness
 
-__all__ = ["rank_witnesses", "witnessable"]
+__all__ = ["WITNESS_READ", "rank_witnesses", "witness_deferred", "witnessable"]
+
+#: Whether a failing distributed verdict reads its witness now (one more launch of the ranks).  A search sets it
+#: off while it shrinks (every failing example would pay that launch) and reads the witness of the one it reports.
+WITNESS_READ: ContextVar[bool] = ContextVar("equiv_distributed_witness_read", default=True)
+
+
+@contextlib.contextmanager
+def witness_deferred() -> Iterator[None]:
+    """Within it, a failing distributed verdict carries no witness (its ranks are not launched again for it)."""
+    token = WITNESS_READ.set(False)
+    try:
+        yield
+    finally:
+        WITNESS_READ.reset(token)
+
 
 #: What a rank sends back: (G_r, each micro-batch's loss-sum gradient, each micro-batch's items), or None.
 RankWindow = tuple[list[Tensor | None], list[list[Tensor | None]], list[float]] | None

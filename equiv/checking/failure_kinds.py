@@ -266,7 +266,8 @@ def agreeing(failure: FailureKind, witness: Witness | None) -> tuple[FailureKind
         matched = (failure.name, *failure.also)
         lead = next((name for name in named if name in matched), None)
         if lead is None:
-            return failure, witness  # the trajectories decide; the witness's clause still shows the first step's weights
+            # the trajectories decide; the witness's clause still shows the first step's weights
+            return failure, witness
         others = tuple(name for name in matched if name != lead)
         return FailureKind(lead, _KIND_NAMES[lead].means, also=others), _led_by(witness, lead)
     return (
