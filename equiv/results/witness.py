@@ -71,10 +71,8 @@ class Witness:
         """The one short clause a verdict's text line gains."""
         ratio = self.ratio()
         if self.run is None or ratio is None:
-            return (
-                f"the micro-batches' weights are {NOT_IDENTIFIABLE}: their gradients are linearly dependent "
-                f"(Gram condition {self.condition:.1e})"
-            )
+            # The condition number stays in ``condition``: past identifiability its digits are rounding, not a fact.
+            return f"the micro-batches' weights are {NOT_IDENTIFIABLE}: their gradients are linearly dependent"
         if self.normaliser == NOT_A_REWEIGHTING:
             return (
                 f"{NOT_A_REWEIGHTING} of micro-batches: the best one leaves {self.residual:.0%} of the gradient "
