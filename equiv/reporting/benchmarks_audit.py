@@ -59,6 +59,7 @@ def audit_section(raw: dict[str, Any]) -> list[str]:
         *_audit_run_lines(raw),
         *_audit_ddp_lines(raw),
         *_audit_witness_lines(raw),
+        "",  # a table ends before the next section's heading
     ]
 
 
