@@ -158,10 +158,8 @@ def test_fsdp2_failing_windows_carry_the_witness_of_a_per_rank_mean(two_ranks: d
         assert weights["run"] == pytest.approx(_applied_per_rank_means(2, index), rel=0.01), result["summary"]
         assert "per-rank mean" in weights["normaliser"].split(" or "), weights
         assert weights["residual"] < 1e-6, weights  # float32 run's rounding: a re-weighting, nothing else
-    assert (
-        "per-rank mean" in result["summary"].splitlines()[1]
-        or "each rank's loss divided by its own items" in (result["summary"].splitlines()[1])
-    )
+    first = result["summary"].splitlines()[1]
+    assert "per-rank mean" in first or "each rank's loss divided by its own items" in first, first
     assert all("weights" not in w for w in two_ranks["fsdp2_global_tokens"]["audit"]["windows"])
 
 
@@ -171,9 +169,9 @@ def test_the_fsdp2_witness_sends_one_float64_pass_per_micro_batch_and_the_gram(t
     correct_window, remainder = divmod(two_ranks["fsdp2_global_tokens"]["communicated"], 3)
     pass64, odd = divmod(correct_window - 8 - 8, 2)
     assert remainder == odd == 0
-    # a failing one: the truth, three float32 floor samples (half a float64 pass a micro-batch, and the item
-    # count), four decisions
-    failing_window = (2 * pass64 + 8) + 3 * (2 * pass64 // 2 + 8) + 4 * 8
+    # a failing one: the truth, three float32 floor samples (2 micro-batches at half a float64 pass each, and the
+    # item count), four decisions
+    failing_window = (2 * pass64 + 8) + 3 * (pass64 + 8) + 4 * 8
 
     def witness(k: int) -> int:
         """The witness of a window of k micro-batches (every rank's, with items), all float64: each rank's

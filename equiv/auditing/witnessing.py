@@ -138,8 +138,9 @@ def _sharded_gradients(
     replica = ranks.sharded_replica(replay.template, window.start_params, window.start_buffers, torch.float64)
     params = dict(replica.named_parameters())
     passes = [(owner, index) for owner, count in enumerate(per_rank) for index in range(count)]
-    # a rank's pass on another's micro-batch runs one of its own with items (finite: the window's verdict was),
-    # else its first, times zero; FSDP2 averages its reduce-scatter over the ranks, so the owner's is times the world
+    # a rank's pass on another's micro-batch runs one of its own (with items if it has one) and back-propagates
+    # zero times its output (never its loss: a loss over no item may be NaN, and NaN times zero is no zero);
+    # FSDP2 averages its reduce-scatter over the ranks, so the owner's loss sum is taken times the world
     idle = mine[0] if mine else 0
     shards: list[Tensor] = []
     items = torch.zeros(len(passes), dtype=torch.float64)  # each micro-batch's items, known to its owner only
@@ -149,8 +150,10 @@ def _sharded_gradients(
         replica.zero_grad(set_to_none=True)
         with ranks.counting_fsdp():
             output = replay.output_of(replay.call_model(replica, cast_to(window.calls[position], torch.float64)))
-            summed = replay.loss.sum(output.to(torch.float64), targets[position])
-            (summed * (float(ranks.world_size) if owned else 0.0)).backward()
+            if owned:
+                (replay.loss.sum(output.to(torch.float64), targets[position]) * float(ranks.world_size)).backward()
+            else:
+                (output.sum() * 0.0).backward()
         shards.append(torch.cat([_local_gradient(param).reshape(-1) for param in params.values()]))
         items[number] = counts[position] if owned else 0.0
     if passes:
