@@ -134,6 +134,65 @@ def test_fsdp2_ranks_compare_their_own_shards(two_ranks: dict[str, Any]) -> None
     assert two_ranks["fsdp2_global_tokens"]["communicated"] > 3 * 16
     off = two_ranks["fsdp2_sync_left_off"]["summary"].splitlines()[1]
     assert "update 0x the full-batch one (not moved)" in off, off  # sync left off: the shards never got a gradient
+    # ... so no gradient to re-weight: no witness (not weights of 0)
+    assert all("weights" not in window for window in two_ranks["fsdp2_sync_left_off"]["audit"]["windows"])
+
+
+def _applied_per_rank_means(world: int, window: int) -> list[float]:
+    """The weights a per-rank token mean gives each micro-batch's loss sum: 1/(R N_r), its rank's tokens N_r
+    (a micro-batch with no token has no gradient to weigh: left out), in rank order."""
+    script = _torchrun_script()
+    applied = []
+    for rank in range(world):
+        counts = [script.tokens(labels) for _, labels in script.rank_windows(rank, world)[window]]
+        applied += [1 / (world * sum(counts)) for count in counts if count]
+    return applied
+
+
+def test_fsdp2_failing_windows_carry_the_witness_of_a_per_rank_mean(two_ranks: dict[str, Any]) -> None:
+    # issue 44: each rank's shard of every rank's micro-batch gradient, the Gram summed over the shards
+    result = two_ranks["fsdp2_rank_token_mean"]
+    for index, window in enumerate(result["audit"]["windows"]):
+        weights = window.get("weights")
+        assert weights is not None, result["summary"]
+        assert weights["run"] == pytest.approx(_applied_per_rank_means(2, index), rel=0.01), result["summary"]
+        assert "per-rank mean" in weights["normaliser"].split(" or "), weights
+        assert weights["residual"] < 1e-6, weights  # float32 run's rounding: a re-weighting, nothing else
+    first = result["summary"].splitlines()[1]
+    assert "per-rank mean" in first or "each rank's loss divided by its own items" in first, first
+    assert all("weights" not in w for w in two_ranks["fsdp2_global_tokens"]["audit"]["windows"])
+
+
+def test_the_fsdp2_witness_sends_one_float64_pass_per_micro_batch_and_the_gram(two_ranks: dict[str, Any]) -> None:
+    # a correct window sends the float64 truth's FSDP2 all-gathers and reduce-scatters (one pass a micro-batch,
+    # 2 micro-batches), its item count and one decision (8 bytes each): from it, one float64 pass's bytes
+    correct_window, remainder = divmod(two_ranks["fsdp2_global_tokens"]["communicated"], 3)
+    pass64, odd = divmod(correct_window - 8 - 8, 2)
+    assert remainder == odd == 0
+    # a failing one: the truth, three float32 floor samples (2 micro-batches at half a float64 pass each, and the
+    # item count), four decisions
+    failing_window = (2 * pass64 + 8) + 3 * (pass64 + 8) + 4 * 8
+
+    def witness(k: int) -> int:
+        """The witness of a window of k micro-batches (every rank's, with items), all float64: each rank's
+        micro-batch count and whether any rank got a gradient, one pass per micro-batch, their items, the
+        shards' Gram, right-hand side, norm and element count: never a whole gradient."""
+        return (2 + 1) * 8 + k * pass64 + k * 8 + (k * k + k + 1 + 1) * 8
+
+    # 2 micro-batches a rank, the second window's with no token on the last rank (left out)
+    expected = 3 * failing_window + witness(4) + witness(3) + witness(4)
+    assert two_ranks["fsdp2_rank_token_mean"]["communicated"] == expected
+
+
+def _torchrun_script() -> Any:
+    """tests/data/audit_under_torchrun.py as a module (its data: each rank's windows)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("audit_under_torchrun", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_a_tensor_parallel_model_is_refused_naming_what_to_use(two_ranks: dict[str, Any]) -> None:
@@ -154,6 +213,7 @@ def test_three_ranks(tmp_path: Path) -> None:
             "ddp_rank_token_mean",
             "fsdp2_sync_left_off",
             "buffer_scaled_by_index",
+            "fsdp2_rank_token_mean",
         ),
         tmp_path,
     )
@@ -161,9 +221,13 @@ def test_three_ranks(tmp_path: Path) -> None:
         good = audits[kind]["audit"]
         assert good["status"] == "equivalent" and good["judged"] == 3, audits[kind]["summary"]
         assert [rank["rank"] for rank in good["windows"][0]["ranks"]] == [0, 1, 2]
-    for kind in ("ddp_rank_token_mean", "fsdp2_sync_left_off", "buffer_scaled_by_index"):
+    for kind in ("ddp_rank_token_mean", "fsdp2_sync_left_off", "buffer_scaled_by_index", "fsdp2_rank_token_mean"):
         windows = audits[kind]["audit"]["windows"]
         assert all(window["status"] == "not_equivalent" for window in windows), audits[kind]["summary"]
+    # the witness over FSDP2's uneven shards (13 rows on 3 ranks): the same weights as the loop applied
+    for index, window in enumerate(audits["fsdp2_rank_token_mean"]["audit"]["windows"]):
+        assert window["weights"]["run"] == pytest.approx(_applied_per_rank_means(3, index), rel=0.01), window
+        assert "per-rank mean" in window["weights"]["normaliser"].split(" or "), window
     # bytes per rank do not grow with the world: the same as on two ranks under DDP, fewer under FSDP2
     assert audits["ddp_global_tokens"]["communicated"] == 3 * _window_bytes(0)
     assert audits["fsdp2_global_tokens"]["communicated"] <= fsdp2_bytes_on_two_ranks(tmp_path)

@@ -12,7 +12,16 @@ Under DDP every rank holds the same ``G`` and its own micro-batches: the ranks' 
 into one zero-padded stack by the audit's own all-reduce, each rank then takes the Gram of one
 slice of the elements and the slices' Gram sums are reduced with the same all-reduce, so every
 rank names the same weights (none when the ranks hold different gradients: a sync left off).  A micro-batch with no item to count has a zero gradient (any weight
-fits it): it is left out.  An FSDP2 run (sharded replica) gets no witness yet.
+fits it): it is left out.
+
+Under FSDP2 each rank holds a shard of ``G`` (the local tensors of the DTensor gradients) and the Gram's
+inner products are sums over the shards.  This rank's shard of every rank's ``g_i`` comes from a float64
+copy sharded as the run's (the truth's :meth:`~equiv.auditing.ranks.Ranks.sharded_replica`): one
+forward and backward per micro-batch of any rank, every rank taking part (FSDP2's all-gathers and
+reduce-scatters are collectives), the micro-batch's owner back-propagating its loss sum times the world
+(FSDP2 averages what it reduce-scatters) and every other rank zero times one of its own, so each rank's
+shard is of that micro-batch's gradient alone; no rank holds a whole gradient, and no input leaves its
+rank.  The shards' Gram sums are then reduced by the audit's all-reduce.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from equiv.auditing.ranks import Ranks
+from equiv.auditing.ranks import Ranks, local
 from equiv.auditing.replay import RecordedWindow, WindowReplay, model_at
 from equiv.auditing.replay import _cast as cast_to  # floating tensors only, as the truth's replay casts
 from equiv.judging.witness import recover_weights, witness
@@ -101,6 +110,87 @@ def _same_on_every_rank(ranks: Ranks, accumulated: Tensor) -> bool:
     return spread <= 1e-12 * ranks.world_size * float(sums[1])
 
 
+def _per_rank(ranks: Ranks, count: int, *, stepped: bool) -> tuple[list[int], bool]:
+    """Every rank's micro-batch count (``count`` this rank's) and whether any rank's optimizer got a gradient
+    (``stepped`` this rank's), in one all-reduce."""
+    counts = torch.zeros(ranks.world_size + 1, dtype=torch.float64)
+    counts[ranks.rank] = count
+    counts[-1] = float(stepped)
+    ranks.all_reduce(counts)
+    return [int(each) for each in counts[:-1].tolist()], bool(counts[-1] > 0)
+
+
+def _sharded_gradients(
+    window: RecordedWindow, replay: WindowReplay, ranks: Ranks
+) -> tuple[list[str], list[Tensor], list[float], list[int]] | None:
+    """This rank's shard of the float64 loss-sum gradient of every rank's micro-batches (flat, the parameters
+    in the order of the names returned first, the micro-batches in rank order), their items and owners, on a
+    copy sharded as the run's: one pass per micro-batch of any rank, every rank in it (FSDP2's collectives),
+    only the owner's loss counted; micro-batches with no item left out.  None where no rank's optimizer got a
+    gradient (FSDP2's sync left off on every micro-batch: the shards were never reduce-scattered): no ``G``."""
+    targets = [cast_to(replay.targets_of(call), torch.float64) for call in window.calls]
+    counts = [float(replay.loss.count(target)) for target in targets]
+    mine = [position for position, count in enumerate(counts) if count > 0]
+    stepped = any(param.grad is not None for param in replay.model.parameters())
+    per_rank, anywhere = _per_rank(ranks, len(mine), stepped=stepped)
+    if not anywhere:
+        return None
+    replica = ranks.sharded_replica(replay.template, window.start_params, window.start_buffers, torch.float64)
+    params = dict(replica.named_parameters())
+    passes = [(owner, index) for owner, count in enumerate(per_rank) for index in range(count)]
+    # a rank's pass on another's micro-batch runs one of its own (with items if it has one) and back-propagates
+    # zero times its output (never its loss: a loss over no item may be NaN, and NaN times zero is no zero);
+    # FSDP2 averages its reduce-scatter over the ranks, so the owner's loss sum is taken times the world
+    idle = mine[0] if mine else 0
+    shards: list[Tensor] = []
+    items = torch.zeros(len(passes), dtype=torch.float64)  # each micro-batch's items, known to its owner only
+    for number, (owner, index) in enumerate(passes):
+        owned = owner == ranks.rank
+        position = mine[index] if owned else idle
+        replica.zero_grad(set_to_none=True)
+        with ranks.counting_fsdp():
+            output = replay.output_of(replay.call_model(replica, cast_to(window.calls[position], torch.float64)))
+            if owned:
+                (replay.loss.sum(output.to(torch.float64), targets[position]) * float(ranks.world_size)).backward()
+            else:
+                (output.sum() * 0.0).backward()
+        shards.append(torch.cat([_local_gradient(param).reshape(-1) for param in params.values()]))
+        items[number] = counts[position] if owned else 0.0
+    if passes:
+        ranks.all_reduce(items)
+    return list(params), shards, items.tolist(), [owner for owner, _ in passes]
+
+
+def _local_gradient(param: Tensor) -> Tensor:
+    """This rank's shard of ``param``'s gradient in float64 (zeros where it got none)."""
+    return _zero_or(None if param.grad is None else local(param.grad).detach().to(torch.float64), local(param))
+
+
+def _sharded_witness(window: RecordedWindow, replay: WindowReplay, ranks: Ranks) -> Witness | None:
+    """The witness of an FSDP2 run's failing window: ``G`` is this rank's shards of the run's gradient, the
+    ``g_i`` this rank's shards of every rank's micro-batches' (:func:`_sharded_gradients`), the Gram summed
+    over the shards by the audit's all-reduce; the same weights on every rank."""
+    gathered = _sharded_gradients(window, replay, ranks)
+    if gathered is None or not gathered[3]:
+        return None  # no gradient stepped, or no micro-batch with an item to count
+    names, shards, items, owners = gathered
+    run_params = dict(replay.model.named_parameters())
+    accumulated = torch.cat([_local_gradient(run_params[name]).reshape(-1) for name in names])
+    clipped = replay.max_grad_value is not None
+    if replay.max_grad_norm is not None:  # the run's global norm: its shards' squares summed over the ranks
+        squares = (accumulated @ accumulated).reshape(1)
+        ranks.all_reduce(squares)
+        clipped = clipped or _clip_acted(replay.max_grad_norm, math.sqrt(float(squares)))
+    recovered = recover_weights(shards, accumulated, all_reduce=ranks.all_reduce)
+    return witness(recovered, items, configured_n=None, ranks=owners, clipped=clipped)
+
+
+def _clip_acted(max_grad_norm: float, norm: float) -> bool:
+    """Whether a clip by norm acted: it leaves G at exactly the limit when it does; below it (0.1 % for the
+    run's rounding) it did not, and the weights are compared as they are, not only in direction."""
+    return norm >= max_grad_norm * (1 - _CLIP_ACTIVE_TOLERANCE)
+
+
 def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n: int | None) -> Witness | None:
     """The witness of a failing window: the weights the run applied to its micro-batches, named.
 
@@ -110,19 +200,18 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
         configured_n: the run's usual micro-batches per step (a shorter window may be "tail divided by N").
 
     Returns:
-        The :class:`~equiv.results.witness.Witness`, or None where none is made: an FSDP2 run (sharded
-        parameters), or a window with no item to count.  Under DDP every rank must call it together.
+        The :class:`~equiv.results.witness.Witness`, or None where none is made: a window with no item to
+        count, or DDP ranks holding different gradients.  Under DDP and FSDP2 every rank must call it together.
     """
     ranks = replay.ranks
     if ranks is not None and ranks.sharded:
-        return None
+        return _sharded_witness(window, replay, ranks)
     gradients, items = _micro_batch_gradients(window, replay)
     run_params = list(replay.model.parameters())
     norm = math.sqrt(sum(float(p.grad.detach().double().square().sum()) for p in run_params if p.grad is not None))
-    # A clip by norm leaves G at exactly the limit when it acts: below it (0.1 % for the run's rounding) it did
-    # not, and the weights are compared as they are, not only in direction (the scale is the clip's only then).
+    # only a clip that acted makes the weights comparable in direction only (the scale is the clip's then)
     clipped = replay.max_grad_value is not None or (
-        replay.max_grad_norm is not None and norm >= replay.max_grad_norm * (1 - _CLIP_ACTIVE_TOLERANCE)
+        replay.max_grad_norm is not None and _clip_acted(replay.max_grad_norm, norm)
     )
     if ranks is None:
         if not gradients:
