@@ -271,6 +271,20 @@ def test_fewer_parameters_than_micro_batches_is_not_identifiable() -> None:
     assert found.to_dict()["run"] is None and "not identifiable" in found.clause()
 
 
+def test_a_residual_past_naming_is_said_as_such_not_as_dependent_gradients() -> None:
+    # Two orthogonal micro-batch gradients (full rank), the run's gradient their sum plus 1 % of something
+    # else (a low-precision run's rounding, say): under the 5 % residual tolerance, but it moves the solved
+    # weights past the 0.1 % naming may trust.  The clause says that, not "linearly dependent".
+    first, second, other = torch.eye(3, dtype=torch.float64)
+    accumulated = first + second + 0.01 * math.sqrt(2) * other
+    recovered = recover_weights([first, second], accumulated)
+    assert recovered.weights is not None and recovered.rank == 2 and not recovered.identifiable
+    found = witness(recovered, [1, 1], configured_n=2)
+    assert found.normaliser == NOT_IDENTIFIABLE and found.run is None
+    assert "1.00% of the run's gradient is no re-weighting" in found.clause()
+    assert "linearly dependent" not in found.clause()
+
+
 def test_duplicated_micro_batches_are_not_identifiable() -> None:
     model, batches = _model(), _micro_batches(ROWS)
     batches = [*batches, batches[0]]

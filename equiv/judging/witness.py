@@ -339,8 +339,17 @@ def witness(
 
     if recovered.residual > residual_tolerance:
         return made(recovered.weights, NOT_A_REWEIGHTING, "the run's gradient is not a re-weighting of micro-batches")
-    if recovered.weights is None or not recovered.identifiable:
-        return made(None, NOT_IDENTIFIABLE, "the micro-batches' gradients are (nearly) linearly dependent")
+    if recovered.weights is None:
+        return made(None, NOT_IDENTIFIABLE, "their gradients are linearly dependent")
+    if not recovered.identifiable:
+        # Full rank, but the part of G no re-weighting explains (a low-precision run's rounding, say) moves the
+        # solved weights past what naming may trust: said as that, not as dependent gradients.
+        return made(
+            None,
+            NOT_IDENTIFIABLE,
+            f"{recovered.residual:.2%} of the run's gradient is no re-weighting of them (rounding of a low-precision "
+            "run, or a small difference of another kind), which leaves them uncertain past naming",
+        )
     naming = name_normaliser(
         recovered.weights, items, configured_n=configured_n, ranks=ranks, rows=rows, clipped=clipped
     )

@@ -71,8 +71,9 @@ class Witness:
         """The one short clause a verdict's text line gains."""
         ratio = self.ratio()
         if self.run is None or ratio is None:
-            # The condition number stays in ``condition``: past identifiability its digits are rounding, not a fact.
-            return f"the micro-batches' weights are {NOT_IDENTIFIABLE}: their gradients are linearly dependent"
+            # Why, in ``means`` (dependent gradients, or a residual past naming); the condition number stays in
+            # ``condition``: past identifiability its digits are rounding, not a fact.
+            return f"the micro-batches' weights are {NOT_IDENTIFIABLE}: {self.means}"
         if self.normaliser == NOT_A_REWEIGHTING:
             return (
                 f"{NOT_A_REWEIGHTING} of micro-batches: the best one leaves {self.residual:.0%} of the gradient "
