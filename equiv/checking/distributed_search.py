@@ -32,7 +32,7 @@ from typing_extensions import Unpack  # typing's from Python 3.11; equiv support
 
 from equiv.cases.case import Case
 from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict
-from equiv.checking.distributed_cases import RankFault, check_distributed_case
+from equiv.checking.distributed_cases import CaseLoop, RankFault
 from equiv.checking.distributed_witness import witness_deferred
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchOutcome, SearchRun, run_search
 from equiv.distributed.engines import DATA_PARALLEL_ENGINES, DEFAULT_ENGINE, engine_named
@@ -524,14 +524,8 @@ class _CaseDecider:
     def check(self, drawn: tuple[DistributedCase, str]) -> DistributedVerdict | RankFault:
         """The drawn case's verdict (or the ranks' fault), as :func:`check_distributed_case` gives it."""
         dcase, engine = drawn
-        return check_distributed_case(
-            self.candidate,
-            dcase,
-            engine=engine,
-            timeout_s=self.timeout_s,
-            train_dtype=self.train_dtype,
-            strict=self.strict,
-        )
+        loop = CaseLoop(engine=engine, timeout_s=self.timeout_s, train_dtype=self.train_dtype, strict=self.strict)
+        return loop.check(self.candidate, dcase)
 
     def witnessed(self, searched: _Searched) -> _Searched:
         """``searched`` with its counterexample's verdict read again, witness and all (skipped while shrinking);
