@@ -44,7 +44,7 @@ from equiv.peers.trl_objectives import (
     RewardPairs,
 )
 
-__all__ = ["SUBJECTS", "Subject", "run_subject", "subjects"]
+__all__ = ["SUBJECTS", "Subject", "preamble", "run_subject", "subjects"]
 
 #: the preference data: 7 items, micro-batches of 2, GA=2: windows of 2 + 2 and 2 + 1 items
 PROMPTS = ["ab", "cd", "efg", "h a", "bb", "gc", "da"]
@@ -485,7 +485,7 @@ def _all_subjects() -> list[Subject]:
         Subject("AsyncGRPOTrainer", "async GRPO", _async_grpo),
         Subject("GRPOTrainer[bnpo]", "GRPO", reason=BNPO_LOCAL),
         Subject(
-            "GRPOTrainer[dapo, steps_per_generation=4]", "GRPO", lambda: _grpo("dapo", GRPO_SPG), setup={"upstream": "trl #6024"}
+            "GRPOTrainer[dapo/steps_per_generation=4]", "GRPO", lambda: _grpo("dapo", GRPO_SPG), setup={"upstream": "trl #6024"}
         ),
     ]
     listed += [
@@ -520,3 +520,20 @@ def run_subject(subject: str, options: dict[str, Any] | None = None) -> SweepRow
     except ImportError as error:  # a trainer this TRL does not have
         return SweepRow(subject, entry.family, reason=f"importing the trainer: {type(error).__name__}: {error}")
     return SweepRow(subject, entry.family, audit=audit.to_dict(), setup={**entry.setup, **setup})
+
+
+def preamble() -> str:
+    """How the report's verdicts were made, and the releases (the report's own first lines)."""
+    releases = ", ".join(f"{package} {version}" for package, version in peers_trl.versions().items())
+    return (
+        f"Measured with {releases}, on the CPU, one thread (`tox -e sweep-trl`; regenerate with `equiv sweep trl "
+        "--out reports/sweep-trl.md`). Every trainer trains a one-layer Llama built from a config (a character "
+        "tokenizer built locally, nothing downloaded) with `gradient_accumulation_steps=2` over uneven item counts, "
+        "SGD without clipping, and is audited by `equiv.auditing.transformers_callback`: each micro-batch "
+        "`compute_loss` receives is recorded, and each optimizer step is replayed in float64 from its start weights "
+        "as the full-batch step of the objective the trainer documents (DPO, Reward: per pair; KTO: per example; "
+        "SFT, GKD, distillation: per token; GRPO: per its `loss_type`), then the trainer's float32 update is judged "
+        "against it with allowances derived from floating-point error. A NOT is that float64 computation's finding; "
+        "its witness gives the weight each micro-batch's loss sum got beside the full batch's. A trainer whose loss "
+        "is no item-weighted sum of its items gets the reason instead of a verdict."
+    )
