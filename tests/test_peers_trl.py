@@ -275,7 +275,9 @@ def _sweep_row(subject: str) -> Any:
 
 
 @needs_trl
-@pytest.mark.parametrize("subject", ["DPOTrainer[sigmoid]", "DPOTrainer[ipo]", "KTOTrainer[apo_zero_unpaired]", "RewardTrainer"])
+@pytest.mark.parametrize(
+    "subject", ["DPOTrainer[sigmoid]", "DPOTrainer[ipo]", "KTOTrainer[apo_zero_unpaired]", "RewardTrainer"]
+)
 def test_per_item_trainers_average_micro_batch_means_so_the_uneven_tail_window_is_not_equivalent(subject: str) -> None:
     row = _sweep_row(subject)
     first, tail = row.audit["windows"]
@@ -341,7 +343,8 @@ def test_the_sweep_report_has_a_summary_a_row_each_and_a_reproduction_per_not() 
         "step": 2,
         "items": [2, 1],
         "status": "not_equivalent",
-        "weights": {"run": [0.25, 0.5], "full_batch": [1 / 3, 1 / 3], "normaliser": "mean of means", "means": "m"},
+        "weights": {"run": [0.25, 0.5], "full_batch": [1 / 3, 1 / 3], "normaliser": "mean of means"},
+        "failure_kind": {"means": "each micro-batch's mean averaged"},
     }
     rows = [
         SweepRow("A", "X", audit={"status": "equivalent", "steps": 2, "windows": [{"status": "equivalent"}]}),

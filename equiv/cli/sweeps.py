@@ -18,7 +18,7 @@ def fan_out(
     function: Callable[..., Any],
     arguments: Sequence[tuple[Any, ...]],
     *,
-    address: str | None | bool = False,
+    address: str | bool | None = False,
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Any]:

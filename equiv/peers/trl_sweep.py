@@ -19,6 +19,7 @@ verdict (KTO's ``kto``: a KL estimate over each micro-batch; DPO's ``aot``: pair
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from equiv.auditing.replay import Call
 from equiv.auditing.trainers import transformers_callback
 from equiv.auditing.watch import Audit
 from equiv.losses.items import Loss
-from equiv.losses.policy import GRPO_LOSS_TYPES
+from equiv.losses.policy import GRPO_LOSS_TYPES, GRPOObjective
 from equiv.peers import trl as peers_trl
 from equiv.peers.sweep_rows import SweepRow
 from equiv.peers.trl_objectives import (
@@ -43,6 +44,7 @@ from equiv.peers.trl_objectives import (
     KTOExamples,
     RewardPairs,
 )
+from equiv.results.witness import Witness
 
 __all__ = ["SUBJECTS", "Subject", "preamble", "run_subject", "subjects"]
 
@@ -94,7 +96,7 @@ def _tensors(inputs: dict[str, Any]) -> dict[str, Tensor]:
 
 def _audited_training(
     build: Callable[[list[Any]], Any],
-    loss: Loss,
+    loss: Loss | GRPOObjective,
     call_model: Callable[[nn.Module, Call], Any],
     targets: Callable[[Call], Tensor],
     keep: Callable[[Any, dict[str, Any]], dict[str, Tensor]] = lambda trainer, inputs: _tensors(inputs),
@@ -115,12 +117,51 @@ def _audited_training(
         return compute_loss(model, inputs, *rest, **kwargs)
 
     trainer.compute_loss = recording
+    trainer.add_callback(_trainer_setting_callback(callback, trainer))
     with _stage("training"), peers_trl._quiet():
         trainer.train()
     if callback.audit is None:
         raise SubjectFailed("training", RuntimeError("the trainer never began training"))
     audit: Audit = callback.audit
     return audit
+
+
+def _setting_at_fault(trainer: Any) -> Callable[[Witness], str | None]:
+    """The TRL setting a failing window's witness points at, read from the trainer itself (the transformers
+    callback reads the model's ``accepts_loss_kwargs``, which TRL's ``loss_is_scaled_for_ga`` overrides)."""
+    name, steps = type(trainer).__name__, trainer.args.gradient_accumulation_steps
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    on_policy = float(getattr(trainer, "lmbda", 0.0) or 0.0)
+
+    def at_fault(witness: Witness) -> str | None:
+        if scaled is False and "mean of means" in witness.normaliser:
+            return (
+                f"{name}.loss_is_scaled_for_ga=False (trl PR #5710): the Trainer divides each micro-batch's mean loss "
+                f"by gradient_accumulation_steps={steps}, a mean of micro-batch means, not the window's mean where "
+                "its micro-batches hold unequal items"
+            )
+        if on_policy > 0 and witness.normaliser.startswith("uniform scale"):
+            return (
+                f"{name} lmbda={on_policy}: the Trainer counts num_items_in_batch on the data set's labels before "
+                "on-policy generation replaces them, and the loss divides the generated tokens' sum by that count "
+                "(trl #4719's normaliser, stale)"
+            )
+        return None
+
+    return at_fault
+
+
+def _trainer_setting_callback(callback: Any, trainer: Any) -> Any:
+    from transformers import TrainerCallback
+
+    class _TrainerSetting(TrainerCallback):  # type: ignore[misc,unused-ignore]
+        """Runs after the audit's callback has started the audit: tells it the trainer's own setting."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if callback.audit is not None:
+                callback.audit.setting_at_fault = _setting_at_fault(trainer)
+
+    return _TrainerSetting()
 
 
 def _batch(call: Call) -> dict[str, Tensor]:
@@ -233,7 +274,7 @@ def _kto() -> tuple[Audit, dict[str, Any]]:
 def _reward_model() -> nn.Module:
     from transformers import LlamaForSequenceClassification
 
-    config = peers_trl.tiny_policy().config
+    config: Any = peers_trl.tiny_policy().config
     config.num_labels = 1
     torch.manual_seed(0)
     model: nn.Module = LlamaForSequenceClassification(config)
@@ -398,7 +439,8 @@ def _async_grpo() -> tuple[Audit, dict[str, Any]]:
         with _stage("building the config"):
             config = AsyncGRPOConfig(**args)
         with _stage("building the model"):  # AsyncGRPOTrainer takes a model path only: the tiny model saved
-            peers_trl.tiny_policy().save_pretrained(output_dir + "/model")
+            policy: Any = peers_trl.tiny_policy()
+            policy.save_pretrained(output_dir + "/model")
             peers_trl.tiny_tokenizer().save_pretrained(output_dir + "/model")
         audit = _audited_training(
             lambda callbacks: AsyncGRPOTrainer(
@@ -471,7 +513,7 @@ GRPO_SPG = peers_trl.SPG_ABOVE_GA
 
 
 def _all_subjects() -> list[Subject]:
-    listed = [Subject(f"DPOTrainer[{lt}]", "DPO", lambda lt=lt: _dpo(lt)) for lt in (*DPO_PAIR_LOSSES, "sft")]
+    listed = [Subject(f"DPOTrainer[{lt}]", "DPO", functools.partial(_dpo, lt)) for lt in (*DPO_PAIR_LOSSES, "sft")]
     listed += [Subject(f"DPOTrainer[{lt}]", "DPO", reason=reason) for lt, reason in DPO_NOT_ITEM_WEIGHTED.items()]
     listed += [
         Subject("KTOTrainer[apo_zero_unpaired]", "KTO", _kto),
@@ -485,11 +527,14 @@ def _all_subjects() -> list[Subject]:
         Subject("AsyncGRPOTrainer", "async GRPO", _async_grpo),
         Subject("GRPOTrainer[bnpo]", "GRPO", reason=BNPO_LOCAL),
         Subject(
-            "GRPOTrainer[dapo/steps_per_generation=4]", "GRPO", lambda: _grpo("dapo", GRPO_SPG), setup={"upstream": "trl #6024"}
+            "GRPOTrainer[dapo/steps_per_generation=4]",
+            "GRPO",
+            lambda: _grpo("dapo", GRPO_SPG),
+            setup={"upstream": "trl #6024"},
         ),
     ]
     listed += [
-        Subject(f"GRPOTrainer[{lt}]", "GRPO", lambda lt=lt: _grpo(lt, peers_trl.DEFAULT))
+        Subject(f"GRPOTrainer[{lt}]", "GRPO", functools.partial(_grpo, lt, peers_trl.DEFAULT))
         for lt in GRPO_LOSS_TYPES
         if lt != "bnpo"
     ]

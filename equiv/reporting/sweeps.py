@@ -25,6 +25,7 @@ def markdown_table(lines: list[dict[str, Any]]) -> str:
 
     return _frame_table(pd.DataFrame(lines))
 
+
 _COLUMNS = ("equivalent", "not_equivalent", COULD_NOT_RUN)
 
 
@@ -73,7 +74,9 @@ def witness_clause(row: SweepRow) -> str:
     shown = "not identifiable" if run is None else "[" + ", ".join(f"{weight:.4g}" for weight in run) + "]"
     full = "[" + ", ".join(f"{weight:.4g}" for weight in weights["full_batch"]) + "]"
     setting = f"; setting: {failing['setting']}" if failing.get("setting") else ""
-    return f"{at}: weights {shown} vs full batch {full}: {weights['normaliser']} ({weights['means']}){setting}"
+    means = (failing.get("failure_kind") or {}).get("means")
+    meaning = f" ({means})" if means else ""
+    return f"{at}: weights {shown} vs full batch {full}: {weights['normaliser']}{meaning}{setting}"
 
 
 def _cell(text: str) -> str:
