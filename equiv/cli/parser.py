@@ -21,6 +21,7 @@ from equiv.cli.distributed import _cmd_check_distributed, _cmd_verify_distribute
 from equiv.cli.inputs import _names, _positive_int, _positive_seconds, _split, parse_bytes
 from equiv.cli.planning import _cmd_plan
 from equiv.cli.reports import _cmd_report_benchmarks, _cmd_report_equivalence, _cmd_report_peers
+from equiv.cli.sweeps import _cmd_sweep_trl
 from equiv.cost.workloads import WORKLOADS
 from equiv.distributed.engines import DEFAULT_ENGINE
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_distributed(commands)
     _add_plan(commands)
     _add_report(commands)
+    _add_sweep(commands)
     return parser
 
 
@@ -375,3 +377,31 @@ def _add_report_benchmarks(reports: argparse._SubParsersAction[argparse.Argument
         "one (repeat it for several, e.g. a CPU and a GPU run)",
     )
     benchmarks.set_defaults(handler=_cmd_report_benchmarks)
+
+
+def _add_sweep(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sweep_parser = commands.add_parser(
+        "sweep", help="train another library's subjects with gradient accumulation, each audited (issue 45)"
+    )
+    sweeps = sweep_parser.add_subparsers(dest="sweep", required=True, metavar="LIBRARY")
+    _add_sweep_trl(sweeps)
+
+
+def _sweep_flags(parser: argparse.ArgumentParser) -> None:
+    """``--only``, ``--format``, ``--out``: what every sweep takes."""
+    parser.add_argument("--only", type=_names, default=(), help="comma-separated subjects (default: every one)")
+    parser.add_argument(
+        "--format", choices=["markdown", "json"], default="markdown", help="the report (default) or the rows as JSON"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write there instead of stdout")
+
+
+def _add_sweep_trl(sweeps: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    trl = sweeps.add_parser(
+        "trl",
+        help="TRL's trainers (SFT, DPO, KTO, Reward, GRPO, GKD, distillation, async GRPO), needs trl",
+        description="Each of TRL's accumulating trainers (per loss_type) on a tiny model, gradient accumulation over "
+        "uneven item counts, audited against its documented full-batch objective; one row each.",
+    )
+    _sweep_flags(trl)
+    trl.set_defaults(handler=_cmd_sweep_trl)
