@@ -93,11 +93,12 @@ def test_a_correct_run_carries_no_witness_and_its_lines_are_unchanged() -> None:
 _TRAINER_LENGTHS = [[8, 7], [2, 1], [5, 5], [8, 6], [3, 8], [1, 1], [6, 2], [4, 4]]
 
 
-def _token_classification_trainer_run(*, loss_kwargs: bool) -> equiv.auditing.Audit:
+def _token_classification_trainer_run(*, loss_kwargs: bool, scaled: bool | None = None) -> equiv.auditing.Audit:
     """transformers' own GPT2ForTokenClassification (its loss: nn.CrossEntropyLoss's mean, which ignores the
     num_items_in_batch its forward's **kwargs take) under the Trainer on TrainingArguments' defaults (clipping
     at max_grad_norm=1.0 included), gradient_accumulation_steps=2, the rows in order; dropout off in the
-    config (the audit replays no dropout).  ``loss_kwargs=False``: behind a forward without **kwargs."""
+    config (the audit replays no dropout).  ``loss_kwargs=False``: behind a forward without **kwargs;
+    ``scaled``: the Trainer subclass's ``loss_is_scaled_for_ga`` (as TRL's DPO, KTO and Reward trainers set it)."""
     from transformers import GPT2Config, GPT2ForTokenClassification, Trainer, TrainingArguments
     from transformers.utils import logging as transformers_logging
 
@@ -122,6 +123,8 @@ def _token_classification_trainer_run(*, loss_kwargs: bool) -> equiv.auditing.Au
             rows.append({"input_ids": ids, "attention_mask": torch.ones(8, dtype=torch.long), "labels": labels})
 
     class InOrder(Trainer):  # type: ignore[misc,unused-ignore]
+        loss_is_scaled_for_ga = scaled
+
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> torch.utils.data.Sampler[int]:
             return torch.utils.data.SequentialSampler(rows)
 
@@ -179,6 +182,23 @@ def test_a_forward_without_loss_keywords_under_the_trainer_is_a_mean_of_means_na
         assert _direction(window.witness.run) == pytest.approx(_direction(applied), rel=0.01), window.line()
         assert "mean of means" in window.witness.normaliser.split(" or "), window.line()
         assert window.setting is not None and "model_accepts_loss_kwargs=False" in window.setting
+
+
+@pytest.mark.peers("transformers", "accelerate")
+def test_a_trainer_subclass_whose_loss_is_not_scaled_for_ga_is_named_by_that_setting_not_the_models() -> None:
+    """TRL's DPO, KTO and Reward trainers set loss_is_scaled_for_ga=False (trl PR #5710): the Trainer divides each
+    micro-batch's mean by the accumulation steps though the model takes num_items_in_batch; the setting at fault is
+    the subclass's, read from the Trainer itself (it does not hand itself to callbacks)."""
+    watched = _token_classification_trainer_run(loss_kwargs=True, scaled=False)
+    assert watched.read is not None and "loss_is_scaled_for_ga=False" in watched.read
+    assert "model_accepts_loss_kwargs" not in watched.read  # the subclass's setting replaces that rule
+    assert watched.failures, watched.summary()
+    for window in watched.failures:
+        assert window.witness is not None and window.witness.run is not None, window.line()
+        applied = [1 / (2 * n) for n in window.items]  # each mean divided by gradient_accumulation_steps=2
+        assert _direction(window.witness.run) == pytest.approx(_direction(applied), rel=0.01), window.line()
+        assert "mean of means" in window.witness.normaliser.split(" or "), window.line()
+        assert window.setting is not None and window.setting.startswith("InOrder.loss_is_scaled_for_ga=False")
 
 
 def _torchrun_script() -> Any:

@@ -91,6 +91,12 @@ def _meaning(key: str, value: Any) -> str:
             " (the Trainer divides each micro-batch's mean loss by gradient_accumulation_steps: a window of "
             "unequal token counts is not its full-batch step, transformers #37766)"
         )
+    if key == "loss_is_scaled_for_ga":
+        return (
+            " (set by the trainer: the Trainer divides each micro-batch's loss by gradient_accumulation_steps)"
+            if value is False
+            else " (set by the trainer: each micro-batch's loss used as is)"
+        )
     if key == "label_smoothing_factor":
         return " (the Trainer's loss is label-smoothed: loss= must name the same objective)"
     return ""
@@ -129,9 +135,11 @@ def transformers_callback(*, say: Callable[[str], None] | None = print, **settin
             optimizer: Any = None,
             **kwargs: Any,
         ) -> None:
-            read = _read_training_arguments(args, model)
+            trainer = _calling_trainer()
+            read = _read_training_arguments(args, model, trainer)
             self.audit = _start(model, optimizer, settings, read, "TrainingArguments", say)
-            self.audit.setting_at_fault = _transformers_setting_at_fault(read[0])
+            name = "Trainer" if trainer is None else type(trainer).__name__
+            self.audit.setting_at_fault = _transformers_setting_at_fault(read[0], name)
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.audit is not None:  # the epoch as a fraction (the Trainer's own count)
@@ -144,19 +152,54 @@ def transformers_callback(*, say: Callable[[str], None] | None = print, **settin
     return _TransformersAudit()
 
 
-def _read_training_arguments(args: Any, model: nn.Module | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What the Trainer does to the step, from its arguments: the clip norm it applies once per
-    step (``max_grad_norm > 0``), its accumulation, its mixed precision, and whether the model takes
-    the loss keywords (``num_items_in_batch``: the window's token count; without them the Trainer
-    divides each micro-batch's mean loss by the accumulation steps, transformers #37766)."""
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` whose callback handler is calling: the Trainer does not hand itself to its
+    callbacks, yet what it decides about the loss's scaling lives on it (``loss_is_scaled_for_ga``, set by
+    subclasses such as TRL's DPO, KTO and Reward trainers, transformers 5.19+; ``model_accepts_loss_kwargs``;
+    ``compute_loss_func``).  Found as ``self`` of a calling frame (``Trainer._inner_training_loop`` calls
+    ``callback_handler.on_train_begin``); None when no Trainer is among the nearest callers."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):  # on_train_begin <- call_event <- on_train_begin (handler) <- the training loop
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer):
+                return candidate
+        return None
+    finally:
+        del frame  # a frame held in a local keeps every caller's locals alive
+
+
+def _read_training_arguments(
+    args: Any, model: nn.Module | None, trainer: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the Trainer does to the step, from its arguments (and the Trainer itself, when found): the clip
+    norm it applies once per step (``max_grad_norm > 0``), its accumulation, its mixed precision, and
+    whether it divides each micro-batch's loss by the accumulation steps: it does unless the loss counts as
+    scaled (``loss_is_scaled_for_ga`` when a subclass sets it; else the model takes the loss keywords,
+    ``num_items_in_batch``: the window's token count, or a ``compute_loss_func`` is passed; transformers
+    #37766)."""
     norm = getattr(args, "max_grad_norm", None)
+    accepts = getattr(trainer, "model_accepts_loss_kwargs", None)
     shown = {
         "max_grad_norm": norm,
         "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", 1),
         "bf16": bool(getattr(args, "bf16", False)),
         "fp16": bool(getattr(args, "fp16", False)),
-        "model_accepts_loss_kwargs": _accepts_loss_kwargs(model),
+        "model_accepts_loss_kwargs": accepts if isinstance(accepts, bool) else _accepts_loss_kwargs(model),
     }
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if isinstance(scaled, bool):  # it replaces the rule above (transformers 5.19+)
+        del shown["model_accepts_loss_kwargs"]
+        shown["loss_is_scaled_for_ga"] = scaled
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        shown["compute_loss_func"] = getattr(
+            trainer.compute_loss_func, "__name__", type(trainer.compute_loss_func).__name__
+        )
     if getattr(args, "label_smoothing_factor", 0):
         shown["label_smoothing_factor"] = args.label_smoothing_factor
     return shown, {"max_grad_norm": clip_setting("max_grad_norm", norm)}
@@ -166,18 +209,37 @@ def _read_training_arguments(args: Any, model: nn.Module | None) -> tuple[dict[s
 _MEANS_SUMMED = ("sum without division", "mean of means", "tail divided by N")
 
 
-def _transformers_setting_at_fault(shown: dict[str, Any]) -> Callable[[Witness], str | None]:
-    """The Trainer's setting a failing window's witness points at, from what was read of its arguments: with
-    the loss keywords passed (``model_accepts_loss_kwargs=True``) the Trainer neither divides by the
+def _transformers_setting_at_fault(shown: dict[str, Any], trainer: str = "Trainer") -> Callable[[Witness], str | None]:
+    """The Trainer's setting a failing window's witness points at, from what was read: a subclass's
+    ``loss_is_scaled_for_ga`` decides first (``False``: each micro-batch's loss divided by the accumulation
+    steps, trl PR #5710; ``True``: used as is, so its loss had to divide by the window's items itself); else
+    with the loss keywords passed (``model_accepts_loss_kwargs=True``) the Trainer neither divides by the
     accumulation steps nor normalises itself, so micro-batch means summed are the model's loss ignoring
     ``num_items_in_batch`` (transformers #47688); without them the Trainer divides each micro-batch's mean by
     ``gradient_accumulation_steps`` (transformers #37766)."""
     accepts = shown.get("model_accepts_loss_kwargs")
+    scaled = shown.get("loss_is_scaled_for_ga")
     steps = shown.get("gradient_accumulation_steps")
 
     def at_fault(witness: Witness) -> str | None:
         if not set(witness.normaliser.split(" or ")) & set(_MEANS_SUMMED):
             return None
+        if scaled is False:
+            return (
+                f"{trainer}.loss_is_scaled_for_ga=False: the Trainer divides each micro-batch's mean loss by "
+                f"gradient_accumulation_steps={steps}, a mean of micro-batch means, not the window's mean where its "
+                "micro-batches hold unequal items (trl PR #5710)"
+            )
+        if scaled is True:
+            return (
+                f"{trainer}.loss_is_scaled_for_ga=True but its loss was not divided by the window's items "
+                "(num_items_in_batch): the Trainer uses each micro-batch's loss as is"
+            )
+        if "compute_loss_func" in shown:
+            return (
+                f"compute_loss_func={shown['compute_loss_func']} ignored num_items_in_batch (the Trainer passes it "
+                "and leaves the normalising to the function)"
+            )
         if accepts is True:
             return (
                 "model_accepts_loss_kwargs=True but the model's loss ignored num_items_in_batch (the Trainer "

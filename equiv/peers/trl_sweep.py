@@ -126,27 +126,23 @@ def _audited_training(
     return audit
 
 
-def _setting_at_fault(trainer: Any) -> Callable[[Witness], str | None]:
-    """The TRL setting a failing window's witness points at, read from the trainer itself (the transformers
-    callback reads the model's ``accepts_loss_kwargs``, which TRL's ``loss_is_scaled_for_ga`` overrides)."""
-    name, steps = type(trainer).__name__, trainer.args.gradient_accumulation_steps
-    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+def _setting_at_fault(
+    trainer: Any, fallback: Callable[[Witness], str | None] | None
+) -> Callable[[Witness], str | None]:
+    """The TRL setting a failing window's witness points at: GKD's on-policy ``lmbda`` (a token count taken
+    before generation), else what the transformers callback reads from the trainer (``loss_is_scaled_for_ga``,
+    trl PR #5710)."""
+    name = type(trainer).__name__
     on_policy = float(getattr(trainer, "lmbda", 0.0) or 0.0)
 
     def at_fault(witness: Witness) -> str | None:
-        if scaled is False and "mean of means" in witness.normaliser:
-            return (
-                f"{name}.loss_is_scaled_for_ga=False (trl PR #5710): the Trainer divides each micro-batch's mean loss "
-                f"by gradient_accumulation_steps={steps}, a mean of micro-batch means, not the window's mean where "
-                "its micro-batches hold unequal items"
-            )
         if on_policy > 0 and witness.normaliser.startswith("uniform scale"):
             return (
                 f"{name} lmbda={on_policy}: the Trainer counts num_items_in_batch on the data set's labels before "
                 "on-policy generation replaces them, and the loss divides the generated tokens' sum by that count "
                 "(trl #4719's normaliser, stale)"
             )
-        return None
+        return None if fallback is None else fallback(witness)
 
     return at_fault
 
@@ -159,7 +155,7 @@ def _trainer_setting_callback(callback: Any, trainer: Any) -> Any:
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if callback.audit is not None:
-                callback.audit.setting_at_fault = _setting_at_fault(trainer)
+                callback.audit.setting_at_fault = _setting_at_fault(trainer, callback.audit.setting_at_fault)
 
     return _TrainerSetting()
 
