@@ -172,15 +172,22 @@ def test_a_transformers_head_that_ignores_num_items_in_batch_is_witnessed_under_
     assert watched.summary().count("model_accepts_loss_kwargs=True but the model's loss ignored") == 1
 
 
-@pytest.mark.peers("transformers", "accelerate")
-def test_a_forward_without_loss_keywords_under_the_trainer_is_a_mean_of_means_named_as_such() -> None:
-    watched = _token_classification_trainer_run(loss_kwargs=False)
+def _means_divided_by_the_steps(watched: equiv.auditing.Audit) -> list[Any]:
+    """The failing windows, each witnessed as a mean of means: each micro-batch's mean divided by
+    gradient_accumulation_steps=2 (the directions of the weights within 1 %)."""
     assert watched.failures, watched.summary()
     for window in watched.failures:
         assert window.witness is not None and window.witness.run is not None, window.line()
         applied = [1 / (2 * n) for n in window.items]  # each mean divided by gradient_accumulation_steps=2
         assert _direction(window.witness.run) == pytest.approx(_direction(applied), rel=0.01), window.line()
         assert "mean of means" in window.witness.normaliser.split(" or "), window.line()
+    return watched.failures
+
+
+@pytest.mark.peers("transformers", "accelerate")
+def test_a_forward_without_loss_keywords_under_the_trainer_is_a_mean_of_means_named_as_such() -> None:
+    watched = _token_classification_trainer_run(loss_kwargs=False)
+    for window in _means_divided_by_the_steps(watched):
         assert window.setting is not None and "model_accepts_loss_kwargs=False" in window.setting
 
 
@@ -192,12 +199,7 @@ def test_a_trainer_subclass_whose_loss_is_not_scaled_for_ga_is_named_by_that_set
     watched = _token_classification_trainer_run(loss_kwargs=True, scaled=False)
     assert watched.read is not None and "loss_is_scaled_for_ga=False" in watched.read
     assert "model_accepts_loss_kwargs" not in watched.read  # the subclass's setting replaces that rule
-    assert watched.failures, watched.summary()
-    for window in watched.failures:
-        assert window.witness is not None and window.witness.run is not None, window.line()
-        applied = [1 / (2 * n) for n in window.items]  # each mean divided by gradient_accumulation_steps=2
-        assert _direction(window.witness.run) == pytest.approx(_direction(applied), rel=0.01), window.line()
-        assert "mean of means" in window.witness.normaliser.split(" or "), window.line()
+    for window in _means_divided_by_the_steps(watched):
         assert window.setting is not None and window.setting.startswith("InOrder.loss_is_scaled_for_ga=False")
 
 
