@@ -65,8 +65,9 @@ IDENTIFIABLE_UNCERTAINTY = NAMING_TOLERANCE / 10
 RESIDUAL_TOLERANCE = 0.05
 #: Rows split out of a window's micro-batches at most for the row refit (one backward each, on a failing window).
 MAX_ROWS = 512
-#: Elements of the k gradients stacked at once: 64 MiB of float64, whatever the model's size.
-_BUFFER_ELEMENTS = 1 << 23
+#: Elements of each gradient copied into the moments' block at once: 512 KiB of float64 a row, whatever the
+#: model's size (in cache, where the product reads it k+1 times).
+_CHUNK_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,12 @@ def _moments(gradients: Sequence[Gradient], accumulated: Gradient) -> tuple[Tens
                 f"gradients[{i}] has {len(pieces)} tensors, expected {len(target)} (one per tensor of accumulated)"
             )
     device = next((p.device for p in [*target, *(q for pieces in micro for q in pieces)] if p is not None), None)
-    moments = torch.zeros(k * k + k + 1, dtype=torch.float64, device=device)
-    gram, rhs, norm = moments[: k * k].view(k, k), moments[k * k : -1], moments[-1:]
-    chunk = max(1, _BUFFER_ELEMENTS // k)
+    largest = max((p.numel() for p in [*target, *(q for pieces in micro for q in pieces)] if p is not None), default=1)
+    # One (k+1) x chunk float64 buffer, G its last row, reused for every chunk of every tensor: one product gives
+    # the Gram, g_i·G and G·G together, on a block small enough to stay in cache, and nothing of the gradients'
+    # size is allocated (a fresh stack per tensor cost more than its product).
+    block = torch.empty(k + 1, max(1, min(largest, _CHUNK_ELEMENTS)), dtype=torch.float64, device=device)
+    products = torch.zeros(k + 1, k + 1, dtype=torch.float64, device=device)
     elements = 0
     for index, wanted in enumerate(target):
         parts = [pieces[index] for pieces in micro]
@@ -123,21 +127,17 @@ def _moments(gradients: Sequence[Gradient], accumulated: Gradient) -> tuple[Tens
             continue
         (size,) = sizes
         elements += size
-        for start in range(0, size, chunk):
-            stop = min(size, start + chunk)
-            rows = torch.stack(
-                [
-                    torch.zeros(stop - start, dtype=torch.float64, device=device)
-                    if part is None
-                    else part.detach().reshape(-1)[start:stop].to(device=device, dtype=torch.float64)
-                    for part in parts
-                ]
-            )
-            gram += rows @ rows.T
-            if wanted is not None:
-                column = wanted.detach().reshape(-1)[start:stop].to(device=device, dtype=torch.float64)
-                rhs += rows @ column
-                norm += column @ column
+        flats = [None if part is None else part.detach().reshape(-1) for part in [*parts, wanted]]
+        for start in range(0, size, block.shape[1]):
+            stop = min(size, start + block.shape[1])
+            rows = block[:, : stop - start]
+            for row, flat in zip(rows, flats, strict=True):
+                if flat is None:
+                    row.zero_()
+                else:
+                    row.copy_(flat[start:stop])
+            products.addmm_(rows, rows.T)
+    moments = torch.cat([products[:k, :k].reshape(-1), products[:k, k], products[k, k:]])
     return moments, elements
 
 
