@@ -88,20 +88,27 @@ class WindowJudge:
         # Only now, on a window already failed by its gradient's step (the same decision on every rank: ranks_off
         # is gathered), the witness: a passing window, a schedule's or a NaN's failure pays nothing for it.
         if verdict.judged and verdict.not_finite is None and (verdict.mismatches or verdict.ranks_off):
-            verdict = self._witnessed(verdict, recorded, replay, usual)
+            clips = tuple((name, after) for (name, _), after in zip(window.clips, window.clipped_after, strict=True))
+            verdict = self._witnessed(verdict, recorded, replay, usual, clips)
         return verdict
 
     @staticmethod
     def _witnessed(
-        verdict: WindowAudit, recorded: RecordedWindow, replay: WindowReplay, usual: int | None
+        verdict: WindowAudit,
+        recorded: RecordedWindow,
+        replay: WindowReplay,
+        usual: int | None,
+        clips: tuple[tuple[str, int], ...],
     ) -> WindowAudit:
         """``verdict`` with its witness.  In one process a witness that cannot be made (an error in the user's
         loss replayed per micro-batch, say) is said in the window's note and never replaces the verdict; under
         DDP every rank must reach the witness's collectives together, so an error there stays an error."""
         if replay.ranks is not None:
-            return dataclasses.replace(verdict, witness=window_witness(recorded, replay, configured_n=usual))
+            found = window_witness(recorded, replay, configured_n=usual, clips=clips)
+            return dataclasses.replace(verdict, witness=found)
         try:
-            return dataclasses.replace(verdict, witness=window_witness(recorded, replay, configured_n=usual))
+            found = window_witness(recorded, replay, configured_n=usual, clips=clips)
+            return dataclasses.replace(verdict, witness=found)
         except Exception as error:  # the verdict stands; what the witness could not do is said, not hidden
             said = f"no witness of the weights ({type(error).__name__}: {error})"
             return dataclasses.replace(verdict, note=said if verdict.note is None else f"{verdict.note}; {said}")

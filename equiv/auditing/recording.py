@@ -98,6 +98,8 @@ class WindowRecord:
     autocast: list[Autocast | None] = field(default_factory=list)
     #: the clip calls on the model's parameters: (torch's function, its limit)
     clips: list[tuple[str, float]] = field(default_factory=list)
+    #: per clip call, the forward calls recorded before it (fewer than the window's: it ran between micro-batches)
+    clipped_after: list[int] = field(default_factory=list)
     #: per recorded forward call, the shape and dtype of what the loss takes, when it could be read
     outputs: list[OutputSpec | None] = field(default_factory=list)
     #: the targets a criterion / wrapped loss received, one per its call

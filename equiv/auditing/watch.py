@@ -325,6 +325,7 @@ class Audit(AuditResult):
         own = {id(param) for param in self.model.parameters()}
         if self._window is not None and any(id(param) in own for param in parameters):
             self._window.clips.append((name, limit))
+            self._window.clipped_after.append(len(self._window.calls))
 
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # A fused optimizer stepped by a GradScaler is handed the scaler's found_inf and skips inside.

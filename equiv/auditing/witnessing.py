@@ -34,11 +34,21 @@ from torch import Tensor, nn
 from equiv.auditing.ranks import Ranks, local
 from equiv.auditing.replay import RecordedWindow, WindowReplay, model_at
 from equiv.auditing.replay import _cast as cast_to  # floating tensors only, as the truth's replay casts
-from equiv.judging.witness import recover_weights, witness
-from equiv.results.witness import Witness
+from equiv.judging.witness import (
+    MAX_ROWS,
+    Evidence,
+    explained,
+    recover_weights,
+    row_gradients,
+    row_residual,
+    witness,
+)
+from equiv.results.witness import NOT_A_REWEIGHTING, Witness
 
 __all__ = ["window_witness"]
 
+#: Why a multi-process witness says no row refit: the rows' gradients would be gathered from every rank.
+_ACROSS_RANKS = "rows are not split across ranks"
 #: A run's clipped gradient norm is the limit up to its rounding; a norm this far below it was not clipped.
 _CLIP_ACTIVE_TOLERANCE = 1e-3
 
@@ -166,7 +176,9 @@ def _local_gradient(param: Tensor) -> Tensor:
     return _zero_or(None if param.grad is None else local(param.grad).detach().to(torch.float64), local(param))
 
 
-def _sharded_witness(window: RecordedWindow, replay: WindowReplay, ranks: Ranks) -> Witness | None:
+def _sharded_witness(
+    window: RecordedWindow, replay: WindowReplay, ranks: Ranks, clips: tuple[tuple[str, int], ...] | None
+) -> Witness | None:
     """The witness of an FSDP2 run's failing window: ``G`` is this rank's shards of the run's gradient, the
     ``g_i`` this rank's shards of every rank's micro-batches' (:func:`_sharded_gradients`), the Gram summed
     over the shards by the audit's all-reduce; the same weights on every rank."""
@@ -182,7 +194,8 @@ def _sharded_witness(window: RecordedWindow, replay: WindowReplay, ranks: Ranks)
         ranks.all_reduce(squares)
         clipped = clipped or _clip_acted(replay.max_grad_norm, math.sqrt(float(squares)))
     recovered = recover_weights(shards, accumulated, all_reduce=ranks.all_reduce)
-    return witness(recovered, items, configured_n=None, ranks=owners, clipped=clipped)
+    found = witness(recovered, items, configured_n=None, ranks=owners, clipped=clipped)
+    return explained(found, Evidence(len(window.calls), clips, rows_unmeasured=_ACROSS_RANKS))
 
 
 def _clip_acted(max_grad_norm: float, norm: float) -> bool:
@@ -191,13 +204,21 @@ def _clip_acted(max_grad_norm: float, norm: float) -> bool:
     return norm >= max_grad_norm * (1 - _CLIP_ACTIVE_TOLERANCE)
 
 
-def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n: int | None) -> Witness | None:
+def window_witness(
+    window: RecordedWindow,
+    replay: WindowReplay,
+    *,
+    configured_n: int | None,
+    clips: tuple[tuple[str, int], ...] | None = None,
+) -> Witness | None:
     """The witness of a failing window: the weights the run applied to its micro-batches, named.
 
     Args:
         window: the window just stepped (its calls, its start).
         replay: how the run is replayed (the user's model, whose ``.grad`` still holds the run's ``G``).
         configured_n: the run's usual micro-batches per step (a shorter window may be "tail divided by N").
+        clips: each clip call the audit recorded in the window, (torch's function, the forward calls recorded
+            before it): the evidence of clipping between micro-batches (None: not watched).
 
     Returns:
         The :class:`~equiv.results.witness.Witness`, or None where none is made: a window with no item to
@@ -205,7 +226,7 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
     """
     ranks = replay.ranks
     if ranks is not None and ranks.sharded:
-        return _sharded_witness(window, replay, ranks)
+        return _sharded_witness(window, replay, ranks, clips)
     gradients, items = _micro_batch_gradients(window, replay)
     run_params = list(replay.model.parameters())
     norm = math.sqrt(sum(float(p.grad.detach().double().square().sum()) for p in run_params if p.grad is not None))
@@ -217,7 +238,8 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
         if not gradients:
             return None
         recovered = recover_weights(gradients, [p.grad for p in run_params])  # per parameter: nothing copied
-        return witness(recovered, items, configured_n=configured_n, clipped=clipped)
+        found = witness(recovered, items, configured_n=configured_n, clipped=clipped)
+        return explained(found, _evidence(window, replay, clips, found))
     accumulated = _flat_gradient(run_params)
     if not _same_on_every_rank(ranks, accumulated):
         return None  # the ranks stepped different gradients (a sync left off): no one G to re-weight
@@ -231,4 +253,45 @@ def window_witness(window: RecordedWindow, replay: WindowReplay, *, configured_n
     size = accumulated.numel()
     low, high = size * ranks.rank // ranks.world_size, size * (ranks.rank + 1) // ranks.world_size
     recovered = recover_weights([row[low:high] for row in stack], accumulated[low:high], all_reduce=ranks.all_reduce)
-    return witness(recovered, counts.tolist(), configured_n=None, ranks=owners, clipped=clipped)
+    found = witness(recovered, counts.tolist(), configured_n=None, ranks=owners, clipped=clipped)
+    return explained(found, Evidence(len(window.calls), clips, rows_unmeasured=_ACROSS_RANKS))
+
+
+def _evidence(
+    window: RecordedWindow, replay: WindowReplay, clips: tuple[tuple[str, int], ...] | None, found: Witness
+) -> Evidence:
+    """What supports one explanation of a failing window: its clip calls, and, only past the residual tolerance,
+    the residual of G refitted on every row's gradient of the declared loss (one more backward per row)."""
+    if found.normaliser != NOT_A_REWEIGHTING:
+        return Evidence(len(window.calls), clips)
+    try:
+        rows = _row_gradients(window, replay)
+    except ValueError as why:
+        return Evidence(len(window.calls), clips, rows_unmeasured=f"the rows were not split: {why}")
+    residual, why_not = row_residual(rows, [p.grad for p in replay.model.parameters()])
+    return Evidence(len(window.calls), clips, residual, f"the rows were not split: {why_not}")
+
+
+def _row_gradients(window: RecordedWindow, replay: WindowReplay) -> list[list[Tensor | None]]:
+    """Every row's float64 gradient of the declared loss sum at the window's start, micro-batch by micro-batch
+    (:func:`equiv.judging.witness.row_gradients`); rows with no item to count left out.
+
+    Raises:
+        ValueError: micro-batches whose output and targets cannot be split into rows, or more than MAX_ROWS rows.
+    """
+    model = model_at(replay.template, window, torch.float64)
+    params = list(model.parameters())
+    rows: list[list[Tensor | None]] = []
+    for call in window.calls:
+        target = cast_to(replay.targets_of(call), torch.float64)
+        if not float(replay.loss.count(target)) > 0:
+            continue
+        output = replay.output_of(replay.call_model(model, cast_to(call, torch.float64))).to(torch.float64)
+        if len(rows) + int(target.shape[0] if target.dim() else 0) > MAX_ROWS:
+            raise ValueError(f"more than {MAX_ROWS} rows in the window")
+        rows.extend(
+            gradient
+            for gradient, row in zip(row_gradients(output, target, replay.loss, params), target, strict=True)
+            if float(replay.loss.count(row.unsqueeze(0))) > 0
+        )
+    return rows

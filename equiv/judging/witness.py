@@ -25,25 +25,31 @@ named.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from equiv.results.witness import NOT_A_REWEIGHTING, NOT_IDENTIFIABLE, UNEXPLAINED, Witness
+from equiv.results.witness import CLIPPED_EACH, NOT_A_REWEIGHTING, NOT_IDENTIFIABLE, UNEXPLAINED, Witness
 from equiv.zoo.kinds import FULL_BATCH, NORMALISERS, Normaliser, Window
 
 __all__ = [
     "IDENTIFIABLE_UNCERTAINTY",
     "NAMING_TOLERANCE",
     "RESIDUAL_TOLERANCE",
+    "Evidence",
     "Gradient",
     "Naming",
     "Recovered",
+    "explained",
     "name_normaliser",
     "recover_weights",
+    "row_gradients",
+    "row_residual",
     "witness",
 ]
 
@@ -57,8 +63,11 @@ IDENTIFIABLE_UNCERTAINTY = NAMING_TOLERANCE / 10
 #: Past this relative residual the run's gradient is not a re-weighting of the micro-batches' (a float32 run's
 #: own rounding leaves ~1e-6; a bfloat16 autocast run's ~1e-2 is at the edge: pass a larger one for those).
 RESIDUAL_TOLERANCE = 0.05
-#: Elements of the k gradients stacked at once: 64 MiB of float64, whatever the model's size.
-_BUFFER_ELEMENTS = 1 << 23
+#: Rows split out of a window's micro-batches at most for the row refit (one backward each, on a failing window).
+MAX_ROWS = 512
+#: Elements of each gradient copied into the moments' block at once: 512 KiB of float64 a row, whatever the
+#: model's size (in cache, where the product reads it k+1 times).
+_CHUNK_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -102,9 +111,12 @@ def _moments(gradients: Sequence[Gradient], accumulated: Gradient) -> tuple[Tens
                 f"gradients[{i}] has {len(pieces)} tensors, expected {len(target)} (one per tensor of accumulated)"
             )
     device = next((p.device for p in [*target, *(q for pieces in micro for q in pieces)] if p is not None), None)
-    moments = torch.zeros(k * k + k + 1, dtype=torch.float64, device=device)
-    gram, rhs, norm = moments[: k * k].view(k, k), moments[k * k : -1], moments[-1:]
-    chunk = max(1, _BUFFER_ELEMENTS // k)
+    largest = max((p.numel() for p in [*target, *(q for pieces in micro for q in pieces)] if p is not None), default=1)
+    # One (k+1) x chunk float64 buffer, G its last row, reused for every chunk of every tensor: one product gives
+    # the Gram, g_i·G and G·G together, on a block small enough to stay in cache, and nothing of the gradients'
+    # size is allocated (a fresh stack per tensor cost more than its product).
+    block = torch.empty(k + 1, max(1, min(largest, _CHUNK_ELEMENTS)), dtype=torch.float64, device=device)
+    products = torch.zeros(k + 1, k + 1, dtype=torch.float64, device=device)
     elements = 0
     for index, wanted in enumerate(target):
         parts = [pieces[index] for pieces in micro]
@@ -115,21 +127,17 @@ def _moments(gradients: Sequence[Gradient], accumulated: Gradient) -> tuple[Tens
             continue
         (size,) = sizes
         elements += size
-        for start in range(0, size, chunk):
-            stop = min(size, start + chunk)
-            rows = torch.stack(
-                [
-                    torch.zeros(stop - start, dtype=torch.float64, device=device)
-                    if part is None
-                    else part.detach().reshape(-1)[start:stop].to(device=device, dtype=torch.float64)
-                    for part in parts
-                ]
-            )
-            gram += rows @ rows.T
-            if wanted is not None:
-                column = wanted.detach().reshape(-1)[start:stop].to(device=device, dtype=torch.float64)
-                rhs += rows @ column
-                norm += column @ column
+        flats = [None if part is None else part.detach().reshape(-1) for part in [*parts, wanted]]
+        for start in range(0, size, block.shape[1]):
+            stop = min(size, start + block.shape[1])
+            rows = block[:, : stop - start]
+            for row, flat in zip(rows, flats, strict=True):
+                if flat is None:
+                    row.zero_()
+                else:
+                    row.copy_(flat[start:stop])
+            products.addmm_(rows, rows.T)
+    moments = torch.cat([products[:k, :k].reshape(-1), products[:k, k], products[k, k:]])
     return moments, elements
 
 
@@ -354,3 +362,104 @@ def witness(
         recovered.weights, items, configured_n=configured_n, ranks=ranks, rows=rows, clipped=clipped
     )
     return made(recovered.weights, naming.name, naming.means, naming.formula)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What equiv recorded or measured of a failing window beyond its micro-batches' gradients, to say which
+    explanation a residual past the tolerance (or weights no normaliser explains) supports."""
+
+    #: the micro-batches of the window (a clip recorded after fewer of them ran between two of their backwards)
+    micro_batches: int
+    #: each clip call of the window on the model's parameters: (torch's function, the micro-batches recorded
+    #: before it); None where clip calls were not watched
+    clips: tuple[tuple[str, int], ...] | None = None
+    #: ||G - Σ w_r g_r|| / ||G|| over every row's (sequence's) gradient of the declared loss: a small one says
+    #: the weighting is per row; None where it was not measured
+    row_residual: float | None = None
+    #: why the rows were not split (where ``row_residual`` is None)
+    rows_unmeasured: str = "the rows were not split"
+
+    def clipped_between(self) -> tuple[str, ...]:
+        """The clip functions called before the window's last micro-batch ran (between its backwards)."""
+        return tuple(name for name, after in self.clips or () if after < self.micro_batches)
+
+
+def row_gradients(output: Tensor, target: Tensor, loss: Any, leaves: Sequence[Tensor]) -> list[list[Tensor | None]]:
+    """Each row's (sequence's) gradient of the declared loss sum, from one forward of a micro-batch: the loss
+    of ``output[r:r+1]`` against ``target[r:r+1]``, differentiated through the whole micro-batch's forward (so
+    a weighting of rows inside the micro-batch is a weighting of these).
+
+    Raises:
+        ValueError: output and target without one row dimension, or rows whose loss sums do not add up to the
+            micro-batch's (a loss that is not a sum over rows: packed or cross-row targets).
+    """
+    rows = int(target.shape[0]) if target.dim() else 0
+    if rows < 1 or output.dim() == 0 or int(output.shape[0]) != rows:
+        raise ValueError(f"output {tuple(output.shape)} and target {tuple(target.shape)} share no row dimension")
+    sums = [loss.sum(output[row : row + 1], target[row : row + 1]) for row in range(rows)]
+    whole = float(loss.sum(output, target).detach())
+    added = float(sum(float(each.detach()) for each in sums))
+    if abs(added - whole) > 1e-9 * max(abs(whole), 1e-300) + 1e-12:
+        raise ValueError(
+            f"the rows' loss sums add to {added:.6g}, the micro-batch's is {whole:.6g}: not a sum over rows"
+        )
+    return [list(torch.autograd.grad(each, list(leaves), retain_graph=True, allow_unused=True)) for each in sums]
+
+
+def row_residual(rows: Sequence[Gradient], accumulated: Gradient) -> tuple[float | None, str]:
+    """The residual of ``accumulated`` fitted on the rows' gradients, or None and why it says nothing: more
+    rows than half the gradient's elements span nearly any gradient."""
+    if not rows:
+        return None, "no row had an item to count"
+    elements = sum(piece.numel() for piece in _pieces(accumulated, "accumulated") if piece is not None)
+    if 2 * len(rows) > elements:
+        return None, f"{len(rows)} rows against {elements} gradient elements span nearly any gradient"
+    return recover_weights(rows, accumulated).residual, ""
+
+
+def explained(found: Witness, evidence: Evidence, *, residual_tolerance: float = RESIDUAL_TOLERANCE) -> Witness:
+    """``found`` with what ``evidence`` supports said: weights no normaliser explains from a run seen clipping
+    between micro-batches named :data:`~equiv.results.witness.CLIPPED_EACH`; a residual past the tolerance
+    explained by a clip recorded between micro-batches, else by a re-weighting of rows (a small row residual),
+    else as a different loss.  Only what was recorded or measured is said ("no clip call was recorded" too)."""
+    between = evidence.clipped_between()
+    if found.normaliser == UNEXPLAINED and between:
+        means = (
+            f"the running gradient clipped after each micro-batch ({len(between)} {_calls(between)} before the "
+            "window's last; transformers #986): earlier micro-batches scaled down more often"
+        )
+        return dataclasses.replace(found, normaliser=CLIPPED_EACH, means=means)
+    if found.normaliser != NOT_A_REWEIGHTING:
+        return found
+    by_value = [name for name, _ in evidence.clips or () if name == "clip_grad_value_"]
+    if between:
+        said = (
+            f"clipped per micro-batch: {len(between)} {_calls(between)} recorded before the window's last "
+            "micro-batch (a clip of some tensors or by value there is no re-weighting)"
+        )
+    elif by_value:
+        said = "clamped by value: clip_grad_value_ recorded after the last micro-batch (elementwise, no re-weighting)"
+    else:
+        seen = "" if evidence.clips is None else "no clip call was recorded between micro-batches, and "
+        if evidence.row_residual is None:
+            said = f"{seen}another loss or a weighting inside micro-batches ({evidence.rows_unmeasured})"
+        elif evidence.row_residual <= residual_tolerance:
+            said = (
+                f"a weighting of rows inside micro-batches: {seen}a re-weighting of each row's gradient of the "
+                f"declared loss leaves {evidence.row_residual:.2%} (a per-row or per-sequence normalisation of "
+                "its tokens)"
+            )
+        else:
+            said = (
+                f"a loss other than the declared one: {seen}no re-weighting of each row's gradient of the declared "
+                f"loss explains it either ({evidence.row_residual:.0%} left; weights of single tokens inside a row "
+                "were not fitted)"
+            )
+    return dataclasses.replace(found, explanation=said)
+
+
+def _calls(names: Sequence[str]) -> str:
+    """The clip functions of ``names`` as the count before it reads: "clip_grad_norm_ calls"."""
+    kinds = sorted(set(names))
+    return f"{' / '.join(kinds)} call{'s' if len(names) > 1 else ''}"

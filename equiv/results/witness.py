@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NOT_A_REWEIGHTING", "NOT_IDENTIFIABLE", "UNEXPLAINED", "Witness"]
+from equiv.zoo.kinds import PER_MICRO_BATCH_CLIPPING
+
+__all__ = ["CLIPPED_EACH", "NOT_A_REWEIGHTING", "NOT_IDENTIFIABLE", "UNEXPLAINED", "Witness"]
 
 #: The normaliser's name when the best re-weighting of the micro-batches leaves too much of the gradient unexplained.
 NOT_A_REWEIGHTING = "not a re-weighting"
@@ -26,6 +28,9 @@ NOT_A_REWEIGHTING = "not a re-weighting"
 NOT_IDENTIFIABLE = "not identifiable"
 #: The normaliser's name when the weights are recovered and no normaliser of the table gives them.
 UNEXPLAINED = "a re-weighting no known normaliser explains"
+#: The normaliser's name when no normaliser explains the weights and the run was seen clipping its running gradient
+#: before the window's last micro-batch (transformers #986): each clip scales every earlier micro-batch again.
+CLIPPED_EACH = PER_MICRO_BATCH_CLIPPING.name  # equiv check's kind of the same bug: one classifier
 
 
 def _ratio(value: float) -> str:
@@ -60,6 +65,9 @@ class Witness:
     ranks: tuple[int, ...] | None = None
     #: the condition number of the micro-batch gradients' Gram matrix (inf: singular)
     condition: float = 1.0
+    #: past the residual tolerance, what the recorded calls and the measured refits support (empty: nothing more
+    #: than the micro-batches' gradients was measured)
+    explanation: str = ""
 
     def ratio(self) -> float | None:
         """The run's weights over the full batch's, averaged over the micro-batches (None: not identifiable)."""
@@ -74,14 +82,20 @@ class Witness:
             # Why, in ``means`` (dependent gradients, or a residual past naming); the condition number stays in
             # ``condition``: past identifiability its digits are rounding, not a fact.
             return f"the micro-batches' weights are {NOT_IDENTIFIABLE}: {self.means}"
+        if self.normaliser == NOT_A_REWEIGHTING and self.explanation:
+            return (
+                f"{NOT_A_REWEIGHTING} of micro-batches: the best one leaves {self.residual:.0%} of the gradient "
+                f"unexplained; {self.explanation}"
+            )
         if self.normaliser == NOT_A_REWEIGHTING:
             return (
                 f"{NOT_A_REWEIGHTING} of micro-batches: the best one leaves {self.residual:.0%} of the gradient "
                 "unexplained (clipped per micro-batch or per tensor, another loss, per-token weights?)"
             )
-        if self.normaliser == UNEXPLAINED:
+        if self.normaliser in (UNEXPLAINED, CLIPPED_EACH):
             scaled = ", ".join(f"{run / full:.3g}" for run, full in zip(self.run, self.full_batch, strict=True))
-            return f"{UNEXPLAINED}: weights ({scaled})/N, the full batch 1/N each — {_ratio(ratio)} on average"
+            said = UNEXPLAINED if self.normaliser == UNEXPLAINED else self.means
+            return f"{said}: weights ({scaled})/N, the full batch 1/N each — {_ratio(ratio)} on average"
         return f"{self.means}: weights {self.formula}, the full batch 1/N — {_ratio(ratio)} on average"
 
     def to_dict(self) -> dict[str, Any]:
