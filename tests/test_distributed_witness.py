@@ -28,7 +28,7 @@ from equiv.distributed.context_parallel import layout
 from equiv.losses import item_count, loss_sum_and_count
 from equiv.results.protocol import schema
 from equiv.zoo.context_parallel_bugs import cp_global_token_count
-from equiv.zoo.distributed_bugs import local_token_mean_per_rank
+from equiv.zoo.distributed_bugs import FSDP2_BUGS, local_token_mean_per_rank
 
 TOKENS = equiv.Case(
     batch_size=1,
@@ -256,3 +256,21 @@ def test_a_search_defers_the_witness_under_fsdp2(monkeypatch: pytest.MonkeyPatch
         verdict = check_distributed(per_rank_token_mean, DistributedCase.of(TOKENS, ((1, 1), (2, 1))), engine="fsdp2")
     assert not verdict and launches == []
     assert all(rank.witness is None for rank in verdict.ranks)
+
+
+@pytest.mark.distributed
+def test_a_policys_precision_finding_under_fsdp2_reads_no_witness(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16-bit reduction that the rerun without the policy explains is precision, not a weighting: no witness (its
+    float64 rerun would weigh every item alike and call the kind unclassified)."""
+    entry = FSDP2_BUGS["bfloat16_reduce"]
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a precision outcome read a witness")
+
+    monkeypatch.setattr(distributed_module, "rank_witnesses", never)
+    case = SAMPLES.replace(model_kwargs={"hidden": (8,), "activation": "tanh"}, max_grad_norm=0.05)
+    verdict = check_distributed(
+        entry.candidate, DistributedCase.of(case, ((1, 2, 3), (2, 1, 1))), engine="fsdp2", mp_policy=entry.mp_policy
+    )
+    assert verdict.outcome == entry.expected == "precision", verdict.message()
+    assert all(rank.witness is None and rank.failure_kind is None for rank in verdict.ranks)

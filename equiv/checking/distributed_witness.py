@@ -197,10 +197,15 @@ class _WitnessTask:
         ready = window is not None and window.accumulated is not None and start is not None
         if window is not None and window.accumulated is not None:
             ready = ready and finite([window.accumulated])
-        readiness = torch.tensor([float(ready)], dtype=torch.float64)
+        stepped = (
+            window is not None and window.accumulated is not None and any(g is not None for g in window.accumulated)
+        )
+        readiness = torch.tensor([float(ready), float(stepped)], dtype=torch.float64)
         dist.all_reduce(readiness)
-        if int(readiness.item()) != dcase.world_size:
-            return None  # a rank never stepped there (or overflowed): every rank leaves together
+        if int(readiness[0].item()) != dcase.world_size or not readiness[1].item() > 0:
+            # a rank never stepped there (or overflowed), or no rank's optimizer got a gradient (FSDP2's sync left
+            # off on every micro-batch: nothing to re-weight): every rank leaves together
+            return None
         assert window is not None and window.accumulated is not None and start is not None
         model = case.build_model().module.to(device=torch.device(case.device), dtype=torch.float64)
         # built as the run builds it (autocast never lowers float64), so its names and FSDP2 units are the run's
@@ -285,13 +290,14 @@ def rank_witnesses(
     sharded = _sharded(dcase, engine)
     record = engine_named(engine)
     task = _WitnessTask(sent, dcase, record.apply, min(exact) - 1, sharded)  # a row's step is 1-based
-    fsdp_on_cuda = record.shards_parameters and dcase.case.device.startswith("cuda")
+    # the sharded fit's own sums (items, the Gram) are CPU tensors: on CUDA they need the CPU backend beside NCCL
+    sharded_on_cuda = sharded and dcase.case.device.startswith("cuda")
     try:
         windows: list[Any] = launcher(
             task,
             dcase.world_size,
             device=dcase.case.device,
-            backend="cpu:gloo,cuda:nccl" if fsdp_on_cuda else None,
+            backend="cpu:gloo,cuda:nccl" if sharded_on_cuda else None,
             timeout_s=timeout_s,
             describe=f"the witness of {dcase!r}",
             match_collectives=True,
