@@ -56,7 +56,7 @@ from equiv.distributed.engines import Apply, Wrapping, apply_fsdp, engine_named
 from equiv.distributed.launcher import DistributedCheckError, Launcher
 from equiv.distributed.sharding import full_tensors
 from equiv.judging.contract import bind
-from equiv.judging.runs import _Autocast  # the run's own wrapper: the replica's names and units are the run's
+from equiv.judging.runs import autocast_wrapped
 from equiv.judging.witness import NAMING_TOLERANCE, Recovered, recover_weights, witness
 from equiv.results.verdict import Verdict
 from equiv.results.witness import Witness
@@ -108,13 +108,17 @@ class _Units:
 
     def all(self) -> list[tuple[int, int]]:
         """(owner, micro-batch index) of every unit, in rank order."""
-        owners = range(self.dcase.world_size) if self.by_slice else range(self.dcase.data_ranks)
+        dcase = self.dcase
+        if self.by_slice:
+            return [
+                (rank, index)
+                for rank in range(dcase.world_size)
+                for index in range(len(dcase.rank_micro_batches(rank)))
+            ]
         return [
-            (owner, index)
-            for owner in owners
-            for index in range(
-                len(self.dcase.rank_micro_batches(owner) if self.by_slice else self.dcase.rank_micro_batch_sizes[owner])
-            )
+            (data_rank, index)
+            for data_rank, sizes in enumerate(dcase.rank_micro_batch_sizes)
+            for index in range(len(sizes))
         ]
 
     def data_rank(self, owner: int) -> int:
@@ -177,11 +181,13 @@ class _WitnessTask:
             bind(self.candidate),
             case,
             self.step,
+            {
+                "wrap_model": self._wrap,
+                "batch_slice": self.dcase.rank_slice(rank),
+                "micro_batch_sizes": self.dcase.rank_micro_batches(rank),
+                "catch_os_exit": False,
+            },
             on_start=gathered if self.sharded else None,
-            wrap_model=self._wrap,
-            batch_slice=self.dcase.rank_slice(rank),
-            micro_batch_sizes=self.dcase.rank_micro_batches(rank),
-            catch_os_exit=False,
         )
         if self.sharded:
             return self._fit_shards(rank, window, start[0] if start else None)
@@ -209,7 +215,7 @@ class _WitnessTask:
         assert window is not None and window.accumulated is not None and start is not None
         model = case.build_model().module.to(device=torch.device(case.device), dtype=torch.float64)
         # built as the run builds it (autocast never lowers float64), so its names and FSDP2 units are the run's
-        replica: nn.Module = _Autocast(model, case.autocast) if case.autocast is not None else model
+        replica = autocast_wrapped(model, case.autocast)
         persistent = replica.state_dict()
         replica.load_state_dict({name: value for name, value in start.items() if name in persistent})
         wrapping = self._wrapping()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Unpack
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -79,15 +79,16 @@ def capture(
     candidate: BoundCandidate,
     case: Case,
     step: int,
+    rank: RankOptions | None = None,
     *,
     on_start: Callable[[nn.Module], None] | None = None,
-    **rank: Unpack[RankOptions],
 ) -> CapturedStep | None:
     """The candidate run in float64 up to ``step``'s (0-based) optimizer step: what the witness reads there (None:
     the step never stepped its optimizer).  ``rank``: one rank's options (:class:`~equiv.judging.runs.RankOptions`);
     the replica is then the model before its engine wrapped it (DDP's parameters are the model's own).
     ``on_start``: given that model at the step's start instead of copying it (the replica is then the model
     itself): a sharded engine's parameters are DTensors, which the caller gathers (a collective) and rebuilds."""
+    rank = rank or {}
     seen: list[CapturedStep] = []
     calls = [0]
     unwrapped: list[nn.Module] = []
