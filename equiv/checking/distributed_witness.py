@@ -268,6 +268,7 @@ def _named(
             groups.setdefault((split.data_rank(owner), index), []).append(position)
         weights = recovered.weights
         common = [sum(weights[p] for p in members) / len(members) for members in groups.values()]
+        # one weight: the slices agree within what an identifiable fit resolves (a tenth of the naming tolerance)
         if all(
             abs(weights[p] - weight) <= NAMING_TOLERANCE / 10 * abs(weight)
             for weight, members in zip(common, groups.values(), strict=True)
