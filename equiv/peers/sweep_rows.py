@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from equiv.outcomes import Outcome
+from equiv.outcomes import Outcome, outcome_words
 
 __all__ = ["COULD_NOT_RUN", "SweepRow"]
 
@@ -50,6 +50,11 @@ class SweepRow:
         if self.audit is None:
             return COULD_NOT_RUN
         return str(self.audit["status"])
+
+    @property
+    def verdict(self) -> str:
+        """The outcome as a report's cell writes it ("not equivalent", "could not run")."""
+        return outcome_words(self.outcome)
 
     @property
     def status(self) -> Outcome | None:

@@ -89,7 +89,7 @@ def _rows_table(rows: Sequence[SweepRow]) -> str:
             {
                 "subject": f"`{row.subject}`",
                 "family": row.family,
-                "verdict": row.outcome.replace("_", " "),
+                "verdict": row.verdict,
                 "windows": ""
                 if row.audit is None
                 else " ".join(
