@@ -1,0 +1,243 @@
+"""``equiv sweep transformers`` (issue 45): every model class of the installed transformers whose forward
+computes a loss from its labels, built tiny, trained by the real ``Trainer`` with gradient accumulation on
+default ``TrainingArguments``, audited by :func:`equiv.auditing.transformers_callback`: one
+:class:`~equiv.peers.sweep_rows.SweepRow` a class.
+
+The classes are those of the auto mappings (:data:`equiv.peers.transformers_tiny.FAMILIES`: causal LM,
+masked LM, seq2seq LM, token and sequence classification, question answering, multiple choice,
+pre-training), the config class from ``CONFIG_MAPPING_NAMES``.  Each is audited against the loss its family
+declares, the float64 full-batch step of that loss over the window's items (the label tokens a token-level
+head counts, the labelled sequences a per-sequence head counts, the examples a question-answering head
+counts): the audit's verdict is the float64 check, and a failing window's witness names the weights the
+Trainer applied and the setting involved (``model_accepts_loss_kwargs``, transformers #47688 / #37766).
+
+A class's own failure never ends the sweep: it is a row whose reason names the stage ("building the
+config", "building the model", "training") and the exception's type and first line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from equiv.losses import CrossEntropy, Loss, NextTokenCrossEntropy, TokenCrossEntropy
+from equiv.peers.sweep_rows import SweepRow
+from equiv.peers.transformers_tiny import FAMILIES, SEQUENCE_LENGTH, family_rows, tiny_config
+
+__all__ = ["TRAINER_ARGUMENTS", "declared_loss", "fan_out", "run_subject", "subjects", "sweep"]
+
+#: The TrainingArguments set, beside the defaults: the accumulation under test, and what running on CPU in a
+#: temporary folder needs (no checkpoint, no reporting, no progress bar on the sweep's stderr).
+TRAINER_ARGUMENTS: dict[str, Any] = {
+    "gradient_accumulation_steps": 2,
+    "use_cpu": True,
+    "save_strategy": "no",
+    "report_to": "none",
+    "disable_tqdm": True,
+}
+#: One window audited in every ``_EVERY`` optimizer steps (3 epochs of one step each: steps 1 and 3 audited).
+_EVERY = 2
+
+
+def subjects(options: dict[str, Any]) -> list[tuple[str, str]]:
+    """The model classes swept, (class name, family), sorted by name; ``options["only"]`` (names) keeps those
+    alone, an unknown name refused in one line."""
+    from transformers.models.auto import modeling_auto
+
+    family_of: dict[str, str] = {}
+    for mapping, family in FAMILIES:
+        for name in getattr(modeling_auto, mapping, {}).values():
+            for class_name in (name,) if isinstance(name, str) else name:
+                family_of.setdefault(class_name, family)
+    only = list(options.get("only") or [])
+    unknown = [name for name in only if name not in family_of]
+    if unknown:
+        raise ValueError(
+            f"--only names no model class of the installed transformers' loss-computing heads: {', '.join(unknown)} "
+            f"(expected class names such as GPT2ForTokenClassification, LlamaForCausalLM)"
+        )
+    chosen = only or list(family_of)
+    return sorted((name, family_of[name]) for name in dict.fromkeys(chosen))
+
+
+def _config_class_of(class_name: str) -> type:
+    """The config class of a model class, from the auto mappings (model type -> config class name)."""
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    for mapping, _ in FAMILIES:
+        for model_type, name in getattr(modeling_auto, mapping, {}).items():
+            if class_name == name or (not isinstance(name, str) and class_name in name):
+                config_name = configuration_auto.CONFIG_MAPPING_NAMES[model_type]
+                return getattr(transformers, config_name)  # type: ignore[no-any-return]
+    raise KeyError(f"{class_name} is in none of the swept auto mappings")
+
+
+def _span_output(output: Any) -> Tensor:
+    """A question-answering head's start and end logits, (batch, positions, 2): the positions are the classes."""
+    return torch.stack([output.start_logits, output.end_logits], dim=-1)
+
+
+def _span_targets(call: tuple[tuple[Any, ...], dict[str, Any]]) -> Tensor:
+    """A question-answering call's start and end positions, (batch, 2)."""
+    kwargs = call[1]
+    return torch.stack([kwargs["start_positions"], kwargs["end_positions"]], dim=-1)
+
+
+def declared_loss(family: str) -> tuple[Loss, dict[str, Any]]:
+    """The loss a head of ``family`` computes, as an equiv loss with its items, and the audit's keywords that
+    read it from the call: next-token cross-entropy over the label tokens (causal LM); cross-entropy over the
+    label tokens (masked, seq2seq, token classification, pre-training); over the labelled sequences, -100 not
+    counted (sequence classification, multiple choice); a question-answering head's mean of its start and end
+    cross-entropies, over the examples (every position in range, so ``ignore_index`` never matches: each
+    example counts its two targets, the mean of the two means)."""
+    if family == "causal LM":
+        return NextTokenCrossEntropy(), {}
+    if family in ("masked LM", "seq2seq LM", "token classification", "pre-training"):
+        return TokenCrossEntropy(), {}
+    if family in ("sequence classification", "multiple choice"):
+        return CrossEntropy(ignore_index=-100), {}
+    if family == "question answering":
+        return CrossEntropy(ignore_index=SEQUENCE_LENGTH), {"output": _span_output, "targets": _span_targets}
+    raise ValueError(f"unknown family {family!r}; expected one of {[name for _, name in FAMILIES]}")
+
+
+def _reason(stage: str, exc: BaseException) -> str:
+    """One line: where, the exception's type and the first line of its message."""
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"{stage}: {type(exc).__name__}: {first}" if first else f"{stage}: {type(exc).__name__}"
+
+
+def _build(subject: str, family: str, seed: int) -> tuple[Any, dict[str, Any]]:
+    """The tiny model and the config fields set; raises with the stage named (``_Stage``)."""
+    import transformers
+
+    try:
+        config_class = _config_class_of(subject)
+        config, fields = tiny_config(config_class)
+    except Exception as exc:
+        raise _Stage("building the config", exc) from exc
+    try:
+        torch.manual_seed(seed)
+        model = getattr(transformers, subject)(config)
+    except Exception as exc:
+        raise _Stage("building the model", exc) from exc
+    built: dict[str, Any] = {"config_class": config_class.__name__, "config": fields}
+    # A dropout whose probability no config field reaches (a head's own constant): turned off here, by name in
+    # the receipt, since a mask drawn per forward makes no run the full-batch one (the audit would say so).
+    zeroed = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout) and module.p]
+    for name in zeroed:
+        model.get_submodule(name).p = 0.0
+    if zeroed:
+        built["dropout_modules_zeroed"] = zeroed
+    return model, built
+
+
+class _Stage(Exception):
+    """A subject's failure and the stage it failed at."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(stage)
+        self.stage, self.cause = stage, cause
+
+
+def _train(model: Any, family: str, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train ``model`` with the real Trainer on ``family``'s rows, audited; the audit's ``to_dict()`` and what
+    was read of the run (whether the Trainer passed the loss keywords)."""
+    from transformers import Trainer, TrainingArguments
+
+    from equiv.auditing.trainers import transformers_callback
+
+    loss, reading = declared_loss(family)
+    callback = transformers_callback(loss=loss, every=_EVERY, say=None, **reading)
+    rows = family_rows(family, seed)
+    with tempfile.TemporaryDirectory(prefix="equiv-sweep-") as folder:
+        args = TrainingArguments(output_dir=folder, **TRAINER_ARGUMENTS)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # the Trainer's end-of-training metrics line
+                trainer.train()
+        except BaseException as exc:
+            # training ended without on_train_end: end the audit here, so its hooks (on torch's functional
+            # losses among them) do not outlive this class and judge the next one's calls
+            if callback.audit is not None:
+                callback.audit.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+    if callback.audit is None:
+        raise RuntimeError("the Trainer never began training (the audit was not started)")
+    return callback.audit.to_dict(), {
+        "model_accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs),
+        "loss": repr(loss),
+    }
+
+
+def run_subject(subject: str, options: dict[str, Any]) -> SweepRow:
+    """One model class built tiny, trained and audited: its row (never raises for the class's own failure)."""
+    seed = int(options.get("seed", 0))
+    family = options.get("family") or dict(subjects({"only": [subject]}))[subject]
+    setup: dict[str, Any] = {"trainer_arguments": {"gradient_accumulation_steps": TRAINER_ARGUMENTS[
+        "gradient_accumulation_steps"]}}
+    try:
+        _quiet()
+        model, built = _build(subject, family, seed)
+        setup.update(built)
+        try:
+            audit, read = _train(model, family, seed)
+        except Exception as exc:
+            raise _Stage("training", exc) from exc
+    except _Stage as failed:
+        return SweepRow(subject, family, reason=_reason(failed.stage, failed.cause), setup=setup)
+    return SweepRow(subject, family, audit=audit, setup={**setup, **read})
+
+
+def _quiet() -> None:
+    """transformers' warnings (a tiny config's, a Trainer's on CPU) off the sweep's stderr; no download."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def fan_out(
+    function: Callable[..., Any],
+    arguments: Sequence[tuple[Any, ...]],
+    *,
+    address: str | None | bool = False,
+    workers: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[Any]:
+    """``equiv.distributed.fanout.fan_out``'s signature, in process (a plain loop): results in the order of
+    ``arguments``, ``progress(done, total, label)`` after each (label: the first argument)."""
+    if address is not False:
+        raise ValueError(f"this sweep runs in process (address=False), got address={address!r}")
+    results = []
+    for done, argument in enumerate(arguments, start=1):
+        results.append(function(*argument))
+        if progress is not None:
+            progress(done, len(arguments), str(argument[0]))
+    return results
+
+
+def sweep(options: dict[str, Any], progress: Callable[[int, int, str], None] | None = None) -> list[SweepRow]:
+    """Every subject's row, in :func:`subjects`' order."""
+    chosen = subjects(options)
+    arguments = [(name, {**options, "family": family}) for name, family in chosen]
+    return fan_out(run_subject, arguments, progress=progress)
+
+
+def timed(options: dict[str, Any]) -> tuple[list[SweepRow], list[float]]:
+    """The sweep's rows and each class's wall time in seconds (for the benchmark; not in the report)."""
+    rows, seconds = [], []
+    for name, family in subjects(options):
+        started = time.perf_counter()
+        rows.append(run_subject(name, {**options, "family": family}))
+        seconds.append(time.perf_counter() - started)
+    return rows, seconds
