@@ -18,6 +18,7 @@ config", "building the model", "training") and the exception's type and first li
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import tempfile
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from equiv.auditing.settings import default_output, default_targets
 from equiv.losses import CrossEntropy, Loss, NextTokenCrossEntropy, TokenCrossEntropy
 from equiv.peers.sweep_rows import SweepRow
 from equiv.peers.transformers_tiny import FAMILIES, SEQUENCE_LENGTH, family_rows, tiny_config
@@ -43,6 +45,9 @@ TRAINER_ARGUMENTS: dict[str, Any] = {
     "report_to": "none",
     "disable_tqdm": True,
 }
+#: A tiny model has tens of thousands of parameters; past this one a size field was left large, and the class
+#: is a reason row rather than minutes (or gigabytes) of the sweep.
+MAX_PARAMETERS = 2_000_000
 #: One window audited in every ``_EVERY`` optimizer steps (3 epochs of one step each: steps 1 and 3 audited).
 _EVERY = 2
 
@@ -92,6 +97,17 @@ def _span_targets(call: tuple[tuple[Any, ...], dict[str, Any]]) -> Tensor:
     return torch.stack([kwargs["start_positions"], kwargs["end_positions"]], dim=-1)
 
 
+def _declared_losses(family: str) -> list[tuple[Loss, dict[str, Any]]]:
+    """The losses a head of ``family`` may compute, the family's own first: a token-level head's labels are
+    shifted (a decoder-only model predicting the next token, some in the seq2seq mapping) or not."""
+    first = declared_loss(family)
+    if family == "causal LM":
+        return [first, (TokenCrossEntropy(), {})]
+    if isinstance(first[0], TokenCrossEntropy):
+        return [first, (NextTokenCrossEntropy(), {})]
+    return [first]
+
+
 def declared_loss(family: str) -> tuple[Loss, dict[str, Any]]:
     """The loss a head of ``family`` computes, as an equiv loss with its items, and the audit's keywords that
     read it from the call: next-token cross-entropy over the label tokens (causal LM); cross-entropy over the
@@ -110,6 +126,37 @@ def declared_loss(family: str) -> tuple[Loss, dict[str, Any]]:
     raise ValueError(f"unknown family {family!r}; expected one of {[name for _, name in FAMILIES]}")
 
 
+#: How close a head's own loss and a declared one must be to be the same objective: float32's rounding (heads
+#: upcast their logits to float32 for the loss, whatever the model's dtype), far below the gap between two
+#: objectives (a shifted and an unshifted cross-entropy differ by about 1e-3 of the loss on the rows swept).
+_SAME_LOSS = 1e-5
+
+
+def matching_loss(model: Any, family: str, rows: list[dict[str, Tensor]]) -> tuple[Loss, dict[str, Any]]:
+    """The family's loss that the head computes: its own loss on the first micro-batch, in float64 and without
+    the Trainer's ``num_items_in_batch``, equal to the declared loss's mean (to :data:`_SAME_LOSS`).  A head computing
+    another objective (a label smoothing, an auxiliary loss, labels read otherwise) is refused here, never
+    judged by a loss it does not train: the audit would flag a right run.  Raises ValueError naming both."""
+    from transformers import default_data_collator
+
+    batch = default_data_collator(rows[:8])
+    twin = copy.deepcopy(model).double().train()
+    with torch.no_grad():
+        output = twin(**batch)
+    own = getattr(output, "loss", None)
+    if not isinstance(own, Tensor):
+        raise ValueError(f"the forward returned no loss from {sorted(batch)}")
+    found = []
+    for loss, reading in _declared_losses(family):
+        logits = reading.get("output", default_output)(output)
+        targets = reading.get("targets", default_targets)(((), batch))
+        declared = float(loss.sum(logits, targets) / loss.count(targets))
+        if abs(declared - float(own)) <= _SAME_LOSS * max(1.0, abs(float(own))):
+            return loss, reading
+        found.append(f"{loss!r} {declared:.6g}")
+    raise ValueError(f"the head's own loss ({float(own):.6g} in float64) is none of {', '.join(found)}")
+
+
 def _reason(stage: str, exc: BaseException) -> str:
     """One line: where, the exception's type and the first line of its message."""
     first = (str(exc).strip().splitlines() or [""])[0][:200]
@@ -126,8 +173,16 @@ def _build(subject: str, family: str, seed: int) -> tuple[Any, dict[str, Any]]:
     except Exception as exc:
         raise _Stage("building the config", exc) from exc
     try:
+        model_class = getattr(transformers, subject)
+        with torch.device("meta"):  # counted before a byte is allocated: a size field not shrunk shows here
+            parameters = sum(p.numel() for p in model_class(config).parameters())
+        if parameters > MAX_PARAMETERS:
+            raise ValueError(
+                f"{parameters:,} parameters after shrinking, over the sweep's {MAX_PARAMETERS:,} (a size field "
+                "the generic shrinking does not know)"
+            )
         torch.manual_seed(seed)
-        model = getattr(transformers, subject)(config)
+        model = model_class(config)
     except Exception as exc:
         raise _Stage("building the model", exc) from exc
     built: dict[str, Any] = {"config_class": config_class.__name__, "config": fields}
@@ -156,9 +211,12 @@ def _train(model: Any, family: str, seed: int) -> tuple[dict[str, Any], dict[str
 
     from equiv.auditing.trainers import transformers_callback
 
-    loss, reading = declared_loss(family)
-    callback = transformers_callback(loss=loss, every=_EVERY, say=None, **reading)
     rows = family_rows(family, seed)
+    try:
+        loss, reading = matching_loss(model, family, rows)
+    except Exception as exc:
+        raise _Stage("checking the declared loss", exc) from exc
+    callback = transformers_callback(loss=loss, every=_EVERY, say=None, **reading)
     with tempfile.TemporaryDirectory(prefix="equiv-sweep-") as folder:
         args = TrainingArguments(output_dir=folder, **TRAINER_ARGUMENTS)
         trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
@@ -189,12 +247,11 @@ def run_subject(subject: str, options: dict[str, Any]) -> SweepRow:
         _quiet()
         model, built = _build(subject, family, seed)
         setup.update(built)
-        try:
-            audit, read = _train(model, family, seed)
-        except Exception as exc:
-            raise _Stage("training", exc) from exc
+        audit, read = _train(model, family, seed)
     except _Stage as failed:
         return SweepRow(subject, family, reason=_reason(failed.stage, failed.cause), setup=setup)
+    except Exception as exc:  # the Trainer's own, or the audit's refusal of what it recorded
+        return SweepRow(subject, family, reason=_reason("training", exc), setup=setup)
     return SweepRow(subject, family, audit=audit, setup={**setup, **read})
 
 

@@ -95,7 +95,9 @@ def shrunk_fields(defaults: dict[str, Any]) -> dict[str, Any]:
     class reads its own names, and one it does not know would be stored unread)."""
     fields: dict[str, Any] = {}
     for name, value in defaults.items():
-        if name in _SIZES and (value is None or isinstance(value, int)) and not isinstance(value, bool):
+        if isinstance(value, dict) and "model_type" in value:  # a sub-config (text_config, encoder): shrunk too
+            fields[name] = {**value, **shrunk_fields(value)}
+        elif name in _SIZES and (value is None or isinstance(value, int)) and not isinstance(value, bool):
             # a token id that is None stays None (the class has no such token); a size that is None (derived
             # from another field) is left for the constructor to derive from the tiny ones
             if value is not None:
