@@ -21,6 +21,7 @@ from equiv.cli.distributed import _cmd_check_distributed, _cmd_verify_distribute
 from equiv.cli.inputs import _names, _positive_int, _positive_seconds, _split, parse_bytes
 from equiv.cli.planning import _cmd_plan
 from equiv.cli.reports import _cmd_report_benchmarks, _cmd_report_equivalence, _cmd_report_peers
+from equiv.cli.sweeps import _cmd_sweep_transformers
 from equiv.cost.workloads import WORKLOADS
 from equiv.distributed.engines import DEFAULT_ENGINE
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_distributed(commands)
     _add_plan(commands)
     _add_report(commands)
+    _add_sweep(commands)
     return parser
 
 
@@ -375,3 +377,41 @@ def _add_report_benchmarks(reports: argparse._SubParsersAction[argparse.Argument
         "one (repeat it for several, e.g. a CPU and a GPU run)",
     )
     benchmarks.set_defaults(handler=_cmd_report_benchmarks)
+
+
+def _add_sweep(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sweep_parser = commands.add_parser(
+        "sweep", help="audit every subject of a library through its own trainer (transformers' heads)"
+    )
+    sweeps = sweep_parser.add_subparsers(dest="sweep", required=True, metavar="LIBRARY")
+    _add_sweep_transformers(sweeps)
+
+
+def _sweep_output_flags(parser: argparse.ArgumentParser) -> None:
+    """``--format`` / ``--out``: a sweep's report, markdown or its rows as JSON, on stdout or in a file."""
+    parser.add_argument(
+        "--format",
+        choices=("markdown", "json"),
+        default="markdown",
+        help="markdown (default): the report; json: the rows (subject, family, the audit's to_dict() or the reason)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write here (default: stdout)")
+
+
+def _add_sweep_transformers(sweeps: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    transformers = sweeps.add_parser(
+        "transformers",
+        help="every loss-computing head of the installed transformers, built tiny, trained by its Trainer with "
+        "gradient accumulation, audited (tox -e sweep-transformers)",
+    )
+    transformers.add_argument("--only", type=_names, default=None, metavar="A,B", help="these model classes alone")
+    transformers.add_argument(
+        "--sample",
+        action="store_true",
+        help="the CI sample (a few classes, both verdicts), rendered with only what every CPU computes alike",
+    )
+    _sweep_output_flags(transformers)
+    transformers.add_argument(
+        "--rows", type=Path, default=None, help="render the rows a --format json run saved instead of running the sweep"
+    )
+    transformers.set_defaults(handler=_cmd_sweep_transformers)

@@ -34,7 +34,7 @@ from equiv.losses import CrossEntropy, Loss, NextTokenCrossEntropy, TokenCrossEn
 from equiv.peers.sweep_rows import SweepRow
 from equiv.peers.transformers_tiny import FAMILIES, SEQUENCE_LENGTH, family_rows, tiny_config
 
-__all__ = ["TRAINER_ARGUMENTS", "declared_loss", "fan_out", "run_subject", "subjects", "sweep"]
+__all__ = ["TRAINER_ARGUMENTS", "audit_keywords", "declared_loss", "fan_out", "run_subject", "subjects", "sweep"]
 
 #: The TrainingArguments set, beside the defaults: the accumulation under test, and what running on CPU in a
 #: temporary folder needs (no checkpoint, no reporting, no progress bar on the sweep's stderr).
@@ -47,7 +47,7 @@ TRAINER_ARGUMENTS: dict[str, Any] = {
 }
 #: A tiny model has tens of thousands of parameters; past this one a size field was left large, and the class
 #: is a reason row rather than minutes (or gigabytes) of the sweep.
-MAX_PARAMETERS = 2_000_000
+MAX_PARAMETERS = 5_000_000
 #: One window audited in every ``_EVERY`` optimizer steps (3 epochs of one step each: steps 1 and 3 audited).
 _EVERY = 2
 
@@ -82,7 +82,8 @@ def _config_class_of(class_name: str) -> type:
         for model_type, name in getattr(modeling_auto, mapping, {}).items():
             if class_name == name or (not isinstance(name, str) and class_name in name):
                 config_name = configuration_auto.CONFIG_MAPPING_NAMES[model_type]
-                return getattr(transformers, config_name)  # type: ignore[no-any-return]
+                config_class: type = getattr(transformers, config_name)
+                return config_class
     raise KeyError(f"{class_name} is in none of the swept auto mappings")
 
 
@@ -155,6 +156,18 @@ def matching_loss(model: Any, family: str, rows: list[dict[str, Tensor]]) -> tup
             return loss, reading
         found.append(f"{loss!r} {declared:.6g}")
     raise ValueError(f"the head's own loss ({float(own):.6g} in float64) is none of {', '.join(found)}")
+
+
+def audit_keywords(family: str, loss: str) -> str:
+    """The callback's keywords as code, for a reproduction: ``loss`` (the repr of the loss the head was found
+    to compute), the audit's share, and a question-answering head's readers of its logits and positions."""
+    keywords = [f"loss=equiv.losses.{loss}" if loss else "loss=...", f"every={_EVERY}"]
+    if family == "question answering":
+        keywords += [
+            "output=lambda out: torch.stack([out.start_logits, out.end_logits], dim=-1)",
+            'targets=lambda call: torch.stack([call[1]["start_positions"], call[1]["end_positions"]], dim=-1)',
+        ]
+    return ", ".join(keywords)
 
 
 def _reason(stage: str, exc: BaseException) -> str:
@@ -234,6 +247,7 @@ def _train(model: Any, family: str, seed: int) -> tuple[dict[str, Any], dict[str
     return callback.audit.to_dict(), {
         "model_accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs),
         "loss": repr(loss),
+        "callback": audit_keywords(family, repr(loss)),
     }
 
 
@@ -241,8 +255,7 @@ def run_subject(subject: str, options: dict[str, Any]) -> SweepRow:
     """One model class built tiny, trained and audited: its row (never raises for the class's own failure)."""
     seed = int(options.get("seed", 0))
     family = options.get("family") or dict(subjects({"only": [subject]}))[subject]
-    setup: dict[str, Any] = {"trainer_arguments": {"gradient_accumulation_steps": TRAINER_ARGUMENTS[
-        "gradient_accumulation_steps"]}}
+    setup: dict[str, Any] = {"seed": seed, "trainer_arguments": dict(TRAINER_ARGUMENTS)}
     try:
         _quiet()
         model, built = _build(subject, family, seed)
@@ -267,7 +280,7 @@ def fan_out(
     function: Callable[..., Any],
     arguments: Sequence[tuple[Any, ...]],
     *,
-    address: str | None | bool = False,
+    address: str | bool | None = False,
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Any]:

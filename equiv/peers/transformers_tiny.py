@@ -53,9 +53,7 @@ _SIZES: dict[str, int] = {
         ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers"), _LAYERS
     ),
     **dict.fromkeys(("num_decoder_layers", "num_encoder_layers", "decoder_num_layers"), _LAYERS),
-    **dict.fromkeys(
-        ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads"), _HEADS
-    ),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads"), _HEADS),
     **dict.fromkeys(("decoder_attention_heads", "decoder_num_attention_heads"), _HEADS),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), _KV_HEADS),
     **dict.fromkeys(("head_dim", "d_kv", "attention_head_size", "kv_channels", "qk_rope_head_dim"), _HIDDEN // _HEADS),
@@ -70,14 +68,14 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("eos_token_id", "sep_token_id"), 2),
 }
 #: Fields set whatever the defaults hold: heads read them with ``getattr`` and a default of their own
-#: (``GPT2ForTokenClassification``: ``classifier_dropout``, else ``hidden_dropout``, else 0.1), and an
-#: encoder-decoder's decoder starts from ``decoder_start_token_id`` (T5's config has none until set).
-_ALWAYS: dict[str, Any] = {
-    "classifier_dropout": 0.0,
-    "hidden_dropout": 0.0,
-    "decoder_start_token_id": 1,
-    "pad_token_id": 0,  # a sequence-classification head finds each row's last token by it
-}
+#: (``GPT2ForTokenClassification``: ``classifier_dropout``, else ``hidden_dropout``, else 0.1), and a
+#: sequence-classification head finds each row's last token by ``pad_token_id``.
+_ALWAYS: dict[str, Any] = {"classifier_dropout": 0.0, "pad_token_id": 0}
+#: An encoder-decoder's decoder starts from ``decoder_start_token_id`` (T5's config has none until set).
+_ENCODER_DECODER: dict[str, Any] = {"decoder_start_token_id": 1}
+#: A mixture of experts runs its experts one by one: the grouped matrix product of the default implementation
+#: takes no float64, and the audit replays in float64.
+_EXPERTS: dict[str, Any] = {"experts_implementation": "eager"}
 #: Per-layer lists whose length must be the tiny layer count (the first entries kept).
 _PER_LAYER = ("layer_types", "block_types", "attention_layers", "mlp_only_layers", "layers_block_type")
 
@@ -106,7 +104,10 @@ def shrunk_fields(defaults: dict[str, Any]) -> dict[str, Any]:
             fields[name] = 0.0
         elif name in _PER_LAYER and isinstance(value, list) and len(value) > _LAYERS:
             fields[name] = value[:_LAYERS]
-    return {**fields, **{name: value for name, value in _ALWAYS.items() if defaults.get(name) is None}}
+    always = {**_ALWAYS, **(_ENCODER_DECODER if defaults.get("is_encoder_decoder") else {})}
+    if any("expert" in name for name in defaults):
+        always.update(_EXPERTS)
+    return {**fields, **{name: value for name, value in always.items() if defaults.get(name) is None}}
 
 
 def tiny_config(config_class: type) -> tuple[Any, dict[str, Any]]:
@@ -171,4 +172,3 @@ def family_rows(family: str, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """The training rows of a head of ``family`` (one of :data:`FAMILIES`' names), drawn from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     return [_row(family, generator, row) for row in range(ROWS)]
-
