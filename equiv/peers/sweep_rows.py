@@ -21,6 +21,23 @@ __all__ = ["COULD_NOT_RUN", "SweepRow"]
 COULD_NOT_RUN = "could_not_run"
 
 
+#: Tensor mismatches a row keeps of each window (the first says where; the rest, one per parameter of every
+#: failing window of hundreds of subjects, made a report's rows tens of megabytes); their count is kept.
+KEPT_MISMATCHES = 1
+
+
+def _kept(audit: dict[str, Any]) -> dict[str, Any]:
+    """The audit's dict with each window's ``mismatches`` cut to the first :data:`KEPT_MISMATCHES`, their
+    number in ``mismatched`` (idempotent: a row read back from JSON is kept the same)."""
+    windows = []
+    for window in audit.get("windows", []):
+        mismatches = window.get("mismatches")
+        if isinstance(mismatches, list) and len(mismatches) > KEPT_MISMATCHES:
+            window = {**window, "mismatches": mismatches[:KEPT_MISMATCHES], "mismatched": len(mismatches)}
+        windows.append(window)
+    return {**audit, "windows": windows} if "windows" in audit else audit
+
+
 @dataclass(frozen=True)
 class SweepRow:
     """One subject of a sweep: its verdict (the audit's result) or why it could not run."""
@@ -29,7 +46,8 @@ class SweepRow:
     subject: str
     #: the family it belongs to ("causal LM", "token classification", "DPO")
     family: str
-    #: the audit's ``AuditResult.to_dict()``; None when the subject could not run
+    #: the audit's ``AuditResult.to_dict()`` (each window's tensor mismatches cut to the first, their count in
+    #: ``mismatched``); None when the subject could not run
     audit: dict[str, Any] | None = None
     #: why the subject could not be built or run, one line; "" when it ran
     reason: str = ""
@@ -43,6 +61,8 @@ class SweepRow:
                 f"a sweep row holds either an audit or a reason, got audit={'set' if self.audit else None} "
                 f"and reason={self.reason!r} for {self.subject!r}"
             )
+        if self.audit is not None:
+            object.__setattr__(self, "audit", _kept(self.audit))
 
     @property
     def outcome(self) -> str:
