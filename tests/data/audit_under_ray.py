@@ -21,9 +21,9 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from audit_under_torchrun import ddp_loop, rank_windows, scenario
 
 import equiv
-from audit_under_torchrun import ddp_loop, rank_windows, scenario
 from equiv.auditing.runs import TinyLM
 
 
