@@ -18,24 +18,14 @@ import time
 from typing import Any
 
 import pytest
+from fanout_toy import noop, spin
 
 from equiv.distributed.fanout import fan_out
 from equiv.reporting.benchmarks_fanout import FANOUT_WORKERS, IN_PROCESS
 
-#: Pure-Python work (no torch in the worker: the engine's cost, not an import's); ~1 s on this machine's cores.
+#: Pure-Python work (benchmarks/fanout_toy.py: no torch in the worker, the engine's cost, not an import's); ~1 s
+#: on this machine's cores.
 TASK_ITERATIONS = 7_000_000
-
-
-def spin(subject: str, iterations: int) -> tuple[str, int]:
-    """A CPU-bound toy subject: a fixed amount of arithmetic, the same answer wherever it runs."""
-    total = 0
-    for value in range(iterations):
-        total = (total + value * value) % 1_000_003
-    return subject, total
-
-
-def noop(subject: str) -> str:
-    return subject
 
 
 def _timed(mode: str, arguments: list[tuple[str, int]]) -> tuple[float, list[Any]]:

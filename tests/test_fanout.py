@@ -146,3 +146,8 @@ def test_on_ray_a_task_past_its_timeout_is_named_and_cancelled() -> None:
     # the task sleeps 120 s: cancelled, and Ray shut down without it (the timeout leaves room for a fresh
     # worker's start-up, which imports torch: ~5 s on a busy 2-core machine)
     assert time.monotonic() - start < 60
+
+
+def test_no_arguments_start_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # Ray is not even imported for an empty fan-out
+    assert fan_out(raises_for, [], address=None) == []
