@@ -18,9 +18,10 @@ and at most ``workers`` run at once, so a task's clock starts when it is handed 
 :class:`FanOutError`, as is a task that raised (its exception's type and first line) or whose worker died.
 A task is named by its first argument when that is a string (a sweep's subject), else by its index.
 
-Ray's own cost, measured on a 2-core machine (ray 2.60.0): importing it ~0.3 s, starting a local Ray ~2.5 s,
-the first task on a fresh worker ~1 s (a Python process importing the task's module), shutting down ~1.4 s:
-worth it for tasks of a second or more (a sweep's subject), not for milliseconds.
+Ray's own cost, measured on a 2-core machine (ray 2.60.0): idle, importing it ~0.3 s, starting a local Ray
+~2.5 s, the first task on a fresh worker ~1 s (a Python process importing the task's module), shutting down
+~1.4 s; shared with other work (load 6-10), a one-task call 6-18 s in all. Worth it for many tasks of a second
+or more (a sweep's subjects), not for milliseconds; benchmarks/test_fanout_speed.py measures the rest.
 """
 
 from __future__ import annotations
