@@ -6,6 +6,7 @@ The Ray tests start a local Ray of 2 CPUs each (~5 s: start-up, first task, shut
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -151,3 +152,42 @@ def test_on_ray_a_task_past_its_timeout_is_named_and_cancelled() -> None:
 def test_no_arguments_start_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # Ray is not even imported for an empty fan-out
     assert fan_out(raises_for, [], address=None) == []
+
+
+@pytest.mark.slow
+def test_a_ray_address_is_joined_and_its_cluster_left_running() -> None:
+    """``--ray ADDRESS``: a cluster someone else started (here a local one in another process, its workers given
+    this checkout and this folder); fan_out joins it, and leaves it running when done."""
+    ray_module = pytest.importorskip("ray")
+    head = subprocess.Popen(
+        [sys.executable, "-c", HEAD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        # a loopback test cluster: no token to hand over (Ray's token authentication is for real clusters)
+        env={**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(filter(None, sys.path))},
+    )
+    try:
+        assert head.stdout is not None and head.stdin is not None
+        address = head.stdout.readline().strip()
+        assert address, "the head process printed no address"
+        calls, progress = _recorder()
+        results = fan_out(square_after, ARGUMENTS, address=address, workers=2, progress=progress)
+        assert [row[:2] for row in results] == [("a", 1), ("b", 4), ("c", 9), ("d", 16)]
+        assert sorted(label for _, _, label in calls) == ["a", "b", "c", "d"]
+        assert not ray_module.is_initialized()  # this process left the cluster...
+        assert head.poll() is None  # ... and the cluster it joined still runs
+    finally:
+        if head.stdin is not None:
+            head.stdin.close()  # the head shuts its Ray down and exits
+        head.wait(timeout=120)
+
+
+#: A process that starts a local Ray, prints its address and keeps it until its standard input closes.
+HEAD = """
+import logging, sys, ray
+ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, logging_level=logging.ERROR)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""

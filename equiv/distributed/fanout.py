@@ -146,9 +146,12 @@ def _start_ray(ray: Any, address: str | bool | None, workers: int | None) -> Non
     if isinstance(address, str):
         try:
             ray.init(address=address, **quiet)
-        except Exception as error:  # Ray's own message is many lines (a connection retried, a traceback)
+        except Exception as error:  # Ray's own message is many lines; its first cause says why (a token missing)
+            cause: BaseException = error
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
             raise ConnectionError(
-                f"fan_out: no Ray cluster joined at address={address!r}: {_first_line(error)}"
+                f"fan_out: no Ray cluster joined at address={address!r}: {_first_line(cause)}"
             ) from error
         return
     # The workers import the task's module by name: give them this process's path, which holds it. Through the
