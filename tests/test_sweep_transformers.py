@@ -110,6 +110,22 @@ def test_a_causal_lm_that_passes_num_items_in_batch_is_equivalent() -> None:
     assert [status for status, _, _ in _window_fields(row)] == ["equivalent", "equivalent"]
 
 
+def test_a_causal_lm_whose_loss_type_the_trainer_does_not_shift_for_is_a_count_off_by_one_per_row() -> None:
+    """transformers 5.24 counts num_items_in_batch over labels[..., 1:] only for a loss_type mapped to
+    ForCausalLMLoss; GPT2LMHeadModel's is not, so every row's first label is counted though its loss shifts
+    it away: each micro-batch's loss sum divided by N + rows (the witness, within 1 %), the setting named."""
+    from equiv.peers.transformers_sweep import run_subject
+
+    row = run_subject("GPT2LMHeadModel", {})
+    assert row.outcome == "not_equivalent" and row.audit is not None
+    for window in row.audit["windows"]:
+        weights, items = window["weights"], window["items"]
+        assert weights["normaliser"] == "count off by one per row", window["line"]
+        rows = 8 * len(items)  # 8 rows a micro-batch (the Trainer's default per_device_train_batch_size)
+        assert all(abs(weight * (sum(items) + rows) - 1) < 0.01 for weight in weights["run"]), weights
+        assert "loss_type=None is not ForCausalLM" in window["setting"]
+
+
 def test_a_class_that_cannot_run_is_a_row_naming_the_stage() -> None:
     from equiv.peers.transformers_sweep import run_subject
 

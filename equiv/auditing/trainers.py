@@ -196,6 +196,9 @@ def _read_training_arguments(
     if isinstance(scaled, bool):  # it replaces the rule above (transformers 5.19+)
         del shown["model_accepts_loss_kwargs"]
         shown["loss_is_scaled_for_ga"] = scaled
+    shifts = getattr(trainer, "_loss_shifts_labels", None)  # transformers 5.x: count labels[..., 1:] or labels
+    if shifts is False:
+        shown["loss_type"] = getattr(getattr(trainer, "model", None), "loss_type", None)
     if getattr(trainer, "compute_loss_func", None) is not None:
         shown["compute_loss_func"] = getattr(
             trainer.compute_loss_func, "__name__", type(trainer.compute_loss_func).__name__
@@ -205,6 +208,8 @@ def _read_training_arguments(
     return shown, {"max_grad_norm": clip_setting("max_grad_norm", norm)}
 
 
+#: The witness's name of weights 1/(N + rows): the items counted on labels before a causal LM's shift.
+_OFF_BY_ONE = "count off by one per row"
 #: The witness's names of a window whose micro-batch means were summed or averaged, not weighted by their items.
 _MEANS_SUMMED = ("sum without division", "mean of means", "tail divided by N")
 
@@ -222,7 +227,14 @@ def _transformers_setting_at_fault(shown: dict[str, Any], trainer: str = "Traine
     steps = shown.get("gradient_accumulation_steps")
 
     def at_fault(witness: Witness) -> str | None:
-        if not set(witness.normaliser.split(" or ")) & set(_MEANS_SUMMED):
+        named = set(witness.normaliser.split(" or "))
+        if _OFF_BY_ONE in named and "loss_type" in shown:
+            return (
+                f"the model's loss_type={shown['loss_type']!r} is not ForCausalLM, so the Trainer counted "
+                "num_items_in_batch over labels, not labels[..., 1:], though the model's loss shifts them: one "
+                "item too many per row (set the model's loss_type to 'ForCausalLM')"
+            )
+        if not named & set(_MEANS_SUMMED):
             return None
         if scaled is False:
             return (

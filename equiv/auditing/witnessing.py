@@ -71,14 +71,16 @@ def _zero_or(gradient: Tensor | None, param: Tensor) -> Tensor:
 
 def _micro_batch_gradients(
     window: RecordedWindow, replay: WindowReplay
-) -> tuple[list[list[Tensor | None]], list[float]]:
+) -> tuple[list[list[Tensor | None]], list[float], list[int] | None]:
     """Each micro-batch's float64 gradient of its loss sum at the window's start (its own tensors, one per
-    parameter: set to None before each backward, so none is copied), and its items; micro-batches with no
-    item to count left out."""
+    parameter: set to None before each backward, so none is copied), its items, and its rows where its
+    targets are per token (rows x positions: a count off by one per row, labels counted before the shift, is
+    then nameable; None otherwise); micro-batches with no item to count left out."""
     model = model_at(replay.template, window, torch.float64)
     params = list(model.parameters())
     gradients: list[list[Tensor | None]] = []
     items: list[float] = []
+    rows: list[int] | None = []
     for call in window.calls:
         target = cast_to(replay.targets_of(call), torch.float64)
         count = float(replay.loss.count(target))
@@ -89,7 +91,8 @@ def _micro_batch_gradients(
         replay.loss.sum(output.to(torch.float64), target).backward()
         gradients.append([p.grad for p in params])
         items.append(count)
-    return gradients, items
+        rows = [*rows, int(target.shape[0])] if rows is not None and target.dim() >= 2 else None
+    return gradients, items, rows
 
 
 def _gathered(ranks: Ranks, gradients: list[Tensor], items: list[float], size: int) -> tuple[Tensor, Tensor, list[int]]:
@@ -227,7 +230,7 @@ def window_witness(
     ranks = replay.ranks
     if ranks is not None and ranks.sharded:
         return _sharded_witness(window, replay, ranks, clips)
-    gradients, items = _micro_batch_gradients(window, replay)
+    gradients, items, rows = _micro_batch_gradients(window, replay)
     run_params = list(replay.model.parameters())
     norm = math.sqrt(sum(float(p.grad.detach().double().square().sum()) for p in run_params if p.grad is not None))
     # only a clip that acted makes the weights comparable in direction only (the scale is the clip's then)
@@ -238,7 +241,7 @@ def window_witness(
         if not gradients:
             return None
         recovered = recover_weights(gradients, [p.grad for p in run_params])  # per parameter: nothing copied
-        found = witness(recovered, items, configured_n=configured_n, clipped=clipped)
+        found = witness(recovered, items, configured_n=configured_n, rows=rows, clipped=clipped)
         return explained(found, _evidence(window, replay, clips, found))
     accumulated = _flat_gradient(run_params)
     if not _same_on_every_rank(ranks, accumulated):
