@@ -15,6 +15,14 @@ micro-batches), so a step that divides by an N of its own ("tail divided by N"
 on a window shorter than it) is recognised from the weights themselves: when no
 normaliser explains them and they are ``1/(N n_i)`` for a whole N larger than
 the window, that N is the one the step divided by (:func:`implied_n`).
+
+What the witness says beside the weights is decided as the audit's is
+(:func:`equiv.judging.witness.explained`), from the step's own evidence: the
+clip calls the captured step made on the model's parameters
+(:mod:`equiv.judging.clip_calls`, the audit's watch of them), each with the
+backward passes before it (a clip followed by another backward clipped between
+micro-batches), and, only past the residual tolerance, a refit of ``G`` on every
+row's gradient of the case's loss at the step's start.
 """
 
 from __future__ import annotations
