@@ -18,26 +18,8 @@ import equiv
 from equiv.cases.standard import STANDARD_CASES
 from equiv.results.witness import CLIPPED_EACH, NOT_A_REWEIGHTING, Witness
 from equiv.zoo import bugs
-
-UNEVEN = equiv.Case(batch_size=10, micro_batch_sizes=(2, 3, 5), steps=2)
-#: sequences of different real-token counts (padding ignored), several to a micro-batch
-TOKENS = equiv.Case(
-    batch_size=8,
-    micro_batch_sizes=(1, 3, 4),
-    steps=2,
-    model="token_mlp",
-    loss="token_cross_entropy",
-    optimizer="Adam",
-    optimizer_kwargs={"lr": 1e-2},
-)
-
-#: what each explanation's clause says, by explanation
-SAYS = {
-    "clipped per micro-batch": "clipped per micro-batch: ",
-    "clipped after each micro-batch": "the running gradient clipped after each micro-batch",
-    "another loss": "a loss other than the declared one",
-    "rows": "a weighting of rows inside micro-batches",
-}
+from tests.test_witness_check import TOKENS, UNEVEN  # sequences of different real-token counts, several to a batch
+from tests.test_witness_residual import _says_only  # each clause names its explanation and none of the others
 
 Backward = Callable[[nn.Module, Tensor, Tensor, Any, float], None]  # model, inputs, targets, loss_fn, step's items
 
@@ -63,14 +45,6 @@ def _witness(step: Callable[..., None], case: equiv.Case) -> Witness:
     assert verdict.witness is not None, verdict.message()
     assert verdict.witness.clause() in verdict.line()  # the line a user reads says it
     return verdict.witness
-
-
-def _says_only(found: Witness, explanation: str) -> None:
-    clause = found.clause()
-    assert SAYS[explanation] in clause, clause
-    for other, words in SAYS.items():
-        if other != explanation:
-            assert words not in clause, clause
 
 
 def _summed(model: nn.Module, inputs: Tensor, targets: Tensor, loss_fn: Any, items: float) -> None:
