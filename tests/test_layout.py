@@ -39,7 +39,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 #: model's least-squares fits (pure numpy: the benchmarks report fits lines to numbers the benchmark run
 #: measured, arithmetic on a JSON file, as its docstring says).  Every other equiv module measures or
 #: imports something that does (checking, distributed, accumulator, zoo, cost, cases, peers, findings).
-RENDERING_INPUTS = {"equiv.findings.results", "equiv.peers.results", "equiv.cost.costmodel"}
+RENDERING_INPUTS = {"equiv.findings.results", "equiv.peers.results", "equiv.peers.sweep_rows", "equiv.cost.costmodel"}
 
 
 def _modules() -> dict[str, Path]:

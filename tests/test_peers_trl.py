@@ -337,7 +337,7 @@ def test_sweep_subjects_are_sorted_and_unknown_ones_refused() -> None:
 
 def test_the_sweep_report_has_a_summary_a_row_each_and_a_reproduction_per_not() -> None:
     from equiv.peers.sweep_rows import SweepRow
-    from equiv.reporting.sweeps import render_sweep
+    from equiv.reporting.sweeps import command_reproduction, render_sweep
 
     failing_window = {
         "step": 2,
@@ -351,20 +351,20 @@ def test_the_sweep_report_has_a_summary_a_row_each_and_a_reproduction_per_not() 
         SweepRow("B", "X", audit={"status": "not_equivalent", "steps": 2, "windows": [failing_window]}, setup={"k": 1}),
         SweepRow("C", "Y", reason="building the trainer: AssertionError: no CUDA"),
     ]
-    report = render_sweep(rows, "T", command="equiv sweep trl")
+    report = render_sweep(rows, title="T", preamble=[], reproduction=command_reproduction("equiv sweep trl"))
     summary = read_markdown_table(report.split("## Summary")[1].split("##")[0])
     assert summary[-1] == {
-        "family": "**all**",
+        "family": "all",
         "subjects": "3",
         "equivalent": "1",
-        "not equivalent": "1",
+        "NOT equivalent": "1",
+        "other verdict": "0",
         "could not run": "1",
-        "other": "0",
     }
     table = read_markdown_table(report.split("## Every subject")[1].split("##")[0])
     assert [row["verdict"] for row in table] == ["equivalent", "not equivalent", "could not run"]
-    assert "weights [0.25, 0.5] vs full batch [0.3333, 0.3333]: mean of means" in table[1]["witness or reason"]
-    assert "no CUDA" in table[2]["witness or reason"]
-    reproductions = report.split("## Reproductions (every NOT)")[1]
-    assert "### `B`" in reproductions and "### `A`" not in reproductions
-    assert "equiv sweep trl --only 'B' --format json" in reproductions and '"k": 1' in reproductions
+    assert "weights [0.25, 0.5] vs full batch [0.3333, 0.3333]: mean of means" in table[1]["what"]
+    assert "no CUDA" in table[2]["what"]
+    reproductions = report.split("## Reproductions (one per NOT equivalent subject)")[1]
+    assert "### B" in reproductions and "### A" not in reproductions
+    assert "equiv sweep trl --only 'B'" in reproductions and '"k": 1' in reproductions

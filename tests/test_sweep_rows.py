@@ -24,3 +24,13 @@ def test_a_row_holds_an_audit_or_a_reason_and_says_its_outcome() -> None:
 def test_neither_or_both_is_refused_by_name(audit: dict[str, str] | None, reason: str) -> None:
     with pytest.raises(ValueError, match=r"either an audit or a reason.*'Subject'"):
         SweepRow("Subject", "family", audit=audit, reason=reason)
+
+
+def test_a_row_keeps_the_first_mismatch_of_each_window_and_their_count() -> None:
+    audit = {"status": "not_equivalent", "windows": [{"step": 0, "mismatches": [{"name": "a"}, {"name": "b"}]}]}
+    row = SweepRow("S", "family", audit=audit)
+    assert row.audit is not None
+    (window,) = row.audit["windows"]
+    assert (window["mismatches"], window["mismatched"]) == ([{"name": "a"}], 2)
+    assert SweepRow.from_dict(row.to_dict()) == row  # kept the same when read back
+    assert len(audit["windows"][0]["mismatches"]) == 2  # the audit's own dict is not changed

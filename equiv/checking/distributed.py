@@ -461,13 +461,6 @@ class _Ranks:
         finding = precision_finding(verdicts, references, rerun_on_the_ranks, fails_because)
         if finding is not None:
             verdicts = [dataclasses.replace(v, precision=finding) if v.mismatches else v for v in verdicts]
-        if finding is None and not all(verdicts) and WITNESS_READ.get():
-            # Only after a failing verdict: which weight each rank's update gave each micro-batch (issue 44).
-            witnesses = rank_witnesses(self.sent, self.dcase, self.engine, verdicts, self.launcher, self.timeout_s)
-            verdicts = [
-                v if w is None else dataclasses.replace(v, witness=w, failure_kind=named_by(w))
-                for v, w in zip(verdicts, witnesses, strict=True)
-            ]
         precision_note = None
         if (
             not all(verdicts)
@@ -476,6 +469,14 @@ class _Ranks:
             and not any(v.inherent for v in verdicts)
         ):
             precision_note = self._policy_note(verdicts, mp_policy)
+        if finding is None and precision_note is None and not all(verdicts) and WITNESS_READ.get():
+            # Only after a failing verdict that precision does not explain (an FSDP2 policy's 16-bit reduction
+            # included): which weight each rank's update gave each micro-batch (issue 44).
+            witnesses = rank_witnesses(self.sent, self.dcase, self.engine, verdicts, self.launcher, self.timeout_s)
+            verdicts = [
+                v if w is None else dataclasses.replace(v, witness=w, failure_kind=named_by(w))
+                for v, w in zip(verdicts, witnesses, strict=True)
+            ]
         tiers = references.tiers
         return DistributedVerdict(
             case=self.dcase,

@@ -31,8 +31,8 @@ import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any, Unpack
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -100,10 +100,20 @@ def _hookless(model: nn.Module) -> nn.Module:
     return replica
 
 
-def capture(candidate: BoundCandidate, case: Case, step: int, **rank: Unpack[RankOptions]) -> CapturedStep | None:
+def capture(
+    candidate: BoundCandidate,
+    case: Case,
+    step: int,
+    rank: RankOptions | None = None,
+    *,
+    on_start: Callable[[nn.Module], None] | None = None,
+) -> CapturedStep | None:
     """The candidate run in float64 up to ``step``'s (0-based) optimizer step: what the witness reads there (None:
     the step never stepped its optimizer).  ``rank``: one rank's options (:class:`~equiv.judging.runs.RankOptions`);
-    the replica is then the model before its engine wrapped it (DDP's parameters are the model's own)."""
+    the replica is then the model before its engine wrapped it (DDP's parameters are the model's own).
+    ``on_start``: given that model at the step's start instead of copying it (the replica is then the model
+    itself): a sharded engine's parameters are DTensors, which the caller gathers (a collective) and rebuilds."""
+    rank = rank or {}
     seen: list[CapturedStep] = []
     calls = [0]
     unwrapped: list[nn.Module] = []
@@ -123,8 +133,12 @@ def capture(candidate: BoundCandidate, case: Case, step: int, **rank: Unpack[Ran
             return candidate.step(model, optimizer, micro_batches, *args, **kw)
         plain = unwrapped[-1] if unwrapped else model
         named = list(plain.named_parameters())
+        if on_start is not None:
+            on_start(plain)
         window = CapturedStep(
-            [(_cloned(x), _cloned(y)) for x, y in micro_batches], _hookless(plain), [n for n, _ in named]
+            [(_cloned(x), _cloned(y)) for x, y in micro_batches],
+            plain if on_start is not None else _hookless(plain),
+            [n for n, _ in named],
         )
         seen.append(window)
 

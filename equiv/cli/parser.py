@@ -21,7 +21,7 @@ from equiv.cli.distributed import _cmd_check_distributed, _cmd_verify_distribute
 from equiv.cli.inputs import _names, _positive_int, _positive_seconds, _split, parse_bytes
 from equiv.cli.planning import _cmd_plan
 from equiv.cli.reports import _cmd_report_benchmarks, _cmd_report_equivalence, _cmd_report_peers
-from equiv.cli.sweeps import _cmd_sweep_trl
+from equiv.cli.sweeps import _cmd_sweep
 from equiv.cost.workloads import WORKLOADS
 from equiv.distributed.engines import DEFAULT_ENGINE
 from equiv.judging.deadline import DEFAULT_TIMEOUT_S
@@ -381,27 +381,53 @@ def _add_report_benchmarks(reports: argparse._SubParsersAction[argparse.Argument
 
 def _add_sweep(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sweep_parser = commands.add_parser(
-        "sweep", help="train another library's subjects with gradient accumulation, each audited (issue 45)"
+        "sweep",
+        help="audit every subject of a library through its own trainer (transformers' heads, TRL's trainers)",
     )
     sweeps = sweep_parser.add_subparsers(dest="sweep", required=True, metavar="LIBRARY")
-    _add_sweep_trl(sweeps)
-
-
-def _sweep_flags(parser: argparse.ArgumentParser) -> None:
-    """``--only``, ``--format``, ``--out``: what every sweep takes."""
-    parser.add_argument("--only", type=_names, default=(), help="comma-separated subjects (default: every one)")
-    parser.add_argument(
-        "--format", choices=["markdown", "json"], default="markdown", help="the report (default) or the rows as JSON"
+    transformers = sweeps.add_parser(
+        "transformers",
+        help="every loss-computing head of the installed transformers, built tiny, trained by its Trainer with "
+        "gradient accumulation, audited (tox -e sweep-transformers)",
     )
-    parser.add_argument("--out", type=Path, default=None, help="write there instead of stdout")
-
-
-def _add_sweep_trl(sweeps: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    transformers.add_argument(
+        "--sample",
+        action="store_true",
+        help="the CI sample (a few classes, both verdicts), rendered with only what every CPU computes alike",
+    )
     trl = sweeps.add_parser(
         "trl",
         help="TRL's trainers (SFT, DPO, KTO, Reward, GRPO, GKD, distillation, async GRPO), needs trl",
         description="Each of TRL's accumulating trainers (per loss_type) on a tiny model, gradient accumulation over "
         "uneven item counts, audited against its documented full-batch objective; one row each.",
     )
-    _sweep_flags(trl)
-    trl.set_defaults(handler=_cmd_sweep_trl)
+    for parser in (transformers, trl):
+        _sweep_flags(parser)
+        parser.set_defaults(handler=_cmd_sweep)
+
+
+def _sweep_flags(parser: argparse.ArgumentParser) -> None:
+    """What every sweep takes: the subjects, the output, saved rows to render again."""
+    parser.add_argument("--only", type=_names, default=None, metavar="A,B", help="these subjects alone")
+    parser.add_argument(
+        "--format",
+        choices=("markdown", "json"),
+        default="markdown",
+        help="markdown (default): the report; json: the rows (subject, family, the audit's to_dict() or the reason)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write here (default: stdout)")
+    parser.add_argument(
+        "--rows", type=Path, default=None, help="render the rows a --format json run saved instead of running the sweep"
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const=None,
+        default=False,
+        metavar="ADDRESS",
+        help="fan the subjects out as Ray tasks: on a local Ray without ADDRESS, else the cluster there (extra ray); "
+        "the same rows and report as in process",
+    )
+    parser.add_argument(
+        "--workers", type=_positive_int, default=None, help="Ray workers of a local Ray (default: the CPUs)"
+    )

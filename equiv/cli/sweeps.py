@@ -1,60 +1,82 @@
-"""``equiv sweep transformers|trl``: a sweep of another library's subjects, each trained by its real trainer
-with gradient accumulation and audited (issue 45); the rows as JSON or a markdown report, progress on stderr.
-The sweep modules import their library, so each handler imports its sweep only when asked for.
+"""``equiv sweep transformers|trl``: a sweep's rows (issue 45) as a markdown report or JSON, on stdout or in
+``--out``, a progress line on stderr per subject.  The sweep modules import their library (and the reports
+pandas): each is loaded only when its sweep is asked for.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import sys
-from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from equiv.cli.common import UsageError, log
 from equiv.cli.inputs import _output
+from equiv.peers.sweep_rows import SweepRow
 
-
-def fan_out(
-    function: Callable[..., Any],
-    arguments: Sequence[tuple[Any, ...]],
-    *,
-    address: str | bool | None = False,
-    workers: int | None = None,
-    progress: Callable[[int, int, str], None] | None = None,
-) -> list[Any]:
-    """In-process stand-in for ``equiv.distributed.fanout.fan_out`` (same signature): ``function(*args)`` for each
-    of ``arguments`` in order, ``progress(done, total, label)`` after each; ``address`` other than False is refused."""
-    if address is not False:
-        raise UsageError("--ray needs equiv.distributed.fanout, not in this build")
-    results = []
-    for done, args in enumerate(arguments, start=1):
-        results.append(function(*args))
-        if progress is not None:
-            progress(done, len(arguments), str(args[0]))
-    return results
+#: The CI sample of the transformers sweep: both verdicts and a reason row, a few classes, under two minutes;
+#: its report (``--sample``) is diffed against reports/sweep-transformers-sample.md.
+TRANSFORMERS_SAMPLE = (
+    "BertForMaskedLM",
+    "BertForPreTraining",
+    "BertForQuestionAnswering",
+    "GPT2ForTokenClassification",
+    "LlamaForCausalLM",
+    "LlamaForSequenceClassification",
+    "T5ForConditionalGeneration",
+)
 
 
 def _progress(done: int, total: int, label: str) -> None:
-    print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
+    log.info("sweep: %d/%d %s", done, total, label)
 
 
-def _cmd_sweep_trl(args: argparse.Namespace) -> int:
-    from equiv.peers import trl_sweep
-    from equiv.reporting.sweeps import render_sweep, rows_json
+def _saved_rows(path: Path) -> list[SweepRow]:
+    """The rows a ``--format json`` run wrote, to render again without running the sweep."""
+    try:
+        return [SweepRow.from_dict(row) for row in json.loads(path.read_text())["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--rows {str(path)!r} is not a sweep's JSON (equiv sweep ... --format json): {exc}") from None
 
+
+def _rows(args: argparse.Namespace, sweep: Any) -> list[SweepRow]:
+    """The rows asked for: saved ones (``--rows``), or the sweep run over ``--only`` (an unknown name refused
+    in one line before anything is built), the sample, or every subject."""
+    if args.rows is not None:
+        return _saved_rows(args.rows)
+    only = list(TRANSFORMERS_SAMPLE if getattr(args, "sample", False) else args.only or [])
+    options: dict[str, Any] = {"only": only}
+    try:
+        chosen = sweep.subjects(options)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    from equiv.distributed.fanout import fan_out
+
+    arguments = [(name, {**options, "family": family}) for name, family in chosen]
+    return fan_out(sweep.run_subject, arguments, address=args.ray, workers=args.workers, progress=_progress)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from equiv.reporting import sweeps as report
+
+    library = args.sweep  # "transformers" or "trl": the module equiv.peers.<library>_sweep and the package
+    sweep = importlib.import_module(f"equiv.peers.{library}_sweep")
+    version = importlib.import_module(library).__version__
     out = _output(args.out, "--out")
-    names = [name for name, _ in trl_sweep.subjects({})]
-    if args.only:
-        unknown = [name for name in args.only if name not in names]
-        if unknown:
-            raise UsageError(f"--only: unknown subject(s) {', '.join(unknown)}; expected some of: {', '.join(names)}")
-        names = [name for name in names if name in args.only]
-    rows = fan_out(trl_sweep.run_subject, [(name, {}) for name in names], progress=_progress)
+    rows = _rows(args, sweep)
     if args.format == "json":
-        text = rows_json(rows)
+        text = report.rows_json(rows, library=library, version=version)
+    elif library == "transformers":
+        text = report.render_transformers_sweep(rows, version=version, exact=not args.sample)
     else:
-        title = "TRL's trainers under gradient accumulation"
-        text = render_sweep(rows, title, command="equiv sweep trl", preamble=trl_sweep.preamble())
+        text = report.render_sweep(
+            rows,
+            title=f"TRL {version}: its trainers under gradient accumulation",
+            preamble=[sweep.preamble()],
+            reproduction=report.command_reproduction("equiv sweep trl"),
+        )
     if out is None:
         sys.stdout.write(text)
     else:

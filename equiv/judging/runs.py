@@ -35,6 +35,7 @@ from equiv.losses import Loss
 __all__ = [
     "NonFiniteLossError",
     "Snapshot",
+    "autocast_wrapped",
     "full_batch_step",
     "lifted_low_precision",
     "run_candidate",
@@ -259,7 +260,7 @@ def _run(
     bundle = copy.deepcopy(initial) if initial is not None else case.build_model()
     model = bundle.module.to(device=device, dtype=dtype)
     batches = case.batches(bundle)
-    stepped_model = _Autocast(model, case.autocast) if case.autocast is not None else model
+    stepped_model = autocast_wrapped(model, case.autocast)
     rank = rank or {}
     wrap_model, batch_slice = rank.get("wrap_model"), rank.get("batch_slice")
     if wrap_model is not None:
@@ -346,6 +347,12 @@ class _Autocast(nn.Module):
         with torch.autocast(device_type=inputs.device.type, dtype=self.dtype):
             output: Tensor = self.model(inputs)
         return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
+
+
+def autocast_wrapped(model: nn.Module, autocast: str | None) -> nn.Module:
+    """``model`` as a run steps it: under ``torch.autocast`` to the dtype named by ``autocast`` (a case's), or
+    itself where that is None (a replica built so has the run's parameter names and FSDP2 units)."""
+    return _Autocast(model, autocast) if autocast is not None else model
 
 
 def _to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -13,12 +13,29 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from equiv.outcomes import Outcome
+from equiv.outcomes import Outcome, outcome_words
 
 __all__ = ["COULD_NOT_RUN", "SweepRow"]
 
 #: A row's outcome when its subject could not be built or run (its ``reason`` says why, in one line).
 COULD_NOT_RUN = "could_not_run"
+
+
+#: Tensor mismatches a row keeps of each window (the first says where; the rest, one per parameter of every
+#: failing window of hundreds of subjects, made a report's rows tens of megabytes); their count is kept.
+KEPT_MISMATCHES = 1
+
+
+def _kept(audit: dict[str, Any]) -> dict[str, Any]:
+    """The audit's dict with each window's ``mismatches`` cut to the first :data:`KEPT_MISMATCHES`, their
+    number in ``mismatched`` (idempotent: a row read back from JSON is kept the same)."""
+    windows = []
+    for window in audit.get("windows", []):
+        mismatches = window.get("mismatches")
+        if isinstance(mismatches, list) and len(mismatches) > KEPT_MISMATCHES:
+            window = {**window, "mismatches": mismatches[:KEPT_MISMATCHES], "mismatched": len(mismatches)}
+        windows.append(window)
+    return {**audit, "windows": windows} if "windows" in audit else audit
 
 
 @dataclass(frozen=True)
@@ -29,7 +46,8 @@ class SweepRow:
     subject: str
     #: the family it belongs to ("causal LM", "token classification", "DPO")
     family: str
-    #: the audit's ``AuditResult.to_dict()``; None when the subject could not run
+    #: the audit's ``AuditResult.to_dict()`` (each window's tensor mismatches cut to the first, their count in
+    #: ``mismatched``); None when the subject could not run
     audit: dict[str, Any] | None = None
     #: why the subject could not be built or run, one line; "" when it ran
     reason: str = ""
@@ -43,6 +61,8 @@ class SweepRow:
                 f"a sweep row holds either an audit or a reason, got audit={'set' if self.audit else None} "
                 f"and reason={self.reason!r} for {self.subject!r}"
             )
+        if self.audit is not None:
+            object.__setattr__(self, "audit", _kept(self.audit))
 
     @property
     def outcome(self) -> str:
@@ -50,6 +70,11 @@ class SweepRow:
         if self.audit is None:
             return COULD_NOT_RUN
         return str(self.audit["status"])
+
+    @property
+    def verdict(self) -> str:
+        """The outcome as a report's cell writes it ("not equivalent", "could not run")."""
+        return outcome_words(self.outcome)
 
     @property
     def status(self) -> Outcome | None:

@@ -1,142 +1,227 @@
-"""A sweep's report (issue 45): rows of :class:`~equiv.peers.sweep_rows.SweepRow`, any sweep's
-(``equiv sweep transformers``, ``equiv sweep trl``), rendered as markdown; renders, measures nothing.
+"""A sweep's rows (:class:`~equiv.peers.sweep_rows.SweepRow`) as a markdown report (issue 45): the summary
+first (subjects, equivalent, not, could not run, per family), the reasons a subject could not run counted,
+a row per subject, then for every NOT equivalent subject the reproduction a maintainer pastes and the
+witness line.  Renders, measures nothing: the rows and the reproductions come from the sweep.
 
-Summary first (subjects, equivalent, not, could not run, in all and per family), then a row per subject
-with its verdict and, for a failing one, the witness's clause of its first failing window (the weights each
-micro-batch got, the normaliser named, the trainer's setting at fault), or the reason it could not run; then
-for every NOT a reproduction from the row's ``setup``.  Only deterministic content: no timings, no dates.
+``exact=False`` leaves out what is not the same on every CPU (a window's line, with its allowance ratios
+and cosines): the CI sample is rendered so, and diffed.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import pandas as pd
+
 from equiv.peers.sweep_rows import COULD_NOT_RUN, SweepRow
-from equiv.reporting.markdown import markdown_table as _frame_table
+from equiv.reporting.markdown import markdown_table
 
-__all__ = ["render_sweep", "rows_json", "witness_clause"]
+__all__ = [
+    "command_reproduction",
+    "render_sweep",
+    "render_transformers_sweep",
+    "row_verdict",
+    "rows_json",
+    "summary_frame",
+]
 
-
-def markdown_table(lines: list[dict[str, Any]]) -> str:
-    import pandas as pd
-
-    return _frame_table(pd.DataFrame(lines))
-
-
-_COLUMNS = ("equivalent", "not_equivalent", COULD_NOT_RUN)
-
-
-def _bucket(row: SweepRow) -> str:
-    return row.outcome if row.outcome in _COLUMNS else "other"
-
-
-def _summary(rows: Sequence[SweepRow]) -> str:
-    families = sorted({row.family for row in rows})
-    lines = []
-    for family in [*families, None]:
-        chosen = [row for row in rows if family is None or row.family == family]
-        counts = Counter(_bucket(row) for row in chosen)
-        lines.append(
-            {
-                "family": family or "**all**",
-                "subjects": len(chosen),
-                "equivalent": counts["equivalent"],
-                "not equivalent": counts["not_equivalent"],
-                "could not run": counts[COULD_NOT_RUN],
-                "other": counts["other"],
-            }
-        )
-    return markdown_table(lines)
-
-
-def _first_failing(row: SweepRow) -> dict[str, Any] | None:
-    windows = (row.audit or {}).get("windows", [])
-    return next((window for window in windows if window.get("status") != "equivalent"), None)
-
-
-def witness_clause(row: SweepRow) -> str:
-    """What the row's verdict rests on, one line: a failing window's witness (weights, normaliser, setting at
-    fault), a passing run's window count, or why it could not run."""
-    if row.audit is None:
-        return row.reason
-    failing = _first_failing(row)
-    windows = row.audit.get("windows", [])
-    if failing is None:
-        return f"{len(windows)} of {row.audit.get('steps', len(windows))} steps audited, every one equivalent"
-    weights = failing.get("weights")
-    at = f"step {failing['step']} (items {failing['items']})"
-    if not weights:
-        return f"{at}: {failing['status']}"
-    run = weights.get("run")
-    shown = "not identifiable" if run is None else "[" + ", ".join(f"{weight:.4g}" for weight in run) + "]"
-    full = "[" + ", ".join(f"{weight:.4g}" for weight in weights["full_batch"]) + "]"
-    setting = f"; setting: {failing['setting']}" if failing.get("setting") else ""
-    means = (failing.get("failure_kind") or {}).get("means")
-    meaning = f" ({means})" if means else ""
-    return f"{at}: weights {shown} vs full batch {full}: {weights['normaliser']}{meaning}{setting}"
+#: The summary's verdict columns, in order: (column, the row outcomes it counts).
+_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("equivalent", ("equivalent",)),
+    ("NOT equivalent", ("not_equivalent", "precision")),
+    ("other verdict", ("inherently_non_equivalent", "not_applicable", "step_error")),
+    ("could not run", (COULD_NOT_RUN,)),
+)
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """A table cell: one line, its pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def _rows_table(rows: Sequence[SweepRow]) -> str:
-    return markdown_table(
+def summary_frame(rows: Sequence[SweepRow]) -> pd.DataFrame:
+    """Subjects and outcomes per family, then all of them."""
+    families = sorted({row.family for row in rows})
+    records = []
+    for family in [*families, "all"]:
+        chosen = [row for row in rows if family in ("all", row.family)]
+        record: dict[str, Any] = {"family": family, "subjects": str(len(chosen))}
+        for column, outcomes in _COLUMNS:
+            record[column] = str(sum(row.outcome in outcomes for row in chosen))
+        records.append(record)
+    return pd.DataFrame(records)
+
+
+def _first_failing(row: SweepRow) -> dict[str, Any] | None:
+    """The first window of a row's audit that was not equivalent."""
+    windows = [] if row.audit is None else row.audit.get("windows", [])
+    return next((window for window in windows if window["status"] != "equivalent"), None)
+
+
+def row_verdict(row: SweepRow, *, exact: bool = True) -> str:
+    """What a row's table cell says beside its outcome: for a failing window, its step and items, the weights
+    the run gave each micro-batch beside the full batch's (``exact``; a CPU-independent sample names the
+    normaliser alone), the normaliser and the trainer setting it points at; a passing run's windows; a reason
+    for a subject that did not run."""
+    if row.audit is None:
+        return row.reason
+    windows = row.audit.get("windows", [])
+    failing = _first_failing(row)
+    if failing is None:
+        items = "; ".join(str(window["items"]) for window in windows)
+        return f"{len(windows)} of {row.audit.get('steps', len(windows))} steps audited, every one equivalent" + (
+            f" (items {items})" if items else ""
+        )
+    at = f"step {failing['step']} (items {failing['items']})"
+    weights = failing.get("weights") or {}
+    if not weights:
+        said = f"{at}: {failing['status']}, no witness"
+    elif exact and weights.get("run") is not None:
+        run = "[" + ", ".join(f"{weight:.4g}" for weight in weights["run"]) + "]"
+        full = "[" + ", ".join(f"{weight:.4g}" for weight in weights["full_batch"]) + "]"
+        said = f"{at}: weights {run} vs full batch {full}: {weights['normaliser']}"
+    else:
+        said = f"{at}: weights: {weights['normaliser']}"
+    means = (failing.get("failure_kind") or {}).get("means") if exact else None
+    setting = failing.get("setting")
+    return said + (f" ({means})" if means else "") + (f"; setting: {setting}" if setting else "")
+
+
+def _reasons_frame(rows: Sequence[SweepRow]) -> pd.DataFrame:
+    """The reasons subjects could not run, counted (stage and exception type; the message's first words)."""
+    counted = Counter(_cell(row.reason)[:120] for row in rows if row.audit is None)
+    return pd.DataFrame(
+        [{"subjects": str(count), "reason": reason} for reason, count in sorted(counted.items(), key=lambda c: -c[1])]
+    )
+
+
+def _rows_frame(rows: Sequence[SweepRow], *, exact: bool) -> pd.DataFrame:
+    return pd.DataFrame(
         [
             {
-                "subject": f"`{row.subject}`",
+                "subject": row.subject,
                 "family": row.family,
-                "verdict": row.outcome.replace("_", " "),
-                "windows": ""
-                if row.audit is None
-                else " ".join(
-                    "✓" if window.get("status") == "equivalent" else "✗" for window in row.audit.get("windows", [])
-                ),
-                "witness or reason": _cell(witness_clause(row)),
+                "verdict": row.verdict,
+                "what": _cell(row_verdict(row, exact=exact)),
             }
             for row in rows
         ]
     )
 
 
-def _reproduction(row: SweepRow, command: str) -> str:
-    failing = _first_failing(row) or {}
-    return "\n".join(
-        [
-            f"### `{row.subject}`",
-            "",
-            "```",
-            f"{command} --only '{row.subject}' --format json",
-            "```",
-            "",
-            "What was run:",
-            "",
-            "```json",
-            json.dumps(row.setup, indent=1, sort_keys=True),
-            "```",
-            "",
-            f"First failing window: step {failing.get('step')}, items {failing.get('items')}; "
-            + _cell(witness_clause(row)),
-        ]
+def _reproductions(rows: Sequence[SweepRow], reproduction: Callable[[SweepRow], str], exact: bool) -> list[str]:
+    """For each NOT equivalent row: its heading, the pasteable code, the witness line (``exact``)."""
+    out: list[str] = []
+    for row in rows:
+        failing = _first_failing(row)
+        if failing is None or row.outcome not in ("not_equivalent", "precision"):
+            continue
+        out += [f"### {row.subject}", "", "```python", reproduction(row).rstrip(), "```", ""]
+        setting = failing.get("setting")
+        if exact:
+            out += [f"Witness: `{failing['line']}`", ""]
+        elif setting:
+            out += [f"Setting named: {setting}", ""]
+    return out
+
+
+def render_sweep(
+    rows: Sequence[SweepRow],
+    *,
+    title: str,
+    preamble: Sequence[str],
+    reproduction: Callable[[SweepRow], str],
+    exact: bool = True,
+) -> str:
+    """The report: title, ``preamble`` (how it was made), the summary, the reasons, every row, the
+    reproductions; ``exact=False`` for a sample that must read the same on every CPU."""
+    lines = [f"# {title}", "", *preamble, "", "## Summary", "", markdown_table(summary_frame(rows)), ""]
+    if any(row.audit is None for row in rows):
+        lines += ["## Why a subject could not run (counted)", "", markdown_table(_reasons_frame(rows)), ""]
+    lines += ["## Every subject", "", markdown_table(_rows_frame(rows, exact=exact)), ""]
+    reproductions = _reproductions(rows, reproduction, exact)
+    if reproductions:
+        lines += ["## Reproductions (one per NOT equivalent subject)", "", *reproductions]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def command_reproduction(command: str) -> Callable[[SweepRow], str]:
+    """A reproduction for a sweep whose subjects a command reruns one at a time (TRL's trainers): the command,
+    then what was run (the row's setup) as a comment."""
+
+    def reproduction(row: SweepRow) -> str:
+        setup = json.dumps(row.setup, indent=1, sort_keys=True).splitlines()
+        return "\n".join([f"# {command} --only '{row.subject}'", "# what was run:", *(f"# {line}" for line in setup)])
+
+    return reproduction
+
+
+def rows_json(rows: Sequence[SweepRow], *, library: str, version: str) -> str:
+    """The rows as JSON (``--format json``; ``--rows`` renders them again): the library, its version, the rows."""
+    return (
+        json.dumps({"library": library, "version": version, "rows": [row.to_dict() for row in rows]}, indent=1) + "\n"
     )
 
 
-def render_sweep(rows: Sequence[SweepRow], title: str, *, command: str, preamble: str = "") -> str:
-    """The markdown report of a sweep's ``rows``: ``title``, the summary, a row per subject, a reproduction per
-    NOT (``command``: the sweep's own command line, e.g. ``equiv sweep trl``)."""
-    failing = [row for row in rows if row.outcome == "not_equivalent"]
-    parts = [f"# {title}", ""]
-    if preamble:
-        parts += [preamble.strip(), ""]
-    parts += ["## Summary", "", _summary(rows), "", "## Every subject", "", _rows_table(rows), ""]
-    parts += ["## Reproductions (every NOT)", ""]
-    parts += [_reproduction(row, command) + "\n" for row in failing] or ["None: no subject is NOT equivalent.", ""]
-    return "\n".join(parts).rstrip() + "\n"
+def _transformers_reproduction(row: SweepRow) -> str:
+    """The code a maintainer pastes to see a transformers class's verdict: the tiny config, the rows, the
+    Trainer's arguments and the audit, as the sweep ran them."""
+    setup = row.setup
+    config_class = setup.get("config_class", "AutoConfig")
+    arguments = ", ".join(f"{key}={value!r}" for key, value in setup.get("trainer_arguments", {}).items())
+    zeroed = setup.get("dropout_modules_zeroed")
+    lines = [
+        "import torch",
+        "import equiv",
+        f"from transformers import {config_class}, {row.subject}, Trainer, TrainingArguments",
+        "from equiv.peers.transformers_tiny import family_rows",
+        "",
+        f"config = {config_class}(**{setup.get('config', {})!r})",
+        f"torch.manual_seed({setup.get('seed', 0)})",
+        f"model = {row.subject}(config)",
+        *(
+            [f"for name in {zeroed!r}:  # dropout no config field reaches", "    model.get_submodule(name).p = 0.0"]
+            if zeroed
+            else []
+        ),
+        f"rows = family_rows({row.family!r}, seed={setup.get('seed', 0)})  # uneven label counts per micro-batch",
+        f'args = TrainingArguments(output_dir="sweep-out", {arguments})',
+        f"callback = equiv.auditing.transformers_callback({setup.get('callback', 'loss=...')})",
+        "Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()",
+        "print(callback.audit.summary())",
+    ]
+    return "\n".join(lines)
 
 
-def rows_json(rows: Sequence[SweepRow]) -> str:
-    """The rows as JSON (``--format json``): a list of ``SweepRow.to_dict()``, keys sorted."""
-    return json.dumps([row.to_dict() for row in rows], indent=1, sort_keys=True) + "\n"
+def render_transformers_sweep(rows: Sequence[SweepRow], *, version: str, exact: bool = True) -> str:
+    """The transformers sweep's report (``reports/sweep-transformers.md``; ``exact=False``: the CI sample)."""
+    steps = next((row.setup["trainer_arguments"]["gradient_accumulation_steps"] for row in rows if row.setup), 2)
+    preamble = [
+        f"Every model class of transformers {version} whose forward computes a loss from its labels (the auto "
+        "mappings of causal LM, masked LM, seq2seq LM, token and sequence classification, question answering, "
+        "multiple choice and pre-training heads), built tiny from its config class (dropout off, no download), "
+        "trained by the real `Trainer` on default `TrainingArguments` but "
+        f"`gradient_accumulation_steps={steps}` (3 epochs of one "
+        "optimizer step, 8 rows a micro-batch) over uneven label counts, and audited by "
+        "`equiv.auditing.transformers_callback` (steps 1 and 3). Generated by `equiv sweep transformers` "
+        "(`tox -e sweep-transformers`); see docs/sweeps.md.",
+        "",
+        "How each verdict was made: the head's own loss on a micro-batch, computed in float64 without "
+        "`num_items_in_batch`, must equal the loss its family declares (next-token cross-entropy over the label "
+        "tokens, cross-entropy over the label tokens, over the labelled sequences, a question-answering head's "
+        "start and end cross-entropies over the examples), else the class is a reason row, never judged by a loss "
+        "it does not train. Each audited window is then replayed as the float64 full-batch step of that loss over "
+        "the window's items, and the Trainer's update compared with it within allowances derived from "
+        "floating-point error; a failing window's witness is the weight the run gave each micro-batch's loss "
+        "sum, recovered by float64 least squares, named, with the Trainer setting involved.",
+    ]
+    return render_sweep(
+        rows,
+        title=f"transformers {version}: every loss-computing head, through the Trainer's gradient accumulation",
+        preamble=preamble,
+        reproduction=_transformers_reproduction,
+        exact=exact,
+    )
