@@ -33,6 +33,7 @@ from equiv.auditing.ranks import local
 from equiv.auditing.replay import Autocast, Call, RecordedWindow
 from equiv.auditing.schedules import Advance
 from equiv.judging.autocast import autocast_of
+from equiv.judging.clip_calls import LIMIT_KEYWORDS, ClipCalls
 from equiv.losses import FUNCTIONAL, MSE, CrossEntropy, NextTokenCrossEntropy, TokenCrossEntropy
 
 __all__ = [
@@ -338,8 +339,8 @@ def _see_output_eagerly(watcher: Watcher, output: Any) -> None:
 #: torch's clip functions the audit watches: the keyword of the limit, the audit's setting that
 #: replays it, and what a run does with it, in words.
 CLIPS = {
-    "clip_grad_norm_": ("max_norm", "max_grad_norm", "clipped its gradients to "),
-    "clip_grad_value_": ("clip_value", "max_grad_value", "clamped its gradients to ±"),
+    "clip_grad_norm_": (LIMIT_KEYWORDS["clip_grad_norm_"], "max_grad_norm", "clipped its gradients to "),
+    "clip_grad_value_": (LIMIT_KEYWORDS["clip_grad_value_"], "max_grad_value", "clamped its gradients to ±"),
 }
 
 
@@ -357,10 +358,7 @@ class ClipWatch:
     @classmethod
     def open(cls, audit: Watcher) -> None:
         if not cls.audits:
-            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-                for name in CLIPS:
-                    cls.originals[f"{module.__name__}.{name}"] = getattr(module, name)
-                    setattr(module, name, cls.watching(name))
+            ClipCalls.listen(ClipWatch.told)  # the clip functions, watched as equiv check's witness watches them
             cls.originals["GradScaler.step"] = torch.amp.GradScaler.step
             setattr(torch.amp.GradScaler, "step", cls.scaler_step)  # noqa: B010
         cls.audits.append(audit)
@@ -370,25 +368,14 @@ class ClipWatch:
         if audit in cls.audits:
             cls.audits.remove(audit)
         if not cls.audits and cls.originals:
-            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-                for name in CLIPS:
-                    setattr(module, name, cls.originals.pop(f"{module.__name__}.{name}"))
+            ClipCalls.stop(ClipWatch.told)
             setattr(torch.amp.GradScaler, "step", cls.originals.pop("GradScaler.step"))  # noqa: B010
 
     @staticmethod
-    def watching(name: str) -> Callable[..., Any]:
-        keyword = CLIPS[name][0]
-
-        def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-            parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-            limit = args[0] if args else kwargs.get(keyword)
-            if limit is not None and limit == limit and limit >= 0:  # what torch refuses is torch's to say
-                for audit in ClipWatch.audits:
-                    audit._clipped(name, parameters, float(limit))
-            return ClipWatch.originals[f"torch.nn.utils.clip_grad.{name}"](parameters, *args, **kwargs)
-
-        clip.__name__ = clip.__qualname__ = name
-        return clip
+    def told(name: str, parameters: list[Tensor], limit: float) -> None:
+        """A clip call, told to every open audit."""
+        for audit in ClipWatch.audits:
+            audit._clipped(name, parameters, limit)
 
     @staticmethod
     def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:

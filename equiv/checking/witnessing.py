@@ -15,13 +15,23 @@ micro-batches), so a step that divides by an N of its own ("tail divided by N"
 on a window shorter than it) is recognised from the weights themselves: when no
 normaliser explains them and they are ``1/(N n_i)`` for a whole N larger than
 the window, that N is the one the step divided by (:func:`implied_n`).
+
+What the witness says beside the weights is decided as the audit's is
+(:func:`equiv.judging.witness.explained`), from the step's own evidence: the
+clip calls the captured step made on the model's parameters
+(:mod:`equiv.judging.clip_calls`, the audit's watch of them), each with the
+backward passes before it (a clip followed by another backward clipped between
+micro-batches), and, only past the residual tolerance, a refit of ``G`` on every
+row's gradient of the case's loss at the step's start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,10 +39,20 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from equiv.cases.case import Case
+from equiv.judging.clip_calls import clip_calls
 from equiv.judging.contract import BoundCandidate, CandidateError
 from equiv.judging.runs import RankOptions, run_candidate
-from equiv.judging.witness import NAMING_TOLERANCE, recover_weights, witness
-from equiv.results.witness import UNEXPLAINED, Witness
+from equiv.judging.witness import (
+    MAX_ROWS,
+    NAMING_TOLERANCE,
+    Evidence,
+    explained,
+    recover_weights,
+    row_gradients,
+    row_residual,
+    witness,
+)
+from equiv.results.witness import NOT_A_REWEIGHTING, UNEXPLAINED, Witness
 
 __all__ = ["CapturedStep", "capture", "finite", "implied_n", "step_witness", "sum_gradients"]
 
@@ -54,6 +74,11 @@ class CapturedStep:
     replica: nn.Module
     names: list[str]
     accumulated: list[Tensor | None] | None = None
+    #: each clip call on the model's parameters before the optimizer step: (torch's function, the backward
+    #: passes before it); None where clip calls were not watched (a run on several processes)
+    clips: tuple[tuple[str, int], ...] | None = None
+    #: the backward passes that reached the model's parameters before the optimizer step
+    backwards: int = 0
 
 
 def _cloned(value: Any) -> Any:
@@ -126,7 +151,10 @@ def capture(
 
         handle = optimizer.register_step_pre_hook(pre_step)
         try:
-            return candidate.step(model, optimizer, micro_batches, *args, **kw)
+            if wrap_model is not None:  # clips and backwards counted in a single process only
+                return candidate.step(model, optimizer, micro_batches, *args, **kw)
+            with _clips_counted(window, model):
+                return candidate.step(model, optimizer, micro_batches, *args, **kw)
         finally:
             handle.remove()
 
@@ -137,6 +165,32 @@ def capture(
     except _Captured:
         pass
     return seen[0] if seen and seen[0].accumulated is not None else None
+
+
+@contextlib.contextmanager
+def _clips_counted(window: CapturedStep, model: nn.Module) -> Iterator[None]:
+    """``window.clips`` and ``window.backwards`` kept while the step runs: every clip call on (some of) the model's
+    parameters, with the backward passes that reached them before it (one hook firing once per backward)."""
+    own = {id(param) for param in model.parameters()}
+    trained = [param for param in model.parameters() if param.requires_grad]
+    clips: list[tuple[str, int]] = []
+    window.clips = ()
+
+    def counted(_: Any) -> None:
+        window.backwards += 1
+
+    def clipped(name: str, parameters: list[Tensor], limit: float) -> None:
+        if math.isfinite(limit) and any(id(param) in own for param in parameters):  # inf: a norm measured
+            clips.append((name, window.backwards))
+            window.clips = tuple(clips)
+
+    handle = torch.autograd.graph.register_multi_grad_hook(trained, counted, mode="any") if trained else None
+    try:
+        with clip_calls(clipped):
+            yield
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def sum_gradients(window: CapturedStep, case: Case) -> tuple[list[list[Tensor | None]], list[float]]:
@@ -199,9 +253,57 @@ def step_witness(candidate: BoundCandidate, case: Case, step: int) -> tuple[Witn
     recovered = recover_weights(gradients, window.accumulated)
     clipped = case.max_grad_norm is not None
     found = witness(recovered, items, configured_n=None, clipped=clipped)
+    found = explained(found, _evidence(window, case, found))  # the audit's decision, on the check's evidence
     if found.normaliser != UNEXPLAINED or recovered.weights is None or clipped:
         return found, None
     n = implied_n(recovered.weights, items)
     if n is None:
         return found, None
     return witness(recovered, items, configured_n=n, clipped=clipped), n
+
+
+def _evidence(window: CapturedStep, case: Case, found: Witness) -> Evidence:
+    """What supports one explanation of the failing step: its clip calls (against its backward passes), and,
+    only past the residual tolerance, the residual of G refitted on every row's gradient of the case's loss at
+    the step's start (one more backward per row)."""
+    if found.normaliser != NOT_A_REWEIGHTING or window.accumulated is None:
+        return Evidence(window.backwards, window.clips)
+    try:
+        rows = _row_gradients(window, case)
+    except ValueError as why:
+        return Evidence(window.backwards, window.clips, rows_unmeasured=f"the rows were not split: {why}")
+    residual, why_not = row_residual(rows, window.accumulated)
+    return Evidence(window.backwards, window.clips, residual, f"the rows were not split: {why_not}")
+
+
+def _row_gradients(window: CapturedStep, case: Case) -> list[list[Tensor | None]]:
+    """Every row's float64 gradient of the case's loss sum at the step's start, micro-batch by micro-batch
+    (:func:`equiv.judging.witness.row_gradients`), in the layout of ``window.accumulated``; rows with no item
+    to count left out.
+
+    Raises:
+        ValueError: micro-batches whose output and targets cannot be split into rows, or more than MAX_ROWS rows.
+    """
+    loss_fn = case.build_loss()
+    replica = window.replica
+    params = dict(replica.named_parameters())
+    rows: list[list[Tensor | None]] = []
+    with torch.random.fork_rng(devices=[]):  # dropout draws here must not move any later run's
+        for inputs, targets in window.micro_batches:
+            if not isinstance(targets, Tensor):
+                raise ValueError(f"targets of type {type(targets).__name__}, expected one tensor with a row dimension")
+            if not float(loss_fn.count(targets)) > 0:
+                continue
+            if len(rows) + int(targets.shape[0] if targets.dim() else 0) > MAX_ROWS:
+                raise ValueError(f"more than {MAX_ROWS} rows in the step")
+            leaves = {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in params.items()}
+            buffers = {name: b.detach().clone() for name, b in replica.named_buffers()}  # BatchNorm stats untouched
+            output = functional_call(replica, {**leaves, **buffers}, (inputs,))
+            trained = [name for name in window.names if leaves[name].requires_grad]
+            for gradient, row in zip(
+                row_gradients(output, targets, loss_fn, [leaves[name] for name in trained]), targets, strict=True
+            ):
+                if float(loss_fn.count(row.unsqueeze(0))) > 0:
+                    by_name = dict(zip(trained, gradient, strict=True))
+                    rows.append([by_name.get(name) for name in window.names])
+    return rows
