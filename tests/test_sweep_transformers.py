@@ -39,6 +39,8 @@ def test_shrunk_fields_sets_the_sizes_the_config_has_and_zeroes_every_dropout() 
     assert fields["classifier_dropout"] == 0.0  # read by heads with a default of their own, set whatever
     assert "experts_implementation" not in fields and "decoder_start_token_id" not in fields
     assert shrunk_fields({**defaults, "num_local_experts": 8})["experts_implementation"] == "eager"
+    # a router's training-time noise (Phimoe, SwitchTransformers) is drawn again by no replay, as dropout
+    assert shrunk_fields({**defaults, "router_jitter_noise": 0.01})["router_jitter_noise"] == 0.0
     assert shrunk_fields({**defaults, "is_encoder_decoder": True})["decoder_start_token_id"] == 1
 
 

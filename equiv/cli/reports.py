@@ -32,6 +32,7 @@ def _cmd_report_equivalence(args: argparse.Namespace) -> int:
 def _cmd_report_peers(args: argparse.Namespace) -> int:
     from equiv.peers.survey import survey
     from equiv.reporting.peers import render_peers
+    from equiv.reporting.sweeps import sweeps_section
     from equiv.reporting.trl import torchtune_section, trl_section
 
     out = _output(args.out, "--out")
@@ -39,7 +40,11 @@ def _cmd_report_peers(args: argparse.Namespace) -> int:
     # TRL's and torchtune's rows are measured in tox envs of their own (their pins clash with the peers
     # extra's) and saved beside the report; a missing file is said in its section, never left out silently.
     saved = out.parent
-    sections = [trl_section(saved / "peers-trl.json"), torchtune_section(saved / "peers-torchtune.json")]
+    sections = [
+        trl_section(saved / "peers-trl.json"),
+        torchtune_section(saved / "peers-torchtune.json"),
+        sweeps_section([saved / "sweep-transformers.json", saved / "sweep-trl.json"]),
+    ]
     _write(out, render_peers(survey(), trainer_sections=sections))
     return 0
 

@@ -81,10 +81,18 @@ _PER_LAYER = ("layer_types", "block_types", "attention_layers", "mlp_only_layers
 
 
 def _is_dropout(name: str, value: Any) -> bool:
-    """A dropout probability field ("attention_dropout", "resid_pdrop", "hidden_dropout_prob", "drop_rate")."""
+    """A field of training-time randomness: a dropout probability ("attention_dropout", "resid_pdrop",
+    "hidden_dropout_prob", "drop_rate") or a router's jitter noise ("router_jitter_noise": Phimoe and
+    SwitchTransformers multiply the router's input by random noise in training), which no replay draws again."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    return "dropout" in name or name.endswith("_pdrop") or name.endswith("drop_rate") or name == "drop_path_rate"
+    return (
+        "dropout" in name
+        or "jitter" in name
+        or name.endswith("_pdrop")
+        or name.endswith("drop_rate")
+        or name == "drop_path_rate"
+    )
 
 
 def shrunk_fields(defaults: dict[str, Any]) -> dict[str, Any]:

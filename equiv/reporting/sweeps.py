@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -225,3 +226,58 @@ def render_transformers_sweep(rows: Sequence[SweepRow], *, version: str, exact: 
         reproduction=_transformers_reproduction,
         exact=exact,
     )
+
+
+def _normalisers(rows: Sequence[SweepRow]) -> str:
+    """The normalisers the NOT rows' first failing windows were named by, counted, commonest first."""
+    named = Counter(
+        ((_first_failing(row) or {}).get("weights") or {}).get("normaliser", "no witness")
+        for row in rows
+        if row.outcome == "not_equivalent"
+    )
+    return "; ".join(f"{name} ({count})" for name, count in named.most_common())
+
+
+def sweeps_section(json_paths: Sequence[Path]) -> str:
+    """A markdown section for the peers report (``## Sweeps: ...``): each sweep saved beside it (its
+    ``--format json`` rows) in one line with a link to its own report, then the families where the installed
+    release is not equivalent, with the normalisers the witness named; a missing file says how to make it."""
+    lines = [
+        "## Sweeps: every subject of a library through its own trainer",
+        "",
+        "Each subject built tiny, trained by the library's own trainer with gradient accumulation over uneven "
+        "item counts and audited (`equiv sweep`); a NOT is the float64 replay's finding, with the weights each "
+        "micro-batch got (docs/sweeps.md).",
+        "",
+    ]
+    for path in json_paths:
+        if not path.exists():
+            lines += [f"- Not measured: no {path.name} (`equiv sweep ... --format json --out {path.name}`).", ""]
+            continue
+        saved = json.loads(path.read_text())
+        rows = [SweepRow.from_dict(row) for row in saved["rows"]]
+        counts = Counter(_bucket_of(row) for row in rows)
+        report = path.with_suffix(".md").name
+        lines.append(
+            f"- **{saved['library']} {saved['version']}** ([{report}]({report})): {len(rows)} subjects, "
+            + ", ".join(f"{counts[column]} {column}" for column, _ in _COLUMNS)
+        )
+        failing = sorted({row.family for row in rows if row.outcome == "not_equivalent"})
+        frame = pd.DataFrame(
+            [
+                {
+                    "family": family,
+                    "NOT equivalent": f"{sum(row.outcome == 'not_equivalent' for row in chosen)} of {len(chosen)}",
+                    "named by the witness": _normalisers(chosen),
+                }
+                for family in failing
+                for chosen in [[row for row in rows if row.family == family]]
+            ]
+        )
+        lines += ["", markdown_table(frame) if failing else "Every subject that ran is equivalent.", ""]
+    return "\n".join(lines)
+
+
+def _bucket_of(row: SweepRow) -> str:
+    """The summary column a row is counted in."""
+    return next(column for column, outcomes in _COLUMNS if row.outcome in outcomes)
