@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,17 @@ def test_a_row_keeps_the_first_mismatch_of_each_window_and_their_count() -> None
     assert (window["mismatches"], window["mismatched"]) == ([{"name": "a"}], 2)
     assert SweepRow.from_dict(row.to_dict()) == row  # kept the same when read back
     assert len(audit["windows"][0]["mismatches"]) == 2  # the audit's own dict is not changed
+
+
+def test_saved_rows_render_again_with_their_own_version_without_the_library(tmp_path: Path) -> None:
+    from equiv.cli import main
+    from equiv.reporting.sweeps import rows_json
+
+    rows = [SweepRow("DPOTrainer[sigmoid]", "DPO", audit={"status": "equivalent", "steps": 1, "windows": []})]
+    saved = tmp_path / "rows.json"
+    saved.write_text(rows_json(rows, library="trl", version="0.0.1", preamble="Measured with trl 0.0.1."))
+    out = tmp_path / "report.md"
+    assert main(["sweep", "trl", "--rows", str(saved), "--out", str(out)]) == 0
+    report = out.read_text()
+    assert report.startswith("# TRL 0.0.1:") and "Measured with trl 0.0.1." in report
+    assert "`DPOTrainer[sigmoid]`" in report or "DPOTrainer[sigmoid]" in report

@@ -385,6 +385,11 @@ def _add_sweep(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="audit every subject of a library through its own trainer (transformers' heads, TRL's trainers)",
     )
     sweeps = sweep_parser.add_subparsers(dest="sweep", required=True, metavar="LIBRARY")
+    _add_sweep_transformers(sweeps)
+    _add_sweep_trl(sweeps)
+
+
+def _add_sweep_transformers(sweeps: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     transformers = sweeps.add_parser(
         "transformers",
         help="every loss-computing head of the installed transformers, built tiny, trained by its Trainer with "
@@ -395,15 +400,19 @@ def _add_sweep(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="the CI sample (a few classes, both verdicts), rendered with only what every CPU computes alike",
     )
+    _sweep_flags(transformers)
+    transformers.set_defaults(handler=_cmd_sweep)
+
+
+def _add_sweep_trl(sweeps: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     trl = sweeps.add_parser(
         "trl",
         help="TRL's trainers (SFT, DPO, KTO, Reward, GRPO, GKD, distillation, async GRPO), needs trl",
         description="Each of TRL's accumulating trainers (per loss_type) on a tiny model, gradient accumulation over "
         "uneven item counts, audited against its documented full-batch objective; one row each.",
     )
-    for parser in (transformers, trl):
-        _sweep_flags(parser)
-        parser.set_defaults(handler=_cmd_sweep)
+    _sweep_flags(trl)
+    trl.set_defaults(handler=_cmd_sweep)
 
 
 def _sweep_flags(parser: argparse.ArgumentParser) -> None:

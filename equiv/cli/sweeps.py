@@ -33,19 +33,20 @@ def _progress(done: int, total: int, label: str) -> None:
     log.info("sweep: %d/%d %s", done, total, label)
 
 
-def _saved_rows(path: Path) -> list[SweepRow]:
-    """The rows a ``--format json`` run wrote, to render again without running the sweep."""
+def _saved_rows(path: Path) -> tuple[list[SweepRow], str, str]:
+    """The rows a ``--format json`` run wrote, to render again without running the sweep, the version of the
+    library they were measured with, and how they were measured (the sweep's preamble, where it has one)."""
     try:
-        return [SweepRow.from_dict(row) for row in json.loads(path.read_text())["rows"]]
+        saved = json.loads(path.read_text())
+        rows = [SweepRow.from_dict(row) for row in saved["rows"]]
+        return rows, str(saved["version"]), str(saved.get("preamble", ""))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--rows {str(path)!r} is not a sweep's JSON (equiv sweep ... --format json): {exc}") from None
 
 
 def _rows(args: argparse.Namespace, sweep: Any) -> list[SweepRow]:
-    """The rows asked for: saved ones (``--rows``), or the sweep run over ``--only`` (an unknown name refused
-    in one line before anything is built), the sample, or every subject."""
-    if args.rows is not None:
-        return _saved_rows(args.rows)
+    """The rows the sweep gives over ``--only`` (an unknown name refused in one line before anything is
+    built), the sample, or every subject."""
     only = list(TRANSFORMERS_SAMPLE if getattr(args, "sample", False) else args.only or [])
     options: dict[str, Any] = {"only": only}
     try:
@@ -62,19 +63,22 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from equiv.reporting import sweeps as report
 
     library = args.sweep  # "transformers" or "trl": the module equiv.peers.<library>_sweep and the package
-    sweep = importlib.import_module(f"equiv.peers.{library}_sweep")
-    version = importlib.import_module(library).__version__
     out = _output(args.out, "--out")
-    rows = _rows(args, sweep)
+    if args.rows is not None:  # rendered again: neither the library nor its sweep is imported
+        rows, version, preamble = _saved_rows(args.rows)
+    else:
+        sweep = importlib.import_module(f"equiv.peers.{library}_sweep")
+        rows, version = _rows(args, sweep), importlib.import_module(library).__version__
+        preamble = sweep.preamble() if hasattr(sweep, "preamble") else ""  # the releases it ran with, in words
     if args.format == "json":
-        text = report.rows_json(rows, library=library, version=version)
+        text = report.rows_json(rows, library=library, version=version, preamble=preamble)
     elif library == "transformers":
         text = report.render_transformers_sweep(rows, version=version, exact=not args.sample)
     else:
         text = report.render_sweep(
             rows,
             title=f"TRL {version}: its trainers under gradient accumulation",
-            preamble=[sweep.preamble()],
+            preamble=[preamble],
             reproduction=report.command_reproduction("equiv sweep trl"),
         )
     if out is None:

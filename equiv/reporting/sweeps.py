@@ -160,11 +160,13 @@ def command_reproduction(command: str) -> Callable[[SweepRow], str]:
     return reproduction
 
 
-def rows_json(rows: Sequence[SweepRow], *, library: str, version: str) -> str:
-    """The rows as JSON (``--format json``; ``--rows`` renders them again): the library, its version, the rows."""
-    return (
-        json.dumps({"library": library, "version": version, "rows": [row.to_dict() for row in rows]}, indent=1) + "\n"
-    )
+def rows_json(rows: Sequence[SweepRow], *, library: str, version: str, preamble: str = "") -> str:
+    """The rows as JSON (``--format json``; ``--rows`` renders them again): the library, its version, how the
+    rows were measured (``preamble``, where the sweep words it), the rows."""
+    saved: dict[str, Any] = {"library": library, "version": version}
+    if preamble:
+        saved["preamble"] = preamble
+    return json.dumps({**saved, "rows": [row.to_dict() for row in rows]}, indent=1) + "\n"
 
 
 def _transformers_reproduction(row: SweepRow) -> str:
