@@ -72,7 +72,7 @@ def row_verdict(row: SweepRow, *, exact: bool = True) -> str:
     windows = row.audit.get("windows", [])
     failing = _first_failing(row)
     if failing is None:
-        items = "; ".join(str(window["items"]) for window in windows)
+        items = "; ".join(str(window["items"]) for window in windows if "items" in window)
         return f"{len(windows)} of {row.audit.get('steps', len(windows))} steps audited, every one equivalent" + (
             f" (items {items})" if items else ""
         )
