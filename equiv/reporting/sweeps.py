@@ -123,7 +123,7 @@ def _reproductions(rows: Sequence[SweepRow], reproduction: Callable[[SweepRow], 
         out += [f"### {row.subject}", "", "```python", reproduction(row).rstrip(), "```", ""]
         setting = failing.get("setting")
         if exact:
-            out += [f"Witness: `{failing['line']}`", ""]
+            out += [f"Witness: `{failing.get('line') or row_verdict(row)}`", ""]
         elif setting:
             out += [f"Setting named: {setting}", ""]
     return out
