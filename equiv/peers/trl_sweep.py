@@ -225,18 +225,23 @@ def _dpo(loss_type: str) -> tuple[Audit, dict[str, Any]]:
         )
         data = Dataset.from_dict({"prompt": PROMPTS, "chosen": CHOSEN, "rejected": REJECTED})
         audit = _audited_training(
-            lambda callbacks: DPOTrainer(
-                model=peers_trl.tiny_policy(),
-                args=config,
-                train_dataset=data,
-                processing_class=peers_trl.tiny_tokenizer(),
-                callbacks=callbacks,
-            ),
+            _tiny_trainer(DPOTrainer, config, data),
             loss,
             _completion_log_probs if loss_type == "sft" else _sequence_log_probs,
             _dpo_targets,
         )
     return audit, _setup("DPOTrainer", args, _PAIRS)
+
+
+def _tiny_trainer(trainer_class: Any, config: Any, data: Any) -> Callable[[list[Any]], Any]:
+    """A TRL trainer of the tiny policy and tokenizer on ``data``, built with the callbacks it is given."""
+    return lambda callbacks: trainer_class(
+        model=peers_trl.tiny_policy(),
+        args=config,
+        train_dataset=data,
+        processing_class=peers_trl.tiny_tokenizer(),
+        callbacks=callbacks,
+    )
 
 
 def _kto() -> tuple[Audit, dict[str, Any]]:
@@ -253,13 +258,7 @@ def _kto() -> tuple[Audit, dict[str, Any]]:
             beta=config.beta, desirable_weight=config.desirable_weight, undesirable_weight=config.undesirable_weight
         )
         audit = _audited_training(
-            lambda callbacks: KTOTrainer(
-                model=peers_trl.tiny_policy(),
-                args=config,
-                train_dataset=data,
-                processing_class=peers_trl.tiny_tokenizer(),
-                callbacks=callbacks,
-            ),
+            _tiny_trainer(KTOTrainer, config, data),
             loss,
             _sequence_log_probs,
             lambda call: torch.stack([_batch(call)["ref_logps"], _batch(call)["label"]], dim=1).to(torch.float64),
