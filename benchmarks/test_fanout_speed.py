@@ -22,7 +22,7 @@ import pytest
 from fanout_toy import spin
 
 from equiv.distributed.fanout import fan_out
-from equiv.reporting.benchmarks_fanout import FANOUT_WORKERS, IN_PROCESS
+from equiv.reporting.benchmarks_sweeps import FANOUT_WORKERS, IN_PROCESS
 
 #: Pure-Python work (benchmarks/fanout_toy.py: no torch in the worker, the engine's cost, not an import's); ~1 s
 #: on this machine's cores.

@@ -11,7 +11,7 @@ differs only where a measurement did (memory figures, deterministic on CPU,
 do not move at all).  The sections on what equiv itself costs follow, one module per family:
 :mod:`equiv.reporting.benchmarks_checks` (check, verify, searches, the README's example),
 :mod:`equiv.reporting.benchmarks_audit` (the audit's overhead and its false alarms) and
-:mod:`equiv.reporting.benchmarks_fanout` (the Ray fan-out's tasks per second).
+:mod:`equiv.reporting.benchmarks_sweeps` (a sweep's cost per class, the Ray fan-out's tasks per second).
 
 Nothing here measures: the benchmark run did (``pytest benchmarks``), and
 this module reads what it recorded.  The cost model is fitted here all the
@@ -50,7 +50,7 @@ from equiv.reporting.benchmarks_checks import (
     verify_speed_section,
     verify_threads_section,
 )
-from equiv.reporting.benchmarks_fanout import fanout_section
+from equiv.reporting.benchmarks_sweeps import fanout_section, sweep_cost_section
 from equiv.reporting.markdown import markdown_table
 
 #: THREAD_MODES and VERIFY_MODES live with their sections (equiv.reporting.benchmarks_checks); the benchmarks
@@ -318,6 +318,7 @@ def render_report(
     lines += audit_section(raw)
     lines += false_alarms_section(raw, scaling_full)
     lines += readme_example_section(raw)
+    lines += sweep_cost_section(raw)
     lines += fanout_section(raw)
     return "\n".join(lines).rstrip() + "\n"
 

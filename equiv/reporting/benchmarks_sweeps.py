@@ -1,6 +1,6 @@
-"""The Ray fan-out's section of reports/benchmarks.md (benchmarks/test_fanout_speed.py): tasks per second of
-``equiv.distributed.fanout.fan_out`` in this process and on a local Ray of 1, 2 and 4 workers.  It renders what
-the benchmark recorded and measures nothing."""
+"""The sweeps' sections of reports/benchmarks.md: what ``equiv sweep transformers`` costs per class
+(benchmarks/test_sweep.py), and the Ray fan-out's tasks per second in this process and on a local Ray of 1, 2
+and 4 workers (benchmarks/test_fanout_speed.py).  They render what the benchmarks recorded and measure nothing."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 
 import pandas as pd
 
+from equiv.outcomes import outcome_words
 from equiv.reporting.markdown import markdown_table
 
-__all__ = ["FANOUT_WORKERS", "IN_PROCESS", "fanout_section"]
+__all__ = ["FANOUT_WORKERS", "IN_PROCESS", "fanout_section", "sweep_cost_section"]
 
 #: The local Ray sizes the benchmark times, beside the in-process loop (its mode name).
 FANOUT_WORKERS = (1, 2, 4)
@@ -51,6 +52,36 @@ def fanout_section(raw: dict[str, Any]) -> list[str]:
         "workers, shutdown). Workers past the machine's idle cores share them: 4 workers on 2 cores cannot beat 2, "
         "and other work on the machine takes its share. Every mode returned the same values in the same order "
         "(asserted by the benchmark).",
+        "",
+        markdown_table(pd.DataFrame(rows)),
+        "",
+    ]
+
+
+def sweep_cost_section(raw: dict[str, Any]) -> list[str]:
+    """One table: per timed class, its verdict and median seconds; then the whole sweep projected from them."""
+    infos = [b["extra_info"] for b in raw.get("benchmarks", []) if b.get("extra_info", {}).get("sweep_transformers")]
+    if not infos:
+        return []
+    info = infos[0]
+    classes = info["classes"]
+    rows = [
+        {"class": f"`{name}`", "verdict": outcome_words(entry["outcome"]), "seconds (median)": f"{entry['median_s']:.2f}"}
+        for name, entry in classes.items()
+    ]
+    per_class = sum(entry["median_s"] for entry in classes.values()) / len(classes)
+    projected = per_class * info["subjects_installed"]
+    return [
+        "## `equiv sweep transformers`: cost per class",
+        "",
+        f"One class of the sweep, start to row: built tiny from its config, trained by the Trainer for 3 optimizer "
+        f"steps of 2 micro-batches, 2 of them audited (and the failing one's witness recovered), on transformers "
+        f"{info['transformers_version']}, {info['threads']} thread(s), {info['rounds']} round(s), medians, at load "
+        f"{info['load_average_1min']}; the verdicts are asserted by the benchmark. At their mean, "
+        f"{per_class:.2f} s a class, the installed release's {info['subjects_installed']} classes would take "
+        f"{projected / 60:.1f} min in one process: a projection, not a measurement (a class that cannot be built "
+        "stops early and costs less; a larger head costs more). `--ray` divides it by the workers the machine's "
+        "idle cores allow, less Ray's own seconds (the next section).",
         "",
         markdown_table(pd.DataFrame(rows)),
         "",
