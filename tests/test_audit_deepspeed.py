@@ -33,7 +33,7 @@ FLAGGED_2 = ("zero1-rank_mean-module", "zero2-rank_mean", "zero2-mean_of_means-f
 FLAGGED_3 = ("zero1-rank_mean", "zero2-rank_mean-module-fused")
 
 
-def audits(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dict[str, Any]]:
+def audits(world: int, kinds: tuple[str, ...], tmp_path: Path, script: Path = SCRIPT) -> dict[str, dict[str, Any]]:
     out = tmp_path / f"deepspeed-{world}.jsonl"
     env = {
         **os.environ,
@@ -50,7 +50,7 @@ def audits(world: int, kinds: tuple[str, ...], tmp_path: Path) -> dict[str, dict
             "--standalone",
             "--nproc-per-node",
             str(world),
-            str(SCRIPT),
+            str(script),
             str(out),
             *kinds,
         ],
@@ -108,3 +108,43 @@ def test_a_per_rank_token_mean_or_a_mean_of_means_is_flagged_with_the_engine_nam
     # the engine's own division by the accumulation steps said, with the loss it needed
     assert "divided each micro-batch's loss by gradient_accumulation_steps=3" in first["setting"], first["setting"]
     assert f"times {world * 3} ({world} ranks x 3 steps" in first["setting"], first["setting"]
+
+
+PEERS = Path(__file__).parent / "data" / "peers_under_deepspeed.py"
+PEER_KINDS = ("trainer-llama", "trainer-gpt2_token_classification", "accelerate-correct", "accelerate-mean")
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    return audits(2, PEER_KINDS, tmp_path_factory.mktemp("peers"), script=PEERS)
+
+
+def test_the_trainer_with_a_zero_2_config_passes_a_head_that_divides_by_num_items_in_batch(
+    peers: dict[str, dict[str, Any]],
+) -> None:
+    result = peers["trainer-llama"]
+    assert result["audit"]["status"] == "equivalent" and result["audit"]["judged"] >= 2, result["summary"]
+    # the TrainingArguments read (max_grad_norm=1.0 by default, clipped by the engine) and the engine's config
+    assert "max_grad_norm=1.0" in result["read"] and "ZeRO stage 2" in result["read"], result["read"]
+
+
+def test_the_trainer_with_a_zero_2_config_flags_a_head_that_ignores_num_items_in_batch(
+    peers: dict[str, dict[str, Any]],
+) -> None:
+    result = peers["trainer-gpt2_token_classification"]
+    windows = result["audit"]["windows"]
+    assert windows and all(window["status"] == "not_equivalent" for window in windows), result["summary"]
+    assert "ignored num_items_in_batch" in windows[0]["setting"], windows[0]["setting"]
+
+
+def test_accelerate_with_a_deepspeed_plugin_passes_a_correct_loop_and_flags_micro_batch_means(
+    peers: dict[str, dict[str, Any]],
+) -> None:
+    correct, means = peers["accelerate-correct"], peers["accelerate-mean"]
+    assert correct["audit"]["status"] == "equivalent" and correct["audit"]["judged"] == 2, correct["summary"]
+    assert "gradient_clipping=1" in correct["read"], correct["read"]
+    assert all(window["status"] == "not_equivalent" for window in means["audit"]["windows"]), means["summary"]
+    # two micro-batches clipped: their weights' direction is a mean of means (and a sum of means alike)
+    assert "mean of means" in means["audit"]["windows"][0]["weights"]["normaliser"], means["summary"]

@@ -76,6 +76,7 @@ def _start(
         + ", ".join(f"{key}={value}{_meaning(key, value)}" for key, value in shown.items())
         + (f"; replayed with {', '.join(replayed)}" if replayed else "")
         + (f"; the callback's own {', '.join(overridden)} used instead" if overridden else "")
+        + ("" if started.deepspeed is None else f"; {started.deepspeed.said()}")
     )
     if say is not None:
         say(started.read)
