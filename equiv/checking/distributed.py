@@ -195,19 +195,22 @@ class _CheckTask:
                 counter.start_step(step)
                 own.start_step()
 
+            options: RankOptions = {
+                "wrap_model": wrap,
+                "batch_slice": self.dcase.rank_slice(rank),
+                "micro_batch_sizes": self.dcase.rank_micro_batches(rank),
+                "on_step": on_step,
+                # A rank is a process of its own: os._exit there is a rank that died, as the launcher says.
+                "catch_os_exit": False,
+                **self._optimizer_wrapping(rank),
+            }
             snapshots = run_candidate(
                 self.dcase.case,
                 self.candidate,
                 getattr(torch, dtype_name),
-                wrap_model=wrap,
-                batch_slice=self.dcase.rank_slice(rank),
-                micro_batch_sizes=self.dcase.rank_micro_batches(rank),
-                on_step=on_step,
                 default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
                 promote_low_precision=self.promote_low_precision,
-                # A rank is a process of its own: os._exit there is a rank that died, as the launcher says.
-                catch_os_exit=False,
-                **self._optimizer_wrapping(rank),
+                **options,
             )
             own.stop()
             mark(f"the end of the {tier} tier's steps")
@@ -485,7 +488,10 @@ class _Ranks:
             and not any(v.inherent for v in verdicts)
         ):
             precision_note = self._policy_note(verdicts, mp_policy)
-        if finding is None and precision_note is None and not all(verdicts) and WITNESS_READ.get():
+        # Not yet under an engine that wraps the optimizer (DeepSpeed): the witness reads the gradient at a
+        # torch optimizer's step on the model's own parameters, which ZeRO holds as flat partitions.
+        witnessed = engine_named(self.engine).wrap_optimizer is None
+        if finding is None and precision_note is None and not all(verdicts) and WITNESS_READ.get() and witnessed:
             # Only after a failing verdict that precision does not explain (an FSDP2 policy's 16-bit reduction
             # included): which weight each rank's update gave each micro-batch (issue 44).
             witnesses = rank_witnesses(self.sent, self.dcase, self.engine, verdicts, self.launcher, self.timeout_s)

@@ -47,7 +47,9 @@ def deepspeed_missing(engine: str) -> str | None:
     return DEEPSPEED_MISSING.format(engine=engine) if importlib.util.find_spec("deepspeed") is None else None
 
 
-def deepspeed_wrapper(stage: int, micro_batches: int, micro_batch_size: int, max_grad_norm: float | None) -> WrapOptimizer:
+def deepspeed_wrapper(
+    stage: int, micro_batches: int, micro_batch_size: int, max_grad_norm: float | None
+) -> WrapOptimizer:
     """The ``wrap_optimizer`` of one rank at ZeRO ``stage`` with ``micro_batches`` micro-batches per step."""
 
     def wrap(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, Any, Any]:
@@ -75,7 +77,7 @@ def _imported() -> Any:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # DeepSpeed reads LOCAL_RANK (torchrun sets it); the check's spawned ranks are one machine's.
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-    import deepspeed  # noqa: PLC0415 (an optional dependency: imported only where the engine runs)
+    import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     return deepspeed
@@ -88,7 +90,7 @@ def _lifted_to(dtype: torch.dtype) -> Iterator[None]:
     if dtype != torch.float64:
         yield
         return
-    from deepspeed.runtime.zero import stage_1_and_2  # noqa: PLC0415
+    from deepspeed.runtime.zero import stage_1_and_2
 
     cls = stage_1_and_2.DeepSpeedZeroOptimizer
     init, master = cls.__init__, cls._configure_master_weights
@@ -105,11 +107,11 @@ def _lifted_to(dtype: torch.dtype) -> Iterator[None]:
         self.ipg_buckets = {dtype: stage_1_and_2.IPGBucket()}
         self._release_ipg_buffers()
 
-    cls.__init__, cls._configure_master_weights = lifted_init, master_weights  # type: ignore[method-assign]
+    cls.__init__, cls._configure_master_weights = lifted_init, master_weights
     try:
         yield
     finally:
-        cls.__init__, cls._configure_master_weights = init, master  # type: ignore[method-assign]
+        cls.__init__, cls._configure_master_weights = init, master
 
 
 class ZeroStateView:
@@ -128,7 +130,8 @@ class ZeroStateView:
 
     @property
     def state(self) -> dict[Tensor, dict[str, Any]]:
-        inner, out = self.zero.optimizer, {}
+        inner = self.zero.optimizer
+        out: dict[Tensor, dict[str, Any]] = {}
         group = self.zero.dp_process_group
         for index, params in enumerate(self.zero.round_robin_bit16_groups):
             partition = self.zero.single_partition_of_fp32_groups[index]
