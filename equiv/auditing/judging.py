@@ -44,6 +44,8 @@ class WindowJudge:
     averaged: AveragedWeights | None
     #: the ``torch.nn.functional`` losses whose calls the hooks saw (named when pairing them fails)
     functional: frozenset[Callable[..., Tensor]]
+    #: the accumulation steps an engine divides every micro-batch's loss by itself (DeepSpeed's; None: none)
+    engine_steps: int | None = None
     #: the windows judged, by their micro-batch count (the run's usual window: the commonest)
     sizes: Counter[int] = field(default_factory=Counter)
 
@@ -89,7 +91,7 @@ class WindowJudge:
         # is gathered), the witness: a passing window, a schedule's or a NaN's failure pays nothing for it.
         if verdict.judged and verdict.not_finite is None and (verdict.mismatches or verdict.ranks_off):
             clips = tuple((name, after) for (name, _), after in zip(window.clips, window.clipped_after, strict=True))
-            verdict = self._witnessed(verdict, recorded, replay, usual, clips)
+            verdict = self._witnessed(verdict, recorded, replay, usual, clips, self.engine_steps)
         return verdict
 
     @staticmethod
@@ -99,15 +101,16 @@ class WindowJudge:
         replay: WindowReplay,
         usual: int | None,
         clips: tuple[tuple[str, int], ...],
+        engine_steps: int | None,
     ) -> WindowAudit:
         """``verdict`` with its witness.  In one process a witness that cannot be made (an error in the user's
         loss replayed per micro-batch, say) is said in the window's note and never replaces the verdict; under
         DDP every rank must reach the witness's collectives together, so an error there stays an error."""
         if replay.ranks is not None:
-            found = window_witness(recorded, replay, configured_n=usual, clips=clips)
+            found = window_witness(recorded, replay, configured_n=usual, clips=clips, engine_steps=engine_steps)
             return dataclasses.replace(verdict, witness=found)
         try:
-            found = window_witness(recorded, replay, configured_n=usual, clips=clips)
+            found = window_witness(recorded, replay, configured_n=usual, clips=clips, engine_steps=engine_steps)
             return dataclasses.replace(verdict, witness=found)
         except Exception as error:  # the verdict stands; what the witness could not do is said, not hidden
             said = f"no witness of the weights ({type(error).__name__}: {error})"

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from equiv.auditing.averaged import AveragedWeights
+from equiv.auditing.deepspeed import ZeroOptimizer
 from equiv.auditing.ranks import local
 from equiv.auditing.replay import Autocast, Call, RecordedWindow
 from equiv.auditing.schedules import Advance
@@ -113,6 +114,9 @@ class WindowRecord:
     not_finite: str | None = None
     #: the averaged model's weights when the window began (None: none kept, or the first window)
     averaged: dict[str, Tensor] | None = None
+    #: what the optimizer steps when the window began, where that is not the model's parameters (DeepSpeed ZeRO's
+    #: fp32 partitions, by name); None: the parameters
+    held: dict[str, Tensor] | None = None
 
     @classmethod
     def begin(
@@ -126,6 +130,11 @@ class WindowRecord:
             optimizer=copy.deepcopy(local_state(optimizer.state_dict())),
             # after a step, its update of the average is yet to come
             averaged=averaged.capture() if averaged is not None and steps else None,
+            held=(
+                {name: tensor.detach().clone() for name, tensor in optimizer.held().items()}
+                if isinstance(optimizer, ZeroOptimizer)
+                else None
+            ),
         )
 
     def recorded(self, step: int, hyperparameters: tuple[dict[str, Any], ...]) -> RecordedWindow:
@@ -138,6 +147,7 @@ class WindowRecord:
             calls=tuple(self.calls),
             hyperparameters=hyperparameters,
             autocast=tuple(self.autocast),
+            start_held=self.held,
         )
 
 

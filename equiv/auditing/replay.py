@@ -35,11 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from equiv.auditing.deepspeed import ZeroOptimizer
 from equiv.auditing.ranks import Ranks, local
+from equiv.distributed.deepspeed import kernel_hyperparameters, torch_equivalent, torch_state, torch_state_dict
 from equiv.judging.floors import IN_ORDER, Rounding
 from equiv.judging.inherent import inherent_non_equivalences
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
-from equiv.judging.runs import Snapshot, snapshot_of, state_snapshot
+from equiv.judging.runs import Snapshot, state_snapshot
 from equiv.results.audit import AuditFailure, RankVerdict, WindowAudit  # the result's; named here as before
 from equiv.results.verdict import TensorDiff, Tier
 
@@ -78,6 +80,9 @@ class RecordedWindow:
     hyperparameters: tuple[dict[str, Any], ...]
     #: per call, the ``torch.autocast`` it ran under, (device type, dtype), or None (empty: none did)
     autocast: tuple[Autocast | None, ...] = ()
+    #: what the optimizer stepped when the window began where that is not the model's parameters (DeepSpeed ZeRO's
+    #: fp32 partitions, by name, :mod:`equiv.auditing.zero`); None: the parameters
+    start_held: dict[str, Tensor] | None = None
 
 
 Extract = Callable[[Call], Tensor]
@@ -136,7 +141,7 @@ class WindowReplay:
                 order=order[::-1] if rounding.order == "reversed" else order,
                 after_backward=rounding.after_backward,
             )
-            stepped = self._held(replica)
+            stepped = self._held(replica, window, dtype)
             optimizer = self._optimizer(window, stepped)
             optimizer.step()
             on_snapshot(0, start)
@@ -144,9 +149,21 @@ class WindowReplay:
 
         return replay
 
-    def _held(self, replica: nn.Module) -> dict[str, nn.Parameter]:
+    def _held(self, replica: nn.Module, window: RecordedWindow, dtype: torch.dtype) -> dict[str, nn.Parameter]:
         """The parameters this rank steps, by name, their gradients set: the replica's own, or, where the
-        run shards its parameters across the ranks (FSDP2), this rank's shards of the replica's."""
+        run shards its parameters across the ranks (FSDP2), this rank's shards of the replica's, or, under
+        DeepSpeed ZeRO 1/2, this rank's flat partitions (from the window's start), the replica's gradient cut
+        into them by DeepSpeed's layout."""
+        if isinstance(self.optimizer, ZeroOptimizer):
+            assert window.start_held is not None
+            gradients = {name: p.grad for name, p in replica.named_parameters() if p.grad is not None}
+            cut = self.optimizer.layout.partitions(gradients, dtype)
+            partitions = {}
+            for (name, start), gradient in zip(window.start_held.items(), cut, strict=True):
+                partition = nn.Parameter(start.detach().to(dtype, copy=True))
+                partition.grad = gradient
+                partitions[name] = partition
+            return partitions
         if self.ranks is None or not self.ranks.sharded:
             return dict(replica.named_parameters())
         held = {}
@@ -159,8 +176,19 @@ class WindowReplay:
     def _optimizer(self, window: RecordedWindow, held: dict[str, nn.Parameter]) -> torch.optim.Optimizer:
         """An optimizer of the user's class over ``held``, in the same param groups, with the
         window-start state and the hyperparameters the run stepped with."""
-        by_identity = {id(param): name for name, param in self.model.named_parameters()}
+        by_identity = {id(param): name for name, param in stepped_by_name(self.model, self.optimizer).items()}
         optimizer = self.optimizer
+        inner = optimizer.inner if isinstance(optimizer, ZeroOptimizer) else optimizer
+        equivalent = torch_equivalent(inner)  # DeepSpeed's own Adams: their torch equivalents, in float64
+        if equivalent is not None:
+            replica: torch.optim.Optimizer = equivalent[0](
+                [{"params": [held[by_identity[id(p)]] for p in group["params"]]} for group in optimizer.param_groups],
+                **equivalent[1],
+            )
+            replica.load_state_dict(torch_state_dict(copy.deepcopy(window.start_optimizer), replica))
+            for group, hyper in zip(replica.param_groups, window.hyperparameters, strict=True):
+                group.update(kernel_hyperparameters(hyper))
+            return replica
         groups = [
             {
                 **{k: v for k, v in group.items() if k != "params"},
@@ -170,8 +198,8 @@ class WindowReplay:
         ]
         # The constructor's own keywords only (defaults may hold derived ones, e.g.
         # AdamW's decoupled_weight_decay); every group carries its hyperparameters anyway.
-        accepted = inspect.signature(type(optimizer)).parameters
-        replica = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        accepted = inspect.signature(type(inner)).parameters
+        replica = type(inner)(groups, **{k: v for k, v in inner.defaults.items() if k in accepted})
         replica.load_state_dict(copy.deepcopy(window.start_optimizer))  # state cast to the replica's dtype
         for group, hyper in zip(replica.param_groups, window.hyperparameters, strict=True):
             group.update(hyper)
@@ -276,10 +304,16 @@ def model_at(template: nn.Module, window: RecordedWindow, dtype: torch.dtype) ->
 _ROUNDINGS = (IN_ORDER, Rounding("reversed"), Rounding(after_backward=True))
 
 
+def stepped_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """What ``optimizer`` steps, by name: the model's parameters, or DeepSpeed ZeRO's partitions."""
+    return optimizer.held() if isinstance(optimizer, ZeroOptimizer) else dict(model.named_parameters())
+
+
 def _start(window: RecordedWindow) -> Snapshot:
-    """The window's start as this rank holds it (its shards, in a sharded run)."""
+    """The window's start as this rank holds it (its shards, in a sharded run; its partitions under ZeRO)."""
+    held = window.start_held if window.start_held is not None else window.start_params
     return Snapshot(
-        params={name: local(tensor) for name, tensor in window.start_params.items()},
+        params={name: local(tensor) for name, tensor in held.items()},
         buffers=window.start_buffers,
         optimizer_state={},
     )
@@ -376,7 +410,13 @@ def _rank_verdicts(
 
 def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
     """The user's state after its step, its own tensors lent (read at once): what this rank holds."""
-    snapshot = snapshot_of(model, optimizer, copy_tensors=False)
+    snapshot = state_snapshot(
+        stepped_by_name(model, optimizer),
+        {name: b for name, b in model.named_buffers() if b.is_floating_point()},
+        optimizer,
+        copy_tensors=False,
+        state=torch_state(optimizer.inner if isinstance(optimizer, ZeroOptimizer) else optimizer),
+    )
     return Snapshot(
         params={name: local(t) for name, t in snapshot.params.items()},
         buffers={name: local(t) for name, t in snapshot.buffers.items()},

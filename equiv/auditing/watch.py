@@ -63,6 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from equiv.auditing.averaged import averaged_weights
+from equiv.auditing.deepspeed import ZeroOptimizer, deepspeed_setting_at_fault, zero_view
 from equiv.auditing.judging import WindowJudge
 from equiv.auditing.optimizers import audited_optimizer, closure_required
 from equiv.auditing.ranks import Ranks, plain_copy, ranks_of_run, unwrapped
@@ -87,6 +88,7 @@ from equiv.auditing.settings import (
     default_call,
     default_targets,
 )
+from equiv.distributed.deepspeed import EngineSettings, engine_of, engine_settings, is_deepspeed_engine
 from equiv.judging.autocast import autocast_of
 from equiv.losses import FUNCTIONAL, options_of_call
 from equiv.outcomes import Outcome
@@ -113,16 +115,29 @@ class Audit(AuditResult):
         #: what the loop calls, when the audit was handed a ``torch.compile``d module (watched too, outside its graph)
         self._compiled = model if _compiled_from(model) is not model else None
         model = unwrapped(_compiled_from(model))  # DDP's module: DDP's forward calls it, its calls are recorded
+        if is_deepspeed_engine(model):  # the engine's forward calls its module: that is what is watched
+            optimizer = model.optimizer if optimizer is None else optimizer
+            model = getattr(model, "module")  # noqa: B009 (an engine, typed as the module it passed for)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        optimizer = audited_optimizer(optimizer)  # the torch optimizer inside Accelerate's / Lightning's wrapper
+        if optimizer is None:
+            raise TypeError(
+                "equiv.audit(model, optimizer, ...) needs the run's optimizer (left out only for a DeepSpeed engine, "
+                "whose own is taken)"
+            )
+        #: DeepSpeed's settings where a DeepSpeed engine trains the model (None: none does)
+        self.deepspeed = _deepspeed_settings(model, optimizer)
+        settings = self.settings = _with_engine_clip(settings, self.deepspeed)
+        zero = zero_view(optimizer, model)  # DeepSpeed ZeRO 1/2: its partitions are what its optimizer steps
+        optimizer = zero if zero is not None else audited_optimizer(optimizer)  # inside Accelerate's / Lightning's
         refused = closure_required(optimizer)
         if refused is not None:
             raise ValueError(
                 f"equiv.audit does not support optimizer {type(optimizer).__name__}: {refused}, so there "
                 "is no full-batch step to compare with (equiv check refuses it too)"
             )
-        _refuse_a_foreign_optimizer(model, optimizer)
+        if zero is None:  # a ZeRO optimizer steps flat partitions of the model's parameters, its layout checked
+            _refuse_a_foreign_optimizer(model, optimizer)
         #: the averaged copy of the weights the run keeps (an EMA, SWA), checked once per audited window
         self.averaged = averaged_weights(settings.averaged, model)
         self.model, self.optimizer = model, optimizer
@@ -135,10 +150,14 @@ class Audit(AuditResult):
         #: where the run is, as a trainer's callback (or the loop) sets it: "epoch 1, batch 6";
         #: each audited window keeps the value it had when its step was taken
         self.position: str | None = None
-        #: what a trainer's callback read from the trainer's settings, one line (None: not started by one)
-        self.read: str | None = None
-        #: the trainer's setting a failing window's witness points at, in words (a trainer's callback sets it)
-        self.setting_at_fault: Callable[[Witness], str | None] | None = None
+        #: what a trainer's callback read from the trainer's settings, one line (None: not started by one); a
+        #: DeepSpeed engine's config, read and said when the audit starts
+        self.read: str | None = None if self.deepspeed is None else f"equiv audit: {self.deepspeed.said()}"
+        #: the trainer's setting a failing window's witness points at, in words (a trainer's callback sets it; a
+        #: DeepSpeed engine's, its own)
+        self.setting_at_fault: Callable[[Witness], str | None] | None = (
+            None if self.deepspeed is None else deepspeed_setting_at_fault(self.deepspeed)
+        )
         #: the ranks of a multi-process run (None: one process), set on entering
         self.ranks: Ranks | None = None
         self._open_state(settings)
@@ -173,6 +192,8 @@ class Audit(AuditResult):
 
     def __enter__(self) -> Audit:
         self.ranks = ranks_of_run(self.model)
+        if self.deepspeed is not None and self.read is not None and (self.ranks is None or self.ranks.rank == 0):
+            print(self.read, flush=True)  # said once, as a trainer's callback says what it read
         if self.averaged is not None and self.ranks is not None and self.ranks.sharded:
             raise ValueError(
                 "equiv.audit checks an averaged model (averaged=) in one process or under DDP; under "
@@ -188,6 +209,7 @@ class Audit(AuditResult):
             ranks=self.ranks,
             averaged=self.averaged,
             functional=self._functional,
+            engine_steps=None if self.deepspeed is None else self.deepspeed.gradient_accumulation_steps,
         )
         self._handles = [
             self.optimizer.register_step_pre_hook(self._on_step_begin),
@@ -221,8 +243,12 @@ class Audit(AuditResult):
         if self.steps % self.every:
             self._window = None
             self._functional_off()
+            if isinstance(self.optimizer, ZeroOptimizer):
+                self.optimizer.capturing = False
             return
         self._window = WindowRecord.begin(self.model, self.optimizer, self.averaged, self.steps)
+        if isinstance(self.optimizer, ZeroOptimizer):  # DeepSpeed's gradient partitions, kept for a witness
+            self.optimizer.capturing = True
         self._functional_on()
 
     def _record_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -408,6 +434,28 @@ def _refuse_a_foreign_optimizer(model: nn.Module, optimizer: torch.optim.Optimiz
         )
 
 
+def _deepspeed_settings(model: nn.Module, optimizer: Any) -> EngineSettings | None:
+    """The settings of the DeepSpeed engine training ``model`` (found from the model), else None."""
+    engine = engine_of(model)
+    return None if engine is None else engine_settings(engine)
+
+
+def _with_engine_clip(settings: AuditSettings, deepspeed: EngineSettings | None) -> AuditSettings:
+    """``settings`` with the DeepSpeed config's ``gradient_clipping`` as ``max_grad_norm`` (the engine clips the
+    global norm once per step, as the full batch would); a ``max_grad_norm=`` given that differs is refused."""
+    if deepspeed is None or not deepspeed.gradient_clipping:
+        return settings
+    given = settings.max_grad_norm
+    if given is None:
+        return dataclasses.replace(settings, max_grad_norm=deepspeed.gradient_clipping)
+    if given != deepspeed.gradient_clipping:
+        raise ValueError(
+            f"max_grad_norm={given:g} but the DeepSpeed engine clips to gradient_clipping="
+            f"{deepspeed.gradient_clipping:g} (its config): leave max_grad_norm out, it is read from the engine"
+        )
+    return settings
+
+
 def _compiled_from(model: Any) -> Any:
     """The module a ``torch.compile``d one runs (its parameters are the optimizer's, by their own names)."""
     original = getattr(model, "_orig_mod", None)
@@ -435,7 +483,7 @@ def _keywords_of(
 
 
 @_keywords_of(AuditSettings)
-def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any, **options: Any) -> Audit:
+def audit(model: nn.Module, optimizer: torch.optim.Optimizer | Any = None, **options: Any) -> Audit:
     """Audit the optimizer steps of the run made inside ``with`` (see :mod:`equiv.auditing.watch`).
 
     Args:

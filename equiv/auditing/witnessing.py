@@ -26,24 +26,27 @@ rank.  The shards' Gram sums are then reduced by the audit's all-reduce.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import Tensor, nn
 
+from equiv.auditing.deepspeed import ZeroOptimizer
 from equiv.auditing.ranks import Ranks, local
 from equiv.auditing.replay import RecordedWindow, WindowReplay, model_at
 from equiv.auditing.replay import _cast as cast_to  # floating tensors only, as the truth's replay casts
 from equiv.judging.witness import (
     MAX_ROWS,
     Evidence,
+    Recovered,
     explained,
     recover_weights,
     row_gradients,
     row_residual,
     witness,
 )
-from equiv.results.witness import NOT_A_REWEIGHTING, Witness
+from equiv.results.witness import NOT_A_REWEIGHTING, NOT_IDENTIFIABLE, UNEXPLAINED, Witness
 
 __all__ = ["window_witness"]
 
@@ -213,6 +216,7 @@ def window_witness(
     *,
     configured_n: int | None,
     clips: tuple[tuple[str, int], ...] | None = None,
+    engine_steps: int | None = None,
 ) -> Witness | None:
     """The witness of a failing window: the weights the run applied to its micro-batches, named.
 
@@ -222,14 +226,49 @@ def window_witness(
         configured_n: the run's usual micro-batches per step (a shorter window may be "tail divided by N").
         clips: each clip call the audit recorded in the window, (torch's function, the forward calls recorded
             before it): the evidence of clipping between micro-batches (None: not watched).
+        engine_steps: the accumulation steps an engine divides every micro-batch's loss by on its own (DeepSpeed's
+            ``engine.backward``): weights no normaliser explains are named again with that division undone.
 
     Returns:
         The :class:`~equiv.results.witness.Witness`, or None where none is made: a window with no item to
         count, or DDP ranks holding different gradients.  Under DDP and FSDP2 every rank must call it together.
     """
+    found = _found(window, replay, configured_n, clips)
+    return found if found is None or not engine_steps else _after_engine_division(found, engine_steps)
+
+
+def _after_engine_division(found: Witness, steps: int) -> Witness:
+    """``found`` named again with an engine's division of every micro-batch's loss by ``steps`` undone, where no
+    normaliser explains its weights as they are (a per-rank token mean under DeepSpeed is one divided again by
+    its gradient_accumulation_steps), and the division said; else ``found`` as it is."""
+    if found.normaliser != UNEXPLAINED or found.run is None or steps == 1:
+        return found
+    undone = Recovered(
+        tuple(weight * steps for weight in found.run), found.residual, found.condition, len(found.run), 0.0
+    )
+    again = witness(undone, found.items, configured_n=None, ranks=found.ranks)
+    if again.normaliser in (UNEXPLAINED, NOT_A_REWEIGHTING, NOT_IDENTIFIABLE):
+        return found
+    return dataclasses.replace(
+        found,
+        normaliser=again.normaliser,
+        means=f"{again.means}, then divided by gradient_accumulation_steps={steps} by DeepSpeed's engine.backward",
+        formula=f"({again.formula})/{steps}" if again.formula else "",
+    )
+
+
+def _found(
+    window: RecordedWindow,
+    replay: WindowReplay,
+    configured_n: int | None,
+    clips: tuple[tuple[str, int], ...] | None,
+) -> Witness | None:
+    """The witness as the run's weights name it (:func:`window_witness`, before an engine's division)."""
     ranks = replay.ranks
     if ranks is not None and ranks.sharded:
         return _sharded_witness(window, replay, ranks, clips)
+    if isinstance(replay.optimizer, ZeroOptimizer):
+        return _zero_witness(window, replay, replay.optimizer, clips)
     gradients, items, rows = _micro_batch_gradients(window, replay)
     run_params = list(replay.model.parameters())
     norm = math.sqrt(sum(float(p.grad.detach().double().square().sum()) for p in run_params if p.grad is not None))
@@ -258,6 +297,51 @@ def window_witness(
     recovered = recover_weights([row[low:high] for row in stack], accumulated[low:high], all_reduce=ranks.all_reduce)
     found = witness(recovered, counts.tolist(), configured_n=None, ranks=owners, clipped=clipped)
     return explained(found, Evidence(len(window.calls), clips, rows_unmeasured=_ACROSS_RANKS))
+
+
+def _zero_witness(
+    window: RecordedWindow, replay: WindowReplay, zero: ZeroOptimizer, clips: tuple[tuple[str, int], ...] | None
+) -> Witness | None:
+    """The witness of a failing window under DeepSpeed ZeRO 1/2: ``G`` is this rank's partitions of the gradient
+    its optimizer stepped (DeepSpeed's averaged and clipped one, captured by the inner optimizer's pre-step hook),
+    the ``g_i`` every rank's micro-batches' float64 loss-sum gradients (gathered as under DDP) cut into this rank's
+    partitions by DeepSpeed's layout; the Gram summed over the ranks' partitions by the audit's all-reduce."""
+    if not zero.gradients:
+        return None  # DeepSpeed stepped no gradient this window (none captured)
+    gradients, items, _ = _micro_batch_gradients(window, replay)
+    named = list(replay.template.named_parameters())
+    accumulated = torch.cat([zero.gradients[name].to(torch.float64).reshape(-1) for name in zero.layout.names()])
+    flat = [
+        torch.cat([_zero_or(g, p).reshape(-1) for g, (_, p) in zip(pieces, named, strict=True)]) for pieces in gradients
+    ]
+    ranks = replay.ranks
+    if ranks is not None:
+        stack, counts, owners = _gathered(ranks, flat, items, sum(p.numel() for _, p in named))
+        rows, items, kept_owners = list(stack), counts.tolist(), owners
+    else:
+        rows, kept_owners = flat, None
+    if not rows:
+        return None
+    cut = [torch.cat(zero.layout.partitions(_by_name(row, named), torch.float64)) for row in rows]
+    reduce = None if ranks is None else ranks.all_reduce
+    squares = (accumulated @ accumulated).reshape(1)
+    if reduce is not None:
+        reduce(squares)
+    clipped = replay.max_grad_value is not None or (
+        replay.max_grad_norm is not None and _clip_acted(replay.max_grad_norm, math.sqrt(float(squares)))
+    )
+    recovered = recover_weights(cut, accumulated, all_reduce=reduce)
+    found = witness(recovered, items, configured_n=None, ranks=kept_owners, clipped=clipped)
+    return explained(found, Evidence(len(window.calls), clips, rows_unmeasured=_ACROSS_RANKS))
+
+
+def _by_name(flat: Tensor, named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
+    """A flat vector over ``named``'s parameters (in their order), cut back into one tensor per name."""
+    pieces, offset = {}, 0
+    for name, param in named:
+        pieces[name] = flat[offset : offset + param.numel()].view(param.shape)
+        offset += param.numel()
+    return pieces
 
 
 def _evidence(

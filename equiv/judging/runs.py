@@ -88,6 +88,7 @@ def state_snapshot(
     grad_scaler: torch.amp.GradScaler | None = None,
     *,
     copy_tensors: bool = True,
+    state: Mapping[Tensor, Mapping[str, Any]] | None = None,
 ) -> Snapshot:
     """:func:`snapshot_of` of named tensors that are not one module's (a rank's shards of them).
 
@@ -97,6 +98,8 @@ def state_snapshot(
         optimizer: the optimizer over ``params``.
         grad_scaler: the run's loss scaler, whose scale is part of its state (or None).
         copy_tensors: float64 copies (True), or the tensors themselves, lent (False).
+        state: the optimizer's per-parameter state as its replay keeps it, where that differs from
+            ``optimizer.state`` (DeepSpeed's Adams count steps per group); None: ``optimizer.state``.
 
     Returns:
         The snapshot.
@@ -106,19 +109,19 @@ def state_snapshot(
         return tensor.detach().to(dtype=torch.float64, copy=True) if copy_tensors else tensor.detach()
 
     names = {id(p): name for name, p in params.items()}
-    state: dict[str, Tensor] = {}
-    for param, param_state in optimizer.state.items():
+    kept: dict[str, Tensor] = {}
+    for param, param_state in (optimizer.state if state is None else state).items():
         for key, value in param_state.items():
             label = f"{names.get(id(param), '?')}:{key}"
-            state[label] = copy(value) if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64)
+            kept[label] = copy(value) if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64)
     if grad_scaler is not None:
         # The scale must move exactly as the full-batch step's: backed off once
         # per overflowing window, never per micro-batch.
-        state["grad_scaler:scale"] = torch.tensor(grad_scaler.get_scale(), dtype=torch.float64)
+        kept["grad_scaler:scale"] = torch.tensor(grad_scaler.get_scale(), dtype=torch.float64)
     return Snapshot(
         params={name: copy(p) for name, p in params.items()},
         buffers={name: copy(b) for name, b in buffers.items()},
-        optimizer_state=state,
+        optimizer_state=kept,
     )
 
 

@@ -66,7 +66,11 @@ def sweep_cost_section(raw: dict[str, Any]) -> list[str]:
     info = infos[0]
     classes = info["classes"]
     rows = [
-        {"class": f"`{name}`", "verdict": outcome_words(entry["outcome"]), "seconds (median)": f"{entry['median_s']:.2f}"}
+        {
+            "class": f"`{name}`",
+            "verdict": outcome_words(entry["outcome"]),
+            "seconds (median)": f"{entry['median_s']:.2f}",
+        }
         for name, entry in classes.items()
     ]
     per_class = sum(entry["median_s"] for entry in classes.values()) / len(classes)
