@@ -32,15 +32,26 @@ def test_no_module_tests_an_engine_by_its_name() -> None:
 
 
 def test_every_engine_is_one_record_the_search_can_draw_from() -> None:
-    assert list(ENGINES) == ["ddp", "fsdp2", "tp", "fsdp2+tp", "cp", "fsdp2+cp", "pipeline"]
+    assert list(ENGINES) == [
+        "ddp",
+        "fsdp2",
+        "tp",
+        "fsdp2+tp",
+        "cp",
+        "fsdp2+cp",
+        "deepspeed",
+        "deepspeed-zero1",
+        "pipeline",
+    ]
     assert STEP_ENGINES == tuple(name for name in ENGINES if name != "pipeline")
-    assert DATA_PARALLEL_ENGINES == ("ddp", "fsdp2")
+    assert DATA_PARALLEL_ENGINES == ("ddp", "fsdp2", "deepspeed", "deepspeed-zero1")
     for name, record in ENGINES.items():
         assert record.name == name
         assert set(record.search_models or MODELS) <= set(MODELS)
         # A tensor- or context-parallel engine draws groups of at least 2 ranks; the others none.
         assert (record.search_group_ranks >= 2) == (record.group != "data")
-        assert record.runs_steps == bool(record.apply)
+        # A step engine wraps the model, alone (apply) or with its optimizer (DeepSpeed's initialize).
+        assert record.runs_steps == bool(record.apply or record.wrap_optimizer)
     # The check's and the search's engine lists are the table's, not copies of it.
     assert equiv.checking.distributed.ENGINES is STEP_ENGINES
     assert equiv.checking.distributed_search.ENGINES is STEP_ENGINES
@@ -54,7 +65,7 @@ def test_the_search_refuses_models_an_engine_cannot_split_from_its_record() -> N
     with pytest.raises(
         ValueError,
         match=r"engine must be one of \('ddp', 'fsdp2', 'tp', 'fsdp2\+tp', 'cp', "
-        r"'fsdp2\+cp'\), got 'pipeline'",
+        r"'fsdp2\+cp', 'deepspeed', 'deepspeed-zero1'\), got 'pipeline'",
     ):
         check_distributed(
             equiv.accumulator_step,

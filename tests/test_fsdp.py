@@ -320,7 +320,8 @@ def test_a_rank_that_skips_a_backward_under_fsdp2_is_named_at_once() -> None:
 # ------------------------------------------------------------ bad input (no ranks)
 def test_bad_fsdp2_input_is_refused_before_anything_runs() -> None:
     with pytest.raises(
-        ValueError, match=r"engine must be one of \('ddp', 'fsdp2', 'tp', 'fsdp2\+tp', 'cp', 'fsdp2\+cp'\), got 'fsdp'"
+        ValueError,
+        match=r"engine must be one of \('ddp', 'fsdp2', 'tp', 'fsdp2\+tp', 'cp', 'fsdp2\+cp', 'deepspeed', 'deepspeed-zero1'\), got 'fsdp'",
     ):
         check_distributed(equiv.accumulator_step, FAULT_CASE, engine="fsdp")
     with pytest.raises(ValueError, match="mp_policy is an FSDP2 setting: it needs engine='fsdp2', got engine='ddp'"):

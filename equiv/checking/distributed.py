@@ -79,7 +79,7 @@ from equiv.distributed.sharding import full_tensors, fully_shard_layers
 from equiv.judging.contract import Candidate, bind, shipped
 from equiv.judging.floors import TIERS
 from equiv.judging.judge import FailsBecause, ReferenceRuns, precision_fails_because, precision_finding
-from equiv.judging.runs import Snapshot, lifted_low_precision, run_candidate
+from equiv.judging.runs import RankOptions, Snapshot, lifted_low_precision, run_candidate
 from equiv.results.distributed import CommStats, DistributedVerdict
 from equiv.results.verdict import TensorDiff, Tier, Verdict
 
@@ -153,10 +153,18 @@ class _CheckTask:
     #: The bfloat16 and float16 the step asks for lifted to each tier's dtype, to tell
     #: its own low-precision arithmetic (an accumulation buffer) from a mismatch (as equiv.check does).
     promote_low_precision: bool = False
+    #: The engine's record's wrapper of a rank's model and optimizer together (DeepSpeed), or None.
+    wrap_optimizer: Callable[[DistributedCase, int, float | None], Any] | None = None
 
     def _comm_hook(self, hook: Any, model: nn.Module) -> Any:
         """DDP's counting comm hook, lifted with the step's own bfloat16 and float16 where asked."""
         return lifted_low_precision(hook, next(model.parameters()).dtype) if self.promote_low_precision else hook
+
+    def _optimizer_wrapping(self, rank: int) -> RankOptions:
+        """``wrap_optimizer`` for this rank where the engine takes the optimizer too (DeepSpeed), else nothing."""
+        if self.wrap_optimizer is None:
+            return {}
+        return {"wrap_optimizer": self.wrap_optimizer(self.dcase, rank, self.dcase.case.max_grad_norm)}
 
     def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> RankResult:
         device = torch.device(self.dcase.case.device)
@@ -187,18 +195,22 @@ class _CheckTask:
                 counter.start_step(step)
                 own.start_step()
 
+            options: RankOptions = {
+                "wrap_model": wrap,
+                "batch_slice": self.dcase.rank_slice(rank),
+                "micro_batch_sizes": self.dcase.rank_micro_batches(rank),
+                "on_step": on_step,
+                # A rank is a process of its own: os._exit there is a rank that died, as the launcher says.
+                "catch_os_exit": False,
+                **self._optimizer_wrapping(rank),
+            }
             snapshots = run_candidate(
                 self.dcase.case,
                 self.candidate,
                 getattr(torch, dtype_name),
-                wrap_model=wrap,
-                batch_slice=self.dcase.rank_slice(rank),
-                micro_batch_sizes=self.dcase.rank_micro_batches(rank),
-                on_step=on_step,
                 default_dtype=None if self.default_dtype is None else getattr(torch, self.default_dtype),
                 promote_low_precision=self.promote_low_precision,
-                # A rank is a process of its own: os._exit there is a rank that died, as the launcher says.
-                catch_os_exit=False,
+                **options,
             )
             own.stop()
             mark(f"the end of the {tier} tier's steps")
@@ -353,13 +365,19 @@ def _check_arguments(
         raise ValueError(f"mp_policy is an FSDP2 setting: it needs engine='fsdp2', got engine={engine!r}")
     _check_split(dcase, engine)
     counts = [len(sizes) for sizes in dcase.rank_micro_batch_sizes]
-    if record.shards_parameters and len(set(counts)) > 1:
-        # Each forward all-gathers every unit's parameters (and each backward
+    if record.same_micro_batch_counts and len(set(counts)) > 1:
+        # FSDP2: each forward all-gathers every unit's parameters (and each backward
         # again), so a rank with fewer micro-batches would leave the others
-        # waiting in a collective.  Shard sizes may differ; counts may not.
+        # waiting in a collective.  DeepSpeed: gradient_accumulation_steps is one
+        # number for every rank.  Shard sizes may differ; counts may not.
+        why = (
+            "each forward and backward all-gathers the parameters"
+            if record.shards_parameters
+            else "its gradient_accumulation_steps is one number for every rank"
+        )
         raise InvalidCase(
-            f"under engine={engine!r} every rank needs the same number of micro-batches (each forward and backward "
-            f"all-gathers the parameters), got {counts} micro-batches per rank in {dcase!r}"
+            f"under engine={engine!r} every rank needs the same number of micro-batches ({why}), "
+            f"got {counts} micro-batches per rank in {dcase!r}"
         )
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -422,6 +440,7 @@ class _Ranks:
             policy,
             default_dtype="float64" if rerun == "default_dtype" else None,
             promote_low_precision=rerun == "low_precision",
+            wrap_optimizer=engine_named(engine).wrap_optimizer,
         )
         extra = (
             "" if engine == DEFAULT_ENGINE else f", engine={engine!r}" + (f", mp_policy={policy!r}" if policy else "")
@@ -469,7 +488,10 @@ class _Ranks:
             and not any(v.inherent for v in verdicts)
         ):
             precision_note = self._policy_note(verdicts, mp_policy)
-        if finding is None and precision_note is None and not all(verdicts) and WITNESS_READ.get():
+        # Not yet under an engine that wraps the optimizer (DeepSpeed): the witness reads the gradient at a
+        # torch optimizer's step on the model's own parameters, which ZeRO holds as flat partitions.
+        witnessed = engine_named(self.engine).wrap_optimizer is None
+        if finding is None and precision_note is None and not all(verdicts) and WITNESS_READ.get() and witnessed:
             # Only after a failing verdict that precision does not explain (an FSDP2 policy's 16-bit reduction
             # included): which weight each rank's update gave each micro-batch (issue 44).
             witnesses = rank_witnesses(self.sent, self.dcase, self.engine, verdicts, self.launcher, self.timeout_s)

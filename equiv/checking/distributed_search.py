@@ -120,7 +120,7 @@ def distributed_cases(
     world_size = (
         fixed if fixed is not None else draw(st.integers(low, max(low, max_world_size // record.search_group_ranks)))
     )
-    if record.shards_parameters or equal_micro_batch_counts:
+    if record.same_micro_batch_counts or equal_micro_batch_counts:
         count = draw(st.integers(1, max_micro_batches))
         sizes = st.lists(st.integers(1, max_micro_batch_size), min_size=count, max_size=count)
     else:
@@ -177,7 +177,7 @@ def standard_distributed_cases(world_size: int, engine: str = DEFAULT_ENGINE) ->
         "uneven shards, Adam": DistributedCase.of(adam, sizes),
         "ragged real tokens": DistributedCase.of(_BASES["tokens"].replace(steps=2), sizes),
     }
-    if not ENGINE_RECORDS[engine].shards_parameters:  # FSDP2 all-gathers per forward: equal counts only
+    if not ENGINE_RECORDS[engine].same_micro_batch_counts:  # FSDP2 all-gathers per forward: equal counts only
         cases["uneven micro-batch counts, Adam"] = DistributedCase.of(
             adam, [[2] * (rank + 1) for rank in range(world_size)]
         )

@@ -14,7 +14,9 @@ FSDP2 compositions, and pipeline parallel.  Each :class:`Engine` says
 - its ``apply_*`` functions, run in order on the model, as torchtitan's
   ``parallelize`` composes ``apply_tp``, ``apply_cp`` and ``apply_fsdp`` (or
   ``apply_ddp``);
-- the gradient collective it counts.
+- the gradient collective it counts;
+- for an engine that takes the optimizer too (DeepSpeed's ``initialize``), how a
+  rank's model and optimizer are wrapped together (:attr:`Engine.wrap_optimizer`).
 
 A new engine is one entry of :data:`ENGINES`: the check's rank task, its
 argument checks, the verdict's wording and the search's drawing read it.
@@ -22,6 +24,7 @@ argument checks, the verdict's wording and the search's drawing read it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -36,6 +39,7 @@ from equiv.distributed.collectives import CollectiveCounts, CountingAllGather, C
 from equiv.distributed.matching import watch_ddp
 from equiv.distributed.sharding import fsdp_modules, fully_shard_layers, sum_where_premul_sum_is_missing
 from equiv.distributed.tensor_parallel import parallelize, tensor_parallel_mesh
+from equiv.distributed.zero_engine import WrapOptimizer, deepspeed_missing, deepspeed_wrapper
 
 __all__ = [
     "DATA_PARALLEL_ENGINES",
@@ -175,6 +179,17 @@ class Engine:
     search_group_ranks: int = 1
     #: Whether :func:`equiv.check_distributed` runs a candidate step under it (the pipeline engine runs a schedule).
     runs_steps: bool = True
+    #: Every rank runs the same number of micro-batches per step (FSDP2 all-gathers per forward; DeepSpeed's
+    #: ``gradient_accumulation_steps`` is one number for every rank).
+    equal_micro_batch_counts: bool = False
+    #: Wraps a rank's model and the case's optimizer together, given the split, the rank and the case's clip
+    #: norm (None: the model alone, by :attr:`apply`): the step is handed what it returns.
+    wrap_optimizer: Callable[[Split, int, float | None], WrapOptimizer] | None = None
+
+    @property
+    def same_micro_batch_counts(self) -> bool:
+        """Whether every rank must run the same number of micro-batches per step."""
+        return self.shards_parameters or self.equal_micro_batch_counts
 
 
 def _tp_refuse(split: Split, model: Any) -> str | None:
@@ -207,6 +222,29 @@ def _tp_describe(split: Split) -> str:
     return (
         f"sequence parallel ({split.tensor_parallel} TP ranks, each a slice of every sequence, "
         "DistributedDataParallel over them)"
+    )
+
+
+def _zero(stage: int, split: Split, rank: int, max_grad_norm: float | None) -> WrapOptimizer:
+    """A DeepSpeed engine at ZeRO ``stage`` for ``rank``: its micro-batch count is the config's
+    ``gradient_accumulation_steps``, the case's clip norm its ``gradient_clipping`` (a module-level
+    function, bound with functools.partial: the check's task is pickled to its ranks)."""
+    sizes = split.rank_micro_batch_sizes[rank]
+    return deepspeed_wrapper(stage, len(sizes), max(sizes), max_grad_norm)
+
+
+def _deepspeed(name: str, stage: int) -> Engine:
+    """The DeepSpeed engine ``name`` at ZeRO ``stage`` (1 or 2; see :mod:`equiv.distributed.zero_engine`)."""
+    return Engine(
+        name,
+        lambda split: f"DeepSpeed ZeRO-{stage} (deepspeed.initialize, gradient_accumulation_steps per rank)",
+        (),
+        # DeepSpeed's reductions go through its own communication layer: not counted.
+        "none",
+        refuse=lambda split, model: deepspeed_missing(name),
+        search_models=("mlp", "tokens"),
+        equal_micro_batch_counts=True,
+        wrap_optimizer=functools.partial(_zero, stage),
     )
 
 
@@ -275,6 +313,9 @@ ENGINES: Mapping[str, Engine] = {
             search_data_ranks=(1, None),
             search_group_ranks=2,
         ),
+        # DeepSpeed's engine, which accumulates itself (engine.backward divides by gradient_accumulation_steps).
+        _deepspeed("deepspeed", 2),
+        _deepspeed("deepspeed-zero1", 1),
         # Stages on ranks, activations sent between them: equiv.checking.pipeline runs torch's schedules itself.
         Engine("pipeline", _pipeline_describe, (), "none", runs_steps=False),
     )

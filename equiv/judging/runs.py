@@ -229,6 +229,9 @@ class RankOptions(TypedDict, total=False):
 
     #: wraps the model the step sees (DistributedDataParallel, FSDP); snapshots read the unwrapped one
     wrap_model: Callable[[nn.Module], nn.Module]
+    #: wraps the wrapped model and its optimizer together (DeepSpeed's ``initialize``): what the step is handed
+    #: (the engine and its optimizer) and the optimizer whose state snapshots read, keyed by the model's parameters
+    wrap_optimizer: Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, Any, Any]]
     #: keeps the rank's part of every batch (with a tuple, further dimensions too: a
     #: context-parallel rank's slice of every sequence's positions)
     batch_slice: slice | tuple[slice, ...]
@@ -273,6 +276,10 @@ def _run(
         scheduler=case.build_scheduler(optimizer),
         grad_scaler=case.build_grad_scaler(),
     )
+    stepped_optimizer: Any = optimizer
+    wrap_optimizer = rank.get("wrap_optimizer")
+    if wrap_optimizer is not None:
+        stepped_model, stepped_optimizer, optimizer = wrap_optimizer(stepped_model, optimizer)
     snapshots: list[Snapshot] = []
 
     def record(step: int) -> None:
@@ -292,7 +299,7 @@ def _run(
             if batch_slice is not None:
                 inputs, targets = inputs[batch_slice], targets[batch_slice]
             batch = (_to(inputs, device, dtype), _to(targets, device, dtype))
-            run_step(stepped_model, optimizer, batch, extras, step)
+            run_step(stepped_model, stepped_optimizer, batch, extras, step)
             if on_note is not None:
                 for note in _what_the_step_changed(model, optimizer, dtype):
                     on_note(note)

@@ -1,0 +1,160 @@
+"""A rank's model and optimizer as a DeepSpeed engine at ZeRO stage 1 or 2 (``check_distributed(engine="deepspeed")``).
+
+:func:`deepspeed_wrapper` returns what :func:`equiv.judging.runs.run_candidate`'s
+``wrap_optimizer`` takes: given the case's model and its torch optimizer, the
+``deepspeed.initialize(...)`` engine a step is handed (its ZeRO optimizer beside it)
+and the optimizer a snapshot reads (:class:`ZeroStateView`).  The config is the one a
+DeepSpeed user writes for the case: ``gradient_accumulation_steps`` = the rank's
+micro-batch count, ``zero_optimization.stage``, ``gradient_clipping`` = the case's
+clip norm (0: none; DeepSpeed's default is 1.0), no fp16/bf16, the case's optimizer
+handed as ``optimizer=`` (DeepSpeed wraps a client torch optimizer in ZeRO).
+
+The float64 tier: ZeRO keeps float32 master weights, accumulates gradients in float32
+and reduces them in float32 whatever the model's dtype (``DeepSpeedZeroOptimizer``'s
+``_configure_master_weights``, ``gradient_accumulation_dtype`` and
+``communication_data_type``).  That is DeepSpeed's precision, not its accumulation
+rule, so with a float64 model the three are lifted to float64 (as the check lifts a
+step's own bfloat16), and the float64 run is DeepSpeed's mathematics in float64.
+The float32 tier runs DeepSpeed as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from equiv.distributed.collectives import CollectiveCounts
+
+__all__ = ["DEEPSPEED_MISSING", "ZeroStateView", "deepspeed_missing", "deepspeed_wrapper"]
+
+#: The one line a check under a DeepSpeed engine refuses with when DeepSpeed is not installed.
+DEEPSPEED_MISSING = "engine={engine!r} needs DeepSpeed: pip install 'equiv[deepspeed]'"
+
+#: What :func:`deepspeed_wrapper` returns: (model, optimizer) -> (the engine, its optimizer, the snapshots' optimizer).
+WrapOptimizer = Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, Any, Any]]
+
+
+def deepspeed_missing(engine: str) -> str | None:
+    """Why ``engine`` cannot run here (DeepSpeed is not installed), or None."""
+    return DEEPSPEED_MISSING.format(engine=engine) if importlib.util.find_spec("deepspeed") is None else None
+
+
+def deepspeed_wrapper(
+    stage: int, micro_batches: int, micro_batch_size: int, max_grad_norm: float | None
+) -> WrapOptimizer:
+    """The ``wrap_optimizer`` of one rank at ZeRO ``stage`` with ``micro_batches`` micro-batches per step."""
+
+    def wrap(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, Any, Any]:
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": micro_batches,
+            "zero_optimization": {"stage": stage},
+            "gradient_clipping": 0.0 if max_grad_norm is None else max_grad_norm,
+            # torch's optimizers are "untested" under ZeRO by DeepSpeed's list; the client optimizer is the case's.
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**31 - 1,
+        }
+        deepspeed = _imported()
+        dtype = next(model.parameters()).dtype
+        with _lifted_to(dtype):
+            engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine, zero, ZeroStateView(model, zero)
+
+    return wrap
+
+
+def _imported() -> Any:
+    """DeepSpeed, imported on the CPU accelerator where no GPU is visible, its logging kept to warnings."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed reads LOCAL_RANK (torchrun sets it); the check's spawned ranks are one machine's.
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+@contextlib.contextmanager
+def _lifted_to(dtype: torch.dtype) -> Iterator[None]:
+    """ZeRO's float32 master weights, accumulation and reduction lifted to float64 while
+    an engine of a float64 model is made (see the module); nothing changed otherwise."""
+    if dtype != torch.float64:
+        yield
+        return
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    cls = stage_1_and_2.DeepSpeedZeroOptimizer
+    init, master = cls.__init__, cls._configure_master_weights
+
+    def master_weights(self: Any, *args: Any, **kwargs: Any) -> torch.dtype:
+        chosen = master(self, *args, **kwargs)
+        return dtype if chosen == torch.float32 else chosen
+
+    def lifted_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["gradient_accumulation_dtype"] = dtype
+        init(self, *args, **kwargs)
+        # ZeRO-2's reduce-scatter refuses float64 at construction; its buckets are empty until the first backward.
+        self.communication_data_type = dtype
+        self.ipg_buckets = {dtype: stage_1_and_2.IPGBucket()}
+        self._release_ipg_buffers()
+
+    cls.__init__, cls._configure_master_weights = lifted_init, master_weights
+    try:
+        yield
+    finally:
+        cls.__init__, cls._configure_master_weights = init, master
+
+
+class ZeroStateView:
+    """The optimizer a snapshot reads under ZeRO-1/2: the client optimizer's state, which
+    ZeRO keys by this rank's flat float32 partition of each parameter group, gathered
+    from every rank and cut back into the model's parameters (a collective, not counted
+    as the step's: every rank snapshots at the same points).  Its ``state`` is keyed by
+    the model's parameters, as a torch optimizer's is."""
+
+    def __init__(self, model: nn.Module, zero: Any) -> None:
+        self.model, self.zero = model, zero
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [{"params": list(params)} for params in self.zero.round_robin_bit16_groups]
+
+    @property
+    def state(self) -> dict[Tensor, dict[str, Any]]:
+        inner = self.zero.optimizer
+        out: dict[Tensor, dict[str, Any]] = {}
+        group = self.zero.dp_process_group
+        for index, params in enumerate(self.zero.round_robin_bit16_groups):
+            partition = self.zero.single_partition_of_fp32_groups[index]
+            held = inner.state.get(partition, {})
+            for key in sorted(held):
+                value = held[key]
+                if not isinstance(value, Tensor) or value.numel() == 1:  # a step count: the same for every parameter
+                    for param in params:
+                        out.setdefault(param, {})[key] = value
+                    continue
+                flat = _gathered(value.detach().reshape(-1), group)
+                offset = 0
+                for param in params:
+                    out.setdefault(param, {})[key] = flat[offset : offset + param.numel()].view(param.shape)
+                    offset += param.numel()
+        return out
+
+
+def _gathered(partition: Tensor, group: Any) -> Tensor:
+    """Every rank's equal-sized flat partition, in rank order (the flat buffer, padding at its end)."""
+    world = dist.get_world_size(group)
+    out = torch.empty(world * partition.numel(), dtype=partition.dtype, device=partition.device)
+    # run(): inside a gradient-sync scope, so the step's own collectives do not count it.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    CollectiveCounts().run(all_gather, out, partition.contiguous(), group=group)
+    return out

@@ -1,0 +1,60 @@
+"""check_distributed under DeepSpeed's own accumulation (issue 46 item 4): engine="deepspeed" (ZeRO-2) and
+"deepspeed-zero1" wrap each rank's model and the case's optimizer with deepspeed.initialize; the step calls
+engine.backward and engine.step as DeepSpeed users do.  Skipped cleanly without DeepSpeed."""
+
+import importlib.util
+
+import pytest
+
+from equiv.cases.case import Case, InvalidCase
+from equiv.checking.distributed import DistributedCase, check_distributed
+from equiv.checking.distributed_search import standard_distributed_cases
+from equiv.zoo.deepspeed_bugs import deepspeed_global_item_count, deepspeed_local_token_mean, deepspeed_mean_of_means
+
+_TOKENS = Case(batch_size=1, micro_batch_sizes=(1,), model="token_mlp", loss="token_cross_entropy", steps=2)
+_MLP = Case(batch_size=1, micro_batch_sizes=(1,), model_kwargs={"hidden": (8,), "activation": "tanh"}, steps=2)
+
+
+def _split(world_size: int) -> list[list[int]]:
+    return [[1, rank + 2] for rank in range(world_size)]  # ranks differ in samples, micro-batches in size
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="needs DeepSpeed absent")
+def test_a_deepspeed_engine_without_deepspeed_is_refused_in_one_line() -> None:
+    with pytest.raises(InvalidCase, match=r"^engine='deepspeed' needs DeepSpeed: pip install 'equiv\[deepspeed\]'$"):
+        check_distributed(deepspeed_global_item_count, DistributedCase.of(_MLP, _split(2)), engine="deepspeed")
+
+
+def test_deepspeed_needs_one_micro_batch_count_on_every_rank() -> None:
+    pytest.importorskip("deepspeed")
+    with pytest.raises(InvalidCase, match="gradient_accumulation_steps is one number for every rank"):
+        check_distributed(deepspeed_global_item_count, DistributedCase.of(_MLP, [[1], [1, 2]]), engine="deepspeed")
+    # The standard splits leave out the one with uneven micro-batch counts under it.
+    assert "uneven micro-batch counts, Adam" not in standard_distributed_cases(2, "deepspeed")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("engine", "world_size"), [("deepspeed", 2), ("deepspeed-zero1", 3)])
+def test_a_correct_deepspeed_step_passes_at_zero_1_and_2(engine: str, world_size: int) -> None:
+    pytest.importorskip("deepspeed")
+    # Adam: its state (ZeRO's flat partitions, gathered and cut back into parameters) is compared too.
+    case = _TOKENS.replace(optimizer="Adam", optimizer_kwargs={"lr": 0.05})
+    verdict = check_distributed(
+        deepspeed_global_item_count, DistributedCase.of(case, _split(world_size)), engine=engine
+    )
+    # Passing includes the state: a state tensor missing from a snapshot would be an infinite mismatch.
+    assert verdict, verdict.message()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("step", "case", "engine"),
+    [(deepspeed_local_token_mean, _TOKENS, "deepspeed"), (deepspeed_mean_of_means, _MLP, "deepspeed-zero1")],
+)
+def test_a_per_rank_mean_and_a_mean_of_means_fail_under_deepspeed(step: object, case: Case, engine: str) -> None:
+    pytest.importorskip("deepspeed")
+    verdict = check_distributed(step, DistributedCase.of(case, _split(2)), engine=engine)  # type: ignore[arg-type]
+    assert not verdict
+    assert all(not rank for rank in verdict.ranks)
+    assert all(d.quantity == "update" for rank in verdict.ranks for d in rank.mismatches if d.step == 1)
+    assert "DeepSpeed ZeRO-" in verdict.message()
