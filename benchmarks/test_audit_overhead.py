@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -178,15 +179,20 @@ def test_audit_whole_run_overhead(benchmark, bench_settings) -> None:  # type: i
     )
 
 
-def test_audit_ddp_overhead(benchmark, bench_settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+def test_audit_ddp_overhead(benchmark, bench_settings, tmp_path, engine) -> None:  # type: ignore[no-untyped-def]
     """The audit of a DDP run under torchrun (2 gloo ranks, each its own micro-batches): a plain
     DDP step and an audited one (every=1: the global full-batch truth computed across the ranks
     by the audit's own all-reduces), alternately in the same rounds on the same data
-    (benchmarks/ddp_audit_timing.py); and the bytes each rank sent per audited step."""
+    (benchmarks/ddp_audit_timing.py); and the bytes each rank sent per audited step.  The same
+    under a DeepSpeed ZeRO-2 engine (issue 46), its row beside DDP's."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
     out = tmp_path / "ddp.json"
     rounds = 5 if bench_settings.quick else 15
     env = {
         **os.environ,
+        "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": str(bench_settings.threads),
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
     }
@@ -204,6 +210,7 @@ def test_audit_ddp_overhead(benchmark, bench_settings, tmp_path) -> None:  # typ
                 str(Path(__file__).parent / "ddp_audit_timing.py"),
                 str(out),
                 str(rounds),
+                engine,
             ],
             env=env,
             capture_output=True,
@@ -219,6 +226,7 @@ def test_audit_ddp_overhead(benchmark, bench_settings, tmp_path) -> None:  # typ
     benchmark.extra_info.update(
         bench_settings.extra_info(),
         audit_ddp_overhead=True,
+        engine=measured["engine"],
         world_size=measured["world_size"],
         parameters=measured["parameters"],
         micro_batches=measured["micro_batches"],

@@ -6,6 +6,9 @@ A test marked ``peers("transformers", ...)`` needs those packages of the peers e
 without them, except where ``EQUIV_REQUIRE_PEERS=1`` (``tox -e peers``, which installs them and runs
 ``-m peers``): there a missing package fails the test, so no trainer path goes untested in CI.
 
+A test marked ``deepspeed`` needs DeepSpeed: skipped without it, except where ``EQUIV_REQUIRE_DEEPSPEED=1``
+(``tox -e deepspeed``, which installs it and runs ``-m deepspeed``), where its absence fails the test.
+
 A test marked ``cuda`` needs nothing else: without a visible CUDA device it is
 skipped here, with :data:`NO_CUDA` as its reason (a module of CUDA tests only,
 tests/test_cuda.py, skips itself whole at import, one skip instead of hundreds).
@@ -41,6 +44,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         reason = f"needs {', '.join(missing)} (pip install equiv[peers]; tox -e peers runs it)"
         if os.environ.get("EQUIV_REQUIRE_PEERS") == "1":
             pytest.fail(f"{reason}, and EQUIV_REQUIRE_PEERS=1 says this environment has them")
+        pytest.skip(reason)
+    if item.get_closest_marker("deepspeed") is not None and importlib.util.find_spec("deepspeed") is None:
+        reason = "needs DeepSpeed (pip install 'equiv[deepspeed]'; tox -e deepspeed runs it)"
+        if os.environ.get("EQUIV_REQUIRE_DEEPSPEED") == "1":
+            pytest.fail(f"{reason}, and EQUIV_REQUIRE_DEEPSPEED=1 says this environment has it")
         pytest.skip(reason)
 
 

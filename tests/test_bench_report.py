@@ -491,6 +491,9 @@ def test_the_ddp_audit_row_states_bytes_per_parameter() -> None:
     }
     text = "\n".join(_audit_ddp_lines({"benchmarks": [{"extra_info": info}]}))
     assert "| 2 " in text and "8.0x" in text and "20,008" in text and "| 20.0 " in text
+    deepspeed = {**info, "engine": "deepspeed", "audited_ratio": 9.0}
+    rows = "\n".join(_audit_ddp_lines({"benchmarks": [{"extra_info": info}, {"extra_info": deepspeed}]}))
+    assert "| DDP " in rows and "| DeepSpeed ZeRO-2 " in rows and "9.0x" in rows  # beside each other
     assert _audit_ddp_lines({"benchmarks": []}) == []
 
 

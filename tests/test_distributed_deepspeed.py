@@ -25,8 +25,8 @@ def test_a_deepspeed_engine_without_deepspeed_is_refused_in_one_line() -> None:
         check_distributed(deepspeed_global_item_count, DistributedCase.of(_MLP, _split(2)), engine="deepspeed")
 
 
+@pytest.mark.deepspeed
 def test_deepspeed_needs_one_micro_batch_count_on_every_rank() -> None:
-    pytest.importorskip("deepspeed")
     with pytest.raises(InvalidCase, match="gradient_accumulation_steps is one number for every rank"):
         check_distributed(deepspeed_global_item_count, DistributedCase.of(_MLP, [[1], [1, 2]]), engine="deepspeed")
     # The standard splits leave out the one with uneven micro-batch counts under it.
@@ -34,9 +34,9 @@ def test_deepspeed_needs_one_micro_batch_count_on_every_rank() -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.deepspeed
 @pytest.mark.parametrize(("engine", "world_size"), [("deepspeed", 2), ("deepspeed-zero1", 3)])
 def test_a_correct_deepspeed_step_passes_at_zero_1_and_2(engine: str, world_size: int) -> None:
-    pytest.importorskip("deepspeed")
     # Adam: its state (ZeRO's flat partitions, gathered and cut back into parameters) is compared too.
     case = _TOKENS.replace(optimizer="Adam", optimizer_kwargs={"lr": 0.05})
     verdict = check_distributed(
@@ -47,12 +47,12 @@ def test_a_correct_deepspeed_step_passes_at_zero_1_and_2(engine: str, world_size
 
 
 @pytest.mark.distributed
+@pytest.mark.deepspeed
 @pytest.mark.parametrize(
     ("step", "case", "engine"),
     [(deepspeed_local_token_mean, _TOKENS, "deepspeed"), (deepspeed_mean_of_means, _MLP, "deepspeed-zero1")],
 )
 def test_a_per_rank_mean_and_a_mean_of_means_fail_under_deepspeed(step: object, case: Case, engine: str) -> None:
-    pytest.importorskip("deepspeed")
     verdict = check_distributed(step, DistributedCase.of(case, _split(2)), engine=engine)  # type: ignore[arg-type]
     assert not verdict
     assert all(not rank for rank in verdict.ranks)

@@ -12,7 +12,8 @@ writes one JSON line per scenario (to_dict(), summary, what was read) to argv[1]
 * mean_of_means: each micro-batch's own token mean (what engine.backward's GAS division assumes is right);
 * clip: the config's gradient_clipping (0.05, so that it acts), never told to the audit;
 * module: the audit handed engine.module and engine.optimizer (else the engine itself, no optimizer);
-* fused: the config's optimizer (DeepSpeed's FusedAdam); else a client torch.optim.AdamW.
+* fused: the config's optimizer (DeepSpeed's FusedAdam); else a client torch.optim.AdamW;
+* bf16: the config's bf16 (the model's weights in bfloat16, ZeRO's fp32 partitions the master copy).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def scenario(kind: str, rank: int, world: int) -> dict:
         "gradient_accumulation_steps": GAS,
         "zero_optimization": {"stage": stage},
         "gradient_clipping": 0.05 if "-clip" in kind else 0.0,
+        "bf16": {"enabled": "-bf16" in kind},
     }
     if "-fused" in kind:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
