@@ -28,7 +28,14 @@ from equiv.outcomes import Outcome, outcome_words
 from equiv.results.facts import Divergence, magnitude, ratio_band
 from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry, upstream_report
 
-__all__ = ["fsdp2_cost_table", "fsdp2_verdict_table", "measure_distributed", "measure_fsdp2"]
+__all__ = [
+    "DEEPSPEED_SHARDS",
+    "deepspeed_verdict_table",
+    "fsdp2_cost_table",
+    "fsdp2_verdict_table",
+    "measure_distributed",
+    "measure_fsdp2",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,7 @@ def measure_distributed() -> DistributedFindings:
         fsdp2=measure_fsdp2(),
         loss_scale_case=repr(scaled),
         loss_scale=loss_scale,
+        deepspeed=deepspeed_verdict_table(),
     )
 
 
@@ -79,7 +87,11 @@ def _uneven_shard_verdicts() -> pd.DataFrame:
             {
                 "candidate": name,
                 "verdict": outcome_words(verdict.status),
-                "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
+                "worst exact / allowed": (
+                    ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks))
+                    if all("exact" in v.worst for v in verdict.ranks)
+                    else "-"  # not judged (not applicable: the row's verdict says why)
+                ),
                 "all-reduces per step": ", ".join(map(str, sorted(verdict.allreduces_per_step()))),
                 "first divergence": "-" if first is None else Divergence.of(first).describe(),
                 "reproduces": _reproduces(verdict.outcome, upstream_report(candidate)),
@@ -129,7 +141,9 @@ def _loss_scale_windows(scaled: Case) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------- FSDP2
-def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: DistributedVerdict) -> dict[str, str]:
+def _fsdp2_row(
+    label: str, world_size: int, entry: Fsdp2Entry, verdict: DistributedVerdict, *, reduce_scatters: bool = True
+) -> dict[str, str]:
     finding = "-"
     if verdict.outcome is Outcome.PRECISION:
         parts = []
@@ -142,17 +156,51 @@ def _fsdp2_row(label: str, world_size: int, entry: Fsdp2Entry, verdict: Distribu
         first = next((v.first_mismatch for v in verdict.ranks if v.first_mismatch), None)
         if first is not None:
             finding = Divergence.of(first).describe()
-    return {
+    row = {
         "candidate": label,
         "W": str(world_size),
         "what": entry.what or "the reference",
         "expected": outcome_words(entry.expected),
         "verdict": outcome_words(verdict.outcome),
-        "worst exact / allowed": ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks)),
-        "reduce-scatters per step": ", ".join(map(str, sorted(verdict.reduce_scatters_per_step()))),
+        "worst exact / allowed": (
+            ratio_band(max(v.worst["exact"].ratio for v in verdict.ranks))
+            if all("exact" in v.worst for v in verdict.ranks)
+            else "-"  # not judged (not applicable: the row's verdict says why)
+        ),
+        "reduce-scatters per step": (
+            ", ".join(map(str, sorted(verdict.reduce_scatters_per_step()))) if reduce_scatters else ""
+        ),
         "finding": finding,
         "reproduces": _reproduces(verdict.outcome, entry.upstream or upstream_report(entry.candidate)),
     }
+    if not reduce_scatters:  # an engine reducing through its own communication layer (DeepSpeed): none counted
+        del row["reduce-scatters per step"]
+    return row
+
+
+#: DeepSpeed: one gradient_accumulation_steps for every rank (the same micro-batch count), uneven shard sizes and
+#: item counts; no clipping (the engine's own, from the config: the zoo's steps take no max_grad_norm).
+DEEPSPEED_SHARDS = [[1, 2, 3], [2, 1, 1]]
+_ZERO_STAGES = {"deepspeed-zero1": "ZeRO-1", "deepspeed": "ZeRO-2"}
+
+
+def deepspeed_verdict_table() -> pd.DataFrame | None:
+    """The DeepSpeed zoo (``equiv.zoo.deepspeed_bugs``) under ZeRO-1 and ZeRO-2 at W=2, each checked with
+    ``check_distributed(..., engine=...)`` on uneven shards; None where DeepSpeed is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return None
+    from equiv.zoo.deepspeed_bugs import DEEPSPEED_ZOO
+
+    rows = []
+    for engine in ("deepspeed-zero1", "deepspeed"):
+        for name, entry in DEEPSPEED_ZOO.items():
+            verdict = check_distributed(entry.candidate, DistributedCase.of(_BASE, DEEPSPEED_SHARDS), engine=engine)
+            log.info("deepspeed: %s %s %s", name, engine, verdict.outcome)
+            row = _fsdp2_row(name, 2, entry, verdict, reduce_scatters=False)
+            rows.append({"engine": _ZERO_STAGES[engine], **row})
+    return pd.DataFrame(rows)
 
 
 def _reproduces(outcome: Outcome, upstream: str) -> str:

@@ -85,6 +85,8 @@ class DistributedFindings:
     #: repr of the loss-scale case (one overflowing sample is set per row)
     loss_scale_case: str
     loss_scale: pd.DataFrame
+    #: DeepSpeed's engines (ZeRO-1 and -2) on the DeepSpeed zoo; None where DeepSpeed is not installed
+    deepspeed: pd.DataFrame | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pandas as pd
 from equiv.findings.results import FSDP2_POLICY_LABELS, DistributedFindings, Fsdp2Findings
 from equiv.reporting.markdown import markdown_table
 
-__all__ = ["distributed_section", "fsdp2_chart", "fsdp2_section"]
+__all__ = ["deepspeed_section", "distributed_section", "fsdp2_chart", "fsdp2_section"]
 
 
 def distributed_section(findings: DistributedFindings) -> str:
@@ -30,12 +30,35 @@ def distributed_section(findings: DistributedFindings) -> str:
             "`no_sync` keeps it at one all-reduce per window.",
             markdown_table(findings.communication),
             fsdp2_section(findings.fsdp2),
+            *deepspeed_section(findings.deepspeed),
             "## Loss-scale window (dynamic loss scaling, one overflowing sample)",
             f"Case `{findings.loss_scale_case}` with `overflow_at=[1, sample]`: the full-batch step skips step 1 and "
             "backs the scale off once; so must the accumulation, whichever micro-batch overflowed.",
             markdown_table(findings.loss_scale),
         ]
     )
+
+
+def deepspeed_section(table: pd.DataFrame | None) -> list[str]:
+    """The DeepSpeed section: the DeepSpeed zoo under ZeRO-1 and ZeRO-2, or why it was not measured."""
+    from equiv.findings.distributed import DEEPSPEED_SHARDS
+
+    intro = (
+        '`check_distributed(step, dcase, engine="deepspeed-zero1" | "deepspeed")`: each rank\'s model and the case\'s '
+        "optimizer wrapped by `deepspeed.initialize` (`gradient_accumulation_steps` the rank's micro-batch count, "
+        "`gradient_clipping` the case's clip norm, DeepSpeed's CPU accelerator), the step calling `engine.backward` "
+        "and `engine.step` per micro-batch as DeepSpeed users do; every rank's parameters and ZeRO's flat optimizer "
+        "state (gathered, cut back per parameter) compared with the single-process full-batch step in both tiers "
+        "(ZeRO's float32 master weights, accumulation and reduction lifted to float64 in the exact tier). Shards "
+        f"{DEEPSPEED_SHARDS} (one `gradient_accumulation_steps` for every rank), the DDP section's case."
+    )
+    if table is None:
+        return [
+            "## DeepSpeed (ZeRO-1 and ZeRO-2, gloo ranks on the CPU)",
+            intro,
+            "Not measured: DeepSpeed is not installed (`pip install 'equiv[deepspeed]'`; `tox -e equivalence` installs it).",
+        ]
+    return ["## DeepSpeed (ZeRO-1 and ZeRO-2, gloo ranks on the CPU)", intro, markdown_table(table)]
 
 
 # ---------------------------------------------------------------------- FSDP2

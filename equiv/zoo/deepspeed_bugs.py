@@ -27,8 +27,10 @@ from torch import Tensor
 
 from equiv.batches import MicroBatches
 from equiv.losses import item_count, loss_sum_and_count
+from equiv.outcomes import Outcome
+from equiv.zoo.distributed_bugs import Fsdp2Entry
 
-__all__ = ["deepspeed_global_item_count", "deepspeed_local_token_mean", "deepspeed_mean_of_means"]
+__all__ = ["DEEPSPEED_ZOO", "deepspeed_global_item_count", "deepspeed_local_token_mean", "deepspeed_mean_of_means"]
 
 
 def _window(engine: Any, micro_batches: MicroBatches, loss_of: Callable[[Tensor, Tensor], Tensor]) -> None:
@@ -54,7 +56,7 @@ def deepspeed_local_token_mean(
 ) -> None:
     """Each rank's summed loss over its OWN item count (times GAS, which engine.backward divides out), then
     ZeRO averages the ranks: a mean of per-rank means, wrong whenever ranks hold different numbers of
-    items (transformers #34242's per-device normalisation, under DeepSpeed)."""
+    items (transformers #34191 / #34242's per-device normalisation, under DeepSpeed)."""
     rank_items = float(sum(item_count(loss_fn, targets) for _, targets in micro_batches))
     scale = len(micro_batches) / rank_items
     _window(engine, micro_batches, lambda output, targets: loss_sum_and_count(loss_fn, output, targets)[0] * scale)
@@ -65,5 +67,26 @@ def deepspeed_mean_of_means(
 ) -> None:
     """Each micro-batch's mean loss handed to engine.backward as DeepSpeed's examples do: the engine divides
     by GAS and ZeRO averages the ranks, a mean of micro-batch means, wrong whenever micro-batches hold
-    different numbers of items (transformers #24725's accumulation over padded batches)."""
+    different numbers of items (transformers #34191's mean of micro-batch means, under DeepSpeed)."""
     _window(engine, micro_batches, loss_fn)
+
+
+#: The DeepSpeed zoo as reports/equivalence.md checks it under ZeRO-1 and ZeRO-2 (the entry type FSDP2's zoo uses:
+#: a step, what it must give, one line, the upstream report).
+DEEPSPEED_ZOO: dict[str, Fsdp2Entry] = {
+    "deepspeed_global_item_count": Fsdp2Entry(
+        deepspeed_global_item_count,
+        expected=Outcome.EQUIVALENT,
+        what="summed loss / all-reduced item count x ranks x gradient_accumulation_steps",
+    ),
+    "deepspeed_local_token_mean": Fsdp2Entry(
+        deepspeed_local_token_mean,
+        what="each rank's own item mean (x gradient_accumulation_steps), averaged by ZeRO",
+        upstream="transformers #34191 / #34242",
+    ),
+    "deepspeed_mean_of_means": Fsdp2Entry(
+        deepspeed_mean_of_means,
+        what="each micro-batch's mean to engine.backward (divided by gradient_accumulation_steps)",
+        upstream="transformers #34191",
+    ),
+}
