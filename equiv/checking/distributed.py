@@ -67,6 +67,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from equiv.cases.case import InvalidCase
 from equiv.cases.distributed import DistributedCase
+from equiv.cases.strategies import MATRIX_ONLY_OPTIMIZERS
 from equiv.checking.distributed_witness import WITNESS_READ, rank_witnesses
 from equiv.checking.failure_kinds import named_by
 from equiv.distributed.collectives import CollectiveCounts, StepCollectives
@@ -90,6 +91,7 @@ __all__ = [
     "DistributedVerdict",
     "check_distributed",
     "fully_shard_layers",
+    "matrix_optimizer_refusal",
     "run_on_ranks",
 ]
 
@@ -241,6 +243,42 @@ def _check_split(dcase: DistributedCase, engine: str) -> None:
     refusal = record.refuse(dcase, dcase.case.model)
     if refusal is not None:
         raise InvalidCase(refusal)
+    matrix = matrix_optimizer_refusal(engine, dcase.case.optimizer)
+    if matrix is not None and matrix[0] == "refused":
+        raise InvalidCase(matrix[1])
+
+
+def matrix_optimizer_refusal(engine: str, optimizer: str) -> tuple[str, str] | None:
+    """Why ``optimizer`` (a matrix-only optimizer such as ``torch.optim.Muon``, which
+    orthogonalises each weight matrix: :data:`equiv.strategies.MATRIX_ONLY_OPTIMIZERS`) has no
+    judgeable run under ``engine``: ("inherent", why) where torch runs it but no step can match
+    the single process, ("refused", why) where it cannot run at all; None under DDP (and context
+    parallelism over DDP), whose ranks hand the optimizer the whole averaged matrix."""
+    if optimizer not in MATRIX_ONLY_OPTIMIZERS:
+        return None
+    record = engine_named(engine)
+    if record.wrap_optimizer is not None:
+        # Measured with DeepSpeed 0.19.8 on gloo: the client torch.optim.Muon raises "Param gradient must be a 2D
+        # matrix" at the first step.  DeepSpeed's own Muon (its config's optimizer "Muon", parameters tagged
+        # use_muon) is another optimizer, not the case's (DeepSpeed #7807 is about that path).
+        return (
+            "refused",
+            f"engine={engine!r} hands the client optimizer one flat 1-D partition of each parameter group "
+            f"(ZeRO-1/2), which torch.optim.{optimizer} refuses (it orthogonalises 2-D matrices only)",
+        )
+    if record.shards_parameters or record.group == "tensor":
+        # torch 2.13's Muon on a DTensor orthogonalises the whole matrix (DTensor redistributes: in float64 it
+        # matches the single process to 1e-16), but its Newton-Schulz iteration runs in bfloat16 and sums the
+        # shards' partial products across ranks in bfloat16: another rounding than one process's, which five
+        # iterations amplify past any float64 allowance (about 1e-2 of the update).
+        return (
+            "inherent",
+            f"torch.optim.{optimizer} under engine={engine!r} orthogonalises the sharded (DTensor) matrix with "
+            "its Newton-Schulz iteration in bfloat16, summing the shards' partial products across ranks in "
+            "bfloat16: the whole matrix's update, rounded otherwise than one process rounds it, so no step "
+            "matches the float64 full-batch truth (in float64 the sharded update is the single process's)",
+        )
+    return None
 
 
 def _lowers_precision(policy: MixedPrecisionPolicy | None) -> bool:
@@ -334,6 +372,12 @@ def check_distributed(
     reasons = bound.not_applicable_reasons(dcase.case)
     if reasons:  # nothing to run: every rank says why the case does not apply
         verdict = Verdict(case=dcase.case, candidate=bound.name, mismatches=(), not_applicable=reasons)
+        return DistributedVerdict(
+            case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size, engine=engine, mp_policy=mp_policy
+        )
+    matrix = matrix_optimizer_refusal(engine, dcase.case.optimizer)
+    if matrix is not None:  # never judged as the step's: every rank says why (see matrix_optimizer_refusal)
+        verdict = Verdict(case=dcase.case, candidate=bound.name, mismatches=(), inherent=(matrix[1],))
         return DistributedVerdict(
             case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size, engine=engine, mp_policy=mp_policy
         )

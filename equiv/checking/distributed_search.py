@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from typing_extensions import Unpack  # typing's from Python 3.11; equiv supports 3.10
 
 from equiv.cases.case import Case
-from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict
+from equiv.cases.strategies import MATRIX_ONLY_OPTIMIZERS
+from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerdict, matrix_optimizer_refusal
 from equiv.checking.distributed_cases import CaseLoop, RankFault
 from equiv.checking.distributed_witness import witness_deferred
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchOutcome, SearchRun, run_search
@@ -44,6 +45,7 @@ from equiv.results.protocol import SearchBase
 
 __all__ = [
     "DATA_PARALLEL_ENGINES",
+    "DEFAULT_OPTIMIZERS",
     "ENGINES",
     "MODELS",
     "DistributedSearchResult",
@@ -76,7 +78,11 @@ _SEQUENCE_BASES: dict[str, Case] = {
         batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01}, loss="token_mse_aux"
     ),
 }
-_OPTIMIZERS = {"SGD": {"lr": 0.05}, "Adam": {"lr": 1e-2}}
+_OPTIMIZERS = {"SGD": {"lr": 0.05}, "Adam": {"lr": 1e-2}, "Muon": {"lr": 0.02}}
+#: The optimizers a search draws unless asked for others (``optimizers=``): SGD and Adam.  ``"Muon"``
+#: (torch.optim.Muon, which orthogonalises each weight matrix) is drawn on a bias-free MLP only, under the
+#: engines whose ranks hand it whole averaged matrices (:func:`~equiv.checking.distributed.matrix_optimizer_refusal`).
+DEFAULT_OPTIMIZERS: tuple[str, ...] = ("SGD", "Adam")
 #: An active clip norm for these models' gradients (drawn only for a step that takes max_grad_norm).
 _CLIP_NORM = 0.05
 
@@ -97,7 +103,9 @@ def distributed_cases(
     ``max_micro_batches`` micro-batches of 1 to ``max_micro_batch_size``
     samples (so ranks differ in samples, micro-batches and, on the token model,
     real tokens), one of ``models`` (:data:`MODELS`), an optimizer, 1 or 2
-    steps, and an active clip norm when ``clipping``.  Under ``engine="fsdp2"``
+    steps, and an active clip norm when ``clipping``.  The optimizer is one of
+    :data:`DEFAULT_OPTIMIZERS` (others, Muon among them: :class:`DistributedSearchSpace`'s
+    ``optimizers``).  Under ``engine="fsdp2"``
     every rank has the same number of micro-batches (each forward and backward
     all-gathers the parameters on every rank), of its own sizes.  Under
     ``equal_micro_batch_counts`` asks the same of every engine (a step whose
@@ -129,14 +137,39 @@ def distributed_cases(
     model = draw(st.sampled_from(tuple(models)))
     split = record.splits_sequences
     base = _SEQUENCE_BASES.get(model, _BASES[model]) if split else _BASES[model]
-    optimizer = draw(st.sampled_from(sorted(_OPTIMIZERS, reverse=True)))  # SGD first: it shrinks to it
-    case = base.replace(optimizer=optimizer, optimizer_kwargs=_OPTIMIZERS[optimizer], steps=draw(st.integers(1, 2)))
+    case = draw(_with_optimizer(base, model, DEFAULT_OPTIMIZERS)).replace(steps=draw(st.integers(1, 2)))
     if clipping and draw(st.booleans()):
         case = case.replace(max_grad_norm=_CLIP_NORM)
     if case.loss == "token_cross_entropy":
         flat = [size for sizes in ranks for size in sizes]  # the window as DistributedCase.of lays it out
         case = case.replace(batch_size=sum(flat), micro_batch_sizes=flat, empty_samples=draw(_empty_micro_batch(ranks)))
     return DistributedCase.of(case, ranks, tensor_parallel=tensor_parallel, context_parallel=context_parallel)
+
+
+def _with_optimizer(base: Case, model: str, optimizers: Sequence[str]) -> st.SearchStrategy[Case]:
+    """``base`` with one of ``optimizers``, SGD first (it shrinks to it); a matrix-only one (Muon)
+    on the MLP only, made bias-free (every parameter a matrix)."""
+    drawable = [name for name in optimizers if model == "mlp" or name not in MATRIX_ONLY_OPTIMIZERS]
+
+    def made(name: str) -> Case:
+        kwargs = {**base.model_kwargs, "bias": False} if name in MATRIX_ONLY_OPTIMIZERS else base.model_kwargs
+        return base.replace(optimizer=name, optimizer_kwargs=_OPTIMIZERS[name], model_kwargs=kwargs)
+
+    return st.sampled_from(sorted(drawable, reverse=True)).map(made)
+
+
+def _check_optimizers(optimizers: Sequence[str], models: Sequence[str], engines: Sequence[str]) -> None:
+    """Refuse optimizers no case can be drawn with, naming the value: unknown names, a
+    matrix-only optimizer alone without the MLP, or one no run of an engine can judge."""
+    if isinstance(optimizers, str) or not optimizers or any(name not in _OPTIMIZERS for name in optimizers):
+        raise ValueError(f"optimizers must be a non-empty subset of {tuple(_OPTIMIZERS)}, got {optimizers!r}")
+    if "mlp" not in models and all(name in MATRIX_ONLY_OPTIMIZERS for name in optimizers):
+        raise ValueError(f"optimizers {tuple(optimizers)!r} take 2-D weights only: they need models with 'mlp'")
+    for engine in engines:
+        for name in optimizers:
+            refusal = matrix_optimizer_refusal(engine, name)
+            if refusal is not None:
+                raise ValueError(f"optimizers cannot hold {name!r} under engine {engine!r}: {refusal[1]}")
 
 
 def _empty_micro_batch(ranks: Sequence[Sequence[int]]) -> st.SearchStrategy[tuple[int, ...]]:
@@ -358,6 +391,7 @@ class _Bounds(TypedDict, total=False):
     max_micro_batches: int
     max_micro_batch_size: int
     equal_micro_batch_counts: bool
+    optimizers: Sequence[str]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -378,10 +412,14 @@ class DistributedSearchSpace:
     max_micro_batch_size: int = 4
     #: Every rank holds as many micro-batches as the others (a step whose collectives depend on the count).
     equal_micro_batch_counts: bool = False
+    #: The optimizers drawn (:data:`DEFAULT_OPTIMIZERS`; ``"Muon"`` too on request, under DDP), kept as a tuple.
+    optimizers: Sequence[str] = DEFAULT_OPTIMIZERS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engines", tuple(self.engines))
         object.__setattr__(self, "models", tuple(self.models))
+        _check_optimizers(self.optimizers, self.models, self.engines)
+        object.__setattr__(self, "optimizers", tuple(self.optimizers))
         unknown = [engine for engine in self.engines if engine not in ENGINES]
         if unknown or not self.engines:
             raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {self.engines!r}")
@@ -414,7 +452,7 @@ class DistributedSearchSpace:
         an active clip norm drawn only with ``clipping``."""
 
         def on(engine: str) -> st.SearchStrategy[tuple[DistributedCase, str]]:
-            return distributed_cases(
+            drawn = distributed_cases(
                 max_world_size=self.max_world_size,
                 max_micro_batches=self.max_micro_batches,
                 max_micro_batch_size=self.max_micro_batch_size,
@@ -422,9 +460,18 @@ class DistributedSearchSpace:
                 models=self.models,
                 engine=engine,
                 equal_micro_batch_counts=self.equal_micro_batch_counts,
-            ).map(lambda dcase: (dcase, engine))
+            )
+            if self.optimizers != DEFAULT_OPTIMIZERS:  # drawn again from these (the defaults' draws kept as they are)
+                drawn = drawn.flatmap(self._with_optimizers)
+            return drawn.map(lambda dcase: (dcase, engine))
 
         return st.sampled_from(tuple(self.engines)).flatmap(on)
+
+    def _with_optimizers(self, dcase: DistributedCase) -> st.SearchStrategy[DistributedCase]:
+        """``dcase`` with one of :attr:`optimizers` instead (a matrix-only one on the MLP only, made bias-free)."""
+        return _with_optimizer(dcase.case, str(dcase.case.model), self.optimizers).map(
+            lambda case: dataclasses.replace(dcase, case=case.replace(steps=dcase.case.steps))
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
@@ -453,7 +500,7 @@ def verify_distributed(
             :func:`equiv.check_distributed` takes it.
         space: what is drawn (:class:`DistributedSearchSpace`), or None with its keywords in ``bounds``.
         **bounds: ``space``'s keywords: ``engines``, ``models``, ``max_world_size``, ``max_micro_batches``,
-            ``max_micro_batch_size``, ``equal_micro_batch_counts`` (not both with ``space``).
+            ``max_micro_batch_size``, ``equal_micro_batch_counts``, ``optimizers`` (not both with ``space``).
         max_examples: distributed cases to try.
         seed: fixes the search (default: drawn and reported).
         timeout_s: seconds one case's ranks may take; a rank that hangs ends the search
