@@ -22,6 +22,7 @@ from typing import Any, NoReturn, TypedDict
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from typing_extensions import Unpack  # typing's from Python 3.11; equiv supports 3.10
 
@@ -444,15 +445,49 @@ def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
 class _PromoteLowPrecision(TorchFunctionMode):
     """bfloat16 and float16 asked for by the code it wraps (``dtype=``, ``.to()``,
     ``.bfloat16()``, ``.half()``) given ``to`` instead: a step's own low-precision
-    arithmetic (an accumulation buffer) lifted to the run's dtype."""
+    arithmetic (an accumulation buffer) lifted to the run's dtype.
+
+    Not inside a ``torch.optim`` optimizer's ``step()``: the optimizer is the case's, run
+    alike by the full-batch reference, so its own low precision is part of the truth, not
+    the step's.  ``torch.optim.Muon`` orthogonalises in bfloat16 whatever the parameters'
+    dtype (``_zeropower_via_newtonschulz``); lifted in the candidate alone, a bfloat16 buffer
+    rerun under Muon would differ from the truth by Muon's own rounding and never be told
+    from a mismatch."""
 
     _LOW = (torch.bfloat16, torch.float16)
 
     def __init__(self, to: torch.dtype) -> None:
         super().__init__()
         self.to = to
+        #: optimizer steps running now (their arithmetic is left as the optimizer wrote it)
+        self._in_optimizer = 0
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> _PromoteLowPrecision:
+        # Global hooks: the step may make its own optimizer, or a wrapper's (DeepSpeed's ZeRO) steps the case's inside.
+        self._in_optimizer = 0
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._optimizer_starts),
+            register_optimizer_step_post_hook(self._optimizer_ends),
+        ]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _optimizer_starts(self, *_: Any) -> None:
+        self._in_optimizer += 1
+
+    def _optimizer_ends(self, *_: Any) -> None:
+        self._in_optimizer -= 1
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._in_optimizer > 0:
+            return func(*args, **(kwargs or {}))
         if func in (torch.Tensor.bfloat16, torch.Tensor.half):
             return args[0].to(self.to)
         args = tuple(self.to if isinstance(a, torch.dtype) and a in self._LOW else a for a in args)
