@@ -23,13 +23,12 @@ from equiv.checking.distributed import DistributedCase, DistributedVerdict, chec
 from equiv.cost.fsdp import POLICIES, FsdpCostRow, FsdpCostSweep
 from equiv.cost.workloads import WORKLOADS
 from equiv.distributed.launcher import run_on_ranks
-from equiv.findings.results import FSDP2_POLICY_LABELS, DistributedFindings, Fsdp2Findings
+from equiv.findings.results import DEEPSPEED_SHARDS, FSDP2_POLICY_LABELS, DistributedFindings, Fsdp2Findings
 from equiv.outcomes import Outcome, outcome_words
 from equiv.results.facts import Divergence, magnitude, ratio_band
 from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry, upstream_report
 
 __all__ = [
-    "DEEPSPEED_SHARDS",
     "deepspeed_verdict_table",
     "fsdp2_cost_table",
     "fsdp2_verdict_table",
@@ -178,9 +177,8 @@ def _fsdp2_row(
     return row
 
 
-#: DeepSpeed: one gradient_accumulation_steps for every rank (the same micro-batch count), uneven shard sizes and
-#: item counts; no clipping (the engine's own, from the config: the zoo's steps take no max_grad_norm).
-DEEPSPEED_SHARDS = [[1, 2, 3], [2, 1, 1]]
+#: DeepSpeed: DEEPSPEED_SHARDS (equiv.findings.results), no clipping (the engine's own, from the config: the zoo's
+#: steps take no max_grad_norm).
 _ZERO_STAGES = {"deepspeed-zero1": "ZeRO-1", "deepspeed": "ZeRO-2"}
 
 

@@ -71,6 +71,11 @@ class Fsdp2Findings:
     workload_global_batch_size: int
 
 
+#: The DeepSpeed section's shards (samples per micro-batch, per rank): one gradient_accumulation_steps for every
+#: rank (the same micro-batch count), uneven shard sizes and item counts.
+DEEPSPEED_SHARDS = [[1, 2, 3], [2, 1, 1]]
+
+
 @dataclass(frozen=True)
 class DistributedFindings:
     """DDP on 2 gloo ranks, its communication as N grows, FSDP2, and the loss-scale windows."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from equiv.findings.results import FSDP2_POLICY_LABELS, DistributedFindings, Fsdp2Findings
+from equiv.findings.results import DEEPSPEED_SHARDS, FSDP2_POLICY_LABELS, DistributedFindings, Fsdp2Findings
 from equiv.reporting.markdown import markdown_table
 
 __all__ = ["deepspeed_section", "distributed_section", "fsdp2_chart", "fsdp2_section"]
@@ -41,8 +41,6 @@ def distributed_section(findings: DistributedFindings) -> str:
 
 def deepspeed_section(table: pd.DataFrame | None) -> list[str]:
     """The DeepSpeed section: the DeepSpeed zoo under ZeRO-1 and ZeRO-2, or why it was not measured."""
-    from equiv.findings.distributed import DEEPSPEED_SHARDS
-
     intro = (
         '`check_distributed(step, dcase, engine="deepspeed-zero1" | "deepspeed")`: each rank\'s model and the case\'s '
         "optimizer wrapped by `deepspeed.initialize` (`gradient_accumulation_steps` the rank's micro-batch count, "
