@@ -20,6 +20,7 @@ from equiv.peers.transformers_sweep import run_subject, subjects
 def test_sweep_cost_per_class(benchmark, bench_settings) -> None:  # type: ignore[no-untyped-def]
     seconds: dict[str, list[float]] = {name: [] for name in TRANSFORMERS_SAMPLE}
     outcomes: dict[str, set[str]] = {name: set() for name in TRANSFORMERS_SAMPLE}
+    words: dict[str, str] = {}
     family_of = dict(subjects({"only": TRANSFORMERS_SAMPLE}))
 
     def one_round() -> None:
@@ -28,6 +29,7 @@ def test_sweep_cost_per_class(benchmark, bench_settings) -> None:  # type: ignor
             row = run_subject(name, {"family": family_of[name]})
             seconds[name].append(time.perf_counter() - start)
             outcomes[name].add(row.outcome)
+            words[name] = row.verdict  # as a report writes it
 
     run_subject("LlamaForCausalLM", {"family": family_of["LlamaForCausalLM"]})  # first-use costs paid
     rounds = 2 if bench_settings.quick else 5
@@ -43,7 +45,8 @@ def test_sweep_cost_per_class(benchmark, bench_settings) -> None:  # type: ignor
         # The whole sweep's size in the installed release: the report projects its time from the medians.
         subjects_installed=len(subjects({})),
         classes={
-            name: {"outcome": outcome_of[name], "median_s": statistics.median(times)} for name, times in seconds.items()
+            name: {"outcome": outcome_of[name], "verdict": words[name], "median_s": statistics.median(times)}
+            for name, times in seconds.items()
         },
     )
     print("\nsweep: " + ", ".join(f"{name} {statistics.median(times):.2f} s" for name, times in seconds.items()))

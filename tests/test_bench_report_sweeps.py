@@ -63,8 +63,12 @@ def test_the_sweep_cost_rows_show_each_timed_class_and_project_the_whole_sweep_f
                 "transformers_version": "5.24.0",
                 "subjects_installed": 600,
                 "classes": {
-                    "GPT2ForTokenClassification": {"outcome": "not_equivalent", "median_s": 1.5},
-                    "LlamaForCausalLM": {"outcome": "equivalent", "median_s": 0.5},
+                    "GPT2ForTokenClassification": {
+                        "outcome": "not_equivalent",
+                        "verdict": "not equivalent",
+                        "median_s": 1.5,
+                    },
+                    "LlamaForCausalLM": {"outcome": "equivalent", "verdict": "equivalent", "median_s": 0.5},
                 },
             },
             "stats": {"median": 2.0},

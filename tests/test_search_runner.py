@@ -107,6 +107,7 @@ def test_the_distributed_search_space_is_checked_when_made() -> None:
         "max_micro_batches": 3,
         "max_micro_batch_size": 4,
         "equal_micro_batch_counts": False,
+        "optimizers": ["SGD", "Adam"],
     }
     with pytest.raises(ValueError, match="engines must be a non-empty subset"):
         DistributedSearchSpace(engines=("pp",))

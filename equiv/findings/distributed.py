@@ -192,12 +192,12 @@ def deepspeed_verdict_table() -> pd.DataFrame | None:
     from equiv.zoo.deepspeed_bugs import DEEPSPEED_ZOO
 
     rows = []
-    for engine in ("deepspeed-zero1", "deepspeed"):
+    for engine, stage in _ZERO_STAGES.items():
         for name, entry in DEEPSPEED_ZOO.items():
             verdict = check_distributed(entry.candidate, DistributedCase.of(_BASE, DEEPSPEED_SHARDS), engine=engine)
             log.info("deepspeed: %s %s %s", name, engine, verdict.outcome)
             row = _fsdp2_row(name, 2, entry, verdict, reduce_scatters=False)
-            rows.append({"engine": _ZERO_STAGES[engine], **row})
+            rows.append({"engine": stage, **row})
     return pd.DataFrame(rows)
 
 

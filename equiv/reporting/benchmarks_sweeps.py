@@ -67,7 +67,7 @@ def sweep_cost_section(raw: dict[str, Any]) -> list[str]:
     rows = [
         {
             "class": f"`{name}`",
-            "verdict": entry["outcome"].replace("_", " "),  # as a report's cell writes an outcome
+            "verdict": entry["verdict"],
             "seconds (median)": f"{entry['median_s']:.2f}",
         }
         for name, entry in classes.items()
