@@ -58,3 +58,17 @@ def test_a_per_rank_mean_and_a_mean_of_means_fail_under_deepspeed(step: object, 
     assert all(not rank for rank in verdict.ranks)
     assert all(d.quantity == "update" for rank in verdict.ranks for d in rank.mismatches if d.step == 1)
     assert "DeepSpeed ZeRO-" in verdict.message()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_the_distributed_search_draws_under_deepspeed_and_shrinks_a_per_rank_token_mean() -> None:
+    from equiv.checking.distributed_search import verify_distributed
+
+    found = verify_distributed(
+        deepspeed_local_token_mean, engines=("deepspeed",), models=("tokens",), max_examples=6, seed=0
+    )
+    assert found.outcome == "not_equivalent", found
+    # shrunk to the smallest split that still shows it: one micro-batch of one sequence on each of 2 ranks
+    assert found.to_dict()["counterexample"]["rank_micro_batch_sizes"] == [[1], [1]]

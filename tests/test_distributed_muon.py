@@ -46,8 +46,8 @@ def test_a_search_space_refuses_muon_where_no_run_can_be_judged() -> None:
         DistributedSearchSpace(optimizers=("Lion",))
 
 
+@pytest.mark.deepspeed
 def test_muon_under_deepspeed_is_refused_in_one_line() -> None:
-    pytest.importorskip("deepspeed")
     with pytest.raises(InvalidCase, match=r"^engine='deepspeed' hands the client optimizer one flat 1-D partition"):
         check_distributed(accumulator_step, DistributedCase.of(_MUON, _SPLIT), engine="deepspeed")
 
