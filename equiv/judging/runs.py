@@ -273,13 +273,9 @@ def _run(
     if wrap_model is not None:
         stepped_model = wrap_model(stepped_model)
     optimizer = case.build_optimizer(stepped_model)
-    extras = RunExtras(
-        scheduler=case.build_scheduler(optimizer),
-        grad_scaler=case.build_grad_scaler(),
-    )
+    extras = RunExtras(scheduler=case.build_scheduler(optimizer), grad_scaler=case.build_grad_scaler())
     stepped_optimizer: Any = optimizer
-    wrap_optimizer = rank.get("wrap_optimizer")
-    if wrap_optimizer is not None:
+    if (wrap_optimizer := rank.get("wrap_optimizer")) is not None:  # DeepSpeed: the engine and its optimizer
         stepped_model, stepped_optimizer, optimizer = wrap_optimizer(stepped_model, optimizer)
     snapshots: list[Snapshot] = []
 
