@@ -90,6 +90,7 @@ def search_zoo_rows(zoo: Mapping[str, SearchEntry], *, max_world_size: int = 3) 
             entry.step,
             engines=(entry.engine,),
             models=entry.models,
+            optimizers=entry.optimizers,
             max_examples=_EXAMPLES,
             seed=_SEED,
             max_world_size=max_world_size,

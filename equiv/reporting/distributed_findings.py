@@ -30,7 +30,7 @@ def distributed_search_section(findings: DistributedSearchFindings) -> str:
             f"max_examples={findings.examples}, seed={findings.seed})` "
             "on every step of `equiv.zoo.distributed_bugs.SEARCH_ZOO`: Hypothesis draws 2-3 ranks, each rank's number "
             "and sizes of micro-batches (under FSDP2 the same number on every rank), a sample-mean MLP or a token model "
-            "whose padded sequences give ranks different real-token counts, SGD or Adam, 1-2 steps and, for a step "
+            "whose padded sequences give ranks different real-token counts, SGD or Adam (Muon on a bias-free MLP for the Muon rows), 1-2 steps and, for a step "
             "that takes `max_grad_norm`, an active clip norm; each case runs on spawned gloo ranks and a mismatch is "
             "shrunk to the smallest split that still shows it. A correct step must give nothing in every drawn case. "
             '"precision": a step computing its gradient in bfloat16 (its own accumulation buffer, a compressed '

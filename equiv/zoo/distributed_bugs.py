@@ -26,6 +26,7 @@ from equiv.accumulator import Accumulator, accumulator_step
 from equiv.batches import MicroBatches
 from equiv.losses import item_count, loss_sum_and_count
 from equiv.outcomes import Outcome
+from equiv.zoo.orthogonalising_bugs import updates_averaged_over_ranks
 
 __all__ = [
     "DISTRIBUTED_BUGS",
@@ -596,6 +597,8 @@ class SearchEntry:
     #: The upstream report or recipe it reproduces ("" for equiv's own zoo).
     upstream: str
     what: str
+    #: The optimizers the search draws (``verify_distributed(optimizers=...)``); ``("Muon",)`` on a bias-free MLP.
+    optimizers: tuple[str, ...] = ("SGD", "Adam")
 
 
 #: The report of bfloat16 gradient accumulation against float32 buffers (3.5e-5 vs 2.7e-8 relative).
@@ -738,6 +741,20 @@ SEARCH_ZOO: dict[str, SearchEntry] = {
         Outcome.PRECISION,
         "",
         "DDP's bf16_compress_hook: the window's gradient all-reduced in bfloat16",
+    ),
+    # Muon (torch.optim.Muon) drawn on a bias-free MLP: it orthogonalises each weight's update, so it must be fed
+    # the window's whole averaged gradient (issue 46).
+    "accumulator_step (DDP, Muon)": SearchEntry(
+        accumulator_step, "ddp", ("mlp",), Outcome.EQUIVALENT, "", "the reference accumulator, Muon", ("Muon",)
+    ),
+    "updates_averaged_over_ranks": SearchEntry(
+        updates_averaged_over_ranks,
+        "ddp",
+        ("mlp",),
+        Outcome.NOT_EQUIVALENT,
+        "DeepSpeed #7807; Megatron-LM PR #6425",
+        "Muon on each rank's own gradient, the updated weights then averaged over the ranks",
+        ("Muon",),
     ),
 }
 
