@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from equiv.distributed.collectives import CollectiveCounts
+from equiv.distributed.deepspeed import ZeroLayout
 
 __all__ = ["DEEPSPEED_MISSING", "ZeroStateView", "deepspeed_missing", "deepspeed_wrapper"]
 
@@ -123,6 +124,8 @@ class ZeroStateView:
 
     def __init__(self, model: nn.Module, zero: Any) -> None:
         self.model, self.zero = model, zero
+        #: where each parameter sits in the flat buffers (DeepSpeed's own layout, its alignment padding included)
+        self.layout = ZeroLayout(zero, model)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -131,22 +134,21 @@ class ZeroStateView:
     @property
     def state(self) -> dict[Tensor, dict[str, Any]]:
         inner = self.zero.optimizer
+        named = dict(self.model.named_parameters())
         out: dict[Tensor, dict[str, Any]] = {}
         group = self.zero.dp_process_group
-        for index, params in enumerate(self.zero.round_robin_bit16_groups):
+        for index, placed in enumerate(self.layout.groups):
             partition = self.zero.single_partition_of_fp32_groups[index]
             held = inner.state.get(partition, {})
             for key in sorted(held):
                 value = held[key]
                 if not isinstance(value, Tensor) or value.numel() == 1:  # a step count: the same for every parameter
-                    for param in params:
-                        out.setdefault(param, {})[key] = value
+                    for name, _, _ in placed.params:
+                        out.setdefault(named[name], {})[key] = value
                     continue
-                flat = _gathered(value.detach().reshape(-1), group)
-                offset = 0
-                for param in params:
-                    out.setdefault(param, {})[key] = flat[offset : offset + param.numel()].view(param.shape)
-                    offset += param.numel()
+                flat = _gathered(value.detach().reshape(-1), group)  # the whole flat buffer, padding included
+                for name, offset, shape in placed.params:
+                    out.setdefault(named[name], {})[key] = flat[offset : offset + shape.numel()].view(shape)
         return out
 
 
