@@ -49,12 +49,19 @@ def test_a_correct_deepspeed_step_passes_at_zero_1_and_2(engine: str, world_size
 @pytest.mark.distributed
 @pytest.mark.deepspeed
 @pytest.mark.parametrize(
-    ("step", "case", "engine"),
-    [(deepspeed_local_token_mean, _TOKENS, "deepspeed"), (deepspeed_mean_of_means, _MLP, "deepspeed-zero1")],
+    ("step", "case", "engine", "normaliser"),
+    [
+        (deepspeed_local_token_mean, _TOKENS, "deepspeed", "per-rank mean"),
+        (deepspeed_mean_of_means, _MLP, "deepspeed-zero1", "mean of means"),
+    ],
 )
-def test_a_per_rank_mean_and_a_mean_of_means_fail_under_deepspeed(step: object, case: Case, engine: str) -> None:
+def test_a_per_rank_mean_and_a_mean_of_means_fail_under_deepspeed(
+    step: object, case: Case, engine: str, normaliser: str
+) -> None:
     verdict = check_distributed(step, DistributedCase.of(case, _split(2)), engine=engine)  # type: ignore[arg-type]
     assert not verdict
+    # the witness read from the gradient partitions ZeRO stepped, gathered and cut back by DeepSpeed's layout
+    assert [rank.witness.normaliser if rank.witness else None for rank in verdict.ranks] == [normaliser] * 2
     assert all(not rank for rank in verdict.ranks)
     assert all(d.quantity == "update" for rank in verdict.ranks for d in rank.mismatches if d.step == 1)
     assert "DeepSpeed ZeRO-" in verdict.message()

@@ -532,10 +532,7 @@ class _Ranks:
             and not any(v.inherent for v in verdicts)
         ):
             precision_note = self._policy_note(verdicts, mp_policy)
-        # Not yet under an engine that wraps the optimizer (DeepSpeed): the witness reads the gradient at a
-        # torch optimizer's step on the model's own parameters, which ZeRO holds as flat partitions.
-        witnessed = engine_named(self.engine).wrap_optimizer is None
-        if finding is None and precision_note is None and not all(verdicts) and WITNESS_READ.get() and witnessed:
+        if finding is None and precision_note is None and not all(verdicts) and WITNESS_READ.get():
             # Only after a failing verdict that precision does not explain (an FSDP2 policy's 16-bit reduction
             # included): which weight each rank's update gave each micro-batch (issue 44).
             witnesses = rank_witnesses(self.sent, self.dcase, self.engine, verdicts, self.launcher, self.timeout_s)

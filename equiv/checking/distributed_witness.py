@@ -155,6 +155,8 @@ class _WitnessTask:
     apply: tuple[Apply, ...]
     step: int
     sharded: bool = False
+    #: the engine's wrapper of a rank's model and optimizer together (DeepSpeed), as the check's run had it
+    wrap_optimizer: Callable[..., Any] | None = None
 
     def _wrapping(self) -> Wrapping:
         return Wrapping(torch.device(self.dcase.case.device).type, self.dcase, CollectiveCounts())
@@ -186,6 +188,11 @@ class _WitnessTask:
                 "batch_slice": self.dcase.rank_slice(rank),
                 "micro_batch_sizes": self.dcase.rank_micro_batches(rank),
                 "catch_os_exit": False,
+                **(
+                    {}
+                    if self.wrap_optimizer is None
+                    else {"wrap_optimizer": self.wrap_optimizer(self.dcase, rank, case.max_grad_norm)}
+                ),
             },
             on_start=gathered if self.sharded else None,
         )
@@ -296,7 +303,7 @@ def rank_witnesses(
         return [None] * len(verdicts)
     sharded = _sharded(dcase, engine)
     record = engine_named(engine)
-    task = _WitnessTask(sent, dcase, record.apply, min(exact) - 1, sharded)  # a row's step is 1-based
+    task = _WitnessTask(sent, dcase, record.apply, min(exact) - 1, sharded, record.wrap_optimizer)  # step 1-based
     # the sharded fit's own sums (items, the Gram) are CPU tensors: on CUDA they need the CPU backend beside NCCL
     sharded_on_cuda = sharded and dcase.case.device.startswith("cuda")
     try:

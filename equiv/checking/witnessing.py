@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from equiv.cases.case import Case
+from equiv.distributed.deepspeed import is_zero_optimizer
 from equiv.judging.clip_calls import clip_calls
 from equiv.judging.contract import BoundCandidate, CandidateError
 from equiv.judging.runs import RankOptions, run_candidate
@@ -149,7 +150,8 @@ def capture(
             ]
             raise _Captured
 
-        handle = optimizer.register_step_pre_hook(pre_step)
+        zero = is_zero_optimizer(optimizer)
+        handle = zero_gradient_hook(optimizer, plain, window) if zero else optimizer.register_step_pre_hook(pre_step)
         try:
             if wrap_model is not None:  # clips and backwards counted in a single process only
                 return candidate.step(model, optimizer, micro_batches, *args, **kw)
@@ -165,6 +167,41 @@ def capture(
     except _Captured:
         pass
     return seen[0] if seen and seen[0].accumulated is not None else None
+
+
+def zero_gradient_hook(zero: Any, model: nn.Module, window: CapturedStep) -> Any:
+    """Under DeepSpeed ZeRO 1/2 (its optimizer not a torch one): the gradient the step accumulated, read where the
+    inner torch optimizer is about to step each group's flat partition (averaged over the ranks, clipped), gathered
+    from every rank (a collective: every rank is at the same group) and cut back into ``model``'s parameters by
+    DeepSpeed's own layout, once the last group's is in; the run then stops as at a torch optimizer's step."""
+    import torch.distributed as dist
+
+    from equiv.distributed.deepspeed import ZeroLayout
+
+    layout = ZeroLayout(zero, model)
+    partitions = {id(tensor): index for index, tensor in enumerate(zero.single_partition_of_fp32_groups)}
+    flats: dict[int, Tensor] = {}
+
+    def pre_step(inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in inner.param_groups:  # DeepSpeed hands its inner optimizer one group at a time
+            for param in group["params"]:
+                index = partitions.get(id(param))
+                if index is None or param.grad is None:
+                    continue
+                mine = param.grad.detach().to(torch.float64).reshape(-1).contiguous()
+                whole = torch.empty(mine.numel() * dist.get_world_size(), dtype=torch.float64, device=mine.device)
+                dist.all_gather_into_tensor(whole, mine)  # the partitions in rank order: the whole flat buffer
+                flats[index] = whole
+        if len(flats) < len(layout.groups):
+            return
+        values: dict[str, Tensor] = {}
+        for index, placed in enumerate(layout.groups):
+            for name, offset, shape in placed.params:
+                values[name] = flats[index][offset : offset + shape.numel()].view(shape).clone()
+        window.accumulated = [values.get(name) for name, _ in model.named_parameters()]
+        raise _Captured
+
+    return zero.optimizer.register_step_pre_hook(pre_step)
 
 
 @contextlib.contextmanager
