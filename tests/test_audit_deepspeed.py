@@ -6,18 +6,15 @@ from the engine.  tests/data/audit_under_deepspeed.py runs the scenarios; one to
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_audit_torchrun import _launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed]
 
 SCRIPT = Path(__file__).parent / "data" / "audit_under_deepspeed.py"
-LAUNCH = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node")
 #: correct loops: every window equivalent
 CORRECT_2 = (
     "zero1-correct",
@@ -37,31 +34,7 @@ FLAGGED_BF16 = ("zero2-rank_mean-bf16",)
 
 def audits(world: int, kinds: tuple[str, ...], tmp_path: Path, script: Path = SCRIPT) -> dict[str, dict[str, Any]]:
     out = tmp_path / f"deepspeed-{world}.jsonl"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("RANK", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world),
-            str(script),
-            str(out),
-            *kinds,
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _launch(world, kinds, out, script, DS_ACCELERATOR="cpu")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {result["kind"]: result for result in map(json.loads, out.read_text().splitlines())}
 

@@ -36,7 +36,9 @@ BUGS = (
 )
 
 
-def _launch(world: int, kinds: tuple[str, ...], out: Path, **env_settings: str) -> subprocess.CompletedProcess[str]:
+def _launch(
+    world: int, kinds: tuple[str, ...], out: Path, script: Path = SCRIPT, **env_settings: str
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -52,7 +54,7 @@ def _launch(world: int, kinds: tuple[str, ...], out: Path, **env_settings: str) 
             "--standalone",
             "--nproc-per-node",
             str(world),
-            str(SCRIPT),
+            str(script),
             str(out),
             *kinds,
         ],

@@ -61,6 +61,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gradients: dict[str, Tensor] = {}
         self.capturing = False
         self._inner_hook: Any = None
+        #: each partition's name, by the tensor's identity (DeepSpeed keeps the same partition tensors for the run)
+        self._names = {id(tensor): name for name, tensor in self.held().items()}
 
     # The inner optimizer's, read through (a view keeps nothing of its own).
     @property
@@ -135,7 +137,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Each group's inner step: the gradient partition it takes (DeepSpeed's averaged, clipped one)."""
         if not self.capturing:
             return
-        names = {id(tensor): name for name, tensor in self.held().items()}
+        names = self._names
         for group in inner.param_groups:  # DeepSpeed hands its inner optimizer one group at a time
             for param in group["params"]:
                 if id(param) in names and param.grad is not None:

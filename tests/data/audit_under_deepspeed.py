@@ -25,7 +25,9 @@ import sys
 import deepspeed
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
+
+# The same loss and token count as the torchrun scenarios' (this script's folder is on sys.path when run).
+from audit_under_torchrun import summed_loss, tokens
 
 import equiv
 from equiv.auditing.runs import TinyLM, padded_sequences
@@ -43,16 +45,6 @@ def rank_windows(rank: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
             micro.append((torch.stack([s[0] for s in sequences]), torch.stack([s[1] for s in sequences])))
         windows.append(micro)
     return windows
-
-
-def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
-    )
-
-
-def tokens(labels: torch.Tensor) -> int:
-    return int((labels[:, 1:] != -100).sum())
 
 
 def scenario(kind: str, rank: int, world: int) -> dict:
