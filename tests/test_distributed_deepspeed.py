@@ -79,3 +79,21 @@ def test_the_distributed_search_draws_under_deepspeed_and_shrinks_a_per_rank_tok
     assert found.outcome == "not_equivalent", found
     # shrunk to the smallest split that still shows it: one micro-batch of one sequence on each of 2 ranks
     assert found.to_dict()["counterexample"]["rank_micro_batch_sizes"] == [[1], [1]]
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_deepspeeds_own_collectives_are_counted_as_the_engines_and_none_as_the_steps() -> None:
+    counted: dict[tuple[str, int], int] = {}
+    for engine in ("deepspeed", "deepspeed-zero1"):
+        for micro_batches in (1, 3):
+            dcase = DistributedCase.of(_MLP.replace(steps=1), [[1] * micro_batches] * 2)
+            verdict = check_distributed(deepspeed_global_item_count, dcase, tiers=("exact",), engine=engine)
+            assert verdict, verdict.message()
+            counted[engine, micro_batches] = max(verdict.collectives_per_step())
+            # The step's own: its item count all-reduced once a window; none of DeepSpeed's reductions.
+            assert verdict.step_collectives_per_step() == [{"all_reduce": 1}]
+            assert "collectives of engine.backward and engine.step" in verdict.message()
+    # ZeRO-2 reduces the gradients at every engine.backward, ZeRO-1 once a window (at its boundary).
+    assert counted["deepspeed", 3] - counted["deepspeed", 1] == 2
+    assert counted["deepspeed-zero1", 3] == counted["deepspeed-zero1", 1]

@@ -156,24 +156,25 @@ class _CheckTask:
     #: its own low-precision arithmetic (an accumulation buffer) from a mismatch (as equiv.check does).
     promote_low_precision: bool = False
     #: The engine's record's wrapper of a rank's model and optimizer together (DeepSpeed), or None.
-    wrap_optimizer: Callable[[DistributedCase, int, float | None], Any] | None = None
+    wrap_optimizer: Callable[[DistributedCase, int, float | None, CollectiveCounts], Any] | None = None
 
     def _comm_hook(self, hook: Any, model: nn.Module) -> Any:
         """DDP's counting comm hook, lifted with the step's own bfloat16 and float16 where asked."""
         return lifted_low_precision(hook, next(model.parameters()).dtype) if self.promote_low_precision else hook
 
-    def _optimizer_wrapping(self, rank: int) -> RankOptions:
-        """``wrap_optimizer`` for this rank where the engine takes the optimizer too (DeepSpeed), else nothing."""
+    def _optimizer_wrapping(self, rank: int, counter: CollectiveCounts) -> RankOptions:
+        """``wrap_optimizer`` for this rank where the engine takes the optimizer too (DeepSpeed; its own
+        collectives counted in ``counter``), else nothing."""
         if self.wrap_optimizer is None:
             return {}
-        return {"wrap_optimizer": self.wrap_optimizer(self.dcase, rank, self.dcase.case.max_grad_norm)}
+        return {"wrap_optimizer": self.wrap_optimizer(self.dcase, rank, self.dcase.case.max_grad_norm, counter)}
 
     def __call__(self, rank: int, world_size: int, progress: Callable[[str], None]) -> RankResult:
         device = torch.device(self.dcase.case.device)
         results: RankResult = {}
         own = StepCollectives.installed()  # what the step issues itself, apart from the gradient syncs
         for tier, dtype_name in self.tiers:
-            counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2
+            counter = CollectiveCounts()  # all-reduces under DDP, reduce-scatters under FSDP2, DeepSpeed's own
             own.reset()
             # Points every rank passes in order, so a rank that made one collective more
             # or less is named at the next one (see equiv.distributed.matching).
@@ -204,7 +205,7 @@ class _CheckTask:
                 "on_step": on_step,
                 # A rank is a process of its own: os._exit there is a rank that died, as the launcher says.
                 "catch_os_exit": False,
-                **self._optimizer_wrapping(rank),
+                **self._optimizer_wrapping(rank, counter),
             }
             snapshots = run_candidate(
                 self.dcase.case,

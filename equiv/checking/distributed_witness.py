@@ -191,7 +191,9 @@ class _WitnessTask:
                 **(
                     {}
                     if self.wrap_optimizer is None
-                    else {"wrap_optimizer": self.wrap_optimizer(self.dcase, rank, case.max_grad_norm)}
+                    else {
+                        "wrap_optimizer": self.wrap_optimizer(self.dcase, rank, case.max_grad_norm, CollectiveCounts())
+                    }
                 ),
             },
             on_start=gathered if self.sharded else None,

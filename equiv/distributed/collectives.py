@@ -12,6 +12,9 @@ all-gathers per step, inside a memory measurement) both need.
   / ``set_custom_all_gather``.
 - :meth:`CollectiveCounts.allreduce_hook`: a DDP comm hook, the default
   all-reduce (or the step's own hook, chained), counted.
+- :meth:`CollectiveCounts.counting`: an engine's own method (DeepSpeed's
+  ``engine.backward`` and ``engine.step``), every ``torch.distributed``
+  collective made inside it counted as the engine's.
 - :class:`StepCollectives`: the collectives a step makes itself (a token count
   all-reduced, a gradient synced by hand), per step, apart from the gradient
   syncs counted above.
@@ -91,9 +94,26 @@ class CollectiveCounts:
         self.bytes.append(0)
 
     def add(self, tensor: Tensor) -> None:
+        self.add_call(tensor.numel() * tensor.element_size())
+
+    def add_call(self, size: int) -> None:
+        """One collective of ``size`` bytes in the current step (none before the first :meth:`start_step`)."""
         if self.calls:
             self.calls[-1] += 1
-            self.bytes[-1] += tensor.numel() * tensor.element_size()
+            self.bytes[-1] += size
+
+    def counting(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` (an engine's own, e.g. DeepSpeed's ``engine.backward``), every ``torch.distributed``
+        collective made inside it counted here, by :class:`StepCollectives`' wrappers, and none of them
+        as the step's own: an engine that reduces through its own communication layer (DeepSpeed's
+        ``deepspeed.comm`` calls ``torch.distributed``) has no comm hook to count at."""
+
+        @functools.wraps(method)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with _gradient_sync(counts=self):
+                return method(*args, **kwargs)
+
+        return counted
 
     # No annotations: DDP compares them with dist.GradBucket at registration,
     # and this module's postponed annotations would be strings.
@@ -127,12 +147,18 @@ class CollectiveCounts:
 
 
 @contextlib.contextmanager
-def _gradient_sync() -> Any:
+def _gradient_sync(counts: CollectiveCounts | None = None) -> Any:
+    """Inside a gradient sync: a collective made here is not the step's own; it is counted in
+    ``counts`` where given (an engine's method, :meth:`CollectiveCounts.counting`), the innermost
+    sync's counts winning (a snapshot's gather inside one is counted nowhere)."""
+    outer = getattr(_in_gradient_sync, "counts", None)
     _in_gradient_sync.depth = getattr(_in_gradient_sync, "depth", 0) + 1
+    _in_gradient_sync.counts = counts
     try:
         yield
     finally:
         _in_gradient_sync.depth -= 1
+        _in_gradient_sync.counts = outer
 
 
 def _tensor_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -187,7 +213,11 @@ class StepCollectives:
     def _counted(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self._counting and not getattr(_in_gradient_sync, "depth", 0):
+            if getattr(_in_gradient_sync, "depth", 0):
+                engine = getattr(_in_gradient_sync, "counts", None)
+                if engine is not None:  # inside an engine's own method (CollectiveCounts.counting)
+                    engine.add_call(_tensor_bytes(args, kwargs))
+            elif self._counting:
                 self.calls[-1][name] = self.calls[-1].get(name, 0) + 1
                 self.bytes[-1] += _tensor_bytes(args, kwargs)
             return original(*args, **kwargs)

@@ -158,8 +158,9 @@ class Engine:
     describe: Callable[[Split], str]
     #: The ``apply_*`` functions that wrap a rank's model, in order (empty: the engine does not wrap a step's model).
     apply: tuple[Apply, ...]
-    #: The gradient collective counted: "all-reduce" (DDP), "reduce-scatter" (FSDP2) or "none".
-    collective: Literal["all-reduce", "reduce-scatter", "none"]
+    #: The gradient collective counted: "all-reduce" (DDP), "reduce-scatter" (FSDP2), "engine" (every
+    #: collective of the engine's own methods: DeepSpeed's ``engine.backward`` and ``engine.step``) or "none".
+    collective: Literal["all-reduce", "reduce-scatter", "engine", "none"]
     #: FSDP2 shards the parameters (equal micro-batch counts on every rank, an ``mp_policy`` allowed).
     shards_parameters: bool = False
     #: What the ranks serving one data rank split: nothing ("data"), the weights over a
@@ -182,9 +183,17 @@ class Engine:
     #: Every rank runs the same number of micro-batches per step (FSDP2 all-gathers per forward; DeepSpeed's
     #: ``gradient_accumulation_steps`` is one number for every rank).
     equal_micro_batch_counts: bool = False
-    #: Wraps a rank's model and the case's optimizer together, given the split, the rank and the case's clip
-    #: norm (None: the model alone, by :attr:`apply`): the step is handed what it returns.
-    wrap_optimizer: Callable[[Split, int, float | None], WrapOptimizer] | None = None
+    #: Wraps a rank's model and the case's optimizer together, given the split, the rank, the case's clip
+    #: norm and the counts of :attr:`collective` (None: the model alone, by :attr:`apply`): the step is
+    #: handed what it returns.
+    wrap_optimizer: Callable[[Split, int, float | None, CollectiveCounts], WrapOptimizer] | None = None
+
+    @property
+    def collectives_counted(self) -> str:
+        """What a verdict calls the counted collectives, e.g. "gradient all-reduces"."""
+        if self.collective == "engine":
+            return "collectives of engine.backward and engine.step (its gradient reductions, its step's)"
+        return f"gradient {self.collective}s"
 
     @property
     def same_micro_batch_counts(self) -> bool:
@@ -225,12 +234,12 @@ def _tp_describe(split: Split) -> str:
     )
 
 
-def _zero(stage: int, split: Split, rank: int, max_grad_norm: float | None) -> WrapOptimizer:
+def _zero(stage: int, split: Split, rank: int, max_grad_norm: float | None, counts: CollectiveCounts) -> WrapOptimizer:
     """A DeepSpeed engine at ZeRO ``stage`` for ``rank``: its micro-batch count is the config's
     ``gradient_accumulation_steps``, the case's clip norm its ``gradient_clipping`` (a module-level
     function, bound with functools.partial: the check's task is pickled to its ranks)."""
     sizes = split.rank_micro_batch_sizes[rank]
-    return deepspeed_wrapper(stage, len(sizes), max(sizes), max_grad_norm)
+    return deepspeed_wrapper(stage, len(sizes), max(sizes), max_grad_norm, counts)
 
 
 def _deepspeed(name: str, stage: int) -> Engine:
@@ -239,8 +248,8 @@ def _deepspeed(name: str, stage: int) -> Engine:
         name,
         lambda split: f"DeepSpeed ZeRO-{stage} (deepspeed.initialize, gradient_accumulation_steps per rank)",
         (),
-        # DeepSpeed's reductions go through its own communication layer: not counted.
-        "none",
+        # DeepSpeed's reductions go through its own communication layer: engine.backward's and engine.step's counted.
+        "engine",
         refuse=lambda split, model: deepspeed_missing(name),
         search_models=("mlp", "tokens"),
         equal_micro_batch_counts=True,

@@ -49,9 +49,11 @@ def deepspeed_missing(engine: str) -> str | None:
 
 
 def deepspeed_wrapper(
-    stage: int, micro_batches: int, micro_batch_size: int, max_grad_norm: float | None
+    stage: int, micro_batches: int, micro_batch_size: int, max_grad_norm: float | None, counts: CollectiveCounts
 ) -> WrapOptimizer:
-    """The ``wrap_optimizer`` of one rank at ZeRO ``stage`` with ``micro_batches`` micro-batches per step."""
+    """The ``wrap_optimizer`` of one rank at ZeRO ``stage`` with ``micro_batches`` micro-batches per step; every
+    collective the engine's ``backward`` and ``step`` make (its gradient reductions, its step's) counted in
+    ``counts``, none as the step's own."""
 
     def wrap(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, Any, Any]:
         config = {
@@ -67,6 +69,9 @@ def deepspeed_wrapper(
         dtype = next(model.parameters()).dtype
         with _lifted_to(dtype):
             engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        # deepspeed.comm calls torch.distributed: no comm hook to count at, so the engine's own methods are.
+        engine.backward = counts.counting(engine.backward)
+        engine.step = counts.counting(engine.step)
         return engine, zero, ZeroStateView(model, zero)
 
     return wrap

@@ -29,6 +29,7 @@ from equiv.results.facts import Divergence, magnitude, ratio_band
 from equiv.zoo.distributed_bugs import DISTRIBUTED_BUGS, FSDP2_BUGS, LOSS_SCALE_BUGS, Fsdp2Entry, upstream_report
 
 __all__ = [
+    "deepspeed_communication_table",
     "deepspeed_verdict_table",
     "fsdp2_cost_table",
     "fsdp2_verdict_table",
@@ -71,6 +72,7 @@ def measure_distributed() -> DistributedFindings:
         loss_scale_case=repr(scaled),
         loss_scale=loss_scale,
         deepspeed=deepspeed_verdict_table(),
+        deepspeed_communication=deepspeed_communication_table(),
     )
 
 
@@ -141,7 +143,12 @@ def _loss_scale_windows(scaled: Case) -> pd.DataFrame:
 
 # ---------------------------------------------------------------------- FSDP2
 def _fsdp2_row(
-    label: str, world_size: int, entry: Fsdp2Entry, verdict: DistributedVerdict, *, reduce_scatters: bool = True
+    label: str,
+    world_size: int,
+    entry: Fsdp2Entry,
+    verdict: DistributedVerdict,
+    *,
+    collectives_column: str = "reduce-scatters per step",
 ) -> dict[str, str]:
     finding = "-"
     if verdict.outcome is Outcome.PRECISION:
@@ -166,20 +173,19 @@ def _fsdp2_row(
             if all("exact" in v.worst for v in verdict.ranks)
             else "-"  # not judged (not applicable: the row's verdict says why)
         ),
-        "reduce-scatters per step": (
-            ", ".join(map(str, sorted(verdict.reduce_scatters_per_step()))) if reduce_scatters else ""
-        ),
+        # FSDP2's reduce-scatters, or DeepSpeed's engine.backward and engine.step collectives (the engine's record)
+        collectives_column: ", ".join(map(str, sorted(verdict.collectives_per_step()))),
         "finding": finding,
         "reproduces": _reproduces(verdict.outcome, entry.upstream or upstream_report(entry.candidate)),
     }
-    if not reduce_scatters:  # an engine reducing through its own communication layer (DeepSpeed): none counted
-        del row["reduce-scatters per step"]
     return row
 
 
 #: DeepSpeed: DEEPSPEED_SHARDS (equiv.findings.results), no clipping (the engine's own, from the config: the zoo's
 #: steps take no max_grad_norm).
 _ZERO_STAGES = {"deepspeed-zero1": "ZeRO-1", "deepspeed": "ZeRO-2"}
+#: The column of the collectives counted inside DeepSpeed's engine.backward and engine.step.
+DEEPSPEED_COLLECTIVES = "engine collectives per step"
 
 
 def deepspeed_verdict_table() -> pd.DataFrame | None:
@@ -196,8 +202,37 @@ def deepspeed_verdict_table() -> pd.DataFrame | None:
         for name, entry in DEEPSPEED_ZOO.items():
             verdict = check_distributed(entry.candidate, DistributedCase.of(_BASE, DEEPSPEED_SHARDS), engine=engine)
             log.info("deepspeed: %s %s %s", name, engine, verdict.outcome)
-            row = _fsdp2_row(name, 2, entry, verdict, reduce_scatters=False)
+            row = _fsdp2_row(name, 2, entry, verdict, collectives_column=DEEPSPEED_COLLECTIVES)
             rows.append({"engine": stage, **row})
+    return pd.DataFrame(rows)
+
+
+def deepspeed_communication_table() -> pd.DataFrame | None:
+    """DeepSpeed's own collectives (those of ``engine.backward`` and ``engine.step``) and their bytes per step per
+    rank, for ZeRO-1 and ZeRO-2 as the micro-batches per rank N grow (the correct step, W=2, the exact tier); None
+    where DeepSpeed is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return None
+    from equiv.zoo.deepspeed_bugs import deepspeed_global_item_count
+
+    rows = []
+    for engine, stage in _ZERO_STAGES.items():
+        for per_rank in (1, 2, 4):
+            shards = [[1] * per_rank, [1] * per_rank]
+            dcase = DistributedCase.of(_BASE.replace(steps=1), shards)
+            verdict = check_distributed(deepspeed_global_item_count, dcase, tiers=("exact",), engine=engine)
+            log.info("deepspeed communication: %s N=%d", stage, per_rank)
+            rows.append(
+                {
+                    "engine": stage,
+                    "N per rank": per_rank,
+                    "equivalent": "yes" if verdict else "no",
+                    DEEPSPEED_COLLECTIVES: max(verdict.collectives_per_step()),
+                    "bytes per step per rank (float64)": verdict.bytes_per_step(),
+                }
+            )
     return pd.DataFrame(rows)
 
 

@@ -92,6 +92,8 @@ class DistributedFindings:
     loss_scale: pd.DataFrame
     #: DeepSpeed's engines (ZeRO-1 and -2) on the DeepSpeed zoo; None where DeepSpeed is not installed
     deepspeed: pd.DataFrame | None = None
+    #: DeepSpeed's own collectives per step as N grows (ZeRO-1 and -2); None where DeepSpeed is not installed
+    deepspeed_communication: pd.DataFrame | None = None
 
 
 @dataclass(frozen=True)

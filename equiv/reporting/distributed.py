@@ -30,7 +30,7 @@ def distributed_section(findings: DistributedFindings) -> str:
             "`no_sync` keeps it at one all-reduce per window.",
             markdown_table(findings.communication),
             fsdp2_section(findings.fsdp2),
-            *deepspeed_section(findings.deepspeed),
+            *deepspeed_section(findings.deepspeed, findings.deepspeed_communication),
             "## Loss-scale window (dynamic loss scaling, one overflowing sample)",
             f"Case `{findings.loss_scale_case}` with `overflow_at=[1, sample]`: the full-batch step skips step 1 and "
             "backs the scale off once; so must the accumulation, whichever micro-batch overflowed.",
@@ -39,8 +39,9 @@ def distributed_section(findings: DistributedFindings) -> str:
     )
 
 
-def deepspeed_section(table: pd.DataFrame | None) -> list[str]:
-    """The DeepSpeed section: the DeepSpeed zoo under ZeRO-1 and ZeRO-2, or why it was not measured."""
+def deepspeed_section(table: pd.DataFrame | None, communication: pd.DataFrame | None = None) -> list[str]:
+    """The DeepSpeed section: the DeepSpeed zoo under ZeRO-1 and ZeRO-2 and the engine's collectives as N grows,
+    or why it was not measured."""
     intro = (
         '`check_distributed(step, dcase, engine="deepspeed-zero1" | "deepspeed")`: each rank\'s model and the case\'s '
         "optimizer wrapped by `deepspeed.initialize` (`gradient_accumulation_steps` the rank's micro-batch count, "
@@ -56,7 +57,16 @@ def deepspeed_section(table: pd.DataFrame | None) -> list[str]:
             intro,
             "Not measured: DeepSpeed is not installed (`pip install 'equiv[deepspeed]'`; `tox -e equivalence` installs it).",
         ]
-    return ["## DeepSpeed (ZeRO-1 and ZeRO-2, gloo ranks on the CPU)", intro, markdown_table(table)]
+    out = ["## DeepSpeed (ZeRO-1 and ZeRO-2, gloo ranks on the CPU)", intro, markdown_table(table)]
+    if communication is not None:
+        out += [
+            "The engine's own collectives per optimizer step as the micro-batches per rank N grow (the correct "
+            "step, 2 ranks, exact tier): every `torch.distributed` call made inside `engine.backward` and "
+            "`engine.step` (DeepSpeed's gradient reductions, its step's norm and all-gather), counted by wrapping "
+            "the two methods, none of them counted as the step's own.",
+            markdown_table(communication),
+        ]
+    return out
 
 
 # ---------------------------------------------------------------------- FSDP2

@@ -105,7 +105,8 @@ class DistributedVerdict(Judgement):
 
     @property
     def collective(self) -> str:
-        """The gradient collective counted: "all-reduce" (DDP) or "reduce-scatter" (FSDP2)."""
+        """The gradient collective counted: "all-reduce" (DDP), "reduce-scatter" (FSDP2) or "engine"
+        (DeepSpeed's: every collective of its ``engine.backward`` and ``engine.step``)."""
         return ENGINE_RECORDS[self.engine].collective
 
     def collectives_per_step(self, tier: str = "exact") -> set[int]:
@@ -236,7 +237,7 @@ class DistributedVerdict(Judgement):
         for tier, _stats in sorted(self.comm.items() if record.collective != "none" else ()):
             units = f" ({self.fsdp_units} FSDP units, one each per sync)" if record.shards_parameters else ""
             lines.append(
-                f"gradient {self.collective}s per step ({tier} tier): {sorted(self.collectives_per_step(tier))}"
+                f"{record.collectives_counted} per step ({tier} tier): {sorted(self.collectives_per_step(tier))}"
                 f"{units}, up to {self.bytes_per_step(tier)} bytes per step per rank"
             )
         own = self.step_collectives_per_step("exact")
