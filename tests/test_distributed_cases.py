@@ -33,7 +33,7 @@ def test_one_case_returns_the_rank_fault_as_data() -> None:
 @pytest.mark.parametrize(
     ("fault", "stop_on_fault", "run"),
     [
-        (Fault.RAISED, False, 5),  # a rank that raised: the next case runs on fresh ranks
+        (Fault.RAISED, False, 6),  # a rank that raised: the next case runs on fresh ranks
         (Fault.RAISED, True, 1),  # under torchrun the process group may be left mid-collective
         (Fault.HUNG, False, 1),  # each case would wait out the timeout again
     ],
@@ -51,7 +51,7 @@ def test_the_loop_stops_after_a_hang_or_any_fault_when_asked(fault: Fault, stop_
         starting=lambda index, name, dcase: started.append(name),
         shown=shown.append,
     )
-    assert len(cases) == 5 and len(calls) == run and started == list(cases)[:run]
+    assert len(cases) == 6 and len(calls) == run and started == list(cases)[:run]
     assert set(result.faults) == set(list(cases)[:run]) and set(result.faults.values()) == {fault}
     assert set(result.not_run) == set(list(cases)[run:])
     assert result.setting == "on 2 ranks (ddp)"
@@ -60,13 +60,13 @@ def test_the_loop_stops_after_a_hang_or_any_fault_when_asked(fault: Fault, stop_
     first = next(iter(cases))
     if fault is Fault.HUNG:
         assert shown[-1] == (
-            f"      the other 4 case(s) were not run: the step hung on {first!r}, and each would wait 120 s as long"
+            f"      the other 5 case(s) were not run: the step hung on {first!r}, and each would wait 120 s as long"
         )
         assert set(result.not_run.values()) == {f"the step hung on {first!r}"}
     elif stop_on_fault:
         assert (
             shown[-1]
-            == "      the other 4 case(s) were not run: after a fault the ranks' process group may be left mid-collective"
+            == "      the other 5 case(s) were not run: after a fault the ranks' process group may be left mid-collective"
         )
         assert set(result.not_run.values()) == {
             f"after the fault on {first!r} the ranks' process group may be left mid-collective"

@@ -1,6 +1,7 @@
 """Orthogonalising optimizers across ranks (issue 46 item 5): torch.optim.Muon drawn on bias-free MLPs where a
 run can be judged (DDP), a step that orthogonalises each rank's own gradient flagged, and the engines where no
-Muon run can be judged said so (FSDP2: inherent; DeepSpeed ZeRO-1/2: refused) instead of failed."""
+torch Muon run can be judged said so (FSDP2: inherent; DeepSpeed ZeRO-1/2: refused, pointing at DeepSpeed's own
+Muon, the case's optimizer "DeepSpeedMuon", judged against its single-process step)."""
 
 import importlib.util
 
@@ -9,9 +10,10 @@ from hypothesis import given, settings
 
 from equiv.accumulator import accumulator_step
 from equiv.cases.case import Case, InvalidCase
-from equiv.checking.distributed import DistributedCase, check_distributed
-from equiv.checking.distributed_search import DistributedSearchSpace, verify_distributed
+from equiv.checking.distributed import DistributedCase, check_distributed, matrix_optimizer_refusal
+from equiv.checking.distributed_search import DistributedSearchSpace, standard_distributed_cases, verify_distributed
 from equiv.outcomes import Outcome
+from equiv.zoo.deepspeed_bugs import deepspeed_global_item_count, deepspeed_local_token_mean
 from equiv.zoo.distributed_bugs import global_item_count
 from equiv.zoo.orthogonalising_bugs import updates_averaged_over_ranks
 
@@ -48,7 +50,7 @@ def test_a_search_space_refuses_muon_where_no_run_can_be_judged() -> None:
 
 @pytest.mark.deepspeed
 def test_muon_under_deepspeed_is_refused_in_one_line() -> None:
-    with pytest.raises(InvalidCase, match=r"^engine='deepspeed' hands the client optimizer one flat 1-D partition"):
+    with pytest.raises(InvalidCase, match=r"^engine='deepspeed' hands the client .* optimizer='DeepSpeedMuon'$"):
         check_distributed(accumulator_step, DistributedCase.of(_MUON, _SPLIT), engine="deepspeed")
 
 
@@ -88,3 +90,50 @@ def test_the_distributed_search_draws_muon_and_finds_averaged_orthogonal_updates
 def test_muon_under_deepspeed_without_deepspeed_says_deepspeed_is_missing() -> None:
     with pytest.raises(InvalidCase, match=r"needs DeepSpeed"):
         check_distributed(accumulator_step, DistributedCase.of(_MUON, _SPLIT), engine="deepspeed")
+
+
+def test_deepspeeds_muon_runs_where_deepspeed_or_whole_weights_run_it_and_torch_muon_points_there() -> None:
+    assert matrix_optimizer_refusal("ddp", "DeepSpeedMuon") is None
+    assert matrix_optimizer_refusal("deepspeed-zero1", "DeepSpeedMuon") is None
+    refused = matrix_optimizer_refusal("fsdp2", "DeepSpeedMuon")
+    assert refused is not None and refused[0] == "refused" and "DTensor shards" in refused[1]
+    torch_muon = matrix_optimizer_refusal("deepspeed", "Muon")
+    assert torch_muon is not None and "optimizer='DeepSpeedMuon'" in torch_muon[1]
+    # The standard splits hold a Muon case where the engine hands it whole matrices (not FSDP2's shards).
+    assert standard_distributed_cases(2, "ddp")["bias-free MLP, Muon"].case.optimizer == "Muon"
+    assert "bias-free MLP, Muon" not in standard_distributed_cases(2, "fsdp2")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="needs DeepSpeed absent")
+def test_deepspeeds_muon_without_deepspeed_is_refused_when_the_case_is_made() -> None:
+    with pytest.raises(
+        InvalidCase, match=r"^optimizer 'DeepSpeedMuon' needs deepspeed: pip install 'equiv\[deepspeed\]'$"
+    ):
+        _MUON.replace(optimizer="DeepSpeedMuon")
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.parametrize(("engine", "world_size"), [("deepspeed", 2), ("deepspeed-zero1", 3)])
+def test_deepspeeds_own_muon_under_zero_matches_its_single_process_step(engine: str, world_size: int) -> None:
+    # DeepSpeed #7807: Muon under ZeRO-1/2 orthogonalising partially reduced gradients.  Judged against
+    # DeepSpeed's Muon on whole weights in one process, parameters and momentum, uneven micro-batches.
+    dcase = DistributedCase.of(_MUON.replace(optimizer="DeepSpeedMuon"), [[1, r + 2] for r in range(world_size)])
+    assert standard_distributed_cases(world_size, engine)["bias-free MLP, Muon"].case.optimizer == "DeepSpeedMuon"
+    correct = check_distributed(deepspeed_global_item_count, dcase, engine=engine)
+    assert correct, correct.message()
+    per_rank = check_distributed(deepspeed_local_token_mean, dcase, engine=engine)
+    assert per_rank.outcome == Outcome.NOT_EQUIVALENT
+    # ZeRO's Muon overwrites the gradient with its update in place: no witness is read, none is made up.
+    assert all(rank.witness is None for rank in per_rank.ranks)
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_deepspeeds_muon_on_rank_local_gradients_is_flagged_under_ddp() -> None:
+    # The control for the ZeRO test above: DeepSpeed's Muon fed each rank's own partial gradient (#7807's
+    # class of bug) is O(1) off, while the same optimizer on the averaged gradient passes.
+    dcase = DistributedCase.of(_MUON.replace(optimizer="DeepSpeedMuon"), _SPLIT)
+    assert check_distributed(global_item_count, dcase)
+    averaged = check_distributed(updates_averaged_over_ranks, dcase)
+    assert averaged.outcome == Outcome.NOT_EQUIVALENT

@@ -267,5 +267,5 @@ def test_check_distributed_names_the_hung_rank_and_runs_no_case_after_it(
     assert code == EXIT_STEP_FAILED
     assert "rank 1 hung (exact tier, step 0: in the candidate)" in out
     assert "rank 0 raised" not in out
-    assert "1 hung, 4 not run, of 5 case(s)" in out
-    assert "the other 4 case(s) were not run: the step hung on 'uneven shards, SGD'" in out
+    assert "1 hung, 5 not run, of 6 case(s)" in out
+    assert "the other 5 case(s) were not run: the step hung on 'uneven shards, SGD'" in out

@@ -59,11 +59,11 @@ def test_torchrun_checks_a_correct_step_and_a_per_rank_mean_from_the_shell(tmp_p
     good = _torchrun(*standalone, "equiv:accumulator_step", "--json", str(tmp_path / "good.json"), cwd=tmp_path)
     assert good.returncode == 0, good.stdout + good.stderr
     # The standard splits: ranks holding different samples, micro-batch counts and real tokens.
-    # ... and an active clip norm: the reference step takes max_grad_norm and clips by the global norm once.
-    assert "5 equivalent, 0 not equivalent, of 5 case(s) on 2 ranks (ddp)" in good.stdout, good.stdout
+    # ... an active clip norm: the reference step takes max_grad_norm and clips by the global norm once; and Muon.
+    assert "6 equivalent, 0 not equivalent, of 6 case(s) on 2 ranks (ddp)" in good.stdout, good.stdout
     assert "ok    clipped (max_grad_norm), Adam" in good.stdout
     verdicts = json.loads((tmp_path / "good.json").read_text())["cases"]
-    assert [v["status"] for v in verdicts] == ["equivalent"] * 5
+    assert [v["status"] for v in verdicts] == ["equivalent"] * 6
     # transformers #34242: each rank's own mean, averaged by DDP; the split holds 3 and 3 + 1 samples.
     bad = _torchrun(
         *standalone,

@@ -20,6 +20,7 @@ from equiv.cases import packed as _packed  # noqa: F401  (registers the "packed_
 from equiv.cases import policy as _policy  # noqa: F401  (registers the "policy" family)
 from equiv.cases.models import MODELS, ModelBundle, ModelFactory, build_model
 from equiv.cases.validation import (
+    EXTERNAL_OPTIMIZERS,
     UNSUPPORTED_OPTIMIZERS,
     InvalidCase,
     _check_frozen_layers,
@@ -35,6 +36,7 @@ from equiv.cases.validation import (
     _scheduler_names,
     check_device,
 )
+from equiv.cases.validation import optimizer_class as optimizer_class_named
 from equiv.losses import LOSSES, Loss, build_loss
 from equiv.names import reference, resolve
 
@@ -210,7 +212,7 @@ class Case:
         choices = {
             "dtype": DTYPES,
             "autocast": ("float16", "bfloat16"),
-            "optimizer": [*_optimizer_names(), *UNSUPPORTED_OPTIMIZERS],
+            "optimizer": [*_optimizer_names(), *UNSUPPORTED_OPTIMIZERS, *EXTERNAL_OPTIMIZERS],
             "scheduler": _scheduler_names(),
             "loss": LOSSES,
             "model": MODELS,
@@ -546,7 +548,7 @@ class Case:
         included (as ``optimizer(model.parameters())`` in fine-tuning code: the
         optimizer skips a parameter whose ``.grad`` is None), in the groups
         of ``param_groups``."""
-        optimizer_class = getattr(torch.optim, self.optimizer)
+        optimizer_class = optimizer_class_named(self.optimizer)
         params = self._param_groups(module, optimizer_class)
         try:
             optimizer: torch.optim.Optimizer = optimizer_class(params, **self.optimizer_kwargs)

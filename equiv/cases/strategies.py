@@ -91,9 +91,9 @@ OPTIMIZERS: tuple[str, ...] = (
     "Rprop",
     "Muon",
 )
-#: Optimizers that take 2-D weights only (Muon orthogonalises each weight matrix):
-#: drawn with a bias-free, norm-free MLP, every parameter a matrix.
-MATRIX_ONLY_OPTIMIZERS: frozenset[str] = frozenset({"Muon"})
+#: Optimizers that take 2-D weights only (Muon orthogonalises each weight matrix; DeepSpeed's as a case names
+#: it, every parameter in its Muon group): drawn with a bias-free, norm-free MLP, every parameter a matrix.
+MATRIX_ONLY_OPTIMIZERS: frozenset[str] = frozenset({"Muon", "DeepSpeedMuon"})
 #: Clipping regimes: no clipping, a norm the gradient never reaches, one it always exceeds.
 CLIPPING: tuple[str, ...] = ("none", "inactive", "active")
 #: Most cases have up to this many micro-batches (fewer more likely); about one

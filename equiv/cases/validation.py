@@ -10,15 +10,23 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from equiv.distributed.deepspeed import DEEPSPEED_MUON, deepspeed_muon
 from equiv.losses import LOSSES
 from equiv.names import resolve
 
-__all__ = ["UNSUPPORTED_OPTIMIZERS", "InvalidCase", "check_device"]
+__all__ = ["EXTERNAL_OPTIMIZERS", "UNSUPPORTED_OPTIMIZERS", "InvalidCase", "check_device", "optimizer_class"]
+
+#: Optimizers a case may name beyond ``torch.optim``: name -> (the function importing its class, the extra it
+#: needs).  DeepSpeed's own Muon, which its engine builds from a config and no torch class replays
+#: (:func:`equiv.distributed.deepspeed.deepspeed_muon`).
+EXTERNAL_OPTIMIZERS: dict[str, tuple[Callable[[], type[torch.optim.Optimizer]], str]] = {
+    DEEPSPEED_MUON: (deepspeed_muon, "deepspeed"),
+}
 
 #: ``torch.optim`` classes a case cannot name, and why: their step is not one update
 #: from the accumulated gradient, so there is no full-batch step to compare with
@@ -184,19 +192,36 @@ def _check_loss(loss: Any) -> None:
         )
 
 
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class a case's ``optimizer`` names: a ``torch.optim`` class, or one of
+    :data:`EXTERNAL_OPTIMIZERS` (imported here: :class:`InvalidCase` where its package is missing)."""
+    if name in EXTERNAL_OPTIMIZERS:
+        imported, extra = EXTERNAL_OPTIMIZERS[name]
+        try:
+            return imported()
+        except ImportError:
+            raise InvalidCase(f"optimizer {name!r} needs {extra}: pip install 'equiv[{extra}]'") from None
+    optimizer: type[torch.optim.Optimizer] = getattr(torch.optim, name)
+    return optimizer
+
+
 def _check_optimizer(name: str) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` class ``name`` names, unless it is one of :data:`UNSUPPORTED_OPTIMIZERS`."""
-    optimizer_class = getattr(torch.optim, name, None)
-    if not (inspect.isclass(optimizer_class) and issubclass(optimizer_class, torch.optim.Optimizer)):
+    """The class ``name`` names (:func:`optimizer_class`), unless it is one of :data:`UNSUPPORTED_OPTIMIZERS`."""
+    if name in EXTERNAL_OPTIMIZERS:
+        return optimizer_class(name)
+    named = getattr(torch.optim, name, None)
+    if not (inspect.isclass(named) and issubclass(named, torch.optim.Optimizer)):
+        known = [*_optimizer_names(), *EXTERNAL_OPTIMIZERS]
         raise InvalidCase(
-            f"unknown optimizer {name!r}; expected a class in torch.optim{_did_you_mean(name, _optimizer_names())}"
+            f"unknown optimizer {name!r}; expected a class in torch.optim or one of {sorted(EXTERNAL_OPTIMIZERS)}"
+            f"{_did_you_mean(name, known)}"
         )
     if name in UNSUPPORTED_OPTIMIZERS:
         raise InvalidCase(
             f"optimizer {name!r} is not supported: {UNSUPPORTED_OPTIMIZERS[name]}; "
             f"supported: {', '.join(sorted(_optimizer_names()))}"
         )
-    return optimizer_class
+    return named
 
 
 def _check_scheduler(name: str | None) -> None:

@@ -72,6 +72,7 @@ from equiv.checking.distributed_witness import WITNESS_READ, rank_witnesses
 from equiv.checking.failure_kinds import named_by
 from equiv.distributed.collectives import CollectiveCounts, StepCollectives
 from equiv.distributed.context_parallel import clear_layout, install_layout
+from equiv.distributed.deepspeed import DEEPSPEED_MUON
 from equiv.distributed.engines import DEFAULT_ENGINE, STEP_ENGINES, Apply, Wrapping, engine_named
 from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
 from equiv.distributed.launcher import DistributedCheckError, Launcher, run_on_ranks
@@ -258,14 +259,26 @@ def matrix_optimizer_refusal(engine: str, optimizer: str) -> tuple[str, str] | N
     if optimizer not in MATRIX_ONLY_OPTIMIZERS:
         return None
     record = engine_named(engine)
+    if optimizer == DEEPSPEED_MUON:
+        # DeepSpeed's Muon runs under its engine (ZeRO-1/2 orthogonalise each whole reduced matrix) or on whole
+        # weights (its own step: DDP's ranks hold the whole averaged matrix); nothing runs it on DTensor shards.
+        if record.shards_parameters or record.group == "tensor":
+            return (
+                "refused",
+                f"optimizer {DEEPSPEED_MUON!r} is DeepSpeed's Muon, which DeepSpeed's engine runs (engine "
+                f"'deepspeed' or 'deepspeed-zero1') or one process on whole weights (DDP); engine={engine!r} "
+                "hands it DTensor shards",
+            )
+        return None
     if record.wrap_optimizer is not None:
         # Measured with DeepSpeed 0.19.8 on gloo: the client torch.optim.Muon raises "Param gradient must be a 2D
         # matrix" at the first step.  DeepSpeed's own Muon (its config's optimizer "Muon", parameters tagged
-        # use_muon) is another optimizer, not the case's (DeepSpeed #7807 is about that path).
+        # use_muon) is the case's optimizer DEEPSPEED_MUON.
         return (
             "refused",
             f"engine={engine!r} hands the client optimizer one flat 1-D partition of each parameter group "
-            f"(ZeRO-1/2), which torch.optim.{optimizer} refuses (it orthogonalises 2-D matrices only)",
+            f"(ZeRO-1/2), which torch.optim.{optimizer} refuses (it orthogonalises 2-D matrices only); "
+            f"DeepSpeed's own Muon is optimizer={DEEPSPEED_MUON!r}",
         )
     if record.shards_parameters or record.group == "tensor":
         # torch 2.13's Muon on a DTensor orthogonalises the whole matrix (DTensor redistributes: in float64 it

@@ -36,6 +36,7 @@ from equiv.checking.distributed import ENGINES, DistributedCase, DistributedVerd
 from equiv.checking.distributed_cases import CaseLoop, RankFault
 from equiv.checking.distributed_witness import witness_deferred
 from equiv.checking.search import DISCARD, Discard, Failure, Progress, SearchOutcome, SearchRun, run_search
+from equiv.distributed.deepspeed import DEEPSPEED_MUON
 from equiv.distributed.engines import DATA_PARALLEL_ENGINES, DEFAULT_ENGINE, engine_named
 from equiv.distributed.engines import ENGINES as ENGINE_RECORDS
 from equiv.judging.contract import BoundCandidate, Candidate, bind
@@ -78,7 +79,7 @@ _SEQUENCE_BASES: dict[str, Case] = {
         batch_size=1, micro_batch_sizes=(1,), model="token_moe", model_kwargs={"z_weight": 0.01}, loss="token_mse_aux"
     ),
 }
-_OPTIMIZERS = {"SGD": {"lr": 0.05}, "Adam": {"lr": 1e-2}, "Muon": {"lr": 0.02}}
+_OPTIMIZERS = {"SGD": {"lr": 0.05}, "Adam": {"lr": 1e-2}, "Muon": {"lr": 0.02}, "DeepSpeedMuon": {"lr": 0.02}}
 #: The optimizers a search draws unless asked for others (``optimizers=``): SGD and Adam.  ``"Muon"``
 #: (torch.optim.Muon, which orthogonalises each weight matrix) is drawn on a bias-free MLP only, under the
 #: engines whose ranks hand it whole averaged matrices (:func:`~equiv.checking.distributed.matrix_optimizer_refusal`).
@@ -195,9 +196,12 @@ def standard_distributed_cases(world_size: int, engine: str = DEFAULT_ENGINE) ->
     (ranks differ in samples, so a per-rank mean is caught), on the MLP with
     SGD and with Adam, and on the token model (ranks differ in real tokens);
     under DDP also r + 1 micro-batches of 2 samples (ranks differ in
-    micro-batch counts: a count all-reduced per micro-batch, sync left on); and
+    micro-batch counts: a count all-reduced per micro-batch, sync left on);
     an active clip norm (not applicable to a step that takes no
-    ``max_grad_norm``).  Two steps each, so state carried between steps counts."""
+    ``max_grad_norm``); and Muon on a bias-free MLP where the engine hands it
+    whole matrices (torch.optim.Muon under DDP, DeepSpeed's own under its
+    engines; not under FSDP2, see :func:`~equiv.checking.distributed.matrix_optimizer_refusal`).
+    Two steps each, so state carried between steps counts."""
     if engine not in DATA_PARALLEL_ENGINES:
         raise ValueError(f"engine must be one of {DATA_PARALLEL_ENGINES} (the data-parallel engines), got {engine!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -215,6 +219,16 @@ def standard_distributed_cases(world_size: int, engine: str = DEFAULT_ENGINE) ->
             adam, [[2] * (rank + 1) for rank in range(world_size)]
         )
     cases["clipped (max_grad_norm), Adam"] = DistributedCase.of(adam.replace(max_grad_norm=_CLIP_NORM), sizes)
+    # An orthogonalising optimizer, which a mean of rank-local updates cannot stand in for (DeepSpeed #7807):
+    # torch's Muon where the ranks hand it whole averaged matrices, DeepSpeed's own under its engine.
+    record = ENGINE_RECORDS[engine]
+    muon = DEEPSPEED_MUON if record.wrap_optimizer is not None else "Muon"
+    # (without DeepSpeed its engines are refused in one line when a case runs: no case of its optimizer is made)
+    runnable = record.refuse(cases["uneven shards, Adam"], adam.model) is None
+    if runnable and matrix_optimizer_refusal(engine, muon) is None:
+        bias_free = {**mlp.model_kwargs, "bias": False}  # every parameter a matrix
+        muon_case = mlp.replace(optimizer=muon, optimizer_kwargs=_OPTIMIZERS[muon], model_kwargs=bias_free)
+        cases["bias-free MLP, Muon"] = DistributedCase.of(muon_case, sizes)
     return cases
 
 

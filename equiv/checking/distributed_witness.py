@@ -52,6 +52,7 @@ from equiv.cases.distributed import DistributedCase
 from equiv.checking.witnessing import CapturedStep, capture, finite, sum_gradients
 from equiv.distributed.collectives import CollectiveCounts
 from equiv.distributed.context_parallel import clear_layout, install_layout
+from equiv.distributed.deepspeed import DEEPSPEED_MUON
 from equiv.distributed.engines import Apply, Wrapping, apply_fsdp, engine_named
 from equiv.distributed.launcher import DistributedCheckError, Launcher
 from equiv.distributed.sharding import full_tensors
@@ -303,8 +304,12 @@ def rank_witnesses(
     exact = [d.step for v in verdicts for d in v.mismatches if d.tier == "exact"]
     if not exact or all(verdicts):
         return [None] * len(verdicts)
-    sharded = _sharded(dcase, engine)
     record = engine_named(engine)
+    if record.wrap_optimizer is not None and dcase.case.optimizer == DEEPSPEED_MUON:
+        # ZeRO's Muon orthogonalises each gradient where it fills a partition, in place: what its optimizer
+        # steps is Muon's update, and the gradient is gone by then; the verdicts stand without a witness.
+        return [None] * len(verdicts)
+    sharded = _sharded(dcase, engine)
     task = _WitnessTask(sent, dcase, record.apply, min(exact) - 1, sharded, record.wrap_optimizer)  # step 1-based
     # the sharded fit's own sums (items, the Gram) are CPU tensors: on CUDA they need the CPU backend beside NCCL
     sharded_on_cuda = sharded and dcase.case.device.startswith("cuda")

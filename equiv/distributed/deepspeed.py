@@ -11,12 +11,20 @@ alignment padding), cut into one contiguous slice per rank.  :class:`ZeroLayout`
 engine's own tensors (where each parameter's data sits in the flat buffer), so a float64 gradient of the whole
 model can be cut into this rank's partition exactly as DeepSpeed cuts its own.
 
+DeepSpeed's own Muon (its config's optimizer ``{"type": "Muon"}``, ``MuonWithAuxAdam``) is a case's optimizer by
+the name :data:`DEEPSPEED_MUON` (:func:`deepspeed_muon`): under ZeRO-1/2 the engine orthogonalises each matrix's
+whole reduced gradient where it fills a partition (``get_flat_partition``), and on whole weights (one process, DDP)
+its own ``step`` does: the same update, so the single process's is the truth a ZeRO run is judged against.
+torch.optim.Muon is not that truth: its Newton-Schulz iteration runs in bfloat16 where DeepSpeed's default
+("gram") runs in float16 or float32, which alone moves the update by 2-5% (measured on a bias-free MLP, DeepSpeed 0.19.8).
+
 Nothing here imports DeepSpeed at module level: an engine or optimizer is recognised by its class's name and
 module, so equiv runs without DeepSpeed installed.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +32,10 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "DEEPSPEED_MUON",
     "EngineSettings",
     "ZeroLayout",
+    "deepspeed_muon",
     "engine_of",
     "engine_settings",
     "is_deepspeed_engine",
@@ -35,6 +45,9 @@ __all__ = [
     "torch_state",
     "torch_state_dict",
 ]
+
+#: The name a case gives DeepSpeed's own Muon (:func:`deepspeed_muon`).
+DEEPSPEED_MUON = "DeepSpeedMuon"
 
 #: DeepSpeed's ZeRO 1 and 2 optimizer (``deepspeed.runtime.zero.stage_1_and_2``); stage 3's is another class.
 _ZERO_1_2 = "DeepSpeedZeroOptimizer"
@@ -125,6 +138,13 @@ def torch_equivalent(optimizer: torch.optim.Optimizer) -> tuple[type[torch.optim
         return None
     name = type(optimizer).__name__
     switch = _ADAMS.get(name)
+    if name == "MuonWithAuxAdam":
+        # Muon's update is a function of each whole matrix, which a replay of this rank's partitions cannot hold.
+        raise ValueError(
+            "equiv's audit replays this rank's ZeRO partitions, and DeepSpeed's Muon (MuonWithAuxAdam) updates "
+            "each whole matrix: judge its accumulation with equiv.check_distributed(step, dcase, "
+            f"engine='deepspeed' or 'deepspeed-zero1'), the case's optimizer={DEEPSPEED_MUON!r}"
+        )
     if switch is None:
         raise ValueError(
             f"equiv replays DeepSpeed's FusedAdam and DeepSpeedCPUAdam as torch's AdamW / Adam; {name} has no torch "
@@ -287,3 +307,40 @@ def _partition_rank(zero: Any, index: int) -> int:
 
     group = zero.real_dp_process_group[index]
     return int(dist.get_rank(group=group)) if dist.is_initialized() else 0
+
+
+@functools.cache
+def deepspeed_muon() -> type[torch.optim.Optimizer]:
+    """DeepSpeed's Muon as a case's optimizer (:data:`DEEPSPEED_MUON`): ``MuonWithAuxAdam`` with every parameter a
+    matrix, tagged ``use_muon`` and in one Muon group, as DeepSpeed's engine builds it from a config
+    ``{"type": "Muon", "params": {"lr", "momentum", "weight_decay", "ns_method"}}`` for such a model (its defaults:
+    0.02, 0.95, 0, "gram").  On whole weights its ``step`` runs ``muon_update`` itself.  ImportError without
+    DeepSpeed."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    class DeepSpeedMuon(MuonWithAuxAdam):
+        """DeepSpeed's ``MuonWithAuxAdam``, every parameter in its Muon group (see :func:`deepspeed_muon`)."""
+
+        def __init__(
+            self,
+            params: Any,
+            lr: float = 0.02,
+            momentum: float = 0.95,
+            weight_decay: float = 0.0,
+            ns_method: str = "gram",
+        ) -> None:
+            params = list(params)
+            if any(isinstance(param, dict) for param in params):
+                raise ValueError(f"{DEEPSPEED_MUON} takes the parameters themselves (one Muon group), not groups")
+            flat = [tuple(param.shape) for param in params if param.dim() < 2]
+            if flat:
+                raise ValueError(
+                    f"{DEEPSPEED_MUON} orthogonalises matrices; got parameters of shapes {flat} "
+                    "(DeepSpeed steps those with its auxiliary Adam, which a case does not configure)"
+                )
+            for param in params:
+                param.use_muon = True  # what DeepSpeed's engine reads to put a parameter in the Muon half
+            group = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "ns_method": ns_method}
+            super().__init__([{"params": params, "use_muon": True, **group}])
+
+    return DeepSpeedMuon

@@ -7,7 +7,9 @@ and the optimizer a snapshot reads (:class:`ZeroStateView`).  The config is the 
 DeepSpeed user writes for the case: ``gradient_accumulation_steps`` = the rank's
 micro-batch count, ``zero_optimization.stage``, ``gradient_clipping`` = the case's
 clip norm (0: none; DeepSpeed's default is 1.0), no fp16/bf16, the case's optimizer
-handed as ``optimizer=`` (DeepSpeed wraps a client torch optimizer in ZeRO).
+handed as ``optimizer=`` (DeepSpeed wraps a client torch optimizer in ZeRO).  A case naming DeepSpeed's own Muon
+(:func:`equiv.distributed.deepspeed.deepspeed_muon`) is given to DeepSpeed as its users give it: the config's
+``{"type": "Muon", "params": ...}`` with the case's hyperparameters, every parameter tagged ``use_muon``.
 
 The float64 tier: ZeRO keeps float32 master weights, accumulates gradients in float32
 and reduces them in float32 whatever the model's dtype (``DeepSpeedZeroOptimizer``'s
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from equiv.distributed.collectives import CollectiveCounts
-from equiv.distributed.deepspeed import ZeroLayout
+from equiv.distributed.deepspeed import ZeroLayout, deepspeed_muon
 
 __all__ = ["DEEPSPEED_MISSING", "ZeroStateView", "deepspeed_missing", "deepspeed_wrapper"]
 
@@ -67,8 +69,15 @@ def deepspeed_wrapper(
         }
         deepspeed = _imported()
         dtype = next(model.parameters()).dtype
+        client: dict[str, Any] = {"optimizer": optimizer}
+        if isinstance(optimizer, deepspeed_muon()):
+            # DeepSpeed's Muon is built by its engine from the config, the parameters tagged use_muon by the case's.
+            (group,) = optimizer.param_groups
+            muon = {key: group[key] for key in ("lr", "momentum", "weight_decay", "ns_method")}
+            config["optimizer"] = {"type": "Muon", "params": muon}
+            client = {"model_parameters": list(model.parameters())}
         with _lifted_to(dtype):
-            engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+            engine, zero, _, _ = deepspeed.initialize(model=model, config=config, **client)
         # deepspeed.comm calls torch.distributed: no comm hook to count at, so the engine's own methods are.
         engine.backward = counts.counting(engine.backward)
         engine.step = counts.counting(engine.step)
@@ -145,6 +154,10 @@ class ZeroStateView:
         for index, placed in enumerate(self.layout.groups):
             partition = self.zero.single_partition_of_fp32_groups[index]
             held = inner.state.get(partition, {})
+            if "momentum_buffer" in held and placed.params:  # DeepSpeed's Muon: whole matrices, not the partition
+                for name, value in self._muon_momentum(index, held["momentum_buffer"]).items():
+                    out.setdefault(named[name], {})["momentum_buffer"] = value
+                continue
             for key in sorted(held):
                 value = held[key]
                 if not isinstance(value, Tensor) or value.numel() == 1:  # a step count: the same for every parameter
@@ -155,6 +168,25 @@ class ZeroStateView:
                 for name, offset, shape in placed.params:
                     out.setdefault(named[name], {})[key] = flat[offset : offset + shape.numel()].view(shape)
         return out
+
+    def _muon_momentum(self, index: int, flat: Tensor) -> dict[str, Tensor]:
+        """DeepSpeed's Muon momentum of group ``index`` by parameter name: each rank holds it for the whole
+        parameters its partition touches (``params_in_partition``, end to end, as ``_muon_momentum_buffer``
+        lays them), gathered from every rank (a collective, not counted as the step's)."""
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        mine: dict[str, Tensor] = {}
+        offset = 0
+        for param in self.zero.params_in_partition[index]:
+            mine[names[id(param)]] = flat[offset : offset + param.numel()].detach().view(param.shape).clone()
+            offset += param.numel()
+        every: list[Any] = [None] * dist.get_world_size(self.zero.dp_process_group)
+        group = self.zero.dp_process_group
+
+        def gather_objects(output: list[Any], value: Any, **kwargs: Any) -> None:
+            dist.all_gather_object(output, value, **kwargs)
+
+        CollectiveCounts().run(gather_objects, every, mine, group=group)  # type: ignore[arg-type]
+        return {name: value for held in every for name, value in held.items()}
 
 
 def _gathered(partition: Tensor, group: Any) -> Tensor:

@@ -184,6 +184,15 @@ def _fsdp2_row(
 #: DeepSpeed: DEEPSPEED_SHARDS (equiv.findings.results), no clipping (the engine's own, from the config: the zoo's
 #: steps take no max_grad_norm).
 _ZERO_STAGES = {"deepspeed-zero1": "ZeRO-1", "deepspeed": "ZeRO-2"}
+#: The optimizers the DeepSpeed zoo runs with: the DDP section's AdamW, and DeepSpeed's own Muon (its config's
+#: "Muon", judged against the same optimizer on whole weights in one process: DeepSpeed #7807) on the same MLP
+#: without biases (every parameter a matrix).
+_DEEPSPEED_OPTIMIZERS = {
+    "AdamW": _BASE,
+    "DeepSpeed's Muon": _BASE.replace(
+        optimizer="DeepSpeedMuon", optimizer_kwargs={"lr": 0.02}, model_kwargs={**_BASE.model_kwargs, "bias": False}
+    ),
+}
 #: The column of the collectives counted inside DeepSpeed's engine.backward and engine.step.
 DEEPSPEED_COLLECTIVES = "engine collectives per step"
 
@@ -198,12 +207,13 @@ def deepspeed_verdict_table() -> pd.DataFrame | None:
     from equiv.zoo.deepspeed_bugs import DEEPSPEED_ZOO
 
     rows = []
-    for engine, stage in _ZERO_STAGES.items():
-        for name, entry in DEEPSPEED_ZOO.items():
-            verdict = check_distributed(entry.candidate, DistributedCase.of(_BASE, DEEPSPEED_SHARDS), engine=engine)
-            log.info("deepspeed: %s %s %s", name, engine, verdict.outcome)
-            row = _fsdp2_row(name, 2, entry, verdict, collectives_column=DEEPSPEED_COLLECTIVES)
-            rows.append({"engine": stage, **row})
+    for optimizer, case in _DEEPSPEED_OPTIMIZERS.items():
+        for engine, stage in _ZERO_STAGES.items():
+            for name, entry in DEEPSPEED_ZOO.items():
+                verdict = check_distributed(entry.candidate, DistributedCase.of(case, DEEPSPEED_SHARDS), engine=engine)
+                log.info("deepspeed: %s %s %s %s", name, engine, optimizer, verdict.outcome)
+                row = _fsdp2_row(name, 2, entry, verdict, collectives_column=DEEPSPEED_COLLECTIVES)
+                rows.append({"engine": stage, "optimizer": optimizer, **row})
     return pd.DataFrame(rows)
 
 

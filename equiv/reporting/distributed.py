@@ -49,7 +49,10 @@ def deepspeed_section(table: pd.DataFrame | None, communication: pd.DataFrame | 
         "and `engine.step` per micro-batch as DeepSpeed users do; every rank's parameters and ZeRO's flat optimizer "
         "state (gathered, cut back per parameter) compared with the single-process full-batch step in both tiers "
         "(ZeRO's float32 master weights, accumulation and reduction lifted to float64 in the exact tier). Shards "
-        f"{DEEPSPEED_SHARDS} (one `gradient_accumulation_steps` for every rank), the DDP section's case."
+        f"{DEEPSPEED_SHARDS} (one `gradient_accumulation_steps` for every rank), the DDP section's case: with its "
+        "AdamW, and with DeepSpeed's own Muon (the config's `\"Muon\"`, every parameter of the MLP without biases "
+        'tagged `use_muon`; `optimizer="DeepSpeedMuon"`), whose truth is the same optimizer on whole weights in '
+        "one process: ZeRO orthogonalising a partly reduced gradient (DeepSpeed #7807) would show there."
     )
     if table is None:
         return [
