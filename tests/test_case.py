@@ -176,7 +176,11 @@ def test_torch_objects_and_any_capitalisation_are_accepted_as_the_canonical_name
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"optimizer": "AdamX"}, "unknown optimizer 'AdamX'; expected a class in torch.optim (did you mean 'Adamax'?)"),
+        (
+            {"optimizer": "AdamX"},
+            "unknown optimizer 'AdamX'; expected a class in torch.optim or one of ['DeepSpeedMuon'] "
+            "(did you mean 'Adamax'?)",
+        ),
         ({"loss": "crossentropy"}, "(did you mean 'cross_entropy'?)"),
         ({"model": "mpl"}, "(did you mean 'mlp'?)"),
         ({"optimizer_kwargs": {"lr": -1}}, "optimizer SGD(**{'lr': -1}) rejected: Invalid learning rate: -1"),

@@ -302,12 +302,10 @@ def rank_witnesses(
     """Each rank's witness at the first step failing in the exact tier on any rank (None for a rank that
     passes, and for every rank where none fails there or the ranks' run raised or never stepped)."""
     exact = [d.step for v in verdicts for d in v.mismatches if d.tier == "exact"]
-    if not exact or all(verdicts):
-        return [None] * len(verdicts)
     record = engine_named(engine)
-    if record.wrap_optimizer is not None and dcase.case.optimizer == DEEPSPEED_MUON:
-        # ZeRO's Muon orthogonalises each gradient where it fills a partition, in place: what its optimizer
-        # steps is Muon's update, and the gradient is gone by then; the verdicts stand without a witness.
+    # ZeRO's Muon overwrites each gradient with its update in place: no gradient to read, no witness.
+    zero_muon = record.wrap_optimizer is not None and dcase.case.optimizer == DEEPSPEED_MUON
+    if not exact or all(verdicts) or zero_muon:
         return [None] * len(verdicts)
     sharded = _sharded(dcase, engine)
     task = _WitnessTask(sent, dcase, record.apply, min(exact) - 1, sharded, record.wrap_optimizer)  # step 1-based
