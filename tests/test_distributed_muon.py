@@ -137,3 +137,20 @@ def test_deepspeeds_muon_on_rank_local_gradients_is_flagged_under_ddp() -> None:
     assert check_distributed(global_item_count, dcase)
     averaged = check_distributed(updates_averaged_over_ranks, dcase)
     assert averaged.outcome == Outcome.NOT_EQUIVALENT
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_the_search_draws_deepspeeds_muon_under_its_engine_and_shrinks_a_per_rank_token_mean() -> None:
+    found = verify_distributed(
+        deepspeed_local_token_mean,
+        engines=("deepspeed",),
+        models=("mlp",),
+        optimizers=("DeepSpeedMuon",),
+        max_examples=4,
+        seed=0,
+    )
+    assert found.counterexample is not None and found.verdict is not None
+    assert found.counterexample.case.optimizer == "DeepSpeedMuon"
+    assert found.verdict.outcome == Outcome.NOT_EQUIVALENT
