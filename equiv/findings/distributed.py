@@ -186,12 +186,15 @@ def _fsdp2_row(
 _ZERO_STAGES = {"deepspeed-zero1": "ZeRO-1", "deepspeed": "ZeRO-2"}
 #: The optimizers the DeepSpeed zoo runs with: the DDP section's AdamW, and DeepSpeed's own Muon (its config's
 #: "Muon", judged against the same optimizer on whole weights in one process: DeepSpeed #7807) on the same MLP
-#: without biases (every parameter a matrix).
-_DEEPSPEED_OPTIMIZERS = {
-    "AdamW": _BASE,
-    "DeepSpeed's Muon": _BASE.replace(
-        optimizer="DeepSpeedMuon", optimizer_kwargs={"lr": 0.02}, model_kwargs={**_BASE.model_kwargs, "bias": False}
-    ),
+#: without biases (every parameter a matrix); as changes to _BASE, a case naming DeepSpeed's Muon being made only
+#: where DeepSpeed is installed.
+_DEEPSPEED_OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "AdamW": {},
+    "DeepSpeed's Muon": {
+        "optimizer": "DeepSpeedMuon",
+        "optimizer_kwargs": {"lr": 0.02},
+        "model_kwargs": {**_BASE.model_kwargs, "bias": False},
+    },
 }
 #: The column of the collectives counted inside DeepSpeed's engine.backward and engine.step.
 DEEPSPEED_COLLECTIVES = "engine collectives per step"
@@ -207,7 +210,8 @@ def deepspeed_verdict_table() -> pd.DataFrame | None:
     from equiv.zoo.deepspeed_bugs import DEEPSPEED_ZOO
 
     rows = []
-    for optimizer, case in _DEEPSPEED_OPTIMIZERS.items():
+    for optimizer, changes in _DEEPSPEED_OPTIMIZERS.items():
+        case = _BASE.replace(**changes)
         for engine, stage in _ZERO_STAGES.items():
             for name, entry in DEEPSPEED_ZOO.items():
                 verdict = check_distributed(entry.candidate, DistributedCase.of(case, DEEPSPEED_SHARDS), engine=engine)
