@@ -154,7 +154,8 @@ class ZeroStateView:
         for index, placed in enumerate(self.layout.groups):
             partition = self.zero.single_partition_of_fp32_groups[index]
             held = inner.state.get(partition, {})
-            if "momentum_buffer" in held and placed.params:  # DeepSpeed's Muon: whole matrices, not the partition
+            # DeepSpeed's Muon keeps its momentum for whole matrices, not the partition (a client SGD's is flat)
+            if inner.param_groups[index].get("use_muon", False) and "momentum_buffer" in held:
                 for name, value in self._muon_momentum(index, held["momentum_buffer"]).items():
                     out.setdefault(named[name], {})["momentum_buffer"] = value
                 continue
@@ -179,13 +180,9 @@ class ZeroStateView:
         for param in self.zero.params_in_partition[index]:
             mine[names[id(param)]] = flat[offset : offset + param.numel()].detach().view(param.shape).clone()
             offset += param.numel()
-        every: list[Any] = [None] * dist.get_world_size(self.zero.dp_process_group)
         group = self.zero.dp_process_group
-
-        def gather_objects(output: list[Any], value: Any, **kwargs: Any) -> None:
-            dist.all_gather_object(output, value, **kwargs)
-
-        CollectiveCounts().run(gather_objects, every, mine, group=group)  # type: ignore[arg-type]
+        every: list[Any] = [None] * dist.get_world_size(group)
+        CollectiveCounts().run(dist.all_gather_object, every, mine, group=group)  # type: ignore[arg-type]
         return {name: value for held in every for name, value in held.items()}
 
 
