@@ -97,3 +97,12 @@ def test_deepspeeds_own_collectives_are_counted_as_the_engines_and_none_as_the_s
     # ZeRO-2 reduces the gradients at every engine.backward, ZeRO-1 once a window (at its boundary).
     assert counted["deepspeed", 3] - counted["deepspeed", 1] == 2
     assert counted["deepspeed-zero1", 3] == counted["deepspeed-zero1", 1]
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_a_client_sgds_momentum_under_zero_is_read_from_its_flat_partition() -> None:
+    # ZeRO keys a torch SGD's momentum_buffer by the flat partition (DeepSpeed's Muon keeps whole matrices).
+    case = _MLP.replace(optimizer="SGD", optimizer_kwargs={"lr": 0.05, "momentum": 0.9})
+    verdict = check_distributed(deepspeed_global_item_count, DistributedCase.of(case, _split(2)), engine="deepspeed")
+    assert verdict, verdict.message()
