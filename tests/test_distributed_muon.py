@@ -1,7 +1,8 @@
-"""Orthogonalising optimizers across ranks (issue 46 item 5): torch.optim.Muon drawn on bias-free MLPs where a
-run can be judged (DDP), a step that orthogonalises each rank's own gradient flagged, and the engines where no
-torch Muon run can be judged said so (FSDP2: inherent; DeepSpeed ZeRO-1/2: refused, pointing at DeepSpeed's own
-Muon, the case's optimizer "DeepSpeedMuon", judged against its single-process step)."""
+"""Orthogonalising optimizers across ranks (issue 46 item 5): torch.optim.Muon drawn on bias-free MLPs under DDP,
+FSDP2 and tensor parallelism (whose DTensor matrix it orthogonalises whole; in float64 runs its bfloat16
+Newton-Schulz is lifted to float64, in the truth and every rank alike), a step that orthogonalises each rank's own
+gradient flagged, and under DeepSpeed ZeRO-1/2 torch's Muon refused, pointing at DeepSpeed's own Muon (the case's
+optimizer "DeepSpeedMuon", judged against its single-process step)."""
 
 import importlib.util
 
@@ -14,7 +15,7 @@ from equiv.checking.distributed import DistributedCase, check_distributed, matri
 from equiv.checking.distributed_search import DistributedSearchSpace, standard_distributed_cases, verify_distributed
 from equiv.outcomes import Outcome
 from equiv.zoo.deepspeed_bugs import deepspeed_global_item_count, deepspeed_local_token_mean
-from equiv.zoo.distributed_bugs import global_item_count
+from equiv.zoo.distributed_bugs import global_item_count, local_mean_per_rank_fsdp2
 from equiv.zoo.orthogonalising_bugs import updates_averaged_over_ranks
 
 _MUON = Case(
@@ -40,8 +41,11 @@ def test_muon_is_drawn_on_bias_free_mlps_only(drawn: tuple[DistributedCase, str]
 
 
 def test_a_search_space_refuses_muon_where_no_run_can_be_judged() -> None:
-    with pytest.raises(ValueError, match=r"cannot hold 'Muon' under engine 'fsdp2': .*bfloat16"):
-        DistributedSearchSpace(engines=("ddp", "fsdp2"), optimizers=("SGD", "Muon"))
+    with pytest.raises(ValueError, match=r"cannot hold 'Muon' under engine 'deepspeed': .*flat 1-D partition"):
+        DistributedSearchSpace(engines=("ddp", "deepspeed"), optimizers=("SGD", "Muon"))
+    with pytest.raises(ValueError, match=r"cannot hold 'DeepSpeedMuon' under engine 'fsdp2': .*DTensor shards"):
+        DistributedSearchSpace(engines=("fsdp2",), optimizers=("DeepSpeedMuon",))
+    DistributedSearchSpace(engines=("ddp", "fsdp2"), optimizers=("SGD", "Muon"))  # FSDP2 hands Muon DTensor matrices
     with pytest.raises(ValueError, match=r"take 2-D weights only: they need models with 'mlp'"):
         DistributedSearchSpace(models=("tokens",), optimizers=("Muon",))
     with pytest.raises(ValueError, match=r"optimizers must be a non-empty subset of .*got \('Lion',\)"):
@@ -69,17 +73,68 @@ def test_a_correct_muon_step_passes_under_ddp_and_averaged_orthogonal_updates_fa
     assert check_distributed(updates_averaged_over_ranks, sgd)
 
 
+def test_muons_newton_schulz_runs_in_float64_in_a_float64_run_and_in_bfloat16_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The float64 tier judges the mathematics: Muon's own bfloat16 iteration is lifted there (in the truth and the
+    # candidate alike), and left as torch ships it in the working dtype, whose tier it costs precision in.
+    import torch
+    import torch.optim._muon as torch_muon
+
+    from equiv.judging.runs import run_candidate, run_reference
+
+    orthogonalise, dtypes = torch_muon._zeropower_via_newtonschulz, []
+
+    def recorded(*args: object, **kwargs: object) -> torch.Tensor:
+        update = orthogonalise(*args, **kwargs)
+        dtypes.append(update.dtype)
+        return update
+
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", recorded)
+    run_reference(_MUON, torch.float64)
+    run_candidate(_MUON, accumulator_step, torch.float64)
+    assert dtypes and set(dtypes) == {torch.float64}
+    dtypes.clear()
+    run_candidate(_MUON, accumulator_step, torch.float32)
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+
+
 @pytest.mark.distributed
-def test_muon_under_fsdp2_is_inherent_not_the_steps_failure() -> None:
-    verdict = check_distributed(accumulator_step, DistributedCase.of(_MUON, _SPLIT), engine="fsdp2")
-    assert verdict.outcome == Outcome.INHERENTLY_NON_EQUIVALENT
-    assert all("DTensor" in reason for rank in verdict.ranks for reason in rank.inherent)
+@pytest.mark.parametrize(
+    ("engine", "dcase"),
+    [
+        ("fsdp2", DistributedCase.of(_MUON, _SPLIT)),
+        ("tp", DistributedCase.of(_MUON, [[1, 2, 3]], tensor_parallel=2)),
+    ],
+)
+def test_a_correct_muon_step_passes_on_dtensor_matrices(engine: str, dcase: DistributedCase) -> None:
+    # Measured before the float64 lift: Muon's bfloat16 sums of the shards' partial products put a correct FSDP2
+    # step ~3e-2 off the single process (1.9e11 x the exact allowance), a verdict no step could pass.
+    verdict = check_distributed(accumulator_step, dcase, engine=engine)
+    assert verdict, verdict.message()
+
+
+@pytest.mark.distributed
+def test_a_per_rank_mean_under_fsdp2_is_flagged_with_muon() -> None:
+    verdict = check_distributed(local_mean_per_rank_fsdp2, DistributedCase.of(_MUON, _SPLIT), engine="fsdp2")
+    assert verdict.outcome == Outcome.NOT_EQUIVALENT
+    assert all(any(d.step == 1 and d.tier == "exact" for d in rank.mismatches) for rank in verdict.ranks)
 
 
 @pytest.mark.distributed
 def test_the_distributed_search_draws_muon_and_finds_averaged_orthogonal_updates() -> None:
     result = verify_distributed(
         updates_averaged_over_ranks, models=("mlp",), optimizers=("Muon",), max_examples=4, seed=0
+    )
+    assert result.counterexample is not None and result.verdict is not None
+    assert result.counterexample.case.optimizer == "Muon"
+    assert result.verdict.outcome == Outcome.NOT_EQUIVALENT
+
+
+@pytest.mark.distributed
+def test_the_distributed_search_draws_muon_under_fsdp2_and_finds_a_per_rank_mean() -> None:
+    result = verify_distributed(
+        local_mean_per_rank_fsdp2, engines=("fsdp2",), models=("mlp",), optimizers=("Muon",), max_examples=4, seed=0
     )
     assert result.counterexample is not None and result.verdict is not None
     assert result.counterexample.case.optimizer == "Muon"
@@ -96,12 +151,13 @@ def test_deepspeeds_muon_runs_where_deepspeed_or_whole_weights_run_it_and_torch_
     assert matrix_optimizer_refusal("ddp", "DeepSpeedMuon") is None
     assert matrix_optimizer_refusal("deepspeed-zero1", "DeepSpeedMuon") is None
     refused = matrix_optimizer_refusal("fsdp2", "DeepSpeedMuon")
-    assert refused is not None and refused[0] == "refused" and "DTensor shards" in refused[1]
+    assert refused is not None and "DTensor shards" in refused
     torch_muon = matrix_optimizer_refusal("deepspeed", "Muon")
-    assert torch_muon is not None and "optimizer='DeepSpeedMuon'" in torch_muon[1]
-    # The standard splits hold a Muon case where the engine hands it whole matrices (not FSDP2's shards).
-    assert standard_distributed_cases(2, "ddp")["bias-free MLP, Muon"].case.optimizer == "Muon"
-    assert "bias-free MLP, Muon" not in standard_distributed_cases(2, "fsdp2")
+    assert torch_muon is not None and "optimizer='DeepSpeedMuon'" in torch_muon
+    assert matrix_optimizer_refusal("fsdp2", "Muon") is None and matrix_optimizer_refusal("tp", "Muon") is None
+    # The standard splits hold torch's Muon under DDP and FSDP2.
+    for engine in ("ddp", "fsdp2"):
+        assert standard_distributed_cases(2, engine)["bias-free MLP, Muon"].case.optimizer == "Muon"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="needs DeepSpeed absent")

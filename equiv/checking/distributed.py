@@ -246,16 +246,17 @@ def _check_split(dcase: DistributedCase, engine: str) -> None:
     if refusal is not None:
         raise InvalidCase(refusal)
     matrix = matrix_optimizer_refusal(engine, dcase.case.optimizer)
-    if matrix is not None and matrix[0] == "refused":
-        raise InvalidCase(matrix[1])
+    if matrix is not None:
+        raise InvalidCase(matrix)
 
 
-def matrix_optimizer_refusal(engine: str, optimizer: str) -> tuple[str, str] | None:
+def matrix_optimizer_refusal(engine: str, optimizer: str) -> str | None:
     """Why ``optimizer`` (a matrix-only optimizer such as ``torch.optim.Muon``, which
-    orthogonalises each weight matrix: :data:`equiv.strategies.MATRIX_ONLY_OPTIMIZERS`) has no
-    judgeable run under ``engine``: ("inherent", why) where torch runs it but no step can match
-    the single process, ("refused", why) where it cannot run at all; None under DDP (and context
-    parallelism over DDP), whose ranks hand the optimizer the whole averaged matrix."""
+    orthogonalises each weight matrix: :data:`equiv.strategies.MATRIX_ONLY_OPTIMIZERS`) cannot
+    run under ``engine``; None where it can.  torch's Muon runs under every engine but
+    DeepSpeed's (DDP hands it the whole averaged matrix; FSDP2 and tensor parallelism the
+    DTensor matrix, which it orthogonalises whole: in float64 runs its Newton-Schulz is lifted
+    to float64, see :mod:`equiv.judging.runs`); DeepSpeed's Muon under its engine and DDP."""
     if optimizer not in MATRIX_ONLY_OPTIMIZERS:
         return None
     record = engine_named(engine)
@@ -264,10 +265,9 @@ def matrix_optimizer_refusal(engine: str, optimizer: str) -> tuple[str, str] | N
         # weights (its own step: DDP's ranks hold the whole averaged matrix); nothing runs it on DTensor shards.
         if record.shards_parameters or record.group == "tensor":
             return (
-                "refused",
                 f"optimizer {DEEPSPEED_MUON!r} is DeepSpeed's Muon, which DeepSpeed's engine runs (engine "
                 f"'deepspeed' or 'deepspeed-zero1') or one process on whole weights (DDP); engine={engine!r} "
-                "hands it DTensor shards",
+                "hands it DTensor shards"
             )
         return None
     if record.wrap_optimizer is not None:
@@ -275,22 +275,9 @@ def matrix_optimizer_refusal(engine: str, optimizer: str) -> tuple[str, str] | N
         # matrix" at the first step.  DeepSpeed's own Muon (its config's optimizer "Muon", parameters tagged
         # use_muon) is the case's optimizer DEEPSPEED_MUON.
         return (
-            "refused",
             f"engine={engine!r} hands the client optimizer one flat 1-D partition of each parameter group "
             f"(ZeRO-1/2), which torch.optim.{optimizer} refuses (it orthogonalises 2-D matrices only); "
-            f"DeepSpeed's own Muon is optimizer={DEEPSPEED_MUON!r}",
-        )
-    if record.shards_parameters or record.group == "tensor":
-        # torch 2.13's Muon on a DTensor orthogonalises the whole matrix (DTensor redistributes: in float64 it
-        # matches the single process to 1e-16), but its Newton-Schulz iteration runs in bfloat16 and sums the
-        # shards' partial products across ranks in bfloat16: another rounding than one process's, which five
-        # iterations amplify past any float64 allowance (about 1e-2 of the update).
-        return (
-            "inherent",
-            f"torch.optim.{optimizer} under engine={engine!r} orthogonalises the sharded (DTensor) matrix with "
-            "its Newton-Schulz iteration in bfloat16, summing the shards' partial products across ranks in "
-            "bfloat16: the whole matrix's update, rounded otherwise than one process rounds it, so no step "
-            "matches the float64 full-batch truth (in float64 the sharded update is the single process's)",
+            f"DeepSpeed's own Muon is optimizer={DEEPSPEED_MUON!r}"
         )
     return None
 
@@ -386,12 +373,6 @@ def check_distributed(
     reasons = bound.not_applicable_reasons(dcase.case)
     if reasons:  # nothing to run: every rank says why the case does not apply
         verdict = Verdict(case=dcase.case, candidate=bound.name, mismatches=(), not_applicable=reasons)
-        return DistributedVerdict(
-            case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size, engine=engine, mp_policy=mp_policy
-        )
-    matrix = matrix_optimizer_refusal(engine, dcase.case.optimizer)
-    if matrix is not None:  # never judged as the step's: every rank says why (see matrix_optimizer_refusal)
-        verdict = Verdict(case=dcase.case, candidate=bound.name, mismatches=(), inherent=(matrix[1],))
         return DistributedVerdict(
             case=dcase, candidate=bound.name, ranks=(verdict,) * dcase.world_size, engine=engine, mp_policy=mp_policy
         )

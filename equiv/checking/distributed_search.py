@@ -82,7 +82,7 @@ _SEQUENCE_BASES: dict[str, Case] = {
 _OPTIMIZERS = {"SGD": {"lr": 0.05}, "Adam": {"lr": 1e-2}, "Muon": {"lr": 0.02}, "DeepSpeedMuon": {"lr": 0.02}}
 #: The optimizers a search draws unless asked for others (``optimizers=``): SGD and Adam.  ``"Muon"``
 #: (torch.optim.Muon, which orthogonalises each weight matrix) is drawn on a bias-free MLP only, under the
-#: engines whose ranks hand it whole averaged matrices (:func:`~equiv.checking.distributed.matrix_optimizer_refusal`).
+#: engines that can run it (:func:`~equiv.checking.distributed.matrix_optimizer_refusal`: all but DeepSpeed's).
 DEFAULT_OPTIMIZERS: tuple[str, ...] = ("SGD", "Adam")
 #: An active clip norm for these models' gradients (drawn only for a step that takes max_grad_norm).
 _CLIP_NORM = 0.05
@@ -170,7 +170,7 @@ def _check_optimizers(optimizers: Sequence[str], models: Sequence[str], engines:
         for name in optimizers:
             refusal = matrix_optimizer_refusal(engine, name)
             if refusal is not None:
-                raise ValueError(f"optimizers cannot hold {name!r} under engine {engine!r}: {refusal[1]}")
+                raise ValueError(f"optimizers cannot hold {name!r} under engine {engine!r}: {refusal}")
 
 
 def _empty_micro_batch(ranks: Sequence[Sequence[int]]) -> st.SearchStrategy[tuple[int, ...]]:
@@ -198,9 +198,9 @@ def standard_distributed_cases(world_size: int, engine: str = DEFAULT_ENGINE) ->
     under DDP also r + 1 micro-batches of 2 samples (ranks differ in
     micro-batch counts: a count all-reduced per micro-batch, sync left on);
     an active clip norm (not applicable to a step that takes no
-    ``max_grad_norm``); and Muon on a bias-free MLP where the engine hands it
-    whole matrices (torch.optim.Muon under DDP, DeepSpeed's own under its
-    engines; not under FSDP2, see :func:`~equiv.checking.distributed.matrix_optimizer_refusal`).
+    ``max_grad_norm``); and Muon on a bias-free MLP (torch.optim.Muon under
+    DDP and FSDP2, DeepSpeed's own under its engines: see
+    :func:`~equiv.checking.distributed.matrix_optimizer_refusal`).
     Two steps each, so state carried between steps counts."""
     if engine not in DATA_PARALLEL_ENGINES:
         raise ValueError(f"engine must be one of {DATA_PARALLEL_ENGINES} (the data-parallel engines), got {engine!r}")
@@ -220,7 +220,7 @@ def standard_distributed_cases(world_size: int, engine: str = DEFAULT_ENGINE) ->
         )
     cases["clipped (max_grad_norm), Adam"] = DistributedCase.of(adam.replace(max_grad_norm=_CLIP_NORM), sizes)
     # An orthogonalising optimizer, which a mean of rank-local updates cannot stand in for (DeepSpeed #7807):
-    # torch's Muon where the ranks hand it whole averaged matrices, DeepSpeed's own under its engine.
+    # torch's Muon (whole averaged matrices under DDP, DTensor matrices under FSDP2), DeepSpeed's own under its engine.
     record = ENGINE_RECORDS[engine]
     muon = DEEPSPEED_MUON if record.wrap_optimizer is not None else "Muon"
     # (without DeepSpeed its engines are refused in one line when a case runs: no case of its optimizer is made)
@@ -426,7 +426,7 @@ class DistributedSearchSpace:
     max_micro_batch_size: int = 4
     #: Every rank holds as many micro-batches as the others (a step whose collectives depend on the count).
     equal_micro_batch_counts: bool = False
-    #: The optimizers drawn (:data:`DEFAULT_OPTIMIZERS`; ``"Muon"`` too on request, under DDP), kept as a tuple.
+    #: The optimizers drawn (:data:`DEFAULT_OPTIMIZERS`; ``"Muon"`` too on request), kept as a tuple.
     optimizers: Sequence[str] = DEFAULT_OPTIMIZERS
 
     def __post_init__(self) -> None:

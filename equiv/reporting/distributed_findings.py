@@ -104,8 +104,8 @@ def torchrun_section(table: pd.DataFrame) -> str:
             "verdicts. With no `--split`, the standard splits (`standard_distributed_cases`): rank r holds "
             "micro-batches of 1 and r + 2 samples (ranks differ in samples, and on the token model in real tokens); "
             "under DDP also r + 1 micro-batches of 2 samples; an active clip norm (n/a to a step without "
-            "`max_grad_norm`); under DDP torch's Muon on the MLP without biases (not under FSDP2, whose DTensor "
-            "shards no Muon run can be judged on: docs/distributed.md). Across machines the same command runs on each with `--nnodes` and a c10d rendezvous "
+            "`max_grad_norm`); torch's Muon on the MLP without biases (its bfloat16 Newton-Schulz lifted to float64 in "
+            "the float64 tier: docs/distributed.md). Across machines the same command runs on each with `--nnodes` and a c10d rendezvous "
             "(docs/distributed.md).",
             markdown_table(table),
         ]

@@ -747,6 +747,19 @@ SEARCH_ZOO: dict[str, SearchEntry] = {
     "accumulator_step (DDP, Muon)": SearchEntry(
         accumulator_step, "ddp", ("mlp",), Outcome.EQUIVALENT, "", "the reference accumulator, Muon", ("Muon",)
     ),
+    # Under FSDP2 Muon orthogonalises the DTensor matrix whole; a per-rank mean it is fed is as wrong as under SGD.
+    "accumulator_step (FSDP2, Muon)": SearchEntry(
+        accumulator_step, "fsdp2", ("mlp",), Outcome.EQUIVALENT, "", "the reference accumulator, Muon", ("Muon",)
+    ),
+    "local_mean_per_rank_fsdp2 (Muon)": SearchEntry(
+        local_mean_per_rank_fsdp2,
+        "fsdp2",
+        ("mlp",),
+        Outcome.NOT_EQUIVALENT,
+        "transformers #34191",
+        "each rank's own sample mean, averaged by the reduce-scatter, Muon",
+        ("Muon",),
+    ),
     "updates_averaged_over_ranks": SearchEntry(
         updates_averaged_over_ranks,
         "ddp",
