@@ -188,7 +188,7 @@ def trainer_run(
     model: nn.Module = tiny_causal_lm().float()
     for module in model.modules():  # read by each attention layer at construction, as its config's field
         if hasattr(module, "attention_dropout"):
-            module.attention_dropout = attention_dropout
+            setattr(module, "attention_dropout", attention_dropout)  # noqa: B010 (a float, not a submodule)
     if not loss_kwargs:
         model = NoLossKwargs(model)
 
