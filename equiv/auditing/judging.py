@@ -69,6 +69,8 @@ class WindowJudge:
         self.sizes[len(window.calls)] += 1
         usual = self.sizes.most_common(1)[0][0]
         recorded = window.recorded(step, hyperparameters)
+        if self.ranks is not None:  # the step a meeting's failure names, from the window's first collective on
+            self.ranks.step = step
         settings = self.settings
         replay = WindowReplay(
             template=self.template,
@@ -107,14 +109,16 @@ class WindowJudge:
         generators' states, at no cost), once per audit: a replay would draw other numbers than the run,
         and the floor samples' own draws would widen the allowance past a weighting bug.  Every rank
         decides together (an empty micro-batch draws nothing; an FSDP2 replica's forward all-gathers)."""
-        drew = recorded.drew_random if self.ranks is None else self.ranks.any_of(recorded.drew_random)
+        # The window's first meeting of the ranks: a rank that never comes is named in the full-batch replay.
+        meeting = "the full-batch replay"
+        drew = recorded.drew_random if self.ranks is None else self.ranks.any_of(recorded.drew_random, meeting)
         if not drew:
             return None
         if not self.probed:
             moved = replay.seed_dependence(recorded)
             reaches = moved is not None and moved > SEED_DEPENDENT
             if self.ranks is not None:
-                reaches = self.ranks.any_of(reaches)
+                reaches = self.ranks.any_of(reaches, meeting)
             self.seed_moved = (moved if moved is not None else math.nan) if reaches else None
             self.probed = True
         return self.seed_moved
