@@ -107,10 +107,11 @@ PARAMETERS = 13 * 16 + (16 * 16 + 16) + (16 * 13 + 13)
 
 
 def _window_bytes(floor_samples: int) -> int:
-    """What a rank sends for one audited window: the float64 truth's gradients and item count (8 bytes
-    each), each float32 floor sample's (4 bytes a gradient, 8 the count), and one 8-byte "still past
-    its allowance?" per decision (one more than the samples run): the model's size, never the world's."""
-    return (PARAMETERS + 1) * 8 + floor_samples * (PARAMETERS * 4 + 8) + (floor_samples + 1) * 8
+    """What a rank sends for one audited window: whether any rank's forward drew a random number (8 bytes),
+    the float64 truth's gradients and item count (8 bytes each), each float32 floor sample's (4 bytes a
+    gradient, 8 the count), and one 8-byte "still past its allowance?" per decision (one more than the
+    samples run): the model's size, never the world's."""
+    return 8 + (PARAMETERS + 1) * 8 + floor_samples * (PARAMETERS * 4 + 8) + (floor_samples + 1) * 8
 
 
 def _witness_bytes(world: int, micro_batches: int) -> int:
@@ -166,14 +167,15 @@ def test_fsdp2_failing_windows_carry_the_witness_of_a_per_rank_mean(two_ranks: d
 
 
 def test_the_fsdp2_witness_sends_one_float64_pass_per_micro_batch_and_the_gram(two_ranks: dict[str, Any]) -> None:
-    # a correct window sends the float64 truth's FSDP2 all-gathers and reduce-scatters (one pass a micro-batch,
-    # 2 micro-batches), its item count and one decision (8 bytes each): from it, one float64 pass's bytes
+    # a correct window sends whether a forward drew a random number, the float64 truth's FSDP2 all-gathers and
+    # reduce-scatters (one pass a micro-batch, 2 micro-batches), its item count and one decision (8 bytes each):
+    # from it, one float64 pass's bytes
     correct_window, remainder = divmod(two_ranks["fsdp2_global_tokens"]["communicated"], 3)
-    pass64, odd = divmod(correct_window - 8 - 8, 2)
+    pass64, odd = divmod(correct_window - 8 - 8 - 8, 2)
     assert remainder == odd == 0
-    # a failing one: the truth, three float32 floor samples (2 micro-batches at half a float64 pass each, and the
-    # item count), four decisions
-    failing_window = (2 * pass64 + 8) + 3 * (pass64 + 8) + 4 * 8
+    # a failing one: the random draws' flag, the truth, three float32 floor samples (2 micro-batches at half a
+    # float64 pass each, and the item count), four decisions
+    failing_window = 8 + (2 * pass64 + 8) + 3 * (pass64 + 8) + 4 * 8
 
     def witness(k: int) -> int:
         """The witness of a window of k micro-batches (every rank's, with items), all float64: each rank's
@@ -184,6 +186,17 @@ def test_the_fsdp2_witness_sends_one_float64_pass_per_micro_batch_and_the_gram(t
     # 2 micro-batches a rank, the second window's with no token on the last rank (left out)
     expected = 3 * failing_window + witness(4) + witness(3) + witness(4)
     assert two_ranks["fsdp2_rank_token_mean"]["communicated"] == expected
+
+
+def test_functional_dropout_is_inherent_on_every_rank_under_ddp_and_fsdp2(tmp_path: Path) -> None:
+    # No module names F.dropout: the forward's random draws are seen, every rank asks together whether they reach
+    # the output (an FSDP2 copy's forwards all-gather), and no window is judged, so none passes on a widened floor.
+    audits = audits_under_torchrun(2, ("ddp_dropout", "fsdp2_dropout"), tmp_path)
+    for kind, result in audits.items():
+        audit = result["audit"]
+        assert audit["judged"] == 0 and len(audit["windows"]) == 3, result["summary"]
+        assert all(window["status"] == "inherently_non_equivalent" for window in audit["windows"]), kind
+        assert "draws random numbers that reach its output" in result["summary"], result["summary"]
 
 
 def _torchrun_script() -> Any:

@@ -25,6 +25,7 @@ from equiv.auditing.replay import Call, RecordedWindow, WindowReplay, judge_wind
 from equiv.auditing.schedules import schedule_verdict
 from equiv.auditing.settings import AuditSettings, _where_targets_were_found, default_targets
 from equiv.auditing.witnessing import window_witness
+from equiv.judging.inherent import SEED_DEPENDENT
 from equiv.results.audit import WindowAudit
 
 __all__ = ["WindowJudge"]
@@ -48,6 +49,10 @@ class WindowJudge:
     engine_steps: int | None = None
     #: the windows judged, by their micro-batch count (the run's usual window: the commonest)
     sizes: Counter[int] = field(default_factory=Counter)
+    #: whether the forward's random numbers reach its output, asked once per audit (the first window that drew
+    #: one): how far it moves with the seed where they do, None where they do not (a layer-drop draw of p=0)
+    seed_moved: float | None = None
+    probed: bool = False
 
     def window_verdict(
         self, window: WindowRecord, step: int, *, hyperparameters: tuple[dict[str, Any], ...], position: str | None
@@ -64,6 +69,8 @@ class WindowJudge:
         self.sizes[len(window.calls)] += 1
         usual = self.sizes.most_common(1)[0][0]
         recorded = window.recorded(step, hyperparameters)
+        if self.ranks is not None:  # the step a meeting's failure names, from the window's first collective on
+            self.ranks.step = step
         settings = self.settings
         replay = WindowReplay(
             template=self.template,
@@ -77,7 +84,9 @@ class WindowJudge:
             max_grad_value=settings.max_grad_value,
             ranks=self.ranks,
         )
-        verdict = judge_window(recorded, replay, usual_micro_batches=usual)
+        verdict = judge_window(
+            recorded, replay, usual_micro_batches=usual, random_forward=self._random_forward(recorded, replay)
+        )
         verdict = dataclasses.replace(
             verdict, position=position, hint=clipping_hint(settings, window) if verdict.mismatches else verdict.hint
         )
@@ -93,6 +102,26 @@ class WindowJudge:
             clips = tuple((name, after) for (name, _), after in zip(window.clips, window.clipped_after, strict=True))
             verdict = self._witnessed(verdict, recorded, replay, usual, clips, self.engine_steps)
         return verdict
+
+    def _random_forward(self, recorded: RecordedWindow, replay: WindowReplay) -> float | None:
+        """How far the window's forward moves with torch's random seed where its random numbers reach
+        its output, else None.  Asked only of a window whose recorded forward drew one (read from the
+        generators' states, at no cost), once per audit: a replay would draw other numbers than the run,
+        and the floor samples' own draws would widen the allowance past a weighting bug.  Every rank
+        decides together (an empty micro-batch draws nothing; an FSDP2 replica's forward all-gathers)."""
+        # The window's first meeting of the ranks: a rank that never comes is named in the full-batch replay.
+        meeting = "the full-batch replay"
+        drew = recorded.drew_random if self.ranks is None else self.ranks.any_of(recorded.drew_random, meeting)
+        if not drew:
+            return None
+        if not self.probed:
+            moved = replay.seed_dependence(recorded)
+            reaches = moved is not None and moved > SEED_DEPENDENT
+            if self.ranks is not None:
+                reaches = self.ranks.any_of(reaches, meeting)
+            self.seed_moved = (moved if moved is not None else math.nan) if reaches else None
+            self.probed = True
+        return self.seed_moved
 
     @staticmethod
     def _witnessed(

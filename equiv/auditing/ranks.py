@@ -171,13 +171,13 @@ class Ranks:
             for name, original in originals.items():
                 setattr(dist, name, original)
 
-    def any_of(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any rank (every rank asks together)."""
+    def any_of(self, flag: bool, what: str = "its floor samples") -> bool:
+        """Whether ``flag`` holds on any rank (every rank asks together, in ``what``: named if one never comes)."""
         import torch.distributed as dist
 
         value = torch.tensor([int(flag)], dtype=torch.int64, device=self._device())
         self.communicated += value.numel() * value.element_size()
-        with self._meeting("its floor samples"):
+        with self._meeting(what):
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value.item())
 

@@ -35,6 +35,7 @@ from equiv.auditing.replay import Autocast, Call, RecordedWindow
 from equiv.auditing.schedules import Advance
 from equiv.judging.autocast import autocast_of
 from equiv.judging.clip_calls import LIMIT_KEYWORDS, ClipCalls
+from equiv.judging.inherent import generator_states
 from equiv.losses import FUNCTIONAL, MSE, CrossEntropy, NextTokenCrossEntropy, TokenCrossEntropy
 
 __all__ = [
@@ -117,6 +118,8 @@ class WindowRecord:
     #: what the optimizer steps when the window began, where that is not the model's parameters (DeepSpeed ZeRO's
     #: fp32 partitions, by name); None: the parameters
     held: dict[str, Tensor] | None = None
+    #: whether a recorded forward call drew a random number (torch's generator advanced across it)
+    drew_random: bool = False
 
     @classmethod
     def begin(
@@ -148,6 +151,7 @@ class WindowRecord:
             hyperparameters=hyperparameters,
             autocast=tuple(self.autocast),
             start_held=self.held,
+            drew_random=self.drew_random,
         )
 
 
@@ -300,6 +304,7 @@ class WatchedForward:
             if recorded and self.previous is not None and self.module is self.audit.model
             else None
         )
+        random = _generator_states_eagerly(self.module) if recorded else None
         self.audit._depth += 1
         try:
             output = self.inner(*args, **kwargs)
@@ -309,6 +314,9 @@ class WatchedForward:
                 inside.remove()
         if recorded:
             _see_output_eagerly(self.audit, output)
+            window = self.audit._window
+            if random is not None and window is not None and _generators_moved(self.module, random):
+                window.drew_random = True  # the replay asks whether those numbers reach the output
         return output
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -318,6 +326,23 @@ class WatchedForward:
 def _unwatched(module: nn.Module, previous: Any) -> Any:
     """The forward a copy (or an unpickled model) gets: the one the model had before the audit."""
     return previous if previous is not None else types.MethodType(type(module).forward, module)
+
+
+@torch.compiler.disable  # type: ignore[misc,unused-ignore]
+def _generator_states_eagerly(module: nn.Module) -> tuple[Tensor, ...]:
+    """torch's random generators' states (the CPU's, the module's CUDA device's), read outside any graph."""
+    return generator_states(_device_of(module))
+
+
+@torch.compiler.disable  # type: ignore[misc,unused-ignore]
+def _generators_moved(module: nn.Module, before: tuple[Tensor, ...]) -> bool:
+    """Whether a random number was drawn since ``before`` was read (a state advanced)."""
+    return any(not torch.equal(a, b) for a, b in zip(before, generator_states(_device_of(module)), strict=True))
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 @torch.compiler.disable  # type: ignore[misc,unused-ignore]

@@ -39,7 +39,7 @@ from equiv.auditing.deepspeed import ZeroOptimizer
 from equiv.auditing.ranks import Ranks, local
 from equiv.distributed.deepspeed import kernel_hyperparameters, torch_equivalent, torch_state, torch_state_dict
 from equiv.judging.floors import IN_ORDER, Rounding
-from equiv.judging.inherent import inherent_non_equivalences
+from equiv.judging.inherent import inherent_non_equivalences, random_forward_reason, seed_dependence
 from equiv.judging.judge import Judge, OnSnapshot, RunSource
 from equiv.judging.runs import Snapshot, state_snapshot
 from equiv.results.audit import AuditFailure, RankVerdict, WindowAudit  # the result's; named here as before
@@ -83,6 +83,8 @@ class RecordedWindow:
     #: what the optimizer stepped when the window began where that is not the model's parameters (DeepSpeed ZeRO's
     #: fp32 partitions, by name, :mod:`equiv.auditing.zero`); None: the parameters
     start_held: dict[str, Tensor] | None = None
+    #: whether a recorded forward call drew a random number (torch's generator advanced across it)
+    drew_random: bool = False
 
 
 Extract = Callable[[Call], Tensor]
@@ -148,6 +150,26 @@ class WindowReplay:
             on_snapshot(1, state_snapshot(stepped, _floating_buffers(replica), optimizer, copy_tensors=False))
 
         return replay
+
+    def seed_dependence(self, window: RecordedWindow) -> float | None:
+        """How far the window's first micro-batch forward moves with torch's random seed
+        (:func:`~equiv.judging.inherent.seed_dependence`), on a float64 copy of the window-start model:
+        None where it draws no random number (or the window made no call).  An FSDP2 rank's copy is
+        sharded, and every rank runs both seeds' forwards together."""
+        sharded = self.ranks is not None and self.ranks.sharded
+        if not window.calls:
+            return None
+        dtype = torch.float64
+        replica = (
+            self.ranks.sharded_replica(self.template, window.start_params, window.start_buffers, dtype)
+            if self.ranks is not None and sharded
+            else model_at(self.template, window, dtype)
+        )
+        call = _cast(window.calls[0], dtype)
+        device = next(iter(window.start_params.values())).device
+        return seed_dependence(
+            lambda: self.output_of(self.call_model(replica, call)).to(dtype), device, always_twice=sharded
+        )
 
     def _held(self, replica: nn.Module, window: RecordedWindow, dtype: torch.dtype) -> dict[str, nn.Parameter]:
         """The parameters this rank steps, by name, their gradients set: the replica's own, or, where the
@@ -324,7 +346,11 @@ def _floating_buffers(model: nn.Module) -> dict[str, Tensor]:
 
 
 def judge_window(
-    window: RecordedWindow, replay: WindowReplay, *, usual_micro_batches: int | None = None
+    window: RecordedWindow,
+    replay: WindowReplay,
+    *,
+    usual_micro_batches: int | None = None,
+    random_forward: float | None = None,
 ) -> WindowAudit:
     """The verdict on the step the user's model and optimizer (``replay``'s) just took
     (their tensors read as they are now: call this before the run goes on).
@@ -334,6 +360,9 @@ def judge_window(
         replay: the window replayed as a run source, on the user's model, optimizer and loss.
         usual_micro_batches: the micro-batch count of the run's usual window, said in the verdict
             when this one's differs (None: not known).
+        random_forward: how far the window's forward moves with torch's random seed, where its
+            random numbers reach its output (:meth:`WindowReplay.seed_dependence`): the window is then
+            inherently not equivalent (None: they do not, or it draws none).
 
     Returns:
         The window's :class:`WindowAudit`: within the allowance or not, the tensors past it, or
@@ -343,7 +372,10 @@ def judge_window(
     tier: Tier = "exact" if working == torch.float64 else "noise"
     items = tuple(int(replay.loss.count(replay.targets_of(call))) for call in window.calls)
     reasons = tuple(inherent_non_equivalences(replay.model))
+    if not reasons and random_forward is not None:  # randomness no module names
+        reasons = (random_forward_reason(random_forward),)
     if reasons:  # a replay would draw other dropout masks, or normalise by other statistics
+        # (judged anyway, the floor samples' own draws would widen the allowance past a weighting bug)
         return WindowAudit(
             step=window.step,
             micro_batches=len(window.calls),
@@ -353,7 +385,7 @@ def judge_window(
             worst=None,
             usual_micro_batches=usual_micro_batches,
             inherent=reasons,
-            hint=inherent_advice(replay.model),
+            hint=inherent_advice(replay.model, random_forward=random_forward is not None),
         )
     rows = _judged_rows(window, replay, working, tier)
     worst = max(rows, key=lambda row: row.ratio, default=None)
@@ -424,16 +456,22 @@ def _named_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Snaps
     )
 
 
-def inherent_advice(model: nn.Module) -> str:
+def inherent_advice(model: nn.Module, *, random_forward: bool = False) -> str:
     """What to change so that a model whose windows are inherently not equivalent
-    (:func:`~equiv.judging.inherent.inherent_non_equivalences`) can be audited:
-    what the audit judges is the accumulation, which these layers do not change.
-    Not ``model.eval()``: the audit records training-mode calls only, and a
-    trainer puts the model back in train mode (``model.train()``) each epoch or step."""
+    (:func:`~equiv.judging.inherent.inherent_non_equivalences`, or ``random_forward``: its
+    forward draws random numbers no module names) can be audited: what the audit judges is
+    the accumulation, which these layers do not change.  Not ``model.eval()``: the audit
+    records training-mode calls only, and a trainer puts the model back in train mode
+    (``model.train()``) each epoch or step."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
     modules = list(model.modules())
     advice = []
+    if random_forward:
+        advice.append(
+            "turn off the randomness of its training-mode forward for the audited run (a transformers model: "
+            "its config's dropout and jitter fields, e.g. attention_dropout and router_jitter_noise, at 0.0)"
+        )
     if any(
         isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
         for m in modules

@@ -171,10 +171,12 @@ def trainer_run(
     gradient_accumulation_steps: int = 2,
     max_grad_norm: float | None = 0.0,
     lengths: list[list[int]] = TRAINER_LENGTHS,
+    attention_dropout: float = 0.0,
 ) -> Audit:
     """The transformers Trainer (gradient_accumulation_steps=2, in order, no clipping unless
     ``max_grad_norm`` says: None leaves TrainingArguments' default, 1.0) on a one-layer Llama
-    from a config, float32, with the audit's callback as the README writes it."""
+    from a config (its ``attention_dropout`` as given: the attention's functional dropout), float32,
+    with the audit's callback as the README writes it."""
     from transformers import Trainer, TrainingArguments
     from transformers.utils import logging as transformers_logging
 
@@ -184,6 +186,9 @@ def trainer_run(
     micro_batches = token_micro_batches(lengths)
     rows = [{key: value[row] for key, value in batch.items()} for batch in micro_batches for row in range(2)]
     model: nn.Module = tiny_causal_lm().float()
+    for module in model.modules():  # read by each attention layer at construction, as its config's field
+        if hasattr(module, "attention_dropout"):
+            setattr(module, "attention_dropout", attention_dropout)  # noqa: B010 (a float, not a submodule)
     if not loss_kwargs:
         model = NoLossKwargs(model)
 

@@ -125,9 +125,18 @@ def buffer_loop(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, w
         optimizer.zero_grad(set_to_none=True)
 
 
+class DroppingLM(TinyLM):
+    """TinyLM with functional dropout in its training-mode forward (as a transformers attention's is): no module
+    names it, so the audit finds it by the forward's random draws."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = F.dropout(torch.tanh(self.mix(self.embed(input_ids))), p=0.1, training=self.training)
+        return self.head(hidden)
+
+
 def scenario(kind: str, rank: int, world: int) -> dict:
     torch.manual_seed(0)  # the same weights on every rank
-    inner = TinyLM()
+    inner = DroppingLM() if kind.endswith("_dropout") else TinyLM()
     if kind.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
