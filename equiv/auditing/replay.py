@@ -132,11 +132,7 @@ class WindowReplay:
 
         def replay(dtype: torch.dtype, rounding: Rounding, on_snapshot: OnSnapshot) -> None:
             order = range(len(window.calls))
-            replica = (
-                self.ranks.sharded_replica(self.template, window.start_params, window.start_buffers, dtype)
-                if self.ranks is not None and self.ranks.sharded
-                else model_at(self.template, window, dtype)
-            )
+            replica = self._replica(window, dtype)
             self._full_batch_gradient(
                 replica,
                 window,
@@ -156,20 +152,22 @@ class WindowReplay:
         (:func:`~equiv.judging.inherent.seed_dependence`), on a float64 copy of the window-start model:
         None where it draws no random number (or the window made no call).  An FSDP2 rank's copy is
         sharded, and every rank runs both seeds' forwards together."""
-        sharded = self.ranks is not None and self.ranks.sharded
         if not window.calls:
             return None
         dtype = torch.float64
-        replica = (
-            self.ranks.sharded_replica(self.template, window.start_params, window.start_buffers, dtype)
-            if self.ranks is not None and sharded
-            else model_at(self.template, window, dtype)
-        )
-        call = _cast(window.calls[0], dtype)
+        replica, call = self._replica(window, dtype), _cast(window.calls[0], dtype)
         device = next(iter(window.start_params.values())).device
         return seed_dependence(
-            lambda: self.output_of(self.call_model(replica, call)).to(dtype), device, always_twice=sharded
+            lambda: self.output_of(self.call_model(replica, call)).to(dtype),
+            device,
+            always_twice=self.ranks is not None and self.ranks.sharded,
         )
+
+    def _replica(self, window: RecordedWindow, dtype: torch.dtype) -> nn.Module:
+        """The window-start model in ``dtype``: sharded as the run shards it on an FSDP2 rank, else a copy."""
+        if self.ranks is not None and self.ranks.sharded:
+            return self.ranks.sharded_replica(self.template, window.start_params, window.start_buffers, dtype)
+        return model_at(self.template, window, dtype)
 
     def _held(self, replica: nn.Module, window: RecordedWindow, dtype: torch.dtype) -> dict[str, nn.Parameter]:
         """The parameters this rank steps, by name, their gradients set: the replica's own, or, where the

@@ -93,9 +93,9 @@ def seed_dependence(forward: Callable[[], Tensor], device: torch.device, *, alwa
         for seed in (0, 1):
             for generator in generators:
                 generator.manual_seed(seed)
-            before = [generator.get_state() for generator in generators]
+            before = generator_states(device)
             outputs.append(forward().detach())
-            drew = drew or any(not torch.equal(b, g.get_state()) for b, g in zip(before, generators, strict=True))
+            drew = drew or any(not torch.equal(a, b) for a, b in zip(before, generator_states(device), strict=True))
             if not drew and not always_twice:
                 return None
     if not drew:
